@@ -1,0 +1,114 @@
+"""What a compressor hands to the wire: one or more *segments* per layer.
+
+A segment is a fixed-capacity description of part of one layer's gradient:
+
+* ``indices``  -- where the values go (absolute int32 element indices, bin-relative
+  uint8/uint16 indices plus per-bin counts, implicit indices that every rank already
+  knows, or none at all for a dense segment);
+* ``values``   -- what goes there (fp32 / fp16 / bf16 floats, 8/4/2-bit codes with one
+  fp32 scale per quantisation bucket, or 1-bit signs with one fp32 scale: AdaComp's
+  ternary ``sign x scale`` for the selected elements);
+* ``count``    -- how many of the ``capacity`` slots are used, a 1-element int32
+  *device* tensor, so producing a segment never synchronises with the host.
+
+Capacities are fixed per layer (they depend only on the layer size and the compressor's
+settings, never on the data), so every rank's encoded bucket has the same length at
+every step. Slots ``>= count`` are padding: their content is unspecified and decoders
+ignore them.
+
+This module only describes data. It imports nothing of hvdsparse and is shared by
+``compressors/`` (which produce segments), ``codec`` (which serialises them) and
+``exchange/`` (which moves and decodes them).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+class IndexEncoding(enum.IntEnum):
+    """How element positions travel (wire code in the codec's layer record)."""
+
+    DENSE = 0      # no indices: values cover elements [0, numel) in order
+    INT32 = 1      # absolute element index, int32, one per slot
+    BIN_U8 = 2     # bin-relative uint8 index per slot + per-bin counts (bin_size <= 256)
+    BIN_U16 = 3    # bin-relative uint16 index per slot + per-bin counts (bin_size <= 65536)
+    IMPLICIT = 4   # indices known to every rank (Slim-DP core, shared-seed RandomK):
+                   # nothing travels; ``implicit_indices`` holds them locally
+
+
+class ValueEncoding(enum.IntEnum):
+    """How values travel (wire code in the codec's layer record)."""
+
+    FP32 = 0
+    FP16 = 1
+    BF16 = 2
+    INT8 = 3       # stochastic rounding, 1 value per byte, one fp32 scale per bucket
+    INT4 = 4       # 2 values per byte
+    INT2 = 5       # 4 values per byte
+    SIGN1 = 6      # 1 bit per value (1 = negative), one fp32 scale for the segment
+
+
+#: bits per value of each quantised encoding
+QUANT_BITS = {ValueEncoding.INT8: 8, ValueEncoding.INT4: 4, ValueEncoding.INT2: 2}
+
+#: bytes per value of each float encoding
+FLOAT_BYTES = {ValueEncoding.FP32: 4, ValueEncoding.FP16: 2, ValueEncoding.BF16: 2}
+
+FLOAT_DTYPES = {ValueEncoding.FP32: torch.float32, ValueEncoding.FP16: torch.float16,
+                ValueEncoding.BF16: torch.bfloat16}
+
+VALUE_ENCODING_NAMES = {"fp32": ValueEncoding.FP32, "fp16": ValueEncoding.FP16,
+                        "bf16": ValueEncoding.BF16, "int8": ValueEncoding.INT8,
+                        "int4": ValueEncoding.INT4, "int2": ValueEncoding.INT2}
+
+
+@dataclass
+class Segment:
+    """Part of one layer's message. See the module docstring.
+
+    Tensor fields by encoding:
+
+    * ``indices``: INT32 -> int32[capacity]; BIN_U8/BIN_U16 -> uint8/int16-viewed
+      uint16 [capacity] bin-relative positions, sorted by bin, with
+      ``bin_counts`` int32[nbins] (how many slots belong to each bin, in bin order);
+      DENSE / IMPLICIT -> None.
+    * ``values``: FP32/FP16/BF16 -> that dtype [capacity];
+      INT8/INT4/INT2 -> uint8 packed codes [ceil(capacity * bits / 8)] with ``scales``
+      fp32[ceil(capacity / quant_bucket)];
+      SIGN1 -> uint8 packed sign bits [ceil(capacity / 8)] with ``scales`` fp32[1].
+    * ``implicit_indices``: IMPLICIT only, int64[capacity] indices into the layer,
+      identical on every rank; never serialised.
+    """
+
+    numel: int                      # elements in the whole layer
+    capacity: int                   # fixed number of slots
+    index_encoding: IndexEncoding
+    value_encoding: ValueEncoding
+    count: torch.Tensor             # int32[1] on the gradient's device
+    values: torch.Tensor
+    indices: Optional[torch.Tensor] = None
+    scales: Optional[torch.Tensor] = None
+    bin_counts: Optional[torch.Tensor] = None
+    bin_size: int = 0               # BIN_* encodings
+    quant_bucket: int = 512         # INT8/INT4/INT2 encodings
+    implicit_indices: Optional[torch.Tensor] = field(default=None, repr=False)
+
+
+@dataclass
+class LayerPayload:
+    """Everything one rank sends for one layer this step (one or more segments)."""
+
+    name: str
+    shape: torch.Size
+    segments: list
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n

@@ -38,6 +38,8 @@ class IndexEncoding(enum.IntEnum):
     BIN_U16 = 3    # bin-relative uint16 index per slot + per-bin counts (bin_size <= 65536)
     IMPLICIT = 4   # indices known to every rank (Slim-DP core, shared-seed RandomK):
                    # nothing travels; ``implicit_indices`` holds them locally
+    BITMASK = 5    # one bit per element of the layer (bit i%8 of byte i//8), values of the
+                   # set bits in ascending element order (DCT-MP rows when denser than ~1/32)
 
 
 class ValueEncoding(enum.IntEnum):
@@ -75,7 +77,8 @@ class Segment:
     * ``indices``: INT32 -> int32[capacity]; BIN_U8/BIN_U16 -> uint8/int16-viewed
       uint16 [capacity] bin-relative positions, sorted by bin, with
       ``bin_counts`` int32[nbins] (how many slots belong to each bin, in bin order);
-      DENSE / IMPLICIT -> None.
+      BITMASK -> uint8[ceil(numel/8)] mask (then ``capacity`` >= popcount, values in
+      ascending element order); DENSE / IMPLICIT -> None.
     * ``values``: FP32/FP16/BF16 -> that dtype [capacity];
       INT8/INT4/INT2 -> uint8 packed codes [ceil(capacity * bits / 8)] with ``scales``
       fp32[ceil(capacity / quant_bucket)];

@@ -1,0 +1,27 @@
+"""hvdsparse: sparse / quantised gradient exchange for Horovod + PyTorch.
+
+Public names: the compressors (``TopK``, ``Threshold``, ``AdaComp``, ``SlimDP``,
+``RandomK``, ``QSGD``, ``NoCompression``, warm-up schedules), :func:`DistributedOptimizer`
+and the routing hook.
+
+Importing this package installs the routing hook (:func:`install_routing`): the
+attribute ``horovod.torch.DistributedOptimizer`` is replaced at runtime by a wrapper
+that sends calls whose ``compression`` is an hvdsparse compressor to
+:func:`hvdsparse.DistributedOptimizer` and passes every other call to Horovod's original
+function unchanged. Horovod's installed files are never edited;
+:func:`uninstall_routing` restores the original attribute.
+"""
+from . import compressors
+from .compressors import (AdaComp, Compressor, ExponentialWarmup, LayerPolicy, NoCompression,
+                          QSGD, RandomK, RtWarmup, SlimDP, Threshold, TopK, WarmupSchedule)
+from .optimizer import (DistributedOptimizer, horovod_original, install_routing,
+                        routed_distributed_optimizer, uninstall_routing)
+
+__version__ = "0.1.0"
+
+install_routing()
+
+__all__ = ["compressors", "Compressor", "TopK", "Threshold", "AdaComp", "SlimDP", "RandomK",
+           "QSGD", "NoCompression", "LayerPolicy", "WarmupSchedule", "RtWarmup",
+           "ExponentialWarmup", "DistributedOptimizer", "install_routing",
+           "uninstall_routing", "routed_distributed_optimizer", "horovod_original"]

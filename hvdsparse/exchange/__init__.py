@@ -1,0 +1,42 @@
+"""Exchange strategies: how one bucket of payloads crosses the ranks.
+
+=============  ===================================================================
+``allgather``  encoded bucket through ``hvd.allgather``; decode + sum all P messages
+``split``      SparCML split allgather: alltoall of index ranges to their owners,
+               owner reduces, allgather of the reduced ranges (sparse, or dense /
+               quantised once denser than SparCML's delta)
+``dense``      allreduce of the flat error-fed selection (fp32 or fp16)
+``auto``       per bucket, the cheapest of the three by :mod:`.cost_model`
+=============  ===================================================================
+
+Each strategy module exposes ``launch(spec, payloads, ctx) -> Pending``; ``Pending.finish``
+returns the flat fp32 **sum** over ranks. See :mod:`.base`.
+"""
+from __future__ import annotations
+
+from . import allgather, cost_model, dense, split
+from .base import BucketSpec, ExchangeContext, Pending
+
+STRATEGIES = {"allgather": allgather, "split": split, "dense": dense}
+EXCHANGE_NAMES = ("auto",) + tuple(STRATEGIES)
+
+
+def check_exchange(name) -> str:
+    """Validate an ``exchange=`` argument; returns it."""
+    if not isinstance(name, str) or name not in EXCHANGE_NAMES:
+        raise ValueError(f"exchange must be one of {', '.join(map(repr, EXCHANGE_NAMES))}, "
+                         f"got {name!r}")
+    return name
+
+
+def launch(strategy: str, spec: BucketSpec, payloads, ctx: ExchangeContext) -> Pending:
+    try:
+        mod = STRATEGIES[strategy]
+    except KeyError:
+        raise ValueError(f"unknown exchange strategy {strategy!r}; choose from "
+                         f"{', '.join(map(repr, STRATEGIES))}") from None
+    return mod.launch(spec, payloads, ctx)
+
+
+__all__ = ["STRATEGIES", "EXCHANGE_NAMES", "check_exchange", "launch", "BucketSpec",
+           "ExchangeContext", "Pending", "cost_model"]

@@ -1,0 +1,148 @@
+"""AdaComp: adaptive residual gradient compression
+(adacomp-adaptive-residual-compression.txt, Algorithm 2 ``pack()``).
+
+Per layer, bins of ``L`` consecutive elements (``bin_size``; default 50 for 4-D
+convolution weights and 500 for everything else, as in the paper; last bin partial):
+
+    G = residue + dW                        (fused: ops.residual_add_binmax)
+    H = G + (scale - 1) dW                  (the paper's H = G + dW at scale = 2)
+    gmax_b = max_{i in bin b} |G_i|
+    send i  iff  |H_i| >= gmax_b            (local max compare)
+    Q(G_i) = sign(G_i) * s,   s = mean_b gmax_b   (one scale per layer: the mean of the
+                                                   bin maxima over all bins)
+    residue_i = G_i - Q(G_i) if sent else G_i
+
+Wire form: one segment, values SIGN1 (1 bit per slot, 1 = negative, ``G_i == 0``
+counts as positive) with ``scales = [s]``; indices bin-relative, BIN_U8 when
+``L <= 256`` else BIN_U16, slots sorted by bin with ``bin_counts[b]`` slots per bin.
+
+Deviations (documented):
+
+* **Fixed capacity.** The paper sends every element that passes the compare, a number
+  that varies with the data ("typically up to 5 elements within each bin"). Messages
+  here have a fixed size: at most ``max_per_bin`` slots per bin (default
+  ``max(4, ceil(L / 50))``: 4 for L = 50, 10 for L = 500), capacity
+  ``nbins * max_per_bin``. When more elements of a bin pass the compare, the
+  ``max_per_bin`` with the largest ``|H|`` are sent (so the element holding ``gmax``
+  on a zero-residue step -- ``|H| = 2 gmax``, the largest -- always is) and the others
+  keep ``G`` in their residue (error feedback: deferred, not lost). Selection per bin
+  uses ``torch.topk(|H|.view(nbins, L), max_per_bin)``, O(N), no global sort.
+* **Zero bins.** ``gmax`` is clamped to ``TINY``, so an all-zero bin sends nothing
+  (the paper's ``>=`` against ``gmax = 0`` would send every element as ``+-s``).
+* **Effective compression rate** (the paper's figure of merit) is reported per layer by
+  :meth:`Compressor.stats` as ``effective_rate = 32 n / (8 * effective_bytes)`` with
+  ``effective_bytes = sent * (index bytes + 1/8) + 4 (scale) + 4 * nbins (bin counts)
+  + 4 (count)``; ``compression_rate`` uses the fixed capacity (what travels).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
+from .base import TINY, Compressor, ceil_div, pack_signs
+
+__all__ = ["AdaComp"]
+
+
+class AdaComp(Compressor):
+    """``AdaComp(bin_size=None, scale=2.0, max_per_bin=None, **policy)``.
+
+    ``bin_size`` None -> 50 for 4-D gradients (conv weights), 500 otherwise; an int in
+    [1, 65536]. ``scale`` in [1, 16]: H = G + (scale - 1) dW. ``max_per_bin`` None ->
+    ``max(4, ceil(bin_size / 50))``. See the module docstring.
+    """
+
+    _settings = ("bin_size", "scale", "max_per_bin")
+
+    def __init__(self, bin_size=None, scale: float = 2.0, max_per_bin=None, **kw):
+        super().__init__(**kw)
+        cfg = self._validate_cfg(dict(bin_size=bin_size, scale=scale, max_per_bin=max_per_bin))
+        for key, v in cfg.items():
+            setattr(self, key, v)
+        self._validate_overrides()
+
+    def _validate_cfg(self, cfg, where=""):
+        cfg = dict(cfg)
+        b = cfg["bin_size"]
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool)
+                              or not 1 <= b <= 65536):
+            raise ValueError(f"{where}bin_size must be None or an int in [1, 65536], "
+                             f"got {b!r}")
+        s = cfg["scale"]
+        if not isinstance(s, (int, float)) or isinstance(s, bool) or not math.isfinite(s) \
+                or not 1.0 <= s <= 16.0:
+            raise ValueError(f"{where}scale must be a number in [1, 16], got {s!r}")
+        cfg["scale"] = float(s)
+        m = cfg["max_per_bin"]
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(f"{where}max_per_bin must be None or an int >= 1, got {m!r}")
+        return cfg
+
+    @staticmethod
+    def bin_size_for(shape, bin_size=None) -> int:
+        if bin_size is not None:
+            return bin_size
+        return 50 if len(shape) == 4 else 500
+
+    def capacity(self, shape, name: str = "") -> int:
+        """Slots for a layer of this shape: ``nbins * max_per_bin`` (data-independent)."""
+        cfg = self.layer_cfg(name) if name else self._base_cfg()
+        n = 1
+        for s in shape:
+            n *= int(s)
+        L = min(self.bin_size_for(shape, cfg["bin_size"]), n)
+        c = cfg["max_per_bin"] or max(4, math.ceil(L / 50))
+        return ceil_div(n, L) * min(c, L)
+
+    def _compress(self, name, flat, shape, step, cfg, param):
+        n = flat.numel()
+        L = min(self.bin_size_for(shape, cfg["bin_size"]), n)
+        nb = ceil_div(n, L)
+        c = min(cfg["max_per_bin"] or max(4, math.ceil(L / 50)), L)
+        cap = nb * c
+        ienc = IndexEncoding.BIN_U8 if L <= 256 else IndexEncoding.BIN_U16
+        ib = 1.0 if L <= 256 else 2.0
+        if cap * (ib + 0.125) + 4 * nb >= 4 * n:             # sparse not smaller: dense
+            acc, _ = self._acc(name, flat, None, True)
+            return (self._dense_from_acc(name, acc, shape, ValueEncoding.FP32, 0, 512),
+                    dict())
+        G, gmax = self._acc(name, flat, L, True)             # G = residue + dW, in place
+        scale = gmax.mean()                                  # one scale per layer
+        if cfg["scale"] != 1.0:
+            H = G + (cfg["scale"] - 1.0) * flat.float()
+        else:
+            H = G
+        a = H.abs()
+        pad = nb * L - n
+        if pad:
+            a = torch.cat([a, a.new_zeros(pad)])
+        tv, ti = torch.topk(a.view(nb, L), c, dim=1, sorted=True)   # per-bin largest |H|
+        thr = gmax.clamp_min(TINY).unsqueeze(1)
+        valid = tv >= thr                                    # [nb, c]
+        selected = (a.view(nb, L) >= thr).sum(dtype=torch.int32).reshape(1)
+        bin_counts = valid.sum(dim=1, dtype=torch.int32)
+        fvalid = valid.reshape(-1)
+        order = torch.sort((~fvalid).to(torch.int8), stable=True).indices
+        base = (torch.arange(nb, device=G.device) * L).unsqueeze(1)
+        gidx = (ti + base).reshape(-1)[order]
+        rel = ti.reshape(-1)[order]
+        vmask = fvalid[order]
+        count = fvalid.sum(dtype=torch.int32).reshape(1)
+        gidx = torch.where(vmask, gidx, torch.zeros_like(gidx))
+        g = G[gidx]
+        neg = (g < 0) & vmask
+        q = torch.where(neg, -scale, scale)
+        zero = torch.zeros((), dtype=G.dtype, device=G.device)
+        G.index_add_(0, gidx, torch.where(vmask, -q, zero))  # residue = G - Q(G) if sent
+        if ienc == IndexEncoding.BIN_U8:
+            rel = rel.to(torch.uint8)
+        else:
+            rel = torch.where(rel >= 32768, rel - 65536, rel).to(torch.int16)
+        seg = Segment(numel=n, capacity=cap, index_encoding=ienc,
+                      value_encoding=ValueEncoding.SIGN1, count=count,
+                      values=pack_signs(neg), indices=rel, scales=scale.reshape(1).clone(),
+                      bin_counts=bin_counts, bin_size=L)
+        return LayerPayload(name, shape, [seg]), dict(selected=selected,
+                                                      threshold=scale)

@@ -1,0 +1,424 @@
+"""Shared machinery of all compressors: residual memory, per-layer policy, value
+encodings, deterministic seeds, ``state_dict`` and statistics.
+
+Error feedback (all compressors with ``error_feedback=True``)
+------------------------------------------------------------
+Per layer ``name`` a fp32 residual ``r`` (same numel as the gradient, on the gradient's
+device, created lazily as zeros) is kept. At each step
+
+    acc   = r + grad                       (fp32; ``ops.residual_add_binmax`` in place)
+    sent  = deq(Q(acc[S]))                 on the selected set S, 0 elsewhere
+    r_new = acc - sent
+
+so ``sent + r_new == acc`` exactly when values travel as fp32 (``Q`` = identity:
+``r_new[S] = 0``), and up to one fp32 rounding of ``acc - deq`` otherwise; the
+quantisation error ``acc[S] - deq(Q(acc[S]))`` itself is kept in the residual, so its
+magnitude is bounded by the encoding's error bound (fp16/bf16: half an ulp of the
+value; INT-b with per-bucket scale ``m``: ``m / (2^(b-1) - 1)``; SIGN1:
+``| |acc| - scale |``).
+
+Seeds and determinism
+---------------------
+All randomness comes from counter-based generators keyed by an integer seed computed on
+the host from ``(seed, step, crc32(name), purpose)`` -- plus the rank for per-rank
+randomness (explorer sets, stochastic rounding) -- see :func:`mix_seed`. So a
+compressor is a deterministic function of (its state, seed, rank, step, name, grad);
+quantities that ranks must agree on (Slim-DP core, shared-seed RandomK indices,
+capacities) never mix in the rank.
+
+Capacities
+----------
+Every capacity is a function of (numel, settings, step) only -- never of the data --
+so all ranks encode equal-size messages each step (warm-up changes them with the step,
+identically on all ranks).
+
+Host synchronisation
+--------------------
+``compress`` never calls ``.item()``, ``.tolist()`` or ``nonzero`` on gradient-derived
+tensors: counts, thresholds and scales stay device tensors. The only host work is
+integer arithmetic on sizes and seeds.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Optional
+
+import torch
+
+from .. import ops
+from ..payload import (FLOAT_BYTES, FLOAT_DTYPES, QUANT_BITS, VALUE_ENCODING_NAMES,
+                       IndexEncoding, LayerPayload, Segment, ValueEncoding)
+from ..stats import StatsCollector
+from .policy import LayerPolicy
+
+__all__ = ["Compressor", "mix_seed", "TINY", "check_values", "pack_signs"]
+
+#: smallest positive normal fp32: thresholds are clamped to it so exact zeros are never
+#: selected (an all-zero layer sends nothing).
+TINY = float(torch.finfo(torch.float32).tiny)
+
+_MASK64 = (1 << 64) - 1
+
+#: purpose codes mixed into seeds
+PURPOSE_QUANT = 1
+PURPOSE_SAMPLE = 2
+PURPOSE_INDICES = 3
+PURPOSE_EXPLORE = 4
+PURPOSE_CORE = 5
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = x
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def mix_seed(*parts: int) -> int:
+    """Hash integers into a 31-bit non-negative seed (splitmix64 chain); stable across
+    processes and platforms (unlike Python's ``hash``)."""
+    h = 0x243F6A8885A308D3
+    for p in parts:
+        h = _splitmix64(h ^ (int(p) & _MASK64))
+    return h & 0x7FFFFFFF
+
+
+def uniform(seed: int, n: int, device) -> torch.Tensor:
+    """fp32[n] uniforms in [0, 1) determined by ``seed``: on CUDA
+    ``ops.philox_uniform`` (one Triton Philox kernel, no host sync); on CPU torch's own
+    generator seeded with ``seed`` (``ops``' bit-exact torch Philox reference costs
+    ~10x more). Ranks that must agree (shared seeds) therefore need the same device
+    type, which data-parallel ranks have."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cpu":
+        g = torch.Generator()
+        g.manual_seed(seed)
+        return torch.rand(n, generator=g, dtype=torch.float32)
+    return ops.philox_uniform(seed, n, device=device)
+
+
+def name_hash(name: str) -> int:
+    return zlib.crc32(name.encode("utf-8"))
+
+
+def check_values(values) -> ValueEncoding:
+    """Parse the ``values=`` argument (fp32, fp16, bf16, int8, int4, int2)."""
+    if isinstance(values, ValueEncoding) and values != ValueEncoding.SIGN1:
+        return values
+    if isinstance(values, str) and values.lower() in VALUE_ENCODING_NAMES:
+        return VALUE_ENCODING_NAMES[values.lower()]
+    raise ValueError(f"values must be one of {sorted(VALUE_ENCODING_NAMES)}, got {values!r}")
+
+
+def value_name(enc: ValueEncoding) -> str:
+    for k, v in VALUE_ENCODING_NAMES.items():
+        if v == enc:
+            return k
+    return ValueEncoding(enc).name.lower()
+
+
+def pack_signs(negative: torch.Tensor) -> torch.Tensor:
+    """bool[n] -> uint8[ceil(n/8)], bit j%8 of byte j//8 set when element j is negative."""
+    n = negative.numel()
+    nbytes = (n + 7) // 8
+    b = torch.zeros(nbytes * 8, dtype=torch.uint8, device=negative.device)
+    b[:n] = negative.to(torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=negative.device)
+    return (b.view(nbytes, 8) << shifts).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class Compressor:
+    """Base class. Subclasses implement :meth:`_compress` and list their per-layer
+    settings (constructor arguments an override may change) in ``_settings``.
+
+    Common keyword arguments: ``min_numel=1024``, ``compress_1d=False``,
+    ``overrides=None`` (see :mod:`.policy`), ``seed=0`` (base of all seeds).
+    """
+
+    _settings: tuple = ()
+
+    def __init__(self, *, min_numel: int = 1024, compress_1d: bool = False,
+                 overrides: Optional[dict] = None, seed: int = 0):
+        if not _is_int(seed):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        self.policy = LayerPolicy(min_numel, compress_1d, overrides, self._settings)
+        self.seed = seed
+        self.rank = 0
+        self.world_size = 1
+        self._residuals: dict = {}
+        self._layers: dict = {}        # per-layer algorithm state (subclass-defined)
+        self._stats = StatsCollector()
+        self._cfg_cache: dict = {}
+
+    # ------------------------------------------------------------------ settings
+    def _base_cfg(self) -> dict:
+        return {k: getattr(self, k) for k in self._settings}
+
+    def _validate_cfg(self, cfg: dict, where: str = "") -> dict:
+        """Validate (and normalise) a settings dict; raise ValueError naming the argument
+        (prefixed by ``where`` for overrides)."""
+        return cfg
+
+    def _validate_overrides(self):
+        base = self._base_cfg()
+        for pat, ov in self.policy.overrides.items():
+            merged = dict(base)
+            merged.update({k: v for k, v in ov.items() if k in self._settings})
+            self._validate_cfg(merged, where=f"overrides[{pat!r}]: ")
+
+    def layer_cfg(self, name: str) -> dict:
+        cfg = self._cfg_cache.get(name)
+        if cfg is None:
+            cfg = self._base_cfg()
+            ov = self.policy.match(name)
+            cfg.update({k: v for k, v in ov.items() if k in self._settings})
+            cfg = self._validate_cfg(cfg, where=f"layer {name!r}: ")
+            self._cfg_cache[name] = cfg
+        return cfg
+
+    # ------------------------------------------------------------------ binding
+    def bind(self, rank: int, world_size: int):
+        """Tell the compressor which rank it runs on (per-rank randomness mixes it in)."""
+        if not _is_int(world_size) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if not _is_int(rank) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, world_size={world_size}), "
+                             f"got {rank!r}")
+        self.rank = rank
+        self.world_size = world_size
+        return self
+
+    def _seed(self, name: str, step: int, purpose: int, shared: bool = False) -> int:
+        """Seed for (name, step, purpose); per rank unless ``shared``."""
+        if shared:
+            return mix_seed(self.seed, step, name_hash(name), purpose)
+        return mix_seed(self.seed, step, name_hash(name), purpose, 0x5EED + self.rank)
+
+    # ------------------------------------------------------------------ public API
+    def compress(self, name: str, grad: torch.Tensor, step: int,
+                 param: Optional[torch.Tensor] = None) -> LayerPayload:
+        """Compress one layer's gradient for this step (see the class docstring)."""
+        if not isinstance(grad, torch.Tensor):
+            raise TypeError(f"layer {name!r}: grad must be a torch.Tensor, got "
+                            f"{type(grad).__name__}")
+        if grad.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"layer {name!r}: grad dtype must be float32, float16 or "
+                            f"bfloat16, got {grad.dtype}")
+        if not _is_int(step) or step < 0:
+            raise ValueError(f"layer {name!r}: step must be an int >= 0, got {step!r}")
+        shape = grad.shape
+        flat = grad.detach().reshape(-1)
+        if flat.numel() == 0:
+            seg = Segment(numel=0, capacity=0, index_encoding=IndexEncoding.DENSE,
+                          value_encoding=ValueEncoding.FP32,
+                          count=torch.zeros(1, dtype=torch.int32, device=flat.device),
+                          values=torch.zeros(0, dtype=torch.float32, device=flat.device))
+            payload = LayerPayload(name, shape, [seg])
+            self._stats.record(name, step, payload)
+            return payload
+        if self.policy.is_dense(name, shape):
+            payload = self._policy_dense(name, flat, shape)
+            self._stats.record(name, step, payload, density=1.0)
+            return payload
+        cfg = self.layer_cfg(name)
+        payload, info = self._compress(name, flat, shape, step, cfg, param)
+        self._stats.record(name, step, payload, **info)
+        return payload
+
+    def after_exchange(self, name: str, averaged_grad: torch.Tensor, step: int,
+                       param: Optional[torch.Tensor] = None):
+        """Called by the optimizer with the decoded, averaged gradient (identical on all
+        ranks). Only Slim-DP uses it."""
+        return None
+
+    def stats(self) -> dict:
+        """Per-layer statistics (host numbers; synchronises here, never in compress)."""
+        return self._stats.as_dict()
+
+    def stats_totals(self) -> dict:
+        return self._stats.totals()
+
+    def reset_residuals(self):
+        for r in self._residuals.values():
+            r.zero_()
+
+    def residual(self, name: str) -> Optional[torch.Tensor]:
+        """The fp32 residual of a layer (None before its first compressed step)."""
+        return self._residuals.get(name)
+
+    # ------------------------------------------------------------------ state
+    def config(self) -> dict:
+        return dict(type=type(self).__name__, settings=self._base_cfg(),
+                    policy=self.policy.config(), seed=self.seed)
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue identically: residuals, per-layer algorithm
+        state (thresholds, cores, step counters), seed, statistics. Tensors are cloned."""
+        def cp(x):
+            if isinstance(x, torch.Tensor):
+                return x.detach().clone()
+            if isinstance(x, dict):
+                return {k: cp(v) for k, v in x.items()}
+            if isinstance(x, list):
+                return [cp(v) for v in x]
+            if isinstance(x, tuple):
+                return tuple(cp(v) for v in x)
+            return x
+        return dict(type=type(self).__name__, version=1, config=self.config(),
+                    rank=self.rank, world_size=self.world_size,
+                    residuals={k: cp(v) for k, v in self._residuals.items()},
+                    layers=cp(self._layers), stats=cp(self._stats.state_dict()))
+
+    def load_state_dict(self, sd: dict):
+        if not isinstance(sd, dict) or "type" not in sd:
+            raise ValueError("state_dict: not a compressor state dict")
+        if sd["type"] != type(self).__name__:
+            raise ValueError(f"state_dict: saved by {sd['type']}, cannot load into "
+                             f"{type(self).__name__}")
+        mine = self.config()
+        if sd["config"]["settings"] != mine["settings"] or sd["config"]["seed"] != mine["seed"]:
+            raise ValueError(f"state_dict: settings differ (saved {sd['config']}, "
+                             f"this compressor {mine})")
+
+        def cp(x):
+            if isinstance(x, torch.Tensor):
+                return x.detach().clone()
+            if isinstance(x, dict):
+                return {k: cp(v) for k, v in x.items()}
+            if isinstance(x, list):
+                return [cp(v) for v in x]
+            if isinstance(x, tuple):
+                return tuple(cp(v) for v in x)
+            return x
+        self._residuals = {k: cp(v).float() for k, v in sd["residuals"].items()}
+        self._layers = cp(sd["layers"])
+        self._stats.load_state_dict(cp(sd.get("stats", {})))
+
+    # ------------------------------------------------------------------ helpers
+    def _compress(self, name, flat, shape, step, cfg, param):
+        raise NotImplementedError
+
+    def _residual_for(self, name: str, flat: torch.Tensor) -> torch.Tensor:
+        r = self._residuals.get(name)
+        if r is None:
+            r = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
+            self._residuals[name] = r
+        else:
+            if r.numel() != flat.numel():
+                raise ValueError(f"layer {name!r}: gradient has {flat.numel()} elements but "
+                                 f"its residual has {r.numel()} (same name, different tensor?)")
+            if r.device != flat.device:
+                r = r.to(flat.device)
+                self._residuals[name] = r
+        return r
+
+    def _acc(self, name, flat, bin_size=None, error_feedback=True):
+        """acc = residual + grad (fp32, in place in the residual); returns (acc, binmax).
+        Without error feedback acc is a fresh fp32 copy of grad (nothing remembered)."""
+        n = flat.numel()
+        if bin_size is None:
+            bin_size = n
+        if error_feedback:
+            r = self._residual_for(name, flat)
+            binmax = ops.residual_add_binmax(flat, r, bin_size)
+            return r, binmax
+        acc = torch.zeros(n, dtype=torch.float32, device=flat.device)
+        binmax = ops.residual_add_binmax(flat, acc, bin_size)
+        return acc, binmax
+
+    @staticmethod
+    def _count(n: int, device) -> torch.Tensor:
+        return torch.full((1,), n, dtype=torch.int32, device=device)
+
+    def _policy_dense(self, name, flat, shape) -> LayerPayload:
+        """fp32 dense, no error feedback (a pending residual, if any, is flushed)."""
+        r = self._residuals.pop(name, None)
+        vals = flat.to(torch.float32, copy=True)
+        if r is not None:
+            vals += r.to(vals.device)
+        seg = Segment(numel=flat.numel(), capacity=flat.numel(),
+                      index_encoding=IndexEncoding.DENSE, value_encoding=ValueEncoding.FP32,
+                      count=self._count(flat.numel(), flat.device), values=vals)
+        return LayerPayload(name, shape, [seg])
+
+    def _encode(self, vals: torch.Tensor, enc: ValueEncoding, seed: int, quant_bucket: int,
+                count: Optional[torch.Tensor] = None):
+        """Encode fp32 ``vals`` -> (values tensor, scales or None, dequantised fp32)."""
+        if enc in FLOAT_DTYPES:
+            if enc == ValueEncoding.FP32:
+                return vals, None, vals
+            v = vals.to(FLOAT_DTYPES[enc])
+            return v, None, v.float()
+        bits = QUANT_BITS[enc]
+        codes, scales = ops.quantize_pack(vals, bits, quant_bucket, seed, count=count)
+        deq = ops.dequantize_unpack(codes, scales, bits, quant_bucket, vals.numel())
+        return codes, scales, deq
+
+    def _dense_from_acc(self, name, acc, shape, enc, seed, quant_bucket,
+                        error_feedback=True) -> LayerPayload:
+        """All of ``acc`` as one DENSE segment in encoding ``enc``; with error feedback
+        the residual (``acc`` itself) becomes ``acc - deq`` (0 for fp32)."""
+        n = acc.numel()
+        vals = acc.clone()
+        values, scales, deq = self._encode(vals, enc, seed, quant_bucket)
+        if error_feedback:
+            if enc == ValueEncoding.FP32:
+                acc.zero_()
+            else:
+                acc.sub_(deq)
+        seg = Segment(numel=n, capacity=n, index_encoding=IndexEncoding.DENSE,
+                      value_encoding=enc, count=self._count(n, acc.device), values=values,
+                      scales=scales, quant_bucket=quant_bucket)
+        return LayerPayload(name, shape, [seg])
+
+    def _take(self, acc, idx, valid, count, enc, seed, quant_bucket, error_feedback=True):
+        """Gather ``acc[idx]`` for the valid slots (a prefix of length ``count``),
+        encode, and with error feedback set ``acc[i] -= deq`` on the valid slots.
+
+        ``idx`` int64[cap] (padding slots must hold an in-range index, e.g. 0);
+        ``valid`` bool[cap] or None (all valid). Returns (values, scales, idx_int32).
+        """
+        v = acc[idx]
+        if valid is not None:
+            v = torch.where(valid, v, torch.zeros((), dtype=v.dtype, device=v.device))
+        values, scales, deq = self._encode(v, enc, seed, quant_bucket,
+                                           count=count if valid is not None else None)
+        if error_feedback:
+            delta = -deq
+            if valid is not None:
+                delta = torch.where(valid, delta, torch.zeros((), dtype=delta.dtype,
+                                                              device=delta.device))
+            # unique valid indices; padding slots add 0.0 (no change)
+            acc.index_add_(0, idx, delta)
+        return values, scales
+
+    @staticmethod
+    def _sparse_is_worth_it(numel: int, capacity: int, enc: ValueEncoding,
+                            index_bytes: float = 4.0) -> bool:
+        """True when ``capacity`` index/value pairs are smaller than the dense layer in
+        the same value encoding (quantisation scales are ignored on both sides)."""
+        if enc in FLOAT_BYTES:
+            vb = FLOAT_BYTES[enc]
+        else:
+            vb = QUANT_BITS[enc] / 8.0
+        return capacity * (index_bytes + vb) < numel * vb
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self._base_cfg().items())
+        return f"{type(self).__name__}({args})"
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def k_of(density: float, n: int) -> int:
+    """k = ceil(density * n), at least 1, at most n (the 1e-9 guards float noise such as
+    ceil(0.01 * 100) = 2)."""
+    return max(1, min(n, math.ceil(density * n - 1e-9)))

@@ -1,0 +1,102 @@
+"""Random-k sparsification with error feedback.
+
+Per layer and step: ``k = ceil(d_t n)`` indices drawn uniformly without replacement
+(random keys ``u = base.uniform(seed, n)``: Philox on CUDA, torch's generator on CPU; the
+``k`` smallest keys; the indices are
+then sorted ascending) and ``acc = residual + grad`` sent on them; the residual keeps the
+rest (``error_feedback=True``, default). Without error feedback the values are scaled by
+``n / k`` so the estimate is unbiased (``E[sent] = grad``; the classic random-k
+sparsifier) and nothing is remembered.
+
+``shared_seed=False``: the seed mixes in the rank -> every rank picks its own indices,
+sent as INT32. ``shared_seed=True``: the seed is ``(seed, step, name)`` only -> every rank
+picks the same indices, which therefore need not travel: an IMPLICIT segment (values
+in ascending index order, ``implicit_indices`` for the local decoder).
+
+Capacity ``k`` (exactly ``k`` sent every step); warm-up as in :mod:`.topk`.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from ..payload import IndexEncoding, LayerPayload, Segment
+from .base import uniform, PURPOSE_INDICES, PURPOSE_QUANT, Compressor, check_values, k_of
+from .topk import _check_bool, _check_quant_bucket, _wrap
+from .warmup import _check_density, make_warmup
+
+__all__ = ["RandomK"]
+
+
+class RandomK(Compressor):
+    """``RandomK(ratio, shared_seed=False, values="fp32", quant_bucket=512, warmup=None,
+    error_feedback=True, **policy)``; see the module docstring."""
+
+    _settings = ("ratio", "shared_seed", "values", "quant_bucket", "error_feedback")
+
+    def __init__(self, ratio: float, shared_seed: bool = False, values="fp32",
+                 quant_bucket: int = 512, warmup=None, error_feedback: bool = True, **kw):
+        super().__init__(**kw)
+        cfg = self._validate_cfg(dict(ratio=ratio, shared_seed=shared_seed, values=values,
+                                      quant_bucket=quant_bucket,
+                                      error_feedback=error_feedback))
+        for key, v in cfg.items():
+            setattr(self, key, v)
+        self.warmup = make_warmup(warmup)
+        self._validate_overrides()
+
+    def _validate_cfg(self, cfg, where=""):
+        cfg = dict(cfg)
+        cfg["ratio"] = _check_density(cfg["ratio"], where + "ratio")
+        _check_bool(cfg["shared_seed"], "shared_seed", where)
+        cfg["values"] = _wrap(check_values, cfg["values"], where)
+        _check_quant_bucket(cfg["quant_bucket"], where)
+        _check_bool(cfg["error_feedback"], "error_feedback", where)
+        return cfg
+
+    def config(self):
+        c = super().config()
+        c["warmup"] = None if self.warmup is None else self.warmup.config()
+        return c
+
+    def density(self, step: int, ratio=None) -> float:
+        ratio = self.ratio if ratio is None else ratio
+        return self.warmup(step, ratio) if self.warmup is not None else ratio
+
+    def indices(self, name: str, n: int, step: int, device=None) -> torch.Tensor:
+        """The int64 indices (ascending) this rank selects for layer ``name`` at ``step``."""
+        cfg = self.layer_cfg(name)
+        k = k_of(self.density(step, cfg["ratio"]), n)
+        seed = self._seed(name, step, PURPOSE_INDICES, shared=cfg["shared_seed"])
+        keys = uniform(seed, n, device)
+        idx = torch.topk(keys, k, largest=False, sorted=False).indices
+        return torch.sort(idx).values
+
+    def _compress(self, name, flat, shape, step, cfg, param):
+        n = flat.numel()
+        enc = cfg["values"]
+        ef = cfg["error_feedback"]
+        qb = cfg["quant_bucket"]
+        d = self.density(step, cfg["ratio"])
+        k = k_of(d, n)
+        qseed = self._seed(name, step, PURPOSE_QUANT)
+        shared = cfg["shared_seed"]
+        ib = 0.0 if shared else 4.0
+        if not self._sparse_is_worth_it(n, k, enc, ib):
+            acc, _ = self._acc(name, flat, None, ef)
+            return self._dense_from_acc(name, acc, shape, enc, qseed, qb, ef), dict(density=d)
+        acc, _ = self._acc(name, flat, None, ef)
+        idx = self.indices(name, n, step, device=acc.device)
+        if not ef:
+            acc.mul_(n / k)
+        values, scales = self._take(acc, idx, None, None, enc, qseed, qb, ef)
+        count = self._count(k, acc.device)
+        if shared:
+            seg = Segment(numel=n, capacity=k, index_encoding=IndexEncoding.IMPLICIT,
+                          value_encoding=enc, count=count, values=values, scales=scales,
+                          quant_bucket=qb, implicit_indices=idx)
+        else:
+            seg = Segment(numel=n, capacity=k, index_encoding=IndexEncoding.INT32,
+                          value_encoding=enc, count=count, values=values,
+                          indices=idx.to(torch.int32), scales=scales, quant_bucket=qb)
+        return LayerPayload(name, shape, [seg]), dict(density=d)

@@ -1,0 +1,150 @@
+"""DCT-DP: hard thresholding with a threshold recomputed only every ``life_span`` steps
+(dct-dynamic-communication-thresholding.txt, Algorithm 1).
+
+Per layer, with sparsity factor ``eta`` (``sparsity``), life-span ``L`` and step ``t``:
+
+    acc = residual + grad                                   (Alg. 1 line 2, error feedback)
+    if t % L == 0 (or no tau yet, or k changed): tau = k-th largest |acc|   (lines 3-5)
+    else: reuse tau                                          (line 7)
+    M = I(|acc| >= tau); sent = acc * M; residual = acc - sent   (lines 9-11)
+
+with ``k = max(1, ceil((1 - eta) n))``: the paper writes ``tau = w_floor(N eta)`` of the
+ascending sort, i.e. the element with ``N - floor(N eta)`` elements at or above it --
+``k`` up to an off-by-one, which we resolve so that exactly ``k`` elements are at or
+above ``tau`` (ties aside). ``tau`` is clamped to ``TINY`` so exact zeros are never
+sent. The refresh uses ``torch.topk(|acc|, k)`` (the paper sorts; topk is the same
+value without a full sort) -- on the device, no host synchronisation.
+
+Deviations, all forced by fixed-size messages:
+
+* **Capacity.** The paper sends every element above the (stale) threshold, a count that
+  varies from step to step. Here ``capacity = min(n, ceil(slack * k))`` (``slack=2``)
+  is fixed; if more than ``capacity`` elements pass the stale threshold, the first
+  ``capacity`` in the kernel's slot order are sent (ascending index on CPU) and the rest
+  stay in the residual -- error feedback keeps them, nothing is lost.
+* **Warm-up.** With a warm-up schedule ``k`` changes with the step; ``tau`` is
+  recomputed on every step whose ``k`` differs from the ``k`` of the last refresh (and
+  on every ``L``-th step as usual), so during warm-up the threshold is fresh each step.
+
+Threshold history (the paper's Figure 2): every refresh appends ``(step, tau)`` (tau a
+0-d device tensor) to the layer's history; ``record_true_threshold=True`` also appends
+``(step, exact k-th largest |acc|)`` on every step (costs a topk per step, for
+inspection only). Read it with :meth:`Threshold.threshold_history` (host floats).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..payload import LayerPayload
+from .base import PURPOSE_QUANT, TINY, check_values, k_of
+from .topk import TopK, _check_bool, _check_quant_bucket, _wrap
+from .warmup import make_warmup
+
+__all__ = ["Threshold"]
+
+
+class Threshold(TopK):
+    """``Threshold(sparsity, life_span=1000, values="fp32", slack=2.0, quant_bucket=512,
+    warmup=None, error_feedback=True, record_true_threshold=False, max_history=10000,
+    **policy)`` -- DCT-DP; see the module docstring."""
+
+    _settings = ("sparsity", "life_span", "values", "slack", "quant_bucket",
+                 "error_feedback")
+
+    def __init__(self, sparsity: float, life_span: int = 1000, values="fp32",
+                 slack: float = 2.0, quant_bucket: int = 512, warmup=None,
+                 error_feedback: bool = True, record_true_threshold: bool = False,
+                 max_history: int = 10000, **kw):
+        # bypass TopK.__init__ (different settings), keep its helpers
+        super(TopK, self).__init__(**kw)
+        cfg = self._validate_cfg(dict(sparsity=sparsity, life_span=life_span, values=values,
+                                      slack=slack, quant_bucket=quant_bucket,
+                                      error_feedback=error_feedback))
+        for key, v in cfg.items():
+            setattr(self, key, v)
+        _check_bool(record_true_threshold, "record_true_threshold")
+        if not isinstance(max_history, int) or isinstance(max_history, bool) or max_history < 1:
+            raise ValueError(f"max_history must be an int >= 1, got {max_history!r}")
+        self.record_true_threshold = record_true_threshold
+        self.max_history = max_history
+        self.warmup = make_warmup(warmup)
+        self._validate_overrides()
+
+    def _validate_cfg(self, cfg, where=""):
+        cfg = dict(cfg)
+        s = cfg["sparsity"]
+        if not isinstance(s, (int, float)) or isinstance(s, bool) or not math.isfinite(s) \
+                or not 0.0 <= s < 1.0:
+            raise ValueError(f"{where}sparsity must be a number in [0, 1), got {s!r}")
+        cfg["sparsity"] = float(s)
+        L = cfg["life_span"]
+        if not isinstance(L, int) or isinstance(L, bool) or L < 1:
+            raise ValueError(f"{where}life_span must be an int >= 1, got {L!r}")
+        cfg["values"] = _wrap(check_values, cfg["values"], where)
+        sl = cfg["slack"]
+        if not isinstance(sl, (int, float)) or isinstance(sl, bool) or not 1.0 <= sl < 1e6:
+            raise ValueError(f"{where}slack must be a number >= 1, got {sl!r}")
+        _check_quant_bucket(cfg["quant_bucket"], where)
+        _check_bool(cfg["error_feedback"], "error_feedback", where)
+        return cfg
+
+    def density(self, step: int, sparsity=None) -> float:
+        d = 1.0 - (self.sparsity if sparsity is None else sparsity)
+        return self.warmup(step, d) if self.warmup is not None else d
+
+    def capacity(self, numel: int, step: int, name: str = "") -> int:
+        cfg = self.layer_cfg(name) if name else self._base_cfg()
+        k = k_of(self.density(step, cfg["sparsity"]), numel)
+        return min(numel, math.ceil(cfg["slack"] * k))
+
+    def threshold_history(self, name: str, true: bool = False) -> list:
+        """[(step, tau)] of the layer's refreshes (``true=True``: the per-step exact
+        k-th largest values recorded with ``record_true_threshold``). Host floats."""
+        st = self._layers.get(name)
+        if st is None:
+            return []
+        hist = st["true_history"] if true else st["history"]
+        return [(s, float(t)) for s, t in hist]
+
+    def current_threshold(self, name: str):
+        st = self._layers.get(name)
+        return None if st is None else st["tau"]
+
+    def _compress(self, name, flat, shape, step, cfg, param):
+        n = flat.numel()
+        enc = cfg["values"]
+        ef = cfg["error_feedback"]
+        qb = cfg["quant_bucket"]
+        d = self.density(step, cfg["sparsity"])
+        k = k_of(d, n)
+        cap = min(n, math.ceil(cfg["slack"] * k))
+        qseed = self._seed(name, step, PURPOSE_QUANT)
+        if not self._sparse_is_worth_it(n, cap, enc):
+            acc, _ = self._acc(name, flat, None, ef)
+            return (self._dense_from_acc(name, acc, shape, enc, qseed, qb, ef),
+                    dict(density=d))
+        acc, _ = self._acc(name, flat, None, ef)
+        st = self._layers.get(name)
+        if st is None:
+            st = self._layers[name] = dict(tau=None, k=None, last_refresh=None,
+                                           history=[], true_history=[])
+        refresh = st["tau"] is None or step % cfg["life_span"] == 0 or st["k"] != k
+        true_tau = None
+        if refresh or self.record_true_threshold:
+            true_tau = torch.topk(acc.abs(), k, sorted=False).values.min().clamp_min(TINY)
+        if refresh:
+            st["tau"] = true_tau
+            st["k"] = k
+            st["last_refresh"] = step
+            st["history"].append((step, true_tau))
+            del st["history"][:-self.max_history]
+        if self.record_true_threshold:
+            st["true_history"].append((step, true_tau))
+            del st["true_history"][:-self.max_history]
+        tau = st["tau"]
+        seg, cnt = self._select(acc, tau, cap, enc, qseed, qb, ef)
+        return LayerPayload(name, shape, [seg]), dict(selected=cnt[1:2], threshold=tau,
+                                                      density=d,
+                                                      extra=dict(refreshed=refresh))

@@ -1,0 +1,66 @@
+"""``allgather``: every rank's encoded bucket through one ``hvd.allgather``.
+
+Each rank encodes its bucket (:func:`codec.encode`, fixed length for the bucket at a
+given step on every rank), Horovod concatenates the P messages (``[P * nbytes]``) and
+every rank decodes all P and scatter-adds them into the flat fp32 sum
+(:func:`codec.accumulate`, one fused decode + scatter-add per segment over all P).
+
+Bytes per rank (ring allgather): sent = received = ``(P-1) * nbytes``.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import codec
+from .base import BucketSpec, ExchangeContext, Pending
+
+NAME = "allgather"
+_COUNT_FIELD = 16   # offset of the u32 count inside a codec segment record
+
+
+class AllgatherPending(Pending):
+    def finish(self) -> torch.Tensor:
+        import horovod.torch as hvd
+        if self.result is not None:
+            return self.result
+        t0 = time.perf_counter()
+        gathered = hvd.synchronize(self._handle)
+        t1 = time.perf_counter()
+        P, nbytes = self.ctx.world_size, self._nbytes
+        if gathered.numel() != P * nbytes:
+            raise RuntimeError(
+                f"hvdsparse allgather of bucket {self.spec.bucket_id} ({self.spec.names}): "
+                f"received {gathered.numel()} bytes, expected {P} x {nbytes}; the ranks "
+                f"disagree on the bucket layout (compressor settings differ across ranks?)")
+        rows = gathered.view(P, nbytes)
+        flat = torch.zeros(self.spec.numel, dtype=torch.float32, device=rows.device)
+        codec.accumulate(rows, self.payloads, self.spec.views(flat), validate=self.ctx.validate)
+        if self.ctx.want_figures:
+            nseg = sum(len(p.segments) for p in self.payloads)
+            if nseg:
+                offs = torch.tensor([codec.HEADER_SIZE + codec.RECORD_SIZE * s + _COUNT_FIELD + b
+                                     for s in range(nseg) for b in range(4)],
+                                    device=rows.device)
+                counts = rows.index_select(1, offs).contiguous().view(torch.int32)
+                # integers read from the gathered bytes: identical on every rank
+                self.figures["pairs"] = float(counts.to(torch.int64).sum().item()) / P
+                self.figures["reduced"] = int(min(self.spec.numel,
+                                                  counts.to(torch.int64).sum().item()))
+        self.decode_s += time.perf_counter() - t1
+        self.wait_s += t1 - t0
+        self.result = flat
+        return flat
+
+
+def launch(spec: BucketSpec, payloads, ctx: ExchangeContext) -> Pending:
+    import horovod.torch as hvd
+    buf = codec.encode(payloads)
+    nbytes = int(buf.numel())
+    pend = AllgatherPending(spec, NAME, list(payloads), ctx)
+    pend._nbytes = nbytes
+    pend._handle = hvd.allgather_async(buf, name=ctx.name(spec.bucket_id, NAME))
+    pend.sent_bytes = pend.recv_bytes = (ctx.world_size - 1) * nbytes
+    pend.figures["wire_nbytes"] = nbytes
+    return pend

@@ -1,0 +1,138 @@
+"""Byte cost model behind ``exchange="auto"``: which collective moves a bucket cheapest.
+
+Every rank evaluates the model for every bucket at launch time and must reach the same
+decision without talking to the others, so the model uses only figures that are
+identical on all ranks:
+
+* ``P``            -- world size;
+* ``N``            -- elements in the bucket (sum of its layers' numel);
+* ``wire_nbytes``  -- length of one rank's encoded bucket (:func:`codec.encoded_nbytes`).
+  Capacities depend only on layer sizes, compressor settings and the step, so this is
+  the same on every rank;
+* ``capacity``     -- slots per rank (sum of segment capacities): an upper bound on the
+  number of (index, value) pairs one rank contributes;
+* ``prev_pairs``   -- average pairs per rank actually sent at the previous exchange of
+  this bucket, when every rank learned it (the allgather strategy decodes every rank's
+  ``count`` fields; the split strategy's gathered range headers carry the pairs each
+  owner received). ``None`` = unknown, use ``capacity``;
+* ``prev_reduced`` -- non-zeros of the previous step's *summed* bucket, ``K``, when every
+  rank learned it (split headers carry each range's nnz; after a dense allreduce every
+  rank holds the identical sum; after allgather the sum of the counts, an upper bound of
+  the union). ``None`` = unknown, use the SparCML bound ``min(N, P*k)``.
+
+Costs (bytes that cross one rank's link in a bandwidth-optimal ring/pairwise algorithm,
+``c`` = 4 index bytes, ``v`` = value bytes of the sparse pairs, ``d`` = dense value bytes):
+
+* ``allgather``: ``(P-1) * wire_nbytes``  (everybody receives every other rank's
+  fixed-capacity message; the paper's ``P*k*(c+v)`` with codec overhead included).
+* ``dense``:     ``2 (P-1)/P * N * d``  (ring allreduce: reduce-scatter + allgather),
+  ``d`` = 4 (fp32) or 2 (fp16).
+* ``split``     (SparCML SSAR/DSAR_Split_allgather, section 5.3.2-5.3.3):
+  ``(P-1)/P * k (c+v)`` for the split phase (each rank ships the pairs outside its own
+  range to their owners) plus ``(P-1)/P * min(K (c+v), N q)`` for the allgather of the
+  reduced ranges, which are sent sparse while ``K_r <= delta_r = N_r q / (c+v)`` and
+  dense otherwise (``q`` = 4 for fp32, ``bits/8 + 4/bucket`` when the dense phase is
+  quantised). With ``k`` = ``prev_pairs`` or ``capacity`` and ``K`` = ``prev_reduced`` or
+  ``min(N, P k)``.
+
+An optional latency term ``alpha_bytes * messages`` (messages per rank: allgather
+``P-1``, dense ``2(P-1)``, split ``2(P-1)``) charges for per-message overhead; it is 0
+by default (pure bytes, as in the paper's bandwidth terms). Ties resolve in the order
+allgather, split, dense (fewest collectives first).
+
+Consequences (unit-tested in tests/test_cost_model.py): with fp32 pairs (c+v = 8) and
+fp32 dense ranges (q = 4), split costs more than allgather while the union stays
+sparse (``P k < N/2``: ``(P-1)/P 8k (P+1) > (P-1) 8k``) and less once
+``P > 1 + N q / (k (c+v)) = 1 + N/(2k)`` -- about 51 ranks at ``k/N = 1 %``. An fp32 dense
+allreduce (``~8N``) then still loses to split (``~ 8k + 4N``), while an fp16 dense
+allreduce (``~4N``) beats it. At ``P = 1`` every cost is 0 and ``allgather`` is chosen
+(no data moves).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+STRATEGIES = ("allgather", "split", "dense")
+
+#: bytes of one int32 index in split / SparCML sparse streams
+INDEX_BYTES = 4
+#: bytes of the per-range header of the split strategy's gathered ranges
+SPLIT_HEADER_BYTES = 16
+
+
+@dataclass(frozen=True)
+class BucketFigures:
+    """The rank-independent figures the model reads (see the module docstring)."""
+
+    world_size: int
+    numel: int
+    wire_nbytes: int
+    capacity: int
+    sparse_value_bytes: int = 4       # v: value bytes of split's (index, value) pairs
+    dense_value_bytes: int = 4        # d: 4 fp32 / 2 fp16 dense allreduce
+    split_dense_bits: int = 0         # 0 = fp32 dense ranges; 8/4/2 = quantised
+    quant_bucket: int = 512
+    prev_pairs: Optional[float] = None
+    prev_reduced: Optional[int] = None
+
+
+def split_dense_value_bytes(bits: int, quant_bucket: int) -> float:
+    """q: bytes per element of a dense reduced range (fp32, or codes + one fp32 scale
+    per ``quant_bucket`` elements)."""
+    if not bits:
+        return 4.0
+    return bits / 8.0 + 4.0 / quant_bucket
+
+
+def sparcml_delta(numel: int, sparse_pair_bytes: float, dense_value_bytes: float) -> float:
+    """SparCML's switch point delta = N * isize / (c + isize): above this many non-zeros a
+    dense representation of an N-element range is smaller than (index, value) pairs."""
+    return numel * dense_value_bytes / sparse_pair_bytes
+
+
+def costs(f: BucketFigures, alpha_bytes: float = 0.0) -> Dict[str, float]:
+    """Per-rank link bytes of each strategy for one bucket (see the module docstring)."""
+    P, N = int(f.world_size), int(f.numel)
+    if P < 1 or N < 0:
+        raise ValueError(f"cost model: world_size must be >= 1 and numel >= 0, got "
+                         f"P={P}, N={N}")
+    frac = (P - 1) / P
+    pair = INDEX_BYTES + f.sparse_value_bytes
+    k = f.capacity if f.prev_pairs is None else min(float(f.prev_pairs), float(f.capacity))
+    K = min(N, P * k) if f.prev_reduced is None else min(N, int(f.prev_reduced))
+    q = split_dense_value_bytes(f.split_dense_bits, f.quant_bucket)
+    out = {
+        "allgather": (P - 1) * float(f.wire_nbytes) + alpha_bytes * (P - 1),
+        "split": frac * (k * pair) + frac * (min(K * pair, N * q) + P * SPLIT_HEADER_BYTES)
+        + alpha_bytes * 2 * (P - 1),
+        "dense": 2.0 * frac * N * f.dense_value_bytes + alpha_bytes * 2 * (P - 1),
+    }
+    if P == 1:
+        out = {s: 0.0 for s in STRATEGIES}
+    return out
+
+
+def choose(f: BucketFigures, allowed: Tuple[str, ...] = STRATEGIES,
+           alpha_bytes: float = 0.0) -> str:
+    """The cheapest allowed strategy (ties: allgather, split, dense)."""
+    c = costs(f, alpha_bytes)
+    best = None
+    for s in STRATEGIES:
+        if s in allowed and (best is None or c[s] < c[best]):
+            best = s
+    if best is None:
+        raise ValueError(f"cost model: no allowed strategy among {allowed!r}; "
+                         f"choose from {STRATEGIES}")
+    return best
+
+
+def dense_allreduce_bytes(world_size: int, numel: int, value_bytes: int = 4) -> float:
+    """What a plain fp32 ring allreduce of ``numel`` elements moves per rank (the
+    baseline that stats() compares against)."""
+    P = int(world_size)
+    return 0.0 if P <= 1 else 2.0 * (P - 1) / P * numel * value_bytes
+
+
+__all__ = ["STRATEGIES", "BucketFigures", "costs", "choose", "sparcml_delta",
+           "split_dense_value_bytes", "dense_allreduce_bytes", "INDEX_BYTES"]

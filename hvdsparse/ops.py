@@ -1,0 +1,202 @@
+"""Dispatcher of the compression kernels: Triton on GPUs, the torch reference on CPU.
+
+Every function here has the signature of the same-named function in
+:mod:`hvdsparse.reference` (which documents the math and the layouts; see also
+``docs/design.md``). Dispatch rule, per call:
+
+* ``HVDSPARSE_FORCE_TRITON=1`` in the environment -> the Triton kernel, whatever the
+  device (tests set it together with ``TRITON_INTERPRET=1`` to run kernels on CPU
+  tensors through Triton's interpreter);
+* else the Triton kernel when the (first) tensor argument is a CUDA tensor and Triton
+  imports; the torch reference otherwise.
+
+Triton and the kernels are imported lazily, on the first call that needs them, so a
+CPU-only process never imports Triton, and nothing here ever probes Triton's driver
+(which raises without a GPU): a CUDA tensor already proves there is a GPU.
+
+On the Triton path nothing synchronises with the host: counts, flags, thresholds and
+scales stay device tensors.
+
+Importing the kernels: the Triton modules live in the repository's top-level
+``kernels/`` directory, which ``setup.cfg`` installs as the subpackage
+``hvdsparse.kernels`` (``package_dir``), so an installed (or ``pip install -e``)
+hvdsparse simply imports ``hvdsparse.kernels``. In a bare checkout used through
+``PYTHONPATH`` that subpackage does not exist on disk; :func:`_kernels` then loads
+``<repo>/kernels/__init__.py`` by path *under the same name* ``hvdsparse.kernels`` (with
+its directory as the package search path), so relative imports inside ``kernels/`` and
+``sys.modules`` look exactly as in the installed layout, and no generic top-level
+``kernels`` module is ever created.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Optional
+
+import torch
+
+from . import reference as _ref
+
+__all__ = [
+    "residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
+    "sign_unpack", "scatter_add_decode", "philox_uniform", "use_triton",
+]
+
+_KERNELS = None
+
+
+def _kernels():
+    """The hvdsparse.kernels package (imports triton), loaded once. See module doc."""
+    global _KERNELS
+    if _KERNELS is not None:
+        return _KERNELS
+    name = __package__ + ".kernels"
+    try:
+        mod = importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:
+            raise
+        kdir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "kernels")
+        init = os.path.join(kdir, "__init__.py")
+        if not os.path.isfile(init):
+            raise ImportError(f"hvdsparse.kernels is not installed and {init} does not "
+                              f"exist") from e
+        spec = importlib.util.spec_from_file_location(name, init,
+                                                      submodule_search_locations=[kdir])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    _KERNELS = mod
+    return mod
+
+
+def use_triton(t: Optional[torch.Tensor]) -> bool:
+    """True when calls on tensor ``t`` go to the Triton kernels (see module doc)."""
+    if os.environ.get("HVDSPARSE_FORCE_TRITON", "") == "1":
+        return True
+    if t is None or not t.is_cuda:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: int, *,
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """See :func:`hvdsparse.reference.residual_add_binmax`."""
+    if not use_triton(residual):
+        return _ref.residual_add_binmax(grad, residual, bin_size, out=out)
+    _ref._check_1d("grad", grad, _ref._FLOAT_DTYPES)
+    _ref._check_1d("residual", residual, (torch.float32,))
+    if grad.numel() != residual.numel():
+        raise ValueError(f"grad has {grad.numel()} elements but residual has {residual.numel()}")
+    _ref._check_pos_int("bin_size", bin_size)
+    return _kernels().residual_add_binmax(grad, residual, bin_size, out=out)
+
+
+def select_compact(acc: torch.Tensor, threshold, capacity: int, *, bin_size: int = 0,
+                   grad: Optional[torch.Tensor] = None, h_scale: float = 1.0,
+                   value_encoding=_ref.VE_FP32, sign_scale=None, out=None):
+    """See :func:`hvdsparse.reference.select_compact` (GPU: slot order differs, see
+    ``kernels/select.py``)."""
+    if not use_triton(acc):
+        return _ref.select_compact(acc, threshold, capacity, bin_size=bin_size, grad=grad,
+                                   h_scale=h_scale, value_encoding=value_encoding,
+                                   sign_scale=sign_scale, out=out)
+    n, thr, capacity, L, ve, sscale = _ref._check_select_args(
+        acc, threshold, capacity, bin_size, grad, value_encoding, sign_scale)
+    out = _ref._alloc_select_out(out, capacity, ve, acc.device) if out is not None else None
+    return _kernels().select_compact(acc, thr, capacity, bin_size=L, grad=grad,
+                                     h_scale=float(h_scale), value_encoding=ve,
+                                     sign_scale=sscale, out=out)
+
+
+def quantize_pack(values: torch.Tensor, bits: int, bucket_size: int, seed: int, count=None):
+    """See :func:`hvdsparse.reference.quantize_pack`."""
+    if not use_triton(values):
+        return _ref.quantize_pack(values, bits, bucket_size, seed, count)
+    _ref._check_1d("values", values, _ref._FLOAT_DTYPES)
+    _ref._check_bits(bits)
+    _ref._check_pos_int("bucket_size", bucket_size)
+    _ref._check_seed(seed)
+    if count is not None and not isinstance(count, torch.Tensor):
+        count = torch.tensor([int(count)], dtype=torch.int32, device=values.device)
+    return _kernels().quantize_pack(values, bits, bucket_size, seed, count)
+
+
+def dequantize_unpack(codes: torch.Tensor, scales: torch.Tensor, bits: int,
+                      bucket_size: int, n: int) -> torch.Tensor:
+    """See :func:`hvdsparse.reference.dequantize_unpack`."""
+    if not use_triton(codes):
+        return _ref.dequantize_unpack(codes, scales, bits, bucket_size, n)
+    _ref._check_1d("codes", codes, (torch.uint8,))
+    _ref._check_1d("scales", scales, (torch.float32,))
+    _ref._check_bits(bits)
+    _ref._check_pos_int("bucket_size", bucket_size)
+    _ref._check_pos_int("n", n, 0)
+    if codes.numel() < -(-n * bits // 8) or scales.numel() < -(-n // bucket_size):
+        raise ValueError("codes/scales too short for n elements")
+    return _kernels().dequantize_unpack(codes, scales, bits, bucket_size, n)
+
+
+def sign_unpack(bits_u8: torch.Tensor, scale, n: int) -> torch.Tensor:
+    """See :func:`hvdsparse.reference.sign_unpack`."""
+    if not use_triton(bits_u8):
+        return _ref.sign_unpack(bits_u8, scale, n)
+    _ref._check_1d("bits_u8", bits_u8, (torch.uint8,))
+    _ref._check_pos_int("n", n, 0)
+    if bits_u8.numel() < -(-n // 8):
+        raise ValueError(f"bits_u8 has {bits_u8.numel()} bytes, needs ceil(n/8) = {-(-n // 8)}")
+    return _kernels().sign_unpack(bits_u8, _ref._scalar_tensor("scale", scale, bits_u8.device), n)
+
+
+def scatter_add_decode(dense: torch.Tensor, indices: torch.Tensor, count: torch.Tensor,
+                       values: Optional[torch.Tensor] = None, *, codes=None, scales=None,
+                       bits: int = 0, bucket_size: int = 512, signs=None, sign_scale=None,
+                       error_flag: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """See :func:`hvdsparse.reference.scatter_add_decode`.
+
+    Returns the error flag: on the Triton path an int32[1] device tensor (``error_flag``
+    if given, else a new zeroed one) that the kernel ORs with 1 for an out-of-range index
+    (the write is skipped) and 2 for a count outside [0, cap] (clamped); the caller
+    checks it where it synchronises anyway. The reference raises instead and returns
+    ``error_flag`` untouched.
+    """
+    if not use_triton(dense):
+        return _ref.scatter_add_decode(dense, indices, count, values, codes=codes,
+                                       scales=scales, bits=bits, bucket_size=bucket_size,
+                                       signs=signs, sign_scale=sign_scale,
+                                       error_flag=error_flag)
+    ind, P, cap, cnt, vals, cds, scl, bits, B, sgn, ssc = _ref._check_scatter_args(
+        dense, indices, count, values, codes, scales, bits, bucket_size, signs, sign_scale)
+    if error_flag is None:
+        error_flag = torch.zeros(1, dtype=torch.int32, device=dense.device)
+    elif error_flag.dtype != torch.int32 or error_flag.numel() < 1:
+        raise TypeError("error_flag must be an int32 tensor with >= 1 element")
+    _kernels().scatter_add_decode(dense, ind, cnt, vals, codes=cds, scales=scl, bits=bits,
+                                  bucket_size=B, signs=sgn, sign_scale=ssc,
+                                  error_flag=error_flag)
+    return error_flag
+
+
+def philox_uniform(seed: int, n: int, offset: int = 0, device=None) -> torch.Tensor:
+    """fp32[n] uniforms in [0, 1), element i = Triton ``tl.rand(seed, offset + i)``;
+    generated by a Triton kernel on CUDA devices (or when forced), by the bit-identical
+    torch Philox otherwise."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    forced = os.environ.get("HVDSPARSE_FORCE_TRITON", "") == "1"
+    if forced or (dev.type == "cuda" and use_triton(torch.empty(0, device=dev))):
+        _ref._check_seed(seed)
+        _ref._check_pos_int("n", n, 0)
+        _ref._check_pos_int("offset", offset, 0)
+        return _kernels().philox_uniform(seed, n, offset, device=dev)
+    return _ref.philox_uniform(seed, n, offset, device=dev)

@@ -1,0 +1,697 @@
+"""Vectorised torch reference of the compression kernels (CPU path).
+
+This module has the same functions and signatures as the Triton kernels in
+``kernels/`` (dispatched by :mod:`hvdsparse.ops`); it imports nothing of hvdsparse.
+All tensors are 1-D and contiguous unless stated. Gradients may be fp32, fp16 or bf16;
+residuals / accumulators are fp32.
+
+Operations (see ``docs/design.md``):
+
+1. :func:`residual_add_binmax` -- ``residual += grad`` in place and the per-bin abs max.
+2. :func:`select_compact` -- threshold selection, compaction into fixed-capacity buffers
+   and the residual update, in ascending index order.
+3. :func:`quantize_pack` / :func:`dequantize_unpack` / :func:`sign_unpack` --
+   stochastic rounding to 8/4/2-bit codes with one fp32 scale per bucket, bit packing,
+   and the inverse maps.
+4. :func:`scatter_add_decode` -- bounds-checked scatter-add of a batch of payloads.
+
+Plus :func:`philox_uniform`, the counter-based RNG shared with the kernels: it is
+bit-identical to Triton's ``tl.rand(seed, offset)`` (Philox 4x32-10, counter
+``(offset_lo, offset_hi, 0, 0)``, key ``(seed_lo, seed_hi)``, uint32 -> fp32 map of
+``triton.language.random.uint_to_uniform_float``), so quantisation is bit-exact between
+this module and the Triton interpreter.
+
+The CPU path is written for memory bandwidth: (1) and (2) walk the tensors in
+cache-sized chunks (``_CHUNK`` elements, rounded to whole bins) and reuse scratch
+buffers, so each element is read from DRAM once per operation and no full-size
+temporary is allocated.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import numpy as np
+import torch
+
+__all__ = [
+    "residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
+    "sign_unpack", "scatter_add_decode", "philox_uniform", "philox_uint32",
+    "VE_FP32", "VE_FP16", "VE_BF16", "VE_SIGN1", "QUANT_BITS_ALLOWED",
+]
+
+# Value-encoding codes: identical to hvdsparse.payload.ValueEncoding (an IntEnum, so the
+# enum members compare equal to these ints). Duplicated here because reference.py and
+# kernels/ must not import hvdsparse; tests check that the two agree.
+VE_FP32, VE_FP16, VE_BF16, VE_SIGN1 = 0, 1, 2, 6
+_FLOAT_VE = {VE_FP32: torch.float32, VE_FP16: torch.float16, VE_BF16: torch.bfloat16}
+QUANT_BITS_ALLOWED = (8, 4, 2)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: elements per chunk of the CPU path (1 MiB of fp32: stays in L2/L3; the per-op
+#: dispatch overhead of smaller chunks costs more than the cache misses it saves)
+_CHUNK = 1 << 18
+#: CPU passes of (1) and (2) in numpy (False: the torch steps used off-CPU; for tests)
+_USE_NUMPY = True
+
+# --------------------------------------------------------------------------------------
+# argument checks (shared with ops.py / kernels through duplication-free import in ops)
+# --------------------------------------------------------------------------------------
+
+
+def _check_1d(name: str, t, dtypes=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+
+
+def _check_pos_int(name: str, v, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return v
+
+
+def _check_bits(bits) -> int:
+    if bits not in QUANT_BITS_ALLOWED:
+        raise ValueError(f"bits must be one of {QUANT_BITS_ALLOWED}, got {bits!r}")
+    return int(bits)
+
+
+def _check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not 0 <= seed < (1 << 63):
+        raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+    return seed
+
+
+def _value_encoding(ve) -> int:
+    v = int(ve)
+    if v not in (VE_FP32, VE_FP16, VE_BF16, VE_SIGN1):
+        raise ValueError(f"value_encoding must be FP32, FP16, BF16 or SIGN1 for "
+                         f"select_compact (quantised encodings go through quantize_pack), "
+                         f"got {ve!r}")
+    return v
+
+
+def _scalar_tensor(name: str, x, device) -> torch.Tensor:
+    """fp32 0-d/1-element tensor from a float or tensor (no host sync for tensors)."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise ValueError(f"{name} must have exactly one element, got shape {tuple(x.shape)}")
+        return x.reshape(()).to(device=device, dtype=torch.float32)
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return torch.tensor(float(x), dtype=torch.float32, device=device)
+    raise TypeError(f"{name} must be a float or a 1-element tensor, got {type(x).__name__}")
+
+
+def _count_value(name: str, count, n: int) -> int:
+    """Host int from count=None | int | int tensor (first element). Clamped to [0, n]."""
+    if count is None:
+        return n
+    if isinstance(count, torch.Tensor):
+        if count.numel() < 1:
+            raise ValueError(f"{name} must have at least one element")
+        c = int(count.reshape(-1)[0])
+    elif isinstance(count, int) and not isinstance(count, bool):
+        c = count
+    else:
+        raise TypeError(f"{name} must be None, an int or an int tensor, got {type(count).__name__}")
+    return max(0, min(c, n))
+
+
+# --------------------------------------------------------------------------------------
+# Philox 4x32-10, bit-identical to triton.language.random (rand/randint)
+# --------------------------------------------------------------------------------------
+_M32 = 0xFFFFFFFF
+_PHILOX_KEY_A = 0x9E3779B9
+_PHILOX_KEY_B = 0xBB67AE85
+_PHILOX_ROUND_A = 0xD2511F53
+_PHILOX_ROUND_B = 0xCD9E8D57
+_PHILOX_ROUNDS = 10
+# scale of uint_to_uniform_float for 32-bit inputs, rounded to fp32 like Triton does
+_U32_TO_UNIFORM = 4.6566127342e-10
+
+
+def _mulhilo32(a: int, x: torch.Tensor):
+    """(hi, lo) 32-bit halves of a * x, a a uint32 constant, x int64 holding uint32."""
+    xl = x & 0xFFFF
+    xh = x >> 16
+    t = xl * a                      # < 2**48
+    u = xh * a + (t >> 16)          # < 2**48 + 2**32
+    hi = u >> 16
+    lo = ((u & 0xFFFF) << 16) | (t & 0xFFFF)
+    return hi, lo
+
+
+def philox_uint32(seed: int, counters: torch.Tensor) -> torch.Tensor:
+    """First output word of Philox 4x32-10 for each 64-bit counter (int64 tensor).
+
+    Counter block ``(c & 0xffffffff, c >> 32, 0, 0)``, key ``(seed & 0xffffffff,
+    seed >> 32)``; exactly ``triton.language.randint(seed, offset)`` with an int64
+    ``offset`` (and with an int32 ``offset`` for counters < 2**31). Returns int64 in
+    [0, 2**32).
+    """
+    seed = _check_seed(seed)
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    c = counters.to(torch.int64)
+    c0 = c & _M32
+    c1 = (c >> 32) & _M32
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    for _ in range(_PHILOX_ROUNDS):
+        hi_b, lo_b = _mulhilo32(_PHILOX_ROUND_B, c2)
+        hi_a, lo_a = _mulhilo32(_PHILOX_ROUND_A, c0)
+        c0 = hi_b ^ c1 ^ k0
+        c2 = hi_a ^ c3 ^ k1
+        c1 = lo_b
+        c3 = lo_a
+        k0 = (k0 + _PHILOX_KEY_A) & _M32
+        k1 = (k1 + _PHILOX_KEY_B) & _M32
+    return c0
+
+
+def _uint32_to_uniform(x: torch.Tensor) -> torch.Tensor:
+    """Triton's uint_to_uniform_float for 32-bit words: fp32 in [0, 1).
+
+    The word is read as int32 ``i``; ``i < 0`` maps to ``-i - 1`` (so the result lies in
+    [0, 2**31 - 1]), converted to fp32 (round to nearest) and multiplied in fp32 by
+    fp32(4.6566127342e-10).
+    """
+    v = torch.where(x >= (1 << 31), _M32 - x, x)
+    return v.to(torch.float32) * torch.tensor(_U32_TO_UNIFORM, dtype=torch.float32)
+
+
+def philox_uniform(seed: int, n: int, offset: int = 0, device=None) -> torch.Tensor:
+    """fp32[n] uniforms in [0, 1): element i is ``tl.rand(seed, offset + i)``.
+
+    Counter-based: any slice of the stream can be generated independently, and the
+    Triton kernels draw exactly the same numbers for the same (seed, counter).
+    """
+    n = _check_pos_int("n", n, 0)
+    offset = _check_pos_int("offset", offset, 0)
+    if offset + n > (1 << 63):
+        raise ValueError("offset + n must be < 2**63")
+    idx = torch.arange(offset, offset + n, dtype=torch.int64, device=device)
+    return _uint32_to_uniform(philox_uint32(seed, idx))
+
+
+# --------------------------------------------------------------------------------------
+# 1. residual add + per-bin abs max
+# --------------------------------------------------------------------------------------
+
+
+def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: int,
+                        *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``residual += grad.float()`` in place; returns ``binmax`` fp32[ceil(n / bin_size)]
+    with ``binmax[b] = max(|acc[b*L : (b+1)*L]|)`` (acc = the updated residual, the last
+    bin partial). ``out`` optionally receives binmax.
+    """
+    _check_1d("grad", grad, _FLOAT_DTYPES)
+    _check_1d("residual", residual, (torch.float32,))
+    if grad.numel() != residual.numel():
+        raise ValueError(f"grad has {grad.numel()} elements but residual has {residual.numel()}")
+    if grad.device != residual.device:
+        raise ValueError(f"grad is on {grad.device} but residual is on {residual.device}")
+    L = _check_pos_int("bin_size", bin_size)
+    n = residual.numel()
+    nbins = -(-n // L)
+    if out is None:
+        out = torch.empty(nbins, dtype=torch.float32, device=residual.device)
+    else:
+        _check_1d("out", out, (torch.float32,))
+        if out.numel() != nbins:
+            raise ValueError(f"out must have {nbins} elements, got {out.numel()}")
+    if n == 0:
+        return out
+    if L <= _CHUNK:
+        bins_per_chunk = max(1, _CHUNK // L)
+        ch = bins_per_chunk * L
+        tmp = torch.empty(min(ch, n), dtype=torch.float32, device=residual.device)
+        # CPU: numpy on views of the same memory (single-threaded, no OpenMP region per
+        # chunk: torch's per-op thread pool stalls badly when the cores are shared);
+        # bf16 (no numpy dtype) and other devices use the same steps in torch.
+        use_np = residual.device.type == "cpu" and grad.dtype != torch.bfloat16 and _USE_NUMPY
+        if use_np:
+            rn, gn, tn, on = (residual.detach().numpy(), grad.detach().numpy(),
+                              tmp.numpy(), out.detach().numpy())
+        for s in range(0, n, ch):
+            e = min(s + ch, n)
+            b0 = s // L
+            nfull = (e - s) // L
+            if use_np:
+                r = rn[s:e]
+                np.add(r, gn[s:e], out=r)
+                a = np.abs(r, out=tn[: e - s])
+                if nfull:
+                    np.max(a[: nfull * L].reshape(nfull, L), axis=1, out=on[b0:b0 + nfull])
+                if nfull * L < e - s:
+                    on[b0 + nfull] = a[nfull * L:].max()
+                continue
+            r = residual[s:e]
+            r.add_(grad[s:e])
+            a = torch.abs(r, out=tmp[: e - s])
+            if nfull:
+                torch.amax(a[: nfull * L].view(nfull, L), dim=1, out=out[b0:b0 + nfull])
+            if nfull * L < e - s:
+                out[b0 + nfull] = a[nfull * L:].amax()
+    else:  # huge bins: running max over sub-chunks of one bin
+        tmp = torch.empty(_CHUNK, dtype=torch.float32, device=residual.device)
+        for b in range(nbins):
+            bs, be = b * L, min((b + 1) * L, n)
+            m = None
+            for s in range(bs, be, _CHUNK):
+                e = min(s + _CHUNK, be)
+                r = residual[s:e]
+                r.add_(grad[s:e])
+                cm = torch.abs(r, out=tmp[: e - s]).amax()
+                m = cm if m is None else torch.maximum(m, cm)
+            out[b] = m
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# 2. select + compact + residual update
+# --------------------------------------------------------------------------------------
+
+
+def _check_select_args(acc, threshold, capacity, bin_size, grad, value_encoding, sign_scale):
+    _check_1d("acc", acc, (torch.float32,))
+    n = acc.numel()
+    capacity = _check_pos_int("capacity", capacity, 0)
+    if not isinstance(threshold, torch.Tensor):
+        if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
+            threshold = torch.tensor(float(threshold), dtype=torch.float32, device=acc.device)
+        else:
+            raise TypeError(f"threshold must be a tensor or float, got {type(threshold).__name__}")
+    if threshold.dtype != torch.float32:
+        raise TypeError(f"threshold must be fp32, got {threshold.dtype}")
+    if threshold.device != acc.device:
+        raise ValueError(f"threshold is on {threshold.device} but acc is on {acc.device}")
+    per_bin = threshold.dim() > 0 and bin_size
+    if per_bin:
+        L = _check_pos_int("bin_size", bin_size)
+        nbins = -(-n // L)
+        _check_1d("threshold", threshold)
+        if threshold.numel() != nbins:
+            raise ValueError(f"per-bin threshold must have ceil(n / bin_size) = {nbins} "
+                             f"elements, got {threshold.numel()}")
+    else:
+        if threshold.numel() != 1:
+            raise ValueError(f"threshold must be a 0-d tensor (or fp32[nbins] with "
+                             f"bin_size > 0), got shape {tuple(threshold.shape)}")
+        threshold = threshold.reshape(())
+        L = 0
+    if grad is not None:
+        _check_1d("grad", grad, _FLOAT_DTYPES)
+        if grad.numel() != n:
+            raise ValueError(f"grad has {grad.numel()} elements but acc has {n}")
+        if grad.device != acc.device:
+            raise ValueError(f"grad is on {grad.device} but acc is on {acc.device}")
+    ve = _value_encoding(value_encoding)
+    if ve == VE_SIGN1:
+        if sign_scale is None:
+            raise ValueError("sign_scale is required for value_encoding SIGN1")
+        sign_scale = _scalar_tensor("sign_scale", sign_scale, acc.device)
+    return n, threshold, capacity, L, ve, sign_scale
+
+
+def _alloc_select_out(out, capacity, ve, device):
+    vbytes = -(-capacity // 8)
+    if out is None:
+        indices = torch.zeros(capacity, dtype=torch.int32, device=device)
+        if ve == VE_SIGN1:
+            values = torch.zeros(vbytes, dtype=torch.uint8, device=device)
+        else:
+            values = torch.zeros(capacity, dtype=_FLOAT_VE[ve], device=device)
+        count = torch.zeros(2, dtype=torch.int32, device=device)
+        return indices, values, count
+    indices, values, count = out
+    _check_1d("out indices", indices, (torch.int32,))
+    if indices.numel() != capacity:
+        raise ValueError(f"out indices must have capacity={capacity} elements, got {indices.numel()}")
+    if ve == VE_SIGN1:
+        _check_1d("out values", values, (torch.uint8,))
+        if values.numel() != vbytes:
+            raise ValueError(f"out values (SIGN1) must have ceil(capacity/8)={vbytes} bytes, "
+                             f"got {values.numel()}")
+    else:
+        _check_1d("out values", values, (_FLOAT_VE[ve],))
+        if values.numel() != capacity:
+            raise ValueError(f"out values must have capacity={capacity} elements, got {values.numel()}")
+    _check_1d("out count", count, (torch.int32,))
+    if count.numel() != 2:
+        raise ValueError(f"out count must be int32[2], got {count.numel()} elements")
+    return indices, values, count
+
+
+def select_compact(acc: torch.Tensor, threshold, capacity: int, *, bin_size: int = 0,
+                   grad: Optional[torch.Tensor] = None, h_scale: float = 1.0,
+                   value_encoding=VE_FP32, sign_scale=None, out=None
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Select ``|acc[i] + (h_scale - 1) * grad[i]| >= thr(i)`` (``|acc[i]|`` if grad is
+    None), ``thr(i) = threshold`` (0-d) or ``threshold[i // bin_size]`` (fp32[nbins]).
+
+    Returns ``(indices int32[capacity], values, count int32[2] = [sent, selected])``;
+    values is [capacity] of fp32/fp16/bf16 (``acc`` cast) or, for SIGN1, uint8
+    [ceil(capacity / 8)] sign bits (bit j%8 of byte j//8, 1 = negative, acc == 0 counts
+    as positive). The first ``capacity`` selected elements in ascending index order are
+    sent; slots >= sent are padding. ``acc`` becomes the new residual in place: for sent
+    elements ``acc - dequant(value)`` (0 for fp32, the cast error for fp16/bf16,
+    ``acc - (+-sign_scale)`` for SIGN1); every other element is unchanged.
+    ``out`` = optional preallocated ``(indices, values, count)``.
+    """
+    n, thr, capacity, L, ve, sscale = _check_select_args(
+        acc, threshold, capacity, bin_size, grad, value_encoding, sign_scale)
+    indices, values, count = _alloc_select_out(out, capacity, ve, acc.device)
+    hm1 = float(h_scale) - 1.0
+    use_h = grad is not None and hm1 != 0.0
+    sent = 0
+    selected = 0
+    if n:
+        if L:
+            ch = max(1, _CHUNK // L) * L
+        else:
+            ch = _CHUNK
+        ch = min(ch, n)
+        # On CPU the per-element passes run in numpy on views of the same memory: its
+        # abs / compare / flatnonzero are 2-3x faster than torch's for this pattern
+        # (torch.nonzero alone costs more than the whole numpy pass). Other devices
+        # (a CUDA tensor without Triton) take the same steps in torch.
+        on_cpu = acc.device.type == "cpu" and _USE_NUMPY
+        tmp = torch.empty(ch, dtype=torch.float32, device=acc.device)
+        mask = torch.empty(ch, dtype=torch.bool, device=acc.device)
+        if on_cpu:
+            tn, mn = tmp.numpy(), mask.numpy()
+            an_all = acc.detach().numpy()
+            gn_all = grad.detach().numpy() if use_h and grad.dtype != torch.bfloat16 else None
+            thr_n = thr.detach().numpy() if L else np.float32(float(thr))
+            hm1_32 = np.float32(hm1)
+        signs = [] if ve == VE_SIGN1 else None
+        for s in range(0, n, ch):
+            e = min(s + ch, n)
+            m = e - s
+            a = acc[s:e]
+            if not on_cpu:
+                c = tmp[:m]
+                if use_h:
+                    c.copy_(grad[s:e]).mul_(hm1).add_(a).abs_()
+                else:
+                    torch.abs(a, out=c)
+                # chunks start on bin boundaries (ch is a multiple of L)
+                tt = thr[s // L: -(-e // L)].repeat_interleave(L)[:m] if L else thr
+                idx = torch.nonzero(c >= tt).view(-1)
+            else:
+                an = an_all[s:e]
+                c = tn[:m]
+                if use_h:
+                    if gn_all is not None:
+                        np.multiply(gn_all[s:e], hm1_32, out=c)
+                    else:
+                        tmp[:m].copy_(grad[s:e]).mul_(hm1)
+                    np.add(c, an, out=c)
+                    np.abs(c, out=c)
+                else:
+                    np.abs(an, out=c)
+                mk = mn[:m]
+                if L:
+                    b0 = s // L
+                    nfull = m // L
+                    if nfull:
+                        np.greater_equal(c[: nfull * L].reshape(nfull, L),
+                                         thr_n[b0:b0 + nfull, None],
+                                         out=mk[: nfull * L].reshape(nfull, L))
+                    if nfull * L < m:
+                        np.greater_equal(c[nfull * L:], thr_n[b0 + nfull], out=mk[nfull * L:])
+                else:
+                    np.greater_equal(c, thr_n, out=mk)
+                idx = torch.from_numpy(np.flatnonzero(mk))
+            k = idx.numel()
+            selected += k
+            room = capacity - sent
+            if room <= 0 or k == 0:
+                continue
+            if k > room:
+                idx = idx[:room]
+                k = room
+            indices[sent:sent + k] = (idx + s).to(torch.int32)
+            v = a[idx]
+            if ve == VE_FP32:
+                values[sent:sent + k] = v
+                a.index_fill_(0, idx, 0.0)
+            elif ve == VE_SIGN1:
+                neg = v < 0
+                signs.append(neg)
+                a.index_copy_(0, idx, v - torch.where(neg, -sscale, sscale))
+            else:
+                vc = v.to(_FLOAT_VE[ve])
+                values[sent:sent + k] = vc
+                a.index_copy_(0, idx, v - vc.float())
+            sent += k
+        if ve == VE_SIGN1 and sent:
+            bits = torch.cat(signs)
+            values[: -(-sent // 8)] = _pack_bits(bits.to(torch.uint8), 1)
+    count[0] = sent
+    count[1] = selected
+    return indices, values, count
+
+
+# --------------------------------------------------------------------------------------
+# 3. quantise + pack, and the inverses
+# --------------------------------------------------------------------------------------
+
+
+def _pack_bits(codes_u8: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack codes (< 2**bits) little-end first: element j -> byte j*bits//8, bit (j*bits)%8."""
+    per = 8 // bits
+    n = codes_u8.numel()
+    nbytes = -(-n * bits // 8)
+    c = codes_u8.to(torch.int32)
+    if nbytes * per != n:
+        c = torch.cat([c, c.new_zeros(nbytes * per - n)])
+    c = c.view(nbytes, per)
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=c.device)
+    return (c << shifts).sum(dim=1).to(torch.uint8)
+
+
+def _unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of _pack_bits: int32[n] codes."""
+    per = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
+    c = (packed.to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)
+    return c.reshape(-1)[:n]
+
+
+def quantize_pack(values: torch.Tensor, bits: int, bucket_size: int, seed: int,
+                  count=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Stochastic rounding to ``bits`` in {8, 4, 2} with one fp32 scale per bucket.
+
+    ``s = 2**(bits-1) - 1``; for bucket ``b`` of ``bucket_size`` consecutive values,
+    ``scale[b] = max |v|`` over the bucket (slots ``j >= count`` count as 0 and get
+    code ``2**(bits-1)``, i.e. q = 0). With ``r = fp32(fp32(|v| * s) / scale)`` and
+    ``u = philox_uniform(seed)[j]``: ``q = sign(v) * min(s, floor(r) + (u < r - floor(r)))``
+    -- the same distribution as ``floor(|v| / scale * s + u)`` (so ``E[q * scale / s] = v``),
+    written so that every fp32 operation is exact or correctly rounded and no
+    multiply-add can be contracted (the kernels are bit-identical). ``scale == 0`` gives
+    q = 0. ``code = q + 2**(bits-1)`` (unsigned, ``bits`` wide), element j at byte
+    ``j*bits // 8``, bit ``(j*bits) % 8``; unused high bits of the last byte are 0.
+
+    Returns ``(codes uint8[ceil(n*bits/8)], scales fp32[ceil(n / bucket_size)])``.
+    """
+    _check_1d("values", values, _FLOAT_DTYPES)
+    bits = _check_bits(bits)
+    B = _check_pos_int("bucket_size", bucket_size)
+    seed = _check_seed(seed)
+    n = values.numel()
+    c = _count_value("count", count, n)
+    s = (1 << (bits - 1)) - 1
+    nb = -(-n // B)
+    v = values.to(torch.float32)
+    if c < n:
+        v = v.clone()
+        v[c:] = 0.0
+    av = v.abs()
+    pad = nb * B - n
+    avp = torch.cat([av, av.new_zeros(pad)]) if pad else av
+    scales = avp.view(nb, B).amax(dim=1) if n else av.new_zeros(0)
+    scale_e = scales.repeat_interleave(B)[:n]
+    r = (av * float(s)) / scale_e
+    r = torch.where(scale_e > 0, r, torch.zeros_like(r))
+    fl = torch.floor(r)
+    u = philox_uniform(seed, n, device=values.device)
+    q = fl + (u < (r - fl)).to(torch.float32)
+    q = torch.clamp(q, max=float(s))
+    q = torch.where(v < 0, -q, q)
+    codes = (q.to(torch.int32) + (1 << (bits - 1))).to(torch.uint8)
+    return _pack_bits(codes, bits), scales
+
+
+def dequantize_unpack(codes: torch.Tensor, scales: torch.Tensor, bits: int,
+                      bucket_size: int, n: int) -> torch.Tensor:
+    """Inverse map of :func:`quantize_pack`: fp32[n] with
+    ``v[j] = fp32(fp32(q_j * scale[j // bucket_size]) / s)``, ``q_j = code_j - 2**(bits-1)``.
+    """
+    _check_1d("codes", codes, (torch.uint8,))
+    _check_1d("scales", scales, (torch.float32,))
+    bits = _check_bits(bits)
+    B = _check_pos_int("bucket_size", bucket_size)
+    n = _check_pos_int("n", n, 0)
+    if codes.numel() < -(-n * bits // 8):
+        raise ValueError(f"codes has {codes.numel()} bytes, needs ceil(n*bits/8) = "
+                         f"{-(-n * bits // 8)} for n={n}, bits={bits}")
+    if scales.numel() < -(-n // B):
+        raise ValueError(f"scales has {scales.numel()} elements, needs ceil(n/bucket_size) = "
+                         f"{-(-n // B)}")
+    s = (1 << (bits - 1)) - 1
+    q = (_unpack_bits(codes[: -(-n * bits // 8)], bits, n) - (1 << (bits - 1))).to(torch.float32)
+    scale_e = scales[: -(-n // B)].repeat_interleave(B)[:n]
+    return (q * scale_e) / float(s)
+
+
+def sign_unpack(bits_u8: torch.Tensor, scale, n: int) -> torch.Tensor:
+    """fp32[n]: ``-scale`` where bit j (bit j%8 of byte j//8) is 1, ``+scale`` otherwise."""
+    _check_1d("bits_u8", bits_u8, (torch.uint8,))
+    n = _check_pos_int("n", n, 0)
+    if bits_u8.numel() < -(-n // 8):
+        raise ValueError(f"bits_u8 has {bits_u8.numel()} bytes, needs ceil(n/8) = {-(-n // 8)}")
+    sc = _scalar_tensor("scale", scale, bits_u8.device)
+    b = _unpack_bits(bits_u8[: -(-n // 8)], 1, n)
+    return torch.where(b.bool(), -sc, sc)
+
+
+# --------------------------------------------------------------------------------------
+# 4. scatter-add decode
+# --------------------------------------------------------------------------------------
+
+
+def _as_2d(name: str, t: Optional[torch.Tensor], P: int, batched: bool):
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if not batched:
+        if t.dim() > 1:
+            raise ValueError(f"{name} must be 1-D when indices is 1-D, got shape {tuple(t.shape)}")
+        t = t.reshape(1, -1)
+    else:
+        if t.dim() == 1 and t.shape[0] == P:
+            t = t.reshape(P, 1)
+        if t.dim() != 2 or t.shape[0] != P:
+            raise ValueError(f"{name} must have shape [P={P}, ...], got {tuple(t.shape)}")
+    return t
+
+
+def _check_scatter_args(dense, indices, count, values, codes, scales, bits, bucket_size,
+                        signs, sign_scale):
+    _check_1d("dense", dense, (torch.float32,))
+    if not isinstance(indices, torch.Tensor) or indices.dim() not in (1, 2):
+        raise ValueError("indices must be a 1-D [cap] or 2-D [P, cap] tensor")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"indices must be int32 or int64, got {indices.dtype}")
+    batched = indices.dim() == 2
+    ind = indices if batched else indices.reshape(1, -1)
+    P, cap = ind.shape
+    cnt = _as_2d("count", count, P, batched)
+    if cnt is None or cnt.shape[1] < 1 or cnt.dtype not in (torch.int32, torch.int64):
+        raise ValueError("count must be an int32 tensor [P, >=1] ([>=1] for 1-D indices)")
+    modes = sum(x is not None for x in (values, codes, signs))
+    if modes != 1:
+        raise ValueError("exactly one of values, codes (+scales, bits), signs (+sign_scale) "
+                         "must be given")
+    vals = _as_2d("values", values, P, batched)
+    if vals is not None:
+        if vals.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"values must be fp32/fp16/bf16, got {vals.dtype}")
+        if vals.shape[1] < cap:
+            raise ValueError(f"values must have >= cap={cap} columns, got {vals.shape[1]}")
+    cds = _as_2d("codes", codes, P, batched)
+    scl = None
+    if cds is not None:
+        bits = _check_bits(bits)
+        bucket_size = _check_pos_int("bucket_size", bucket_size)
+        if cds.dtype != torch.uint8:
+            raise TypeError(f"codes must be uint8, got {cds.dtype}")
+        if cds.shape[1] < -(-cap * bits // 8):
+            raise ValueError(f"codes must have >= ceil(cap*bits/8) = {-(-cap * bits // 8)} "
+                             f"bytes per row, got {cds.shape[1]}")
+        if scales is None:
+            raise ValueError("scales is required with codes")
+        scl = _as_2d("scales", scales, P, batched)
+        if scl.dtype != torch.float32:
+            raise TypeError(f"scales must be fp32, got {scl.dtype}")
+        if scl.shape[1] < -(-cap // bucket_size):
+            raise ValueError(f"scales must have >= ceil(cap/bucket_size) = "
+                             f"{-(-cap // bucket_size)} per row, got {scl.shape[1]}")
+    sgn = _as_2d("signs", signs, P, batched)
+    ssc = None
+    if sgn is not None:
+        if sgn.dtype != torch.uint8:
+            raise TypeError(f"signs must be uint8, got {sgn.dtype}")
+        if sgn.shape[1] < -(-cap // 8):
+            raise ValueError(f"signs must have >= ceil(cap/8) = {-(-cap // 8)} bytes per row, "
+                             f"got {sgn.shape[1]}")
+        if sign_scale is None:
+            raise ValueError("sign_scale is required with signs")
+        if isinstance(sign_scale, torch.Tensor):
+            ssc = sign_scale.reshape(-1).to(torch.float32)
+            if ssc.numel() == 1 and P > 1:
+                ssc = ssc.expand(P)
+            if ssc.numel() != P:
+                raise ValueError(f"sign_scale must have 1 or P={P} elements, got {ssc.numel()}")
+        else:
+            ssc = torch.full((P,), float(sign_scale), dtype=torch.float32, device=dense.device)
+    return ind, P, cap, cnt, vals, cds, scl, bits, bucket_size, sgn, ssc
+
+
+def scatter_add_decode(dense: torch.Tensor, indices: torch.Tensor, count: torch.Tensor,
+                       values: Optional[torch.Tensor] = None, *,
+                       codes: Optional[torch.Tensor] = None,
+                       scales: Optional[torch.Tensor] = None, bits: int = 0,
+                       bucket_size: int = 512, signs: Optional[torch.Tensor] = None,
+                       sign_scale=None, error_flag: Optional[torch.Tensor] = None
+                       ) -> Optional[torch.Tensor]:
+    """``dense[indices[p, j]] += value(p, j)`` for every row p and ``j < count[p, 0]``.
+
+    Value of slot j: ``values[p, j]`` (float), ``dequantize_unpack(codes[p], scales[p],
+    bits, bucket_size)[j]``, or ``+-sign_scale[p]`` from the sign bits. 1-D inputs are a
+    batch of one row. Repeated indices accumulate. Raises IndexError naming the row, slot
+    and index of the first index < 0 or >= dense.numel(), and ValueError for a count
+    outside [0, cap]; nothing is written in either case. Returns ``error_flag`` unchanged
+    (the reference never sets it; errors raise instead).
+    """
+    ind, P, cap, cnt, vals, cds, scl, bits, B, sgn, ssc = _check_scatter_args(
+        dense, indices, count, values, codes, scales, bits, bucket_size, signs, sign_scale)
+    N = dense.numel()
+    counts = cnt[:, 0].tolist()
+    rows_idx, rows_val = [], []
+    for p in range(P):
+        c = int(counts[p])
+        if c < 0 or c > cap:
+            raise ValueError(f"count[{p}] = {c} is outside [0, cap={cap}]")
+        if c == 0:
+            continue
+        ix = ind[p, :c].to(torch.int64)
+        bad = (ix < 0) | (ix >= N)
+        if bool(bad.any()):
+            j = int(torch.nonzero(bad)[0, 0])
+            raise IndexError(f"scatter_add_decode: index {int(ix[j])} at row {p}, slot {j} is "
+                             f"out of range for dense of {N} elements")
+        if vals is not None:
+            v = vals[p, :c].to(torch.float32)
+        elif cds is not None:
+            v = dequantize_unpack(cds[p].contiguous(), scl[p].contiguous(), bits, B, cap)[:c]
+        else:
+            b = _unpack_bits(sgn[p, : -(-c // 8)].contiguous(), 1, c)
+            v = torch.where(b.bool(), -ssc[p], ssc[p])
+        rows_idx.append(ix)
+        rows_val.append(v)
+    if rows_idx:
+        dense.index_add_(0, torch.cat(rows_idx), torch.cat(rows_val))
+    return error_flag

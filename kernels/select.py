@@ -1,0 +1,118 @@
+"""Threshold selection + compaction + residual update (operation 2 of docs/design.md).
+
+One launch; program ``p`` owns elements ``[p*BLOCK, (p+1)*BLOCK)``:
+
+1. criterion ``|acc + (h_scale-1)*grad| >= thr`` (scalar threshold, or
+   ``thr[i // bin_size]``), computed from one read of acc (and grad);
+2. an exclusive ``tl.cumsum`` of the mask gives each selected element its rank inside
+   the block; one ``tl.atomic_add(count[1], k)`` per block reserves ``k`` consecutive
+   slots starting at ``base`` (the old value) and one ``tl.atomic_add(count[0], fit)``
+   adds how many of them fit below ``capacity`` -- after the launch
+   ``count = [sent, selected]`` with ``sent = min(selected, capacity)``;
+3. element with slot ``base + rank < capacity`` writes ``indices[slot]`` and its value
+   (fp32/fp16/bf16 cast of acc; SIGN1: one ``tl.atomic_or`` of its sign bit into the
+   int32 word ``slot // 32`` of a zeroed word buffer, little-endian so bit ``j % 8`` of
+   byte ``j // 8``) and the new residual ``acc - dequant(value)``; everything else keeps
+   acc (selected elements beyond capacity stay in the residual).
+
+Slot order: ascending index within a block; blocks take slots in whatever order their
+atomics land, so *which* selected elements overflow the capacity depends on scheduling.
+Consumers must not depend on slot order. The only extra writes are the zeroing of
+``count`` (8 bytes) and, for SIGN1, of the sign words (capacity/8 bytes).
+"""
+import torch
+import triton
+import triton.language as tl
+
+VE_FP32, VE_FP16, VE_BF16, VE_SIGN1 = 0, 1, 2, 6
+_VE_DTYPE = {VE_FP32: torch.float32, VE_FP16: torch.float16, VE_BF16: torch.bfloat16}
+
+
+@triton.jit
+def _select_compact_kernel(acc_ptr, grad_ptr, thr_ptr, idx_ptr, val_ptr, sign_ptr,
+                           count_ptr, sscale_ptr, n, capacity, L, hm1,
+                           HAS_GRAD: tl.constexpr, PER_BIN: tl.constexpr,
+                           VE: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < n
+    a = tl.load(acc_ptr + offs, mask=inb, other=0.0)
+    if HAS_GRAD:
+        g = tl.load(grad_ptr + offs, mask=inb, other=0.0).to(tl.float32)
+        h = a + g * hm1
+    else:
+        h = a
+    if PER_BIN:
+        thr = tl.load(thr_ptr + offs // L, mask=inb, other=float("inf"))
+    else:
+        thr = tl.load(thr_ptr)
+    sel = (tl.abs(h) >= thr) & inb
+    seli = sel.to(tl.int32)
+    k = tl.sum(seli, axis=0)
+    rank = tl.cumsum(seli, axis=0) - seli
+    base = tl.atomic_add(count_ptr + 1, k)
+    fit = tl.minimum(tl.maximum(capacity - base, 0), k)
+    tl.atomic_add(count_ptr, fit)
+    slot = base + rank
+    w = sel & (slot < capacity)
+    tl.store(idx_ptr + slot, offs.to(tl.int32), mask=w)
+    if VE == 6:  # SIGN1
+        ss = tl.load(sscale_ptr)
+        neg = a < 0
+        newa = a - tl.where(neg, -ss, ss)
+        bit = tl.full([BLOCK], 1, tl.int32) << (slot & 31)
+        tl.atomic_or(sign_ptr + (slot >> 5), bit, mask=w & neg)
+    elif VE == 0:
+        tl.store(val_ptr + slot, a, mask=w)
+        newa = tl.zeros_like(a)
+    else:
+        vc = a.to(val_ptr.dtype.element_ty)
+        tl.store(val_ptr + slot, vc, mask=w)
+        newa = a - vc.to(tl.float32)
+    tl.store(acc_ptr + offs, newa, mask=w)
+
+
+def select_compact(acc, threshold, capacity, *, bin_size=0, grad=None, h_scale=1.0,
+                   value_encoding=VE_FP32, sign_scale=None, out=None, block=1024):
+    """Triton version of ``hvdsparse.reference.select_compact`` (arguments already
+    validated by ``hvdsparse.ops``: ``threshold`` an fp32 tensor, 0-d or [nbins] with
+    ``bin_size > 0``; ``sign_scale`` an fp32 1-element tensor for SIGN1).
+
+    Returns ``(indices int32[capacity], values, count int32[2])`` as the reference, slot
+    order as described in the module docstring. ``out`` = optional preallocated
+    ``(indices, values, count)``; count is zeroed here (and SIGN1 values rewritten).
+    """
+    n = acc.numel()
+    dev = acc.device
+    ve = int(value_encoding)
+    capacity = int(capacity)
+    nbytes = -(-capacity // 8)
+    if out is None:
+        indices = torch.empty(capacity, dtype=torch.int32, device=dev)
+        count = torch.zeros(2, dtype=torch.int32, device=dev)
+        values = None if ve == VE_SIGN1 else torch.empty(capacity, dtype=_VE_DTYPE[ve], device=dev)
+    else:
+        indices, values, count = out
+        count.zero_()
+    words = None
+    if ve == VE_SIGN1:
+        words = torch.zeros(max(1, -(-capacity // 32)), dtype=torch.int32, device=dev)
+        sign_bytes = words.view(torch.uint8)[:nbytes]
+        if values is None:
+            values = sign_bytes
+    per_bin = threshold.dim() > 0 and bin_size > 0
+    thr = threshold if per_bin else threshold.reshape(1)
+    hm1 = float(h_scale) - 1.0
+    has_grad = grad is not None and hm1 != 0.0
+    if n:
+        dummy = acc
+        grid = (triton.cdiv(n, block),)
+        _select_compact_kernel[grid](
+            acc, grad if has_grad else dummy, thr, indices,
+            values if ve != VE_SIGN1 else dummy, words if words is not None else indices,
+            count, sign_scale.reshape(1) if ve == VE_SIGN1 else dummy,
+            n, capacity, max(int(bin_size), 1), hm1,
+            HAS_GRAD=has_grad, PER_BIN=per_bin, VE=ve, BLOCK=block)
+    if ve == VE_SIGN1 and values.data_ptr() != sign_bytes.data_ptr():
+        values.copy_(sign_bytes)
+    return indices, values, count

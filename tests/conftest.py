@@ -1,0 +1,11 @@
+"""Shared pytest configuration.
+
+TRITON_INTERPRET must be set before anything imports triton (Triton's helpers such as
+tl.sum are jit functions created at import time), so it is set here, at the very top.
+It only matters for tests that run Triton kernels on CPU tensors (tests/test_kernels.py
+forces them with HVDSPARSE_FORCE_TRITON=1); every other test takes the CPU reference
+path, which hvdsparse.ops picks for CPU tensors anyway.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,138 @@
+"""Decisions of the ``exchange="auto"`` cost model (hvdsparse/exchange/cost_model.py)
+at P = 2 .. 1024; no Horovod needed. Expected regimes are derived by hand from the
+formulas in the module docstring."""
+import math
+
+import pytest
+
+from hvdsparse.exchange import check_exchange
+from hvdsparse.exchange.cost_model import (BucketFigures, choose, costs, dense_allreduce_bytes,
+                                           sparcml_delta, split_dense_value_bytes)
+
+PS = [2 ** i for i in range(1, 11)]          # 2 .. 1024
+N = 1_000_000
+
+
+def fig(P, density, **kw):
+    k = math.ceil(density * N)
+    # encoded bucket: int32 index + fp32 value per slot, plus a small codec header
+    kw.setdefault("wire_nbytes", 8 * k + 96)
+    return BucketFigures(world_size=P, numel=N, capacity=k, **kw)
+
+
+def test_costs_match_formulas():
+    f = fig(8, 0.01)
+    c = costs(f)
+    k = 10_000
+    assert c["allgather"] == 7 * (8 * k + 96)
+    assert c["dense"] == pytest.approx(2 * 7 / 8 * N * 4)
+    # split: (P-1)/P k (c+v) + (P-1)/P (min(K (c+v), 4N) + P*16), K = min(N, P k)
+    assert c["split"] == pytest.approx(7 / 8 * 8 * k + 7 / 8 * (min(8 * k * 8, 4 * N) + 8 * 16))
+
+
+@pytest.mark.parametrize("P", PS)
+def test_one_percent_fp32(P):
+    """k/N = 1 %: allgather ((P-1) 8k) against split ((P-1)/P (8k + min(8Pk, 4N))):
+    while P k < N/2 split costs (P-1)/P 8k (P+1) > allgather; beyond, split wins once
+    P > 1 + N/(2k) = 51. So allgather up to P = 32, split from P = 64; dense fp32
+    (~8N) never wins because split's gathered ranges are at most 4N."""
+    s = choose(fig(P, 0.01))
+    assert s == ("allgather" if P <= 32 else "split"), (P, costs(fig(P, 0.01)))
+    assert costs(fig(P, 0.01))["dense"] > costs(fig(P, 0.01))["split"]
+
+
+@pytest.mark.parametrize("P", PS)
+def test_one_percent_fp16_dense(P):
+    """With an fp16 dense allreduce (4N) versus split's ~ 0.08 N + 4N, dense wins once the
+    union is dense (P*k >= N/2, i.e. P >= 64 at 1 %); below, allgather."""
+    f = fig(P, 0.01, dense_value_bytes=2)
+    s = choose(f)
+    if P <= 32:
+        assert s == "allgather", (P, costs(f))
+    elif P >= 128:
+        assert s == "dense", (P, costs(f))
+
+
+@pytest.mark.parametrize("P", PS)
+def test_dense_gradient_prefers_dense(P):
+    """A layer sent dense (capacity = N, DENSE segment, 4N bytes): allgather costs
+    4N(P-1) > 8N(P-1)/P for P >= 2 once headers count; split ships pairs (8N) in phase 1:
+    dense wins at every P."""
+    f = BucketFigures(world_size=P, numel=N, capacity=N, wire_nbytes=4 * N + 96)
+    assert choose(f) == "dense", costs(f)
+
+
+@pytest.mark.parametrize("P", PS)
+def test_very_sparse_bytes_vs_latency(P):
+    """k/N = 1e-5 (10 pairs, 80 bytes; the codec's 96-byte header dominates the encoded
+    bucket): by bytes alone split wins (its phase 1 ships (P-1)/P of the raw pairs and
+    its ranges carry a 16-byte header), but with a latency charge of 1 KiB per message
+    allgather's single collective wins at every P."""
+    f = fig(P, 1e-5)
+    assert choose(f) == "split", costs(f)
+    assert choose(f, alpha_bytes=1024) == "allgather", costs(f, 1024)
+
+
+@pytest.mark.parametrize("P", PS)
+def test_history_moves_split(P):
+    """The previous step's reduced count K (known to every rank) replaces the bound
+    min(N, P k): with full overlap (K = k) split costs (P-1)/P (16k + 16P), below
+    allgather's (P-1)(8k + 96) at every P >= 2."""
+    k = 10_000
+    base = fig(P, 0.01)
+    f = fig(P, 0.01, prev_reduced=k, prev_pairs=k)
+    c = costs(f)
+    assert c["split"] <= costs(base)["split"]
+    assert c["split"] == pytest.approx((P - 1) / P * (8 * k + 8 * k + P * 16))
+    assert choose(f) == "split", c
+    assert choose(base) == ("allgather" if P <= 32 else "split")
+
+
+@pytest.mark.parametrize("P", PS)
+def test_quantised_dense_phase_cheapens_split(P):
+    f32, f8 = fig(P, 0.05), fig(P, 0.05, split_dense_bits=8)
+    assert costs(f8)["split"] <= costs(f32)["split"]
+    if P >= 32:   # union dense: gathered ranges 1 byte/elem instead of 4
+        assert costs(f8)["split"] < 0.5 * costs(f32)["split"]
+        assert choose(f8) == "split"
+
+
+def test_monotone_in_P_and_ties():
+    prev = None
+    for P in PS:
+        c = costs(fig(P, 0.01))
+        if prev:
+            assert all(c[s] >= prev[s] for s in c)
+        prev = c
+    # P = 1: nothing moves, allgather (a local copy) is chosen
+    f = BucketFigures(world_size=1, numel=10, capacity=1, wire_nbytes=100)
+    assert costs(f) == {"allgather": 0.0, "split": 0.0, "dense": 0.0}
+    assert choose(f) == "allgather"
+    assert choose(fig(1024, 0.01), allowed=("allgather", "dense")) == "dense"
+    with pytest.raises(ValueError, match="no allowed strategy"):
+        choose(fig(2, 0.01), allowed=())
+
+
+def test_latency_term_penalises_many_messages():
+    """alpha_bytes charges per message: for a tiny bucket at large P the ring allreduce's
+    2(P-1) messages cost more than allgather's P-1."""
+    f = BucketFigures(world_size=512, numel=64, capacity=64, wire_nbytes=4 * 64 + 96)
+    assert choose(f) == "dense"
+    assert choose(f, alpha_bytes=10_000) == "allgather"
+
+
+def test_sparcml_delta_and_helpers():
+    assert sparcml_delta(1000, 8, 4) == 500            # fp32 pairs vs fp32 dense
+    assert split_dense_value_bytes(0, 512) == 4.0
+    assert split_dense_value_bytes(4, 512) == pytest.approx(0.5 + 4 / 512)
+    assert dense_allreduce_bytes(4, 100) == pytest.approx(600.0)
+    assert dense_allreduce_bytes(1, 100) == 0.0
+    with pytest.raises(ValueError, match="world_size"):
+        costs(BucketFigures(world_size=0, numel=1, capacity=1, wire_nbytes=1))
+
+
+def test_check_exchange():
+    for name in ("auto", "allgather", "split", "dense"):
+        assert check_exchange(name) == name
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        check_exchange("ring")

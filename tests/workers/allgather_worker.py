@@ -1,0 +1,286 @@
+"""Random payload generator, independent dense reference, and the horovodrun worker that
+allgathers encoded messages (run by tests/test_allgather_hvd.py with ``-np 2``).
+
+The generator keeps the ground truth of every segment (absolute element index and
+decoded value of every used slot) computed with plain numpy, without hvdsparse's codec
+or ops, so the codec's decoders are checked against an independent reference. The value
+of a quantised code is decoded here by a tiny decoder written from the documented format
+(code of slot j in byte ``j*b//8`` at bit ``(j*b)%8``, ``v = (code - 2^(b-1)) *
+scale[j//Q] / (2^(b-1)-1)``); SIGN1 bit j%8 of byte j//8, 1 = negative.
+
+Worker checks (each rank):
+1. message 1: same layout on all ranks (shared seed), different data per rank
+   (per-rank seeds); ``hvd.allgather`` of the encoded buffers; every gathered row is
+   byte-identical to the encoding of that rank's regenerated payloads; ``accumulate``
+   (tensor [P, n] form, list form, validate=False) equals the numpy sum over ranks.
+2. message 2: per-rank layouts (different capacities / encodings, same layer shapes),
+   so encoded lengths differ: ``hvd.allgather`` with unequal first dims, split by the
+   allgathered per-rank sizes, ``decode`` each part, check its layout signature, sum the
+   ``payload_to_dense`` of every rank's decoded segments and compare to the reference.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import List
+
+import numpy as np
+import torch
+
+from hvdsparse.payload import (FLOAT_DTYPES, QUANT_BITS, IndexEncoding, LayerPayload, Segment,
+                               ValueEncoding)
+
+IE, VE = IndexEncoding, ValueEncoding
+ALL_IE = list(IndexEncoding)
+ALL_VE = list(ValueEncoding)
+
+
+# --------------------------------------------------------------------------- layout
+
+def seg_spec(rng: np.random.Generator, numel: int, ienc, venc) -> dict:
+    """Host-known description of one segment (capacity, bin size, quant bucket,
+    implicit indices), drawn at random for the encoding pair."""
+    ienc, venc = IE(ienc), VE(venc)
+    if ienc == IE.DENSE:
+        cap = numel
+    elif ienc == IE.INT32:
+        cap = int(rng.integers(0, numel + 4))         # may exceed numel
+    else:
+        cap = int(rng.integers(0, numel + 1))
+    spec = dict(ienc=ienc, venc=venc, cap=cap, bin_size=0, qb=512, implicit=None)
+    if ienc == IE.BIN_U8:
+        spec["bin_size"] = int(rng.choice([1, 2, 7, 16, 100, 256]))
+    elif ienc == IE.BIN_U16:
+        spec["bin_size"] = int(rng.choice([1, 3, 64, 257, 1000, 65536]))
+    elif ienc == IE.IMPLICIT:
+        spec["implicit"] = rng.permutation(numel)[:cap].astype(np.int64)
+    if venc in QUANT_BITS:
+        spec["qb"] = int(rng.choice([1, 3, 8, 32, 512]))
+    return spec
+
+
+def random_layout(rng: np.random.Generator, n_layers: int = 3, max_numel: int = 300,
+                  shapes=None, pairs=None) -> list:
+    """[(name, shape, [spec, ...]), ...]; ``shapes`` fixes the layer shapes, ``pairs``
+    (list of (ienc, venc) per segment, flattened over layers) fixes the encodings."""
+    layout = []
+    k = 0
+    for li in range(n_layers if shapes is None else len(shapes)):
+        if shapes is None:
+            numel = int(rng.choice([1, int(rng.integers(1, max_numel + 1))]))
+            shape = (numel,) if rng.random() < 0.5 or numel % 2 else (2, numel // 2)
+        else:
+            shape = tuple(shapes[li])
+        numel = int(np.prod(shape))
+        nseg = 1 if pairs is not None else int(rng.integers(1, 3))
+        specs = []
+        for _ in range(nseg):
+            if pairs is not None:
+                ienc, venc = pairs[k % len(pairs)]
+            else:
+                ienc, venc = ALL_IE[rng.integers(len(ALL_IE))], ALL_VE[rng.integers(len(ALL_VE))]
+            k += 1
+            specs.append(seg_spec(rng, numel, ienc, venc))
+        layout.append((f"layer{li}", shape, specs))
+    return layout
+
+
+# --------------------------------------------------------------------------- data
+
+def _decode_code(codes: np.ndarray, scales: np.ndarray, bits: int, qb: int, j: int) -> float:
+    byte = int(codes[(j * bits) // 8])
+    code = (byte >> ((j * bits) % 8)) & ((1 << bits) - 1)
+    q = code - (1 << (bits - 1))
+    s = (1 << (bits - 1)) - 1
+    return float(np.float32(np.float32(q) * np.float32(scales[j // qb])) / np.float32(s))
+
+
+def fill_segment(rng: np.random.Generator, numel: int, spec: dict, count=None):
+    """(Segment, truth) with random data; truth = (abs_idx int64[count], vals f64[count])."""
+    ienc, venc, cap = spec["ienc"], spec["venc"], spec["cap"]
+    maxc = cap if ienc in (IE.DENSE, IE.IMPLICIT) else min(cap, numel)
+    if count is None:
+        count = int(rng.integers(0, maxc + 1))
+    assert 0 <= count <= maxc
+    # ---- indices
+    indices = bin_counts = None
+    if ienc == IE.DENSE:
+        abs_idx = np.arange(count, dtype=np.int64)
+    elif ienc == IE.IMPLICIT:
+        abs_idx = spec["implicit"][:count].copy()
+    elif ienc == IE.INT32:
+        abs_idx = rng.permutation(numel)[:count].astype(np.int64)
+        arr = rng.integers(-2 ** 31, 2 ** 31, size=cap).astype(np.int32)  # garbage padding
+        arr[:count] = abs_idx
+        indices = torch.from_numpy(arr)
+    elif ienc in (IE.BIN_U8, IE.BIN_U16):
+        L = spec["bin_size"]
+        nbins = -(-numel // L)
+        chosen = rng.permutation(numel)[:count]
+        # sorted by bin, arbitrary order inside a bin
+        order = np.lexsort((rng.random(count), chosen // L))
+        abs_idx = chosen[order].astype(np.int64)
+        bc = np.bincount(abs_idx // L, minlength=nbins).astype(np.int32)
+        rel = np.empty(cap, dtype=np.int64)
+        rel[:] = rng.integers(0, 256 if ienc == IE.BIN_U8 else 65536, size=cap)
+        rel[:count] = abs_idx % L
+        if ienc == IE.BIN_U8:
+            indices = torch.from_numpy(rel.astype(np.uint8))
+        else:
+            indices = torch.from_numpy(rel.astype(np.uint16).view(np.int16))
+        bin_counts = torch.from_numpy(bc)
+    else:  # BITMASK
+        abs_idx = np.sort(rng.permutation(numel)[:count]).astype(np.int64)
+        bits = np.zeros(-(-numel // 8) * 8, dtype=np.uint8)
+        bits[abs_idx] = 1
+        indices = torch.from_numpy(np.packbits(bits, bitorder="little"))
+    # ---- values
+    scales = None
+    if venc in FLOAT_DTYPES:
+        values = torch.randn(cap, generator=torch.Generator().manual_seed(
+            int(rng.integers(2 ** 62)))).to(FLOAT_DTYPES[venc])
+        vals = values[:count].double().numpy()
+    elif venc in QUANT_BITS:
+        b, qb = QUANT_BITS[venc], spec["qb"]
+        codes = rng.integers(0, 256, size=-(-cap * b // 8)).astype(np.uint8)
+        sc = rng.uniform(0.1, 2.0, size=-(-cap // qb)).astype(np.float32)
+        values, scales = torch.from_numpy(codes), torch.from_numpy(sc)
+        vals = np.array([_decode_code(codes, sc, b, qb, j) for j in range(count)])
+    else:  # SIGN1
+        signs = rng.integers(0, 256, size=-(-cap // 8)).astype(np.uint8)
+        sc = np.array([rng.uniform(0.1, 2.0)], dtype=np.float32)
+        values, scales = torch.from_numpy(signs), torch.from_numpy(sc)
+        vals = np.array([-float(sc[0]) if (signs[j // 8] >> (j % 8)) & 1 else float(sc[0])
+                         for j in range(count)])
+    seg = Segment(numel=numel, capacity=cap, index_encoding=ienc, value_encoding=venc,
+                  count=torch.tensor([count], dtype=torch.int32), values=values,
+                  indices=indices, scales=scales, bin_counts=bin_counts,
+                  bin_size=spec["bin_size"], quant_bucket=spec["qb"],
+                  implicit_indices=None if spec["implicit"] is None
+                  else torch.from_numpy(spec["implicit"].copy()))
+    return seg, (abs_idx, np.asarray(vals, dtype=np.float64))
+
+
+def fill_payloads(rng: np.random.Generator, layout, device="cpu"):
+    """(list[LayerPayload], truths[layer][segment])."""
+    payloads, truths = [], []
+    for name, shape, specs in layout:
+        numel = int(np.prod(shape))
+        segs, tr = [], []
+        for spec in specs:
+            seg, t = fill_segment(rng, numel, spec)
+            segs.append(seg)
+            tr.append(t)
+        if device != "cpu":
+            for seg in segs:
+                for f in ("count", "values", "indices", "scales", "bin_counts",
+                          "implicit_indices"):
+                    if getattr(seg, f) is not None:
+                        setattr(seg, f, getattr(seg, f).to(device))
+        payloads.append(LayerPayload(name, torch.Size(shape), segs))
+        truths.append(tr)
+    return payloads, truths
+
+
+def dense_reference(layout, truths_per_rank) -> List[np.ndarray]:
+    """float64 dense sum over ranks (plain Python loop over the truth)."""
+    outs = [np.zeros(int(np.prod(shape))) for _, shape, _ in layout]
+    for truths in truths_per_rank:
+        for li, tr in enumerate(truths):
+            for abs_idx, vals in tr:
+                for i, v in zip(abs_idx.tolist(), vals.tolist()):
+                    outs[li][i] += v
+    return outs
+
+
+def assert_close(got: torch.Tensor, ref: np.ndarray, what: str):
+    g = got.detach().cpu().double().reshape(-1).numpy()
+    if g.shape != ref.shape or not np.allclose(g, ref, rtol=1e-5, atol=1e-5):
+        bad = np.nonzero(~np.isclose(g, ref, rtol=1e-5, atol=1e-5))[0] if g.shape == ref.shape \
+            else "shape"
+        raise AssertionError(f"{what}: mismatch at {bad if isinstance(bad, str) else bad[:10]}"
+                             f"\n got {g[:20]}\n ref {ref[:20]}")
+
+
+# --------------------------------------------------------------------------- worker
+
+def main():
+    import horovod.torch as hvd
+    from hvdsparse import codec
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    seed = torch.tensor([int.from_bytes(os.urandom(4), "little") if rank == 0 else 0],
+                        dtype=torch.int64)
+    seed = int(hvd.broadcast(seed, root_rank=0, name="seed").item())
+    print(f"rank {rank}: base seed {seed}", flush=True)
+
+    # ---------------- message 1: shared layout, per-rank data
+    pairs = [(i, v) for i in ALL_IE for v in ALL_VE]           # all 42 combinations
+    layout = random_layout(np.random.default_rng(seed), max_numel=200, pairs=pairs,
+                           shapes=[(int(n),) for n in
+                                   np.random.default_rng(seed + 1).integers(1, 120, 42)])
+    def rank_data(r):
+        return fill_payloads(np.random.default_rng([seed, 1, r]), layout)
+    mine, _ = rank_data(rank)
+    buf = codec.encode(mine)
+    assert buf.numel() == codec.encoded_nbytes(mine)
+    gathered = hvd.allgather(buf.unsqueeze(0), name="msg1")
+    assert gathered.shape == (size, buf.numel()), gathered.shape
+    all_truths = []
+    for r in range(size):
+        pr, tr = rank_data(r)
+        all_truths.append(tr)
+        expect = codec.encode(pr)
+        assert torch.equal(gathered[r], expect), f"gathered row {r} != encoding of rank {r}"
+    assert any(not torch.equal(gathered[0], gathered[r]) for r in range(1, size)), \
+        "all ranks sent identical messages: the test would not see a mix-up"
+    ref = dense_reference(layout, all_truths)
+    for form, validate in (("tensor", True), ("list", True), ("tensor", False)):
+        outs = [torch.zeros(p.numel) for p in mine]
+        bufs = gathered if form == "tensor" else list(gathered.unbind(0))
+        codec.accumulate(bufs, mine, outs, validate=validate)
+        for li, (o, rf) in enumerate(zip(outs, ref)):
+            assert_close(o, rf, f"msg1 accumulate({form}, validate={validate}) layer {li}")
+    print(f"rank {rank}: message 1 ok ({buf.numel()} bytes x {size})", flush=True)
+
+    # ---------------- message 2: per-rank layouts -> unequal lengths
+    shapes = [(int(n),) for n in np.random.default_rng(seed + 2).integers(1, 300, 6)]
+    def rank_layout(r):
+        return random_layout(np.random.default_rng([seed, 2, r]), shapes=shapes)
+    def rank_data2(r):
+        return fill_payloads(np.random.default_rng([seed, 3, r]), rank_layout(r))
+    mine2, _ = rank_data2(rank)
+    buf2 = codec.encode(mine2)
+    sizes = hvd.allgather(torch.tensor([buf2.numel()], dtype=torch.int64), name="sizes")
+    flat = hvd.allgather(buf2, name="msg2")
+    sizes = sizes.tolist()
+    assert flat.numel() == sum(sizes), (flat.numel(), sizes)
+    assert len(set(sizes)) > 1 or size == 1, f"lengths should differ per rank: {sizes}"
+    parts = torch.split(flat, sizes)
+    total = [torch.zeros(int(np.prod(s))) for s in shapes]
+    truths2 = []
+    for r, part in enumerate(parts):
+        pr, tr = rank_data2(r)
+        truths2.append(tr)
+        dec = codec.decode(part)
+        assert codec.layout_signature(pr) == tuple(
+            (p.numel, tuple((d.numel, d.capacity, int(d.index_encoding), int(d.value_encoding),
+                             d.bin_size, d.quant_bucket)
+                            for d in dec if d.layer == li)) for li, p in enumerate(pr)), \
+            f"rank {r}: decoded layout != its layout"
+        flat_tmpl = [seg for p in pr for seg in p.segments]
+        for d, tseg in zip(dec, flat_tmpl):
+            seg = d.as_segment(implicit_indices=tseg.implicit_indices)
+            lp = LayerPayload("x", torch.Size([d.numel]), [seg])
+            total[d.layer] += codec.payload_to_dense(lp)
+    ref2 = dense_reference([(n, s, None) for n, s, _ in rank_layout(0)], truths2)
+    for li, (o, rf) in enumerate(zip(total, ref2)):
+        assert_close(o, rf, f"msg2 layer {li}")
+    print(f"rank {rank}: message 2 ok (sizes {sizes})", flush=True)
+    hvd.shutdown()
+    print(f"HVDSPARSE-OK rank={rank}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,11 +18,12 @@ are the test set. Every process loads the same data and draws the same batches.
 Transport: ``torch.distributed`` point-to-point ``send``/``recv`` on the Gloo backend.
 Horovod only offers collectives (allreduce / allgather / broadcast / alltoall over
 all ranks of a process set), no point-to-point messages, so the split crossing uses
-torch.distributed directly. Each message is an int64 length (8 bytes) followed by the
-payload: with ``--sparsity > 0`` the codec message of :class:`hvdsparse.mp.SplitSender`
-(forward) / :class:`SplitReceiver` (backward, values only); with ``--sparsity 0`` the raw
-fp32 activation / gradient (the uncompressed baseline). Bytes are counted per
-direction, length prefix included.
+torch.distributed directly. One message per direction and step: with ``--sparsity > 0``
+the codec message of :class:`hvdsparse.mp.SplitSender` (forward) /
+:class:`SplitReceiver` (backward, values only); with ``--sparsity 0`` the raw fp32
+activation / gradient (the uncompressed baseline). Message lengths are fixed by the
+shapes and settings, so both sides post receives of the right size without a length
+message. Bytes are counted per direction (everything that is sent).
 
 Hybrid (``--replicas R``): ``2R`` processes, rank ``2r + s`` is stage ``s`` of replica
 ``r``; each replica trains on its own slice of every batch (the global batch is split
@@ -133,7 +134,9 @@ def build_stage(stage: int, seed: int) -> nn.Module:
 
 # ---------------------------------------------------------------------- point-to-point
 class Link:
-    """Length-prefixed uint8 / fp32 messages to one peer, with byte counters."""
+    """Messages to one peer with byte counters. Both sides know every message length
+    in advance (fixed-capacity codec layouts, see ``SplitReceiver.message_nbytes`` /
+    ``SplitSender.grad_message_nbytes``), so no length message is exchanged."""
 
     def __init__(self, peer: int):
         self.peer = peer
@@ -142,19 +145,13 @@ class Link:
 
     def send(self, t: torch.Tensor):
         t = t.detach().contiguous()
-        nbytes = t.numel() * t.element_size()
-        dist.send(torch.tensor([nbytes], dtype=torch.int64), self.peer)
         dist.send(t, self.peer)
-        self.sent += nbytes + 8
+        self.sent += t.numel() * t.element_size()
 
-    def recv(self, dtype=torch.uint8) -> torch.Tensor:
-        n = torch.zeros(1, dtype=torch.int64)
-        dist.recv(n, self.peer)
-        nbytes = int(n.item())
-        itemsize = torch.tensor([], dtype=dtype).element_size()
-        t = torch.empty(nbytes // itemsize, dtype=dtype)
+    def recv(self, numel: int, dtype=torch.uint8) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype)
         dist.recv(t, self.peer)
-        self.received += nbytes + 8
+        self.received += t.numel() * t.element_size()
         return t
 
 
@@ -237,18 +234,18 @@ def run_one(args, sparsity, rank, world, links_dp):
             act = model(Xtr[idx])
             link.send(sender.pack(act) if sender else act)
             if sender:
-                g = sender.unpack_grad(link.recv(torch.uint8))
+                g = sender.unpack_grad(link.recv(sender.grad_message_nbytes()))
             else:
-                g = link.recv(torch.float32).view_as(act)
+                g = link.recv(act.numel(), torch.float32).view_as(act)
             act.backward(g)
             fwd_bytes.append(link.sent - s0)
             bwd_bytes.append(link.received - r0)
             loss_val = float("nan")
         else:
             if receiver:
-                x = receiver.unpack(link.recv(torch.uint8), len(idx))
+                x = receiver.unpack(link.recv(receiver.message_nbytes(len(idx))), len(idx))
             else:
-                x = link.recv(torch.float32).view(len(idx), D_SPLIT)
+                x = link.recv(len(idx) * D_SPLIT, torch.float32).view(len(idx), D_SPLIT)
             x.requires_grad_(True)
             loss = nn.functional.cross_entropy(model(x), ytr[idx])
             loss.backward()
@@ -276,9 +273,10 @@ def run_one(args, sparsity, rank, world, links_dp):
                 link.send(sender.pack(act) if sender else act)
             else:
                 if receiver:
-                    x = receiver.unpack(link.recv(torch.uint8), len(yte))
+                    x = receiver.unpack(link.recv(receiver.message_nbytes(len(yte))),
+                                        len(yte))
                 else:
-                    x = link.recv(torch.float32).view(len(yte), D_SPLIT)
+                    x = link.recv(len(yte) * D_SPLIT, torch.float32).view(len(yte), D_SPLIT)
                 out = model(x)
                 test_loss = nn.functional.cross_entropy(out, yte).item()
                 acc = (out.argmax(1) == yte).float().mean().item()

@@ -13,7 +13,15 @@ The two weight matrices (256x64 = 16384 and 10x256 = 2560 elements) are above th
 default policy. The test asserts that compression really happens on the weights.
 
 Pass criterion: test accuracy within 1 percentage point of the dense baseline trained
-with the same seed, data split, batches and schedule.
+with the same seed, data split, batches and schedule (SGD, momentum 0.9, lr 0.1 with
+cosine decay, 60 epochs of 4 x 32 samples per step, ~540 steps). Measured while
+writing this test on seeds 1234 / 1 / 2 and hidden widths 256 / 128, every compressor
+was within -0.4 .. +0.9 pp of its dense baseline.
+
+SlimDP uses ``core_period=100`` (the paper's q = 20k-50k is for runs of 10^5+ steps; a
+core that is never re-selected in a 540-step run would test nothing); Threshold uses
+the paper's default life-span L = 1000, i.e. its threshold is computed once at step 0
+and kept (raised by the overflow guard) for the whole run.
 """
 from __future__ import annotations
 
@@ -27,10 +35,11 @@ from hvdsparse.codec import payload_to_dense
 from hvdsparse.compressors import AdaComp, NoCompression, QSGD, SlimDP, Threshold, TopK
 
 SEED = 1234
+HIDDEN = 256
 WORKERS = 4
-BATCH = 16          # per worker
-EPOCHS = 40
-LR = 0.05
+BATCH = 32          # per worker
+EPOCHS = 60
+LR = 0.1
 MOMENTUM = 0.9
 
 
@@ -46,8 +55,8 @@ def _data():
 
 def _model():
     torch.manual_seed(SEED)
-    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
-                               torch.nn.Linear(256, 10))
+    return torch.nn.Sequential(torch.nn.Linear(64, HIDDEN), torch.nn.ReLU(),
+                               torch.nn.Linear(HIDDEN, 10))
 
 
 def train(make_compressor, data):
@@ -109,7 +118,14 @@ def _baseline(data):
 
 @pytest.fixture(scope="module")
 def data():
-    return _data()
+    # tiny tensors: intra-op threading only adds overhead (and collapses on a loaded
+    # 2-core machine); restore the caller's setting afterwards
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield _data()
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("label,make", CASES, ids=[c[0] for c in CASES])

@@ -33,6 +33,8 @@ Deviations (documented):
   :meth:`Compressor.stats` as ``effective_rate = 32 n / (8 * effective_bytes)`` with
   ``effective_bytes = sent * (index bytes + 1/8) + 4 (scale) + 4 * nbins (bin counts)
   + 4 (count)``; ``compression_rate`` uses the fixed capacity (what travels).
+  ``stats()[name]["threshold"]`` is the layer scale ``s``; ``selected`` counts every
+  element that passed the compare (before the per-bin cap), ``sent`` what travelled.
 """
 from __future__ import annotations
 

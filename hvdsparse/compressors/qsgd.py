@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from ..payload import ValueEncoding
 from .base import PURPOSE_QUANT, Compressor
-from .topk import _check_bool, _check_quant_bucket
+from .topk import _check_bool
 
 __all__ = ["QSGD"]
 

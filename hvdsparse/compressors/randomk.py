@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
 from ..payload import IndexEncoding, LayerPayload, Segment
 from .base import uniform, PURPOSE_INDICES, PURPOSE_QUANT, Compressor, check_values, k_of
 from .topk import _check_bool, _check_quant_bucket, _wrap

@@ -18,7 +18,8 @@ Per layer of ``n`` elements, each step sends the *communication set* ``T_C`` =
 
 Before every re-selection (``(t + 1) % q == 0``) the whole layer is pushed dense, as in
 Algorithm 1 ("if (t+1)%q == 0: Push(delta)"), so the averaged gradient that feeds the
-significance is complete (``dense_before_reselect=True``).
+significance is complete (``dense_before_reselect=True``; not with ``core_period=1``,
+where it would make every step dense -- the core then comes from the sparse average).
 
 Wire cost (fp32 values, int32 indices): core ``beta n`` values + explorer
 ``(alpha - beta) n`` (index, value) pairs = ``beta n + 2 (alpha - beta) n =
@@ -46,7 +47,6 @@ import math
 
 import torch
 
-from .. import ops
 from ..payload import FLOAT_BYTES, QUANT_BITS, IndexEncoding, LayerPayload, Segment
 from .base import (uniform, PURPOSE_CORE, PURPOSE_EXPLORE, PURPOSE_QUANT, TINY, Compressor,
                    check_values)
@@ -166,7 +166,7 @@ class SlimDP(Compressor):
         qseed = self._seed(name, step, PURPOSE_QUANT)
         vb = FLOAT_BYTES[enc] if enc in FLOAT_BYTES else QUANT_BITS[enc] / 8.0
         worth = core_size * vb + ex_size * (4 + vb) < n * vb
-        push_all = cfg["dense_before_reselect"] and (step + 1) % q == 0
+        push_all = cfg["dense_before_reselect"] and q > 1 and (step + 1) % q == 0
         st = self._layers.setdefault(name, dict(core=None, core_step=None, grad=None,
                                                 param=None))
         if push_all or not worth:

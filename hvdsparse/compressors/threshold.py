@@ -22,6 +22,17 @@ Deviations, all forced by fixed-size messages:
   is fixed; if more than ``capacity`` elements pass the stale threshold, the first
   ``capacity`` in the kernel's slot order are sent (ascending index on CPU) and the rest
   stay in the residual -- error feedback keeps them, nothing is lost.
+* **Overflow guard** (``overflow_guard=True``). Error feedback makes ``|acc|`` grow
+  well above the raw gradient a threshold computed at step 0 was taken from, so a
+  stale ``tau`` can let half the layer pass. The paper then simply sends half the
+  layer (and the residual empties); with a fixed capacity the same elements (lowest
+  slots) would be sent every step and the others would starve. So when
+  ``selected > capacity`` the threshold used from the next step on is raised,
+  ``tau <- tau * min(2, sqrt(selected / capacity))`` (device scalar ops, no host
+  synchronisation), until the count fits again; ``tau`` is never lowered between
+  refreshes (a too-high ``tau`` only delays elements, which error feedback then
+  accumulates until they pass). Steps on which nothing overflows behave exactly as
+  Algorithm 1. ``overflow_guard=False`` keeps ``tau`` fixed between refreshes.
 * **Warm-up.** With a warm-up schedule ``k`` changes with the step; ``tau`` is
   recomputed on every step whose ``k`` differs from the ``k`` of the last refresh (and
   on every ``L``-th step as usual), so during warm-up the threshold is fresh each step.
@@ -48,7 +59,7 @@ __all__ = ["Threshold"]
 class Threshold(TopK):
     """``Threshold(sparsity, life_span=1000, values="fp32", slack=2.0, quant_bucket=512,
     warmup=None, error_feedback=True, record_true_threshold=False, max_history=10000,
-    **policy)`` -- DCT-DP; see the module docstring."""
+    overflow_guard=True, **policy)`` -- DCT-DP; see the module docstring."""
 
     _settings = ("sparsity", "life_span", "values", "slack", "quant_bucket",
                  "error_feedback")
@@ -56,7 +67,7 @@ class Threshold(TopK):
     def __init__(self, sparsity: float, life_span: int = 1000, values="fp32",
                  slack: float = 2.0, quant_bucket: int = 512, warmup=None,
                  error_feedback: bool = True, record_true_threshold: bool = False,
-                 max_history: int = 10000, **kw):
+                 max_history: int = 10000, overflow_guard: bool = True, **kw):
         # bypass TopK.__init__ (different settings), keep its helpers
         super(TopK, self).__init__(**kw)
         cfg = self._validate_cfg(dict(sparsity=sparsity, life_span=life_span, values=values,
@@ -67,6 +78,8 @@ class Threshold(TopK):
         _check_bool(record_true_threshold, "record_true_threshold")
         if not isinstance(max_history, int) or isinstance(max_history, bool) or max_history < 1:
             raise ValueError(f"max_history must be an int >= 1, got {max_history!r}")
+        _check_bool(overflow_guard, "overflow_guard")
+        self.overflow_guard = overflow_guard
         self.record_true_threshold = record_true_threshold
         self.max_history = max_history
         self.warmup = make_warmup(warmup)
@@ -109,6 +122,7 @@ class Threshold(TopK):
         return [(s, float(t)) for s, t in hist]
 
     def current_threshold(self, name: str):
+        """The tau the layer's next step will use (0-d device tensor) or None."""
         st = self._layers.get(name)
         return None if st is None else st["tau"]
 
@@ -145,6 +159,11 @@ class Threshold(TopK):
             del st["true_history"][:-self.max_history]
         tau = st["tau"]
         seg, cnt = self._select(acc, tau, cap, enc, qseed, qb, ef)
+        if self.overflow_guard:
+            # raise tau for the next steps when more than `capacity` passed it (device
+            # scalar ops only; see the module docstring)
+            ratio = cnt[1].to(torch.float32) / float(cap)
+            st["tau"] = torch.where(ratio > 1.0, tau * ratio.sqrt().clamp_max(2.0), tau)
         return LayerPayload(name, shape, [seg]), dict(selected=cnt[1:2], threshold=tau,
                                                       density=d,
                                                       extra=dict(refreshed=refresh))

@@ -24,11 +24,16 @@ this module and the Triton interpreter.
 The CPU path is written for memory bandwidth: (1) and (2) walk the tensors in
 cache-sized chunks (``_CHUNK`` elements, rounded to whole bins) and reuse scratch
 buffers, so each element is read from DRAM once per operation and no full-size
-temporary is allocated.
+temporary is allocated. Philox and (3) run in numpy on the CPU (uint64 mulhilo, blocks of
+whole buckets, split across up to ``torch.get_num_threads()`` threads); the torch code is
+kept for other devices and gives identical bits.
 """
 from __future__ import annotations
 
 import math
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Tuple, Union
 
 import numpy as np
@@ -139,6 +144,21 @@ _PHILOX_ROUNDS = 10
 # scale of uint_to_uniform_float for 32-bit inputs, rounded to fp32 like Triton does
 _U32_TO_UNIFORM = 4.6566127342e-10
 
+#: elements per block of the numpy Philox (6 uint64 scratch arrays of 512 KiB: ~90 ufunc
+#: calls per block make smaller blocks dispatch/GIL-bound -- measured best on 2 cores)
+_PHILOX_CHUNK = 1 << 16
+#: at least this many elements per worker thread before the numpy Philox is split
+#: across threads (numpy releases the GIL inside ufuncs)
+_PHILOX_PAR_MIN = 1 << 17
+_NP_M32 = np.uint64(_M32)
+_NP_32 = np.uint64(32)
+_NP_ROUND_A = np.uint64(_PHILOX_ROUND_A)
+_NP_ROUND_B = np.uint64(_PHILOX_ROUND_B)
+_NP_U32_TO_UNIFORM = np.float32(_U32_TO_UNIFORM)
+_philox_tls = threading.local()
+_philox_pool = None
+_philox_pool_lock = threading.Lock()
+
 
 def _mulhilo32(a: int, x: torch.Tensor):
     """(hi, lo) 32-bit halves of a * x, a a uint32 constant, x int64 holding uint32."""
@@ -151,15 +171,8 @@ def _mulhilo32(a: int, x: torch.Tensor):
     return hi, lo
 
 
-def philox_uint32(seed: int, counters: torch.Tensor) -> torch.Tensor:
-    """First output word of Philox 4x32-10 for each 64-bit counter (int64 tensor).
-
-    Counter block ``(c & 0xffffffff, c >> 32, 0, 0)``, key ``(seed & 0xffffffff,
-    seed >> 32)``; exactly ``triton.language.randint(seed, offset)`` with an int64
-    ``offset`` (and with an int32 ``offset`` for counters < 2**31). Returns int64 in
-    [0, 2**32).
-    """
-    seed = _check_seed(seed)
+def _philox_uint32_torch(seed: int, counters: torch.Tensor) -> torch.Tensor:
+    """Torch Philox (any device): int64 words in [0, 2**32) for int64 counters."""
     k0, k1 = seed & _M32, (seed >> 32) & _M32
     c = counters.to(torch.int64)
     c0 = c & _M32
@@ -178,6 +191,142 @@ def philox_uint32(seed: int, counters: torch.Tensor) -> torch.Tensor:
     return c0
 
 
+def _philox_scratch():
+    """Per-thread scratch: 6 uint64[_PHILOX_CHUNK] arrays and a uint64 ramp."""
+    s = getattr(_philox_tls, "s", None)
+    if s is None or s[0].shape[0] != _PHILOX_CHUNK:
+        s = [np.empty(_PHILOX_CHUNK, np.uint64) for _ in range(6)]
+        s.append(np.arange(_PHILOX_CHUNK, dtype=np.uint64))
+        _philox_tls.s = s
+    return s
+
+
+def _philox_np_block(seed: int, ctr: np.ndarray, out_u32: np.ndarray, scratch) -> None:
+    """``out_u32[i]`` = first Philox 4x32-10 word of uint64 counter ``ctr[i]``.
+
+    uint64 arithmetic: a uint32 by uint32 product is exact in uint64, so mulhilo is one
+    multiply, a shift and a mask. Round 1 (c2 = c3 = 0), round 2 (c1 = 0) and round 10
+    (only c0 is returned) skip their dead work.
+    """
+    m = ctr.shape[0]
+    c0, c1, c2, c3, pa, pb = (b[:m] for b in scratch[:6])
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    # round 1: counter (lo, hi, 0, 0)
+    np.bitwise_and(ctr, _NP_M32, out=c0)
+    np.multiply(c0, _NP_ROUND_A, out=pa)
+    np.right_shift(ctr, _NP_32, out=c0)
+    np.bitwise_xor(c0, np.uint64(k0), out=c0)          # hi(B*0) ^ c1 ^ k0
+    np.right_shift(pa, _NP_32, out=c2)
+    np.bitwise_xor(c2, np.uint64(k1), out=c2)          # hi(A*c0) ^ 0 ^ k1
+    np.bitwise_and(pa, _NP_M32, out=c3)                # c1 = lo(B*0) = 0
+    for r in range(1, _PHILOX_ROUNDS - 1):
+        k0 = (k0 + _PHILOX_KEY_A) & _M32
+        k1 = (k1 + _PHILOX_KEY_B) & _M32
+        np.multiply(c2, _NP_ROUND_B, out=pb)
+        np.multiply(c0, _NP_ROUND_A, out=pa)
+        np.right_shift(pb, _NP_32, out=c0)
+        if r > 1:
+            np.bitwise_xor(c0, c1, out=c0)
+        np.bitwise_xor(c0, np.uint64(k0), out=c0)
+        np.right_shift(pa, _NP_32, out=c2)
+        np.bitwise_xor(c2, c3, out=c2)
+        np.bitwise_xor(c2, np.uint64(k1), out=c2)
+        np.bitwise_and(pb, _NP_M32, out=c1)
+        np.bitwise_and(pa, _NP_M32, out=c3)
+    # round 10: c0 only
+    k0 = (k0 + _PHILOX_KEY_A) & _M32
+    np.multiply(c2, _NP_ROUND_B, out=pb)
+    np.right_shift(pb, _NP_32, out=pb)
+    np.bitwise_xor(pb, c1, out=pb)
+    np.bitwise_xor(pb, np.uint64(k0), out=out_u32, casting="unsafe")
+
+
+def _uint32_to_uniform_np(w_u32: np.ndarray, out_f32: np.ndarray, tmp_i32: np.ndarray) -> None:
+    """numpy :func:`_uint32_to_uniform`: ``i ^ (i >> 31)`` is ``-i - 1`` for ``i < 0``."""
+    i = w_u32.view(np.int32)
+    np.right_shift(i, 31, out=tmp_i32)
+    np.bitwise_xor(i, tmp_i32, out=i)
+    np.copyto(out_f32, i, casting="unsafe")            # int32 -> fp32, round to nearest
+    np.multiply(out_f32, _NP_U32_TO_UNIFORM, out=out_f32)
+
+
+def _philox_parallel(n: int, work, align: int = 0, min_per: int = 0) -> None:
+    """Run ``work(start, end)`` over [0, n) in ``align``-aligned pieces (default
+    _PHILOX_CHUNK), one per thread (up to torch.get_num_threads(), at least ``min_per``
+    elements each, default _PHILOX_PAR_MIN), or inline when n is small."""
+    global _philox_pool
+    align = align or _PHILOX_CHUNK
+    min_per = min_per or _PHILOX_PAR_MIN
+    nt = max(1, min(torch.get_num_threads(), os.cpu_count() or 1, n // min_per))
+    if nt <= 1:
+        work(0, n)
+        return
+    with _philox_pool_lock:
+        if _philox_pool is None or _philox_pool._max_workers < nt:
+            _philox_pool = ThreadPoolExecutor(max_workers=nt, thread_name_prefix="hvdsparse-philox")
+        pool = _philox_pool
+    per = -(-n // nt)
+    per = -(-per // align) * align
+    futs = [pool.submit(work, s, min(s + per, n)) for s in range(per, n, per)]
+    try:
+        work(0, min(per, n))
+    finally:
+        for f in futs:
+            f.result()
+
+
+def _philox_uint32_np(seed: int, ctr: np.ndarray) -> np.ndarray:
+    """numpy Philox: int64 words in [0, 2**32) for a uint64 counter array."""
+    n = ctr.shape[0]
+    out = np.empty(n, np.int64)
+    out32 = np.empty(n, np.uint32)
+
+    def work(s0, e0):
+        scratch = _philox_scratch()
+        for s in range(s0, e0, _PHILOX_CHUNK):
+            e = min(s + _PHILOX_CHUNK, e0)
+            _philox_np_block(seed, ctr[s:e], out32[s:e], scratch)
+
+    _philox_parallel(n, work)
+    np.copyto(out, out32, casting="unsafe")
+    return out
+
+
+def _philox_uniform_np(seed: int, n: int, offset: int, out_f32: np.ndarray) -> None:
+    """``out_f32[i] = tl.rand(seed, offset + i)`` on the CPU, block by block."""
+
+    def work(s0, e0):
+        scratch = _philox_scratch()
+        ramp = scratch[6]
+        ctr_buf = scratch[5]          # pb is only written in the later rounds
+        for s in range(s0, e0, _PHILOX_CHUNK):
+            e = min(s + _PHILOX_CHUNK, e0)
+            m = e - s
+            ctr = ctr_buf[:m]
+            np.add(ramp[:m], np.uint64(offset + s), out=ctr)
+            w = out_f32[s:e].view(np.uint32)
+            _philox_np_block(seed, ctr, w, scratch)
+            _uint32_to_uniform_np(w, out_f32[s:e], scratch[4][:m].view(np.int32)[:m])
+
+    _philox_parallel(n, work)
+
+
+def philox_uint32(seed: int, counters: torch.Tensor) -> torch.Tensor:
+    """First output word of Philox 4x32-10 for each 64-bit counter (int64 tensor).
+
+    Counter block ``(c & 0xffffffff, c >> 32, 0, 0)``, key ``(seed & 0xffffffff,
+    seed >> 32)``; exactly ``triton.language.randint(seed, offset)`` with an int64
+    ``offset`` (and with an int32 ``offset`` for counters < 2**31). Returns int64 in
+    [0, 2**32).
+    """
+    seed = _check_seed(seed)
+    if counters.device.type != "cpu":
+        return _philox_uint32_torch(seed, counters)
+    ctr = counters.to(torch.int64).contiguous().reshape(-1).numpy().view(np.uint64)
+    out = _philox_uint32_np(seed, ctr)
+    return torch.from_numpy(out).reshape(counters.shape)
+
+
 def _uint32_to_uniform(x: torch.Tensor) -> torch.Tensor:
     """Triton's uint_to_uniform_float for 32-bit words: fp32 in [0, 1).
 
@@ -194,13 +343,21 @@ def philox_uniform(seed: int, n: int, offset: int = 0, device=None) -> torch.Ten
 
     Counter-based: any slice of the stream can be generated independently, and the
     Triton kernels draw exactly the same numbers for the same (seed, counter).
+    On the CPU the stream is generated in numpy, in L2-sized blocks (and threads).
     """
     n = _check_pos_int("n", n, 0)
     offset = _check_pos_int("offset", offset, 0)
+    seed = _check_seed(seed)
     if offset + n > (1 << 63):
         raise ValueError("offset + n must be < 2**63")
-    idx = torch.arange(offset, offset + n, dtype=torch.int64, device=device)
-    return _uint32_to_uniform(philox_uint32(seed, idx))
+    dev = torch.device(device) if device is not None else torch.get_default_device()
+    if dev.type == "cpu":
+        out = torch.empty(n, dtype=torch.float32)
+        if n:
+            _philox_uniform_np(seed, n, offset, out.numpy())
+        return out
+    idx = torch.arange(offset, offset + n, dtype=torch.int64, device=dev)
+    return _uint32_to_uniform(_philox_uint32_torch(seed, idx))
 
 
 # --------------------------------------------------------------------------------------
@@ -489,6 +646,106 @@ def _unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return c.reshape(-1)[:n]
 
 
+#: target elements per block of the numpy quantise / dequantise path (whole buckets)
+_Q_CHUNK = 1 << 16
+
+
+def _q_block_len(B: int, bits: int) -> int:
+    """Block length for the numpy quantise path: whole buckets, ~_Q_CHUNK elements,
+    a multiple of 8 // bits so every block starts on a byte of the packed codes."""
+    per = 8 // bits
+    rows = max(1, _Q_CHUNK // B)
+    step = per // math.gcd(B, per)
+    rows = -(-rows // step) * step
+    return rows * B
+
+
+def _quantize_pack_np(v: np.ndarray, c: int, bits: int, B: int, seed: int,
+                      codes: np.ndarray, scales: np.ndarray) -> None:
+    """numpy :func:`quantize_pack` of fp32 ``v`` (count ``c``), block by block, with the
+    same fp32 operations (hence results) as the torch path."""
+    n = v.shape[0]
+    s = (1 << (bits - 1)) - 1
+    half = 1 << (bits - 1)
+    per = 8 // bits
+    L = _q_block_len(B, bits)
+    fs = np.float32(s)
+
+    def work(s0, e0):
+        scratch = _philox_scratch()
+        ramp = scratch[6]
+        a = np.empty(L, np.float32)       # |v| -> r -> r - floor(r)
+        fl = np.empty(L, np.float32)      # floor(r) -> q
+        u = np.empty(L, np.float32)
+        lt = np.empty(L, np.bool_)
+        ci = np.empty(L, np.int32)
+        cu = np.empty(L, np.uint8)
+        sh = np.empty(L // per if per > 1 else 1, np.uint8)
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            for bs in range(s0, e0, L):
+                be = min(bs + L, e0)               # elements [bs, be): be - bs <= L
+                m = be - bs
+                R = -(-m // B)                     # buckets (the last may be partial)
+                mp = R * B
+                A = a[:mp]
+                np.abs(v[bs:be], out=A[:m])
+                if c < be:
+                    A[max(c - bs, 0):m] = 0.0      # slots >= count are 0
+                if mp > m:
+                    A[m:] = 0.0
+                A2 = A.reshape(R, B)
+                sc = scales[bs // B: bs // B + R]
+                np.max(A2, axis=1, out=sc)
+                # r = fp32(fp32(|v| * s) / scale); 0 where not scale > 0 (zero or NaN)
+                np.multiply(A, fs, out=A)
+                ok = sc > 0
+                if ok.all():
+                    np.divide(A2, sc[:, None], out=A2)
+                else:
+                    np.divide(A2, np.where(ok, sc, np.float32(1))[:, None], out=A2)
+                    A2[~ok] = 0.0
+                A = A[:m]
+                # u = tl.rand(seed, j)
+                U = u[:m]
+                for ps in range(0, m, _PHILOX_CHUNK):
+                    pe = min(ps + _PHILOX_CHUNK, m)
+                    pm = pe - ps
+                    ctr = scratch[5][:pm]
+                    np.add(ramp[:pm], np.uint64(bs + ps), out=ctr)
+                    w = U[ps:pe].view(np.uint32)
+                    _philox_np_block(seed, ctr, w, scratch)
+                    _uint32_to_uniform_np(w, U[ps:pe], scratch[4][:pm].view(np.int32)[:pm])
+                # q = sign(v) * min(s, floor(r) + (u < r - floor(r)))
+                F = fl[:m]
+                np.floor(A, out=F)
+                np.subtract(A, F, out=A)
+                np.less(U, A, out=lt[:m])
+                np.add(F, lt[:m], out=F)
+                np.minimum(F, fs, out=F)
+                np.copysign(F, v[bs:be], out=F)    # v < 0 -> -q; q is 0 where v is -0.0
+                CI = ci[:m]
+                np.copyto(CI, F, casting="unsafe")  # exact: integer-valued (NaN -> INT_MIN
+                np.add(CI, half, out=CI)            # like the torch cast)
+                CU = cu[:m]
+                np.copyto(CU, CI, casting="unsafe")  # to uint8 (mod 256), like .to(uint8)
+                ob = bs // per
+                if per == 1:
+                    codes[ob: ob + m] = CU
+                    continue
+                nbytes = -(-m // per)
+                if nbytes * per != m:              # last block: pad codes with 0
+                    cu[m: nbytes * per] = 0
+                CU = cu[: nbytes * per].reshape(nbytes, per)
+                out = codes[ob: ob + nbytes]
+                np.copyto(out, CU[:, 0])
+                S = sh[:nbytes]
+                for k in range(1, per):
+                    np.left_shift(CU[:, k], np.uint8(k * bits), out=S)
+                    np.bitwise_or(out, S, out=out)
+
+    _philox_parallel(n, work, align=L, min_per=max(L, _PHILOX_PAR_MIN))
+
+
 def quantize_pack(values: torch.Tensor, bits: int, bucket_size: int, seed: int,
                   count=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Stochastic rounding to ``bits`` in {8, 4, 2} with one fp32 scale per bucket.
@@ -504,6 +761,7 @@ def quantize_pack(values: torch.Tensor, bits: int, bucket_size: int, seed: int,
     ``j*bits // 8``, bit ``(j*bits) % 8``; unused high bits of the last byte are 0.
 
     Returns ``(codes uint8[ceil(n*bits/8)], scales fp32[ceil(n / bucket_size)])``.
+    On the CPU this runs in numpy, in cache-sized blocks of whole buckets (and threads).
     """
     _check_1d("values", values, _FLOAT_DTYPES)
     bits = _check_bits(bits)
@@ -511,6 +769,21 @@ def quantize_pack(values: torch.Tensor, bits: int, bucket_size: int, seed: int,
     seed = _check_seed(seed)
     n = values.numel()
     c = _count_value("count", count, n)
+    if values.device.type != "cpu" or not _USE_NUMPY:
+        return _quantize_pack_torch(values, bits, B, seed, c)
+    nb = -(-n // B)
+    codes = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
+    scales = torch.empty(nb, dtype=torch.float32)
+    if n:
+        v = values.to(torch.float32).contiguous().numpy()
+        _quantize_pack_np(v, c, bits, B, seed, codes.numpy(), scales.numpy())
+    return codes, scales
+
+
+def _quantize_pack_torch(values: torch.Tensor, bits: int, B: int, seed: int,
+                         c: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Torch :func:`quantize_pack` (any device; arguments already checked)."""
+    n = values.numel()
     s = (1 << (bits - 1)) - 1
     nb = -(-n // B)
     v = values.to(torch.float32)
@@ -533,6 +806,48 @@ def quantize_pack(values: torch.Tensor, bits: int, bucket_size: int, seed: int,
     return _pack_bits(codes, bits), scales
 
 
+def _dequantize_unpack_np(codes: np.ndarray, scales: np.ndarray, bits: int, B: int, n: int,
+                          out: np.ndarray) -> None:
+    """numpy :func:`dequantize_unpack` into fp32 ``out[n]``, block by block."""
+    s = np.float32((1 << (bits - 1)) - 1)
+    half = np.float32(1 << (bits - 1))
+    per = 8 // bits
+    mask = np.uint8((1 << bits) - 1)
+    L = _q_block_len(B, bits)
+
+    def work(s0, e0):
+        cu = np.empty(L, np.uint8)
+        f = np.empty(L, np.float32)
+        for bs in range(s0, e0, L):
+            be = min(bs + L, e0)
+            m = be - bs
+            R = -(-m // B)
+            nbytes = -(-m // per)
+            src = codes[bs // per: bs // per + nbytes]
+            if per == 1:
+                CU = src
+            else:
+                C2 = cu[: nbytes * per].reshape(nbytes, per)
+                for k in range(per):
+                    if k:
+                        np.right_shift(src, np.uint8(k * bits), out=C2[:, k])
+                        if k < per - 1:
+                            np.bitwise_and(C2[:, k], mask, out=C2[:, k])
+                    else:
+                        np.bitwise_and(src, mask, out=C2[:, 0])
+                CU = cu[:m]
+            F = f[: R * B]
+            np.copyto(F[:m], CU[:m], casting="unsafe")
+            np.subtract(F[:m], half, out=F[:m])      # q, exact
+            if R * B > m:
+                F[m:] = 0.0
+            F2 = F.reshape(R, B)
+            np.multiply(F2, scales[bs // B: bs // B + R, None], out=F2)
+            np.divide(F[:m], s, out=out[bs:be])
+
+    _philox_parallel(n, work, align=L, min_per=max(L, _PHILOX_PAR_MIN))
+
+
 def dequantize_unpack(codes: torch.Tensor, scales: torch.Tensor, bits: int,
                       bucket_size: int, n: int) -> torch.Tensor:
     """Inverse map of :func:`quantize_pack`: fp32[n] with
@@ -549,6 +864,12 @@ def dequantize_unpack(codes: torch.Tensor, scales: torch.Tensor, bits: int,
     if scales.numel() < -(-n // B):
         raise ValueError(f"scales has {scales.numel()} elements, needs ceil(n/bucket_size) = "
                          f"{-(-n // B)}")
+    if codes.device.type == "cpu" and scales.device.type == "cpu" and _USE_NUMPY:
+        out = torch.empty(n, dtype=torch.float32)
+        if n:
+            _dequantize_unpack_np(codes.contiguous().numpy(), scales.contiguous().numpy(),
+                                  bits, B, n, out.numpy())
+        return out
     s = (1 << (bits - 1)) - 1
     q = (_unpack_bits(codes[: -(-n * bits // 8)], bits, n) - (1 << (bits - 1))).to(torch.float32)
     scale_e = scales[: -(-n // B)].repeat_interleave(B)[:n]

@@ -2,7 +2,8 @@
 
 Public names: the compressors (``TopK``, ``Threshold``, ``AdaComp``, ``SlimDP``,
 ``RandomK``, ``QSGD``, ``NoCompression``, warm-up schedules), :func:`DistributedOptimizer`
-and the routing hook.
+the routing hook, and
+:mod:`hvdsparse.mp` (DCT-MP thresholding at model-parallel splits).
 
 Importing this package installs the routing hook (:func:`install_routing`): the
 attribute ``horovod.torch.DistributedOptimizer`` is replaced at runtime by a wrapper
@@ -11,7 +12,7 @@ that sends calls whose ``compression`` is an hvdsparse compressor to
 function unchanged. Horovod's installed files are never edited;
 :func:`uninstall_routing` restores the original attribute.
 """
-from . import compressors
+from . import compressors, mp
 from .compressors import (AdaComp, Compressor, ExponentialWarmup, LayerPolicy, NoCompression,
                           QSGD, RandomK, RtWarmup, SlimDP, Threshold, TopK, WarmupSchedule)
 from .optimizer import (DistributedOptimizer, horovod_original, install_routing,
@@ -21,7 +22,7 @@ __version__ = "0.1.0"
 
 install_routing()
 
-__all__ = ["compressors", "Compressor", "TopK", "Threshold", "AdaComp", "SlimDP", "RandomK",
+__all__ = ["compressors", "mp", "Compressor", "TopK", "Threshold", "AdaComp", "SlimDP", "RandomK",
            "QSGD", "NoCompression", "LayerPolicy", "WarmupSchedule", "RtWarmup",
            "ExponentialWarmup", "DistributedOptimizer", "install_routing",
            "uninstall_routing", "routed_distributed_optimizer", "horovod_original"]

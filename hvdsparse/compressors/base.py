@@ -133,6 +133,20 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+
+def _deep_clone(x):
+    """Copy of a nest of dicts / lists / tuples whose tensors are detached clones, so a
+    state dict never aliases live compressor state (and vice versa)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: _deep_clone(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_deep_clone(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_deep_clone(v) for v in x)
+    return x
+
 class Compressor:
     """Base class. Subclasses implement :meth:`_compress` and list their per-layer
     settings (constructor arguments an override may change) in ``_settings``.
@@ -260,20 +274,10 @@ class Compressor:
     def state_dict(self) -> dict:
         """Everything needed to continue identically: residuals, per-layer algorithm
         state (thresholds, cores, step counters), seed, statistics. Tensors are cloned."""
-        def cp(x):
-            if isinstance(x, torch.Tensor):
-                return x.detach().clone()
-            if isinstance(x, dict):
-                return {k: cp(v) for k, v in x.items()}
-            if isinstance(x, list):
-                return [cp(v) for v in x]
-            if isinstance(x, tuple):
-                return tuple(cp(v) for v in x)
-            return x
         return dict(type=type(self).__name__, version=1, config=self.config(),
                     rank=self.rank, world_size=self.world_size,
-                    residuals={k: cp(v) for k, v in self._residuals.items()},
-                    layers=cp(self._layers), stats=cp(self._stats.state_dict()))
+                    residuals={k: _deep_clone(v) for k, v in self._residuals.items()},
+                    layers=_deep_clone(self._layers), stats=_deep_clone(self._stats.state_dict()))
 
     def load_state_dict(self, sd: dict):
         if not isinstance(sd, dict) or "type" not in sd:
@@ -286,19 +290,9 @@ class Compressor:
             raise ValueError(f"state_dict: settings differ (saved {sd['config']}, "
                              f"this compressor {mine})")
 
-        def cp(x):
-            if isinstance(x, torch.Tensor):
-                return x.detach().clone()
-            if isinstance(x, dict):
-                return {k: cp(v) for k, v in x.items()}
-            if isinstance(x, list):
-                return [cp(v) for v in x]
-            if isinstance(x, tuple):
-                return tuple(cp(v) for v in x)
-            return x
-        self._residuals = {k: cp(v).float() for k, v in sd["residuals"].items()}
-        self._layers = cp(sd["layers"])
-        self._stats.load_state_dict(cp(sd.get("stats", {})))
+        self._residuals = {k: _deep_clone(v).float() for k, v in sd["residuals"].items()}
+        self._layers = _deep_clone(sd["layers"])
+        self._stats.load_state_dict(_deep_clone(sd.get("stats", {})))
 
     # ------------------------------------------------------------------ helpers
     def _compress(self, name, flat, shape, step, cfg, param):

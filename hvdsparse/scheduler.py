@@ -133,6 +133,12 @@ class LayerScheduler:
         self._ready_count: List[int] = []
         self._inflight: Dict[int, object] = {}
         self._cb_queued = False
+        # Unvalidated (CUDA) decode: the kernels flag bad indices in a device int32[1]
+        # instead of raising. Reading it right after decoding would stall the host until
+        # the decode kernels finish, so each step's flag is read at the next step's
+        # synchronize(), when it is long done (the error surfaces one step late).
+        self._error_flag: Optional[torch.Tensor] = None
+        self._error_flag_step = -1
         self._dirty = False
         self._clear_events = False
         self.events: List[tuple] = []
@@ -216,8 +222,16 @@ class LayerScheduler:
         if validate is None:
             dev = next(iter(self.params.values())).device if self.params else None
             validate = dev is None or dev.type == "cpu"
+        flag = None
+        if not validate:
+            if self._error_flag_step != self.step:
+                self._check_error_flag()
+                dev = next(iter(self.params.values())).device
+                self._error_flag = torch.zeros(1, dtype=torch.int32, device=dev)
+                self._error_flag_step = self.step
+            flag = self._error_flag
         return ExchangeContext(rank=self.rank, world_size=self.world_size, prefix=self.prefix,
-                               step=self.step, validate=validate, dense_dtype=self.dense_dtype,
+                               step=self.step, validate=validate, error_flag=flag, dense_dtype=self.dense_dtype,
                                gradient_predivide_factor=self.gradient_predivide_factor,
                                split_dense_bits=self.split_dense_bits,
                                quant_bucket=self.quant_bucket, want_figures=want_figures)
@@ -284,6 +298,21 @@ class LayerScheduler:
     # ------------------------------------------------------------------ step
     def pending(self) -> bool:
         return self._dirty or bool(self._payloads) or bool(self._inflight)
+
+    def _check_error_flag(self):
+        """Raise if the previous unvalidated decode met an out-of-range index (1) or a
+        count outside [0, capacity] (2) in a received message."""
+        flag, step = self._error_flag, self._error_flag_step
+        self._error_flag = None
+        if flag is not None:
+            code = int(flag.item())
+            if code:
+                what = {1: "an index outside its layer", 2: "a count above its capacity"}
+                raise RuntimeError(
+                    f"hvdsparse: a message received at step {step} carried "
+                    f"{what.get(code, f'error code {code}')}; those entries were skipped. "
+                    f"The ranks disagree on the bucket layout or a message was corrupted "
+                    f"(rerun with validate=True to find the rank and segment)")
 
     def synchronize(self):
         """Flush, wait, decode, average and write ``p.grad`` for every parameter."""

@@ -36,7 +36,8 @@ class AllgatherPending(Pending):
                 f"disagree on the bucket layout (compressor settings differ across ranks?)")
         rows = gathered.view(P, nbytes)
         flat = torch.zeros(self.spec.numel, dtype=torch.float32, device=rows.device)
-        codec.accumulate(rows, self.payloads, self.spec.views(flat), validate=self.ctx.validate)
+        codec.accumulate(rows, self.payloads, self.spec.views(flat), validate=self.ctx.validate,
+                         error_flag=None if self.ctx.validate else self.ctx.error_flag)
         if self.ctx.want_figures:
             nseg = sum(len(p.segments) for p in self.payloads)
             if nseg:

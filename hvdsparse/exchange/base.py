@@ -59,6 +59,10 @@ class ExchangeContext:
     split_dense_bits: int = 0        # 0 = fp32 dense ranges in split phase 2; 8/4/2
     quant_bucket: int = 512
     want_figures: bool = False       # record counts for the auto cost model
+    # With validate=False (CUDA) the decode kernels skip out-of-range writes and set
+    # this int32[1] device flag instead of raising; the scheduler checks it one step
+    # later, when reading it no longer stalls the stream (see Scheduler.synchronize).
+    error_flag: Optional[torch.Tensor] = None
 
     def name(self, bucket_id: int, strategy: str, phase: str = "") -> str:
         n = f"{self.prefix}.b{bucket_id}.{strategy}"

@@ -24,7 +24,10 @@ this module and the Triton interpreter.
 The CPU path is written for memory bandwidth: (1) and (2) walk the tensors in
 cache-sized chunks (``_CHUNK`` elements, rounded to whole bins) and reuse scratch
 buffers, so each element is read from DRAM once per operation and no full-size
-temporary is allocated. Philox and (3) run in numpy on the CPU (uint64 mulhilo, blocks of
+temporary is allocated; on the CPU they run in numpy, contiguous ranges of whole chunks
+split across up to ``torch.get_num_threads()`` threads (inputs under
+``_CHUNK_PAR_MIN`` elements per thread stay on one), with (2) in two phases (count /
+collect per range, prefix over ranges, then write) so the output order is unchanged. Philox and (3) run in numpy on the CPU (uint64 mulhilo, blocks of
 whole buckets, split across up to ``torch.get_num_threads()`` threads); the torch code is
 kept for other devices and gives identical bits.
 """
@@ -56,6 +59,9 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: elements per chunk of the CPU path (1 MiB of fp32: stays in L2/L3; the per-op
 #: dispatch overhead of smaller chunks costs more than the cache misses it saves)
 _CHUNK = 1 << 18
+#: at least this many elements per worker thread before the CPU passes of (1) and (2)
+#: are split across threads (whole chunks per thread; smaller inputs run inline)
+_CHUNK_PAR_MIN = 1 << 19
 #: CPU passes of (1) and (2) in numpy (False: the torch steps used off-CPU; for tests)
 _USE_NUMPY = True
 
@@ -201,6 +207,15 @@ def _philox_scratch():
     return s
 
 
+def _chunk_scratch(m: int):
+    """Per-thread scratch of the CPU path of (1) and (2): (fp32[m], bool[m]), reused."""
+    s = getattr(_philox_tls, "c", None)
+    if s is None or s[0].shape[0] < m:
+        s = (np.empty(m, np.float32), np.empty(m, np.bool_))
+        _philox_tls.c = s
+    return s[0][:m], s[1][:m]
+
+
 def _philox_np_block(seed: int, ctr: np.ndarray, out_u32: np.ndarray, scratch) -> None:
     """``out_u32[i]`` = first Philox 4x32-10 word of uint64 counter ``ctr[i]``.
 
@@ -250,29 +265,45 @@ def _uint32_to_uniform_np(w_u32: np.ndarray, out_f32: np.ndarray, tmp_i32: np.nd
     np.multiply(out_f32, _NP_U32_TO_UNIFORM, out=out_f32)
 
 
+def _par_ranges(n: int, align: int, min_per: int):
+    """Contiguous ``align``-aligned ranges covering [0, n), one per thread: up to
+    torch.get_num_threads() (and os.cpu_count()) of them, at least ``min_per`` elements
+    each; a single range when n is small."""
+    nt = max(1, min(torch.get_num_threads(), os.cpu_count() or 1, n // max(1, min_per)))
+    if nt <= 1:
+        return [(0, n)]
+    per = -(-n // nt)
+    per = -(-per // align) * align
+    return [(s, min(s + per, n)) for s in range(0, n, per)]
+
+
+def _par_run(work, items) -> None:
+    """``work(*item)`` for every item: the first inline, the others on the shared pool
+    (created lazily; numpy releases the GIL inside ufuncs). Waits for all of them."""
+    global _philox_pool
+    items = list(items)
+    if len(items) > 1:
+        with _philox_pool_lock:
+            if _philox_pool is None or _philox_pool._max_workers < len(items) - 1:
+                _philox_pool = ThreadPoolExecutor(max_workers=max(1, len(items) - 1),
+                                                  thread_name_prefix="hvdsparse-philox")
+            pool = _philox_pool
+        futs = [pool.submit(work, *it) for it in items[1:]]
+    else:
+        futs = []
+    try:
+        if items:
+            work(*items[0])
+    finally:
+        for f in futs:
+            f.result()
+
+
 def _philox_parallel(n: int, work, align: int = 0, min_per: int = 0) -> None:
     """Run ``work(start, end)`` over [0, n) in ``align``-aligned pieces (default
     _PHILOX_CHUNK), one per thread (up to torch.get_num_threads(), at least ``min_per``
     elements each, default _PHILOX_PAR_MIN), or inline when n is small."""
-    global _philox_pool
-    align = align or _PHILOX_CHUNK
-    min_per = min_per or _PHILOX_PAR_MIN
-    nt = max(1, min(torch.get_num_threads(), os.cpu_count() or 1, n // min_per))
-    if nt <= 1:
-        work(0, n)
-        return
-    with _philox_pool_lock:
-        if _philox_pool is None or _philox_pool._max_workers < nt:
-            _philox_pool = ThreadPoolExecutor(max_workers=nt, thread_name_prefix="hvdsparse-philox")
-        pool = _philox_pool
-    per = -(-n // nt)
-    per = -(-per // align) * align
-    futs = [pool.submit(work, s, min(s + per, n)) for s in range(per, n, per)]
-    try:
-        work(0, min(per, n))
-    finally:
-        for f in futs:
-            f.result()
+    _par_run(work, _par_ranges(n, align or _PHILOX_CHUNK, min_per or _PHILOX_PAR_MIN))
 
 
 def _philox_uint32_np(seed: int, ctr: np.ndarray) -> np.ndarray:
@@ -391,27 +422,36 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
     if L <= _CHUNK:
         bins_per_chunk = max(1, _CHUNK // L)
         ch = bins_per_chunk * L
-        tmp = torch.empty(min(ch, n), dtype=torch.float32, device=residual.device)
-        # CPU: numpy on views of the same memory (single-threaded, no OpenMP region per
-        # chunk: torch's per-op thread pool stalls badly when the cores are shared);
+        # CPU: numpy on views of the same memory (no OpenMP region per chunk: torch's
+        # per-op thread pool stalls badly when the cores are shared), contiguous ranges
+        # of whole chunks split across up to torch.get_num_threads() Python threads;
         # bf16 (no numpy dtype) and other devices use the same steps in torch.
         use_np = residual.device.type == "cpu" and grad.dtype != torch.bfloat16 and _USE_NUMPY
         if use_np:
-            rn, gn, tn, on = (residual.detach().numpy(), grad.detach().numpy(),
-                              tmp.numpy(), out.detach().numpy())
+            rn, gn, on = (residual.detach().numpy(), grad.detach().numpy(),
+                          out.detach().numpy())
+
+            def work(s0, e0):
+                tn = _chunk_scratch(min(ch, e0 - s0))[0]
+                for s in range(s0, e0, ch):
+                    e = min(s + ch, e0)
+                    b0 = s // L
+                    nfull = (e - s) // L
+                    r = rn[s:e]
+                    np.add(r, gn[s:e], out=r)
+                    a = np.abs(r, out=tn[: e - s])
+                    if nfull:
+                        np.max(a[: nfull * L].reshape(nfull, L), axis=1, out=on[b0:b0 + nfull])
+                    if nfull * L < e - s:
+                        on[b0 + nfull] = a[nfull * L:].max()
+
+            _par_run(work, _par_ranges(n, ch, max(ch, _CHUNK_PAR_MIN)))
+            return out
+        tmp = torch.empty(min(ch, n), dtype=torch.float32, device=residual.device)
         for s in range(0, n, ch):
             e = min(s + ch, n)
             b0 = s // L
             nfull = (e - s) // L
-            if use_np:
-                r = rn[s:e]
-                np.add(r, gn[s:e], out=r)
-                a = np.abs(r, out=tn[: e - s])
-                if nfull:
-                    np.max(a[: nfull * L].reshape(nfull, L), axis=1, out=on[b0:b0 + nfull])
-                if nfull * L < e - s:
-                    on[b0 + nfull] = a[nfull * L:].max()
-                continue
             r = residual[s:e]
             r.add_(grad[s:e])
             a = torch.abs(r, out=tmp[: e - s])
@@ -509,6 +549,165 @@ def _alloc_select_out(out, capacity, ve, device):
     return indices, values, count
 
 
+def _select_compact_chunks(acc, thr, capacity, L, ch, grad, use_h, hm1, ve, sscale,
+                           indices, values) -> Tuple[int, int]:
+    """(2) in torch, chunk by chunk (devices other than the CPU, and ``_USE_NUMPY`` off).
+    Returns (sent, selected)."""
+    n = acc.numel()
+    tmp = torch.empty(ch, dtype=torch.float32, device=acc.device)
+    sent = selected = 0
+    signs = [] if ve == VE_SIGN1 else None
+    for s in range(0, n, ch):
+        e = min(s + ch, n)
+        m = e - s
+        a = acc[s:e]
+        c = tmp[:m]
+        if use_h:
+            c.copy_(grad[s:e]).mul_(hm1).add_(a).abs_()
+        else:
+            torch.abs(a, out=c)
+        # chunks start on bin boundaries (ch is a multiple of L)
+        tt = thr[s // L: -(-e // L)].repeat_interleave(L)[:m] if L else thr
+        idx = torch.nonzero(c >= tt).view(-1)
+        k = idx.numel()
+        selected += k
+        room = capacity - sent
+        if room <= 0 or k == 0:
+            continue
+        if k > room:
+            idx = idx[:room]
+            k = room
+        indices[sent:sent + k] = (idx + s).to(torch.int32)
+        v = a[idx]
+        if ve == VE_FP32:
+            values[sent:sent + k] = v
+            a.index_fill_(0, idx, 0.0)
+        elif ve == VE_SIGN1:
+            neg = v < 0
+            signs.append(neg)
+            a.index_copy_(0, idx, v - torch.where(neg, -sscale, sscale))
+        else:
+            vc = v.to(_FLOAT_VE[ve])
+            values[sent:sent + k] = vc
+            a.index_copy_(0, idx, v - vc.float())
+        sent += k
+    if ve == VE_SIGN1 and sent:
+        values[: -(-sent // 8)] = _pack_bits(torch.cat(signs).to(torch.uint8), 1)
+    return sent, selected
+
+
+def _select_compact_np(acc, thr, capacity, L, ch, grad, use_h, hm1, ve, sscale,
+                       indices, values) -> Tuple[int, int]:
+    """(2) on the CPU: numpy passes over chunks, contiguous ranges of whole chunks split
+    across up to torch.get_num_threads() threads, in two phases that keep the reference
+    order. Phase 1: each range computes its chunks' masks and keeps its selected
+    positions (at most ``capacity`` of them: a range cannot send more) and its count.
+    An exclusive prefix over the ranges' counts gives each range its output offset and
+    how many it may send (the first ``capacity`` selected overall, ascending). Phase 2:
+    each range writes its indices / values and updates the residual of what it sends.
+    Returns (sent, selected)."""
+    n = acc.numel()
+    an_all = acc.detach().numpy()
+    # numpy has no bf16: a bf16 grad is cast in torch, which stays on one thread (torch
+    # ops in several Python threads would each open an intra-op parallel region)
+    gn_all = grad.detach().numpy() if use_h and grad.dtype != torch.bfloat16 else None
+    thr_n = thr.detach().numpy() if L else np.float32(float(thr))
+    hm1_32 = np.float32(hm1)
+    if use_h and gn_all is None:
+        ranges = [(0, n)]
+    else:
+        ranges = _par_ranges(n, ch, max(ch, _CHUNK_PAR_MIN))
+    found = [None] * len(ranges)      # per range: (count, [(chunk start, local idx), ...])
+
+    def phase1(i, s0, e0):
+        tn, mn = _chunk_scratch(min(ch, e0 - s0))
+        cnt = 0
+        keep = []
+        for s in range(s0, e0, ch):
+            e = min(s + ch, e0)
+            m = e - s
+            an = an_all[s:e]
+            c = tn[:m]
+            if use_h:
+                if gn_all is not None:
+                    np.multiply(gn_all[s:e], hm1_32, out=c)
+                else:
+                    torch.from_numpy(c).copy_(grad[s:e]).mul_(hm1)
+                np.add(c, an, out=c)
+                np.abs(c, out=c)
+            else:
+                np.abs(an, out=c)
+            mk = mn[:m]
+            if L:
+                b0 = s // L
+                nfull = m // L
+                if nfull:
+                    np.greater_equal(c[: nfull * L].reshape(nfull, L),
+                                     thr_n[b0:b0 + nfull, None],
+                                     out=mk[: nfull * L].reshape(nfull, L))
+                if nfull * L < m:
+                    np.greater_equal(c[nfull * L:], thr_n[b0 + nfull], out=mk[nfull * L:])
+            else:
+                np.greater_equal(c, thr_n, out=mk)
+            idx = np.flatnonzero(mk)
+            k = idx.shape[0]
+            room = capacity - cnt
+            if room > 0 and k:
+                keep.append((s, idx[:room] if k > room else idx))
+            cnt += k
+        found[i] = (cnt, keep)
+
+    _par_run(phase1, [(i, s0, e0) for i, (s0, e0) in enumerate(ranges)])
+    # exclusive prefix: output offset and number sent of each range
+    plan = []
+    total = 0
+    for cnt, keep in found:
+        off = min(total, capacity)
+        plan.append((off, min(cnt, capacity - off), keep))
+        total += cnt
+    selected = total
+    sent = min(total, capacity)
+    ind_n = indices.numpy()
+    val_n = values.detach().numpy() if ve == VE_FP32 else None
+    signs = [None] * len(ranges)
+    sc = np.float32(float(sscale)) if ve == VE_SIGN1 else None
+
+    def phase2(i):
+        off, quota, keep = plan[i]
+        negs = []
+        for s, idx in keep:
+            if quota <= 0:
+                break
+            k = idx.shape[0]
+            if k > quota:
+                idx = idx[:quota]
+                k = quota
+            np.add(idx, s, out=ind_n[off:off + k], casting="unsafe")  # int64 -> int32
+            an = an_all[s:]
+            if ve == VE_FP32:
+                np.take(an, idx, out=val_n[off:off + k])
+                an[idx] = 0.0
+            elif ve == VE_SIGN1:
+                v = an[idx]
+                neg = v < 0
+                negs.append(neg)
+                an[idx] = v - np.where(neg, -sc, sc)
+            else:
+                v = torch.from_numpy(an[idx])
+                vc = v.to(_FLOAT_VE[ve])
+                values[off:off + k] = vc
+                an[idx] = (v - vc.float()).numpy()
+            off += k
+            quota -= k
+        signs[i] = negs
+
+    _par_run(phase2, [(i,) for i in range(len(ranges)) if plan[i][1] > 0])
+    if ve == VE_SIGN1 and sent:
+        bits = np.concatenate([x for negs in signs if negs for x in negs])
+        values[: -(-sent // 8)] = _pack_bits(torch.from_numpy(bits).to(torch.uint8), 1)
+    return sent, selected
+
+
 def select_compact(acc: torch.Tensor, threshold, capacity: int, *, bin_size: int = 0,
                    grad: Optional[torch.Tensor] = None, h_scale: float = 1.0,
                    value_encoding=VE_FP32, sign_scale=None, out=None
@@ -538,83 +737,12 @@ def select_compact(acc: torch.Tensor, threshold, capacity: int, *, bin_size: int
         else:
             ch = _CHUNK
         ch = min(ch, n)
-        # On CPU the per-element passes run in numpy on views of the same memory: its
-        # abs / compare / flatnonzero are 2-3x faster than torch's for this pattern
-        # (torch.nonzero alone costs more than the whole numpy pass). Other devices
-        # (a CUDA tensor without Triton) take the same steps in torch.
-        on_cpu = acc.device.type == "cpu" and _USE_NUMPY
-        tmp = torch.empty(ch, dtype=torch.float32, device=acc.device)
-        mask = torch.empty(ch, dtype=torch.bool, device=acc.device)
-        if on_cpu:
-            tn, mn = tmp.numpy(), mask.numpy()
-            an_all = acc.detach().numpy()
-            gn_all = grad.detach().numpy() if use_h and grad.dtype != torch.bfloat16 else None
-            thr_n = thr.detach().numpy() if L else np.float32(float(thr))
-            hm1_32 = np.float32(hm1)
-        signs = [] if ve == VE_SIGN1 else None
-        for s in range(0, n, ch):
-            e = min(s + ch, n)
-            m = e - s
-            a = acc[s:e]
-            if not on_cpu:
-                c = tmp[:m]
-                if use_h:
-                    c.copy_(grad[s:e]).mul_(hm1).add_(a).abs_()
-                else:
-                    torch.abs(a, out=c)
-                # chunks start on bin boundaries (ch is a multiple of L)
-                tt = thr[s // L: -(-e // L)].repeat_interleave(L)[:m] if L else thr
-                idx = torch.nonzero(c >= tt).view(-1)
-            else:
-                an = an_all[s:e]
-                c = tn[:m]
-                if use_h:
-                    if gn_all is not None:
-                        np.multiply(gn_all[s:e], hm1_32, out=c)
-                    else:
-                        tmp[:m].copy_(grad[s:e]).mul_(hm1)
-                    np.add(c, an, out=c)
-                    np.abs(c, out=c)
-                else:
-                    np.abs(an, out=c)
-                mk = mn[:m]
-                if L:
-                    b0 = s // L
-                    nfull = m // L
-                    if nfull:
-                        np.greater_equal(c[: nfull * L].reshape(nfull, L),
-                                         thr_n[b0:b0 + nfull, None],
-                                         out=mk[: nfull * L].reshape(nfull, L))
-                    if nfull * L < m:
-                        np.greater_equal(c[nfull * L:], thr_n[b0 + nfull], out=mk[nfull * L:])
-                else:
-                    np.greater_equal(c, thr_n, out=mk)
-                idx = torch.from_numpy(np.flatnonzero(mk))
-            k = idx.numel()
-            selected += k
-            room = capacity - sent
-            if room <= 0 or k == 0:
-                continue
-            if k > room:
-                idx = idx[:room]
-                k = room
-            indices[sent:sent + k] = (idx + s).to(torch.int32)
-            v = a[idx]
-            if ve == VE_FP32:
-                values[sent:sent + k] = v
-                a.index_fill_(0, idx, 0.0)
-            elif ve == VE_SIGN1:
-                neg = v < 0
-                signs.append(neg)
-                a.index_copy_(0, idx, v - torch.where(neg, -sscale, sscale))
-            else:
-                vc = v.to(_FLOAT_VE[ve])
-                values[sent:sent + k] = vc
-                a.index_copy_(0, idx, v - vc.float())
-            sent += k
-        if ve == VE_SIGN1 and sent:
-            bits = torch.cat(signs)
-            values[: -(-sent // 8)] = _pack_bits(bits.to(torch.uint8), 1)
+        if acc.device.type == "cpu" and _USE_NUMPY:
+            sent, selected = _select_compact_np(acc, thr, capacity, L, ch, grad, use_h, hm1,
+                                                ve, sscale, indices, values)
+        else:
+            sent, selected = _select_compact_chunks(acc, thr, capacity, L, ch, grad, use_h,
+                                                    hm1, ve, sscale, indices, values)
     count[0] = sent
     count[1] = selected
     return indices, values, count

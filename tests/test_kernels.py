@@ -472,3 +472,40 @@ def test_value_encoding_codes_match_payload():
     from hvdsparse.payload import ValueEncoding
     assert (R.VE_FP32, R.VE_FP16, R.VE_BF16, R.VE_SIGN1) == (
         ValueEncoding.FP32, ValueEncoding.FP16, ValueEncoding.BF16, ValueEncoding.SIGN1)
+
+
+@pytest.mark.parametrize("ve", ["fp32", "fp16", "sign1"])
+@pytest.mark.parametrize("cap_frac", [1.0, 0.3, 0.7])
+def test_reference_threaded_ranges_match_naive(monkeypatch, seed, ve, cap_frac):
+    """The CPU path splits large inputs into per-thread ranges of whole chunks; force
+    that on a small input (tiny chunks and range minimum) and check (1) and (2) against
+    the element-by-element loops, with the capacity cut falling inside either range."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 CPUs for more than one range")
+    monkeypatch.setattr(R, "_CHUNK", 256)
+    monkeypatch.setattr(R, "_CHUNK_PAR_MIN", 512)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g, n = _case(seed)
+        grad = _randn(n, g)
+        res = _randn(n, g)
+        acc = res + grad
+        r = res.clone()
+        L = 50
+        bm = R.residual_add_binmax(grad, r, L)
+        assert torch.equal(r, acc)
+        np.testing.assert_array_equal(bm.numpy(), _naive_binmax(acc, L))
+        thr = torch.tensor(1.0)
+        nsel_all = int((acc.abs() >= thr).sum())
+        cap = max(1, int(nsel_all * cap_frac))
+        a1 = acc.clone()
+        i1, v1, c1 = R.select_compact(a1, thr, cap, value_encoding=VE[ve],
+                                      sign_scale=torch.tensor(0.5))
+        nidx, ndeq, nres, nsel = _naive_select(acc, thr, 0, None, 1.0, ve, 0.5, cap)
+        assert c1.tolist() == [len(nidx), nsel]
+        assert i1[:len(nidx)].tolist() == nidx
+        assert _deq_values(v1, len(nidx), ve, 0.5) == ndeq
+        assert a1.tolist() == nres
+    finally:
+        torch.set_num_threads(threads)

@@ -21,8 +21,9 @@ epoch), 20% held out; test loss/accuracy is evaluated on every rank's shard of t
 held-out split and summed across ranks.
 
 ``--compression none`` is Horovod's plain allreduce (``hvd.DistributedOptimizer``),
-``fp16`` is Horovod's own ``hvd.Compression.fp16``; every other choice goes through
-``hvdsparse.DistributedOptimizer`` with the matching hvdsparse compressor.
+``fp16`` is Horovod's own ``hvd.Compression.fp16``; every other choice is the user's
+line ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=hvdsparse.X(...))``,
+which ``import hvdsparse`` routes to ``hvdsparse.DistributedOptimizer``.
 
 Outputs: a tqdm progress bar on rank 0, one line per epoch (loss, accuracy, step time,
 wire bytes per rank per step, effective compression rate), optional TensorBoard
@@ -197,7 +198,10 @@ def build_optimizer(args, model, hvd):
         kwargs["local_gradient"] = args.local_gradient
     if args.sync_period is not None:
         kwargs["sync_period"] = args.sync_period
-    opt = hvdsparse.DistributedOptimizer(base, **kwargs)
+    # The user's own line: `import hvdsparse` routes hvd.DistributedOptimizer calls whose
+    # compression is an hvdsparse compressor to hvdsparse.DistributedOptimizer.
+    opt = hvd.DistributedOptimizer(base, **kwargs)
+    assert hasattr(opt, "compression_state_dict"), "hvdsparse routing is not installed"
     return opt, compressor
 
 
@@ -209,56 +213,19 @@ def dense_allreduce_bytes(numel, itemsize, world):
     return 0 if world == 1 else int(2 * (world - 1) / world * numel * itemsize)
 
 
-def _call_stats(opt):
-    """The hvdsparse optimizer's statistics of the last step, as a flat dict (or None)."""
-    for name in ("step_stats", "last_step_stats", "stats", "communication_stats",
-                 "get_stats"):
-        fn = getattr(opt, name, None)
-        if callable(fn):
-            try:
-                s = fn()
-            except TypeError:
-                continue
-            if s is None:
-                return None
-            if not isinstance(s, dict):
-                s = getattr(s, "__dict__", None) or (s._asdict() if hasattr(s, "_asdict") else None)
-            return s
-    return None
-
-
-def _pick(stats, *names):
-    for n in names:
-        if n in stats and stats[n] is not None:
-            return stats[n]
-    return None
-
-
 def wire_stats(args, opt, numel, world):
-    """Per-rank bytes sent / received by the last step and the strategy used."""
+    """Per-rank bytes sent / received by the last step, the strategies used and the
+    compress / wait / decode times (from ``hvdsparse.DistributedOptimizer.stats()``)."""
     if args.compression in ("none", "fp16"):
         itemsize = 2 if args.compression == "fp16" else 4
         b = dense_allreduce_bytes(numel, itemsize, world)
-        return {"bytes_sent": b, "bytes_received": b, "strategy": "allreduce",
-                "payload_bytes": numel * itemsize}
-    s = _call_stats(opt)
-    if s is None:
-        return {}
-    out = {"raw": {k: v for k, v in s.items() if isinstance(v, (int, float, str, bool))}}
-    sent = _pick(s, "bytes_sent", "sent_bytes", "wire_bytes_sent", "bytes_out")
-    recv = _pick(s, "bytes_received", "received_bytes", "recv_bytes",
-                 "wire_bytes_received", "bytes_in")
-    if sent is not None:
-        out["bytes_sent"] = int(sent)
-    if recv is not None:
-        out["bytes_received"] = int(recv)
-    strat = _pick(s, "strategy", "strategies", "exchange")
-    if strat is not None:
-        out["strategy"] = strat if isinstance(strat, str) else json.dumps(strat, default=str)
-    payload = _pick(s, "payload_bytes", "encoded_bytes", "bytes_encoded")
-    if payload is not None:
-        out["payload_bytes"] = int(payload)
-    return out
+        return {"bytes_sent": b, "bytes_received": b, "strategy": "allreduce"}
+    last = opt.stats()["last"]
+    return {"bytes_sent": int(last["bytes_sent_total"]),
+            "bytes_received": int(last["bytes_recv_total"]),
+            "strategy": ",".join(sorted(set(last["strategies"]))),
+            "time_compress_s": last["time_compress_s"], "time_wait_s": last["time_wait_s"],
+            "time_decode_s": last["time_decode_s"]}
 
 
 def lo_bytes():
@@ -280,13 +247,8 @@ def rank_file(path, rank):
 def save_checkpoint(path, hvd, model, opt, compressor, meta, keep_epoch=None):
     rank = hvd.rank()
     per_rank = {"rng_torch": torch.get_rng_state(), "world_size": hvd.size(), "meta": meta}
-    if compressor is not None and hasattr(compressor, "state_dict"):
-        per_rank["compressor"] = compressor.state_dict()
-    for hook in ("hvdsparse_state_dict", "sparse_state_dict"):
-        fn = getattr(opt, hook, None)
-        if callable(fn):
-            per_rank["optimizer_wrapper"] = fn()
-            break
+    if compressor is not None:
+        per_rank["compressor"] = opt.compression_state_dict()
     targets = [path] + ([f"{path}.e{keep_epoch}"] if keep_epoch is not None else [])
     for tgt in targets:
         Path(tgt).parent.mkdir(parents=True, exist_ok=True)
@@ -323,13 +285,7 @@ def load_checkpoint(path, hvd, model, opt, compressor, log):
         return meta
     torch.set_rng_state(per_rank["rng_torch"])
     if compressor is not None and "compressor" in per_rank:
-        compressor.load_state_dict(per_rank["compressor"])
-    if "optimizer_wrapper" in per_rank:
-        for hook in ("load_hvdsparse_state_dict", "load_sparse_state_dict"):
-            fn = getattr(opt, hook, None)
-            if callable(fn):
-                fn(per_rank["optimizer_wrapper"])
-                break
+        opt.load_compression_state_dict(per_rank["compressor"])
     return meta
 
 
@@ -476,8 +432,9 @@ def main(argv=None):
             history["opt_step_times"].append(t2 - t1)
             history["bytes_sent"].append(ws.get("bytes_sent"))
             history["bytes_received"].append(ws.get("bytes_received"))
-            if "raw" in ws and rank == 0:
-                history["last_optimizer_stats"] = ws["raw"]
+            for key in ("time_compress_s", "time_wait_s", "time_decode_s"):
+                if key in ws:
+                    history.setdefault(key, []).append(ws[key])
             if "strategy" in ws:
                 history["strategy"] = ws["strategy"]
             ep_times.append(t2 - t0)

@@ -123,7 +123,8 @@ def estimate_topk_threshold(acc: torch.Tensor, k: int, capacity: int, offset: in
     r = torch.full((), float(r0), dtype=torch.float32, device=acc.device)
     a = acc.abs() if rounds > 0 else None
     for _ in range(rounds):
-        c = (a >= t).sum().to(torch.float32)
+        # count_nonzero, not bool .sum(): the latter is ~7x slower on CPU (int64 cast)
+        c = torch.count_nonzero(a >= t).to(torch.float32)
         ok = (c >= k) & (c <= capacity)
         r_new = (r * target / c.clamp_min(1.0)).round().clamp(1.0, float(m))
         # index_select with a 1-element tensor: indexing with a 0-d tensor would be

@@ -184,11 +184,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     compressor=comp() if callable(comp) else None)
 
     def compression_state_dict(self) -> dict:
-        """The compressor's state (residuals etc.) for checkpoints."""
-        return self._compression.state_dict()
+        """This rank's compressor state (residuals, thresholds, cores...) plus the step
+        counters that key the compressor's seeds, warm-up and the local-gradient sync
+        period, so a resumed run continues exactly where it stopped. Residuals are per
+        rank: save one per rank."""
+        sd = self._compression.state_dict()
+        sd["scheduler_step"] = self._hvdsparse.step
+        sd["optimizer_steps"] = self._steps_done
+        return sd
 
     def load_compression_state_dict(self, sd: dict):
         self._compression.load_state_dict(sd)
+        if "scheduler_step" in sd:
+            self._hvdsparse.step = int(sd["scheduler_step"])
+        if "optimizer_steps" in sd:
+            self._steps_done = int(sd["optimizer_steps"])
 
 
 def _find_duplicates(lst):

@@ -103,12 +103,14 @@ def parse_args(argv=None):
     g.add_argument("--life-span", type=int, default=None,
                    help="threshold: steps between threshold re-computations")
     g.add_argument("--bin-size", type=int, default=None, help="adacomp: bin length")
-    g.add_argument("--scale", default=None, help="adacomp: value scale option")
+    g.add_argument("--scale", type=float, default=None, help="adacomp: H = G + (scale-1) dW")
     g.add_argument("--alpha", type=float, default=None, help="slimdp: communicated fraction")
     g.add_argument("--beta", type=float, default=None, help="slimdp: core fraction")
     g.add_argument("--core-period", type=int, default=None, help="slimdp: core re-selection period")
-    g.add_argument("--c", type=float, default=None, help="slimdp: gradient weight in significance")
-    g.add_argument("--shared-seed", type=int, default=None, help="randomk: seed shared by ranks")
+    g.add_argument("--c", default=None,
+                   help="slimdp: gradient weight in the significance (a number or 'auto')")
+    g.add_argument("--shared-seed", action="store_true", default=None,
+                   help="randomk: every rank picks the same indices (no index traffic)")
     g.add_argument("--bits", type=int, default=None, help="qsgd: 8, 4 or 2")
     g.add_argument("--bucket-size", type=int, default=None, help="qsgd: quantisation bucket")
     g.add_argument("--backward-passes-per-step", type=int, default=1)
@@ -131,6 +133,9 @@ def parse_args(argv=None):
                    help="rank 0 reads the loopback byte counter from /proc/net/dev: the "
                         "real bytes on the wire of all ranks (only meaningful in a private "
                         "network namespace, as bench_network.py uses)")
+    g.add_argument("--record-cost-model", action="store_true",
+                   help="hvdsparse: record the exchange cost model's per-strategy byte "
+                        "prediction of every step (bench_network.py --sweep)")
     g.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     args = p.parse_args(argv)
     if args.width is None:
@@ -175,6 +180,8 @@ def build_compressor(args):
                          f"(needed for --compression {args.compression})")
     kwargs = {kw: getattr(args, opt) for opt, kw in mapping.items()
               if getattr(args, opt) is not None}
+    if "c" in kwargs and kwargs["c"] != "auto":
+        kwargs["c"] = float(kwargs["c"])
     try:
         return cls(**kwargs)
     except TypeError as exc:
@@ -221,11 +228,48 @@ def wire_stats(args, opt, numel, world):
         b = dense_allreduce_bytes(numel, itemsize, world)
         return {"bytes_sent": b, "bytes_received": b, "strategy": "allreduce"}
     last = opt.stats()["last"]
+    strategies = list(last["strategies"])
     return {"bytes_sent": int(last["bytes_sent_total"]),
             "bytes_received": int(last["bytes_recv_total"]),
-            "strategy": ",".join(sorted(set(last["strategies"]))),
+            "bytes_by_strategy": {"sent": dict(last["bytes_sent"]),
+                                  "received": dict(last["bytes_recv"])},
+            "strategy": ", ".join(f"{st} x{strategies.count(st)}"
+                                  for st in sorted(set(strategies))),
             "time_compress_s": last["time_compress_s"], "time_wait_s": last["time_wait_s"],
             "time_decode_s": last["time_decode_s"]}
+
+
+class CostModelRecorder:
+    """Records the auto cost model's per-strategy prediction (per-rank link bytes) at
+    every bucket launch, by wrapping the scheduler's ``strategy_for(b, payloads)``."""
+
+    def __init__(self, opt):
+        from hvdsparse.exchange import cost_model
+        sched = opt.scheduler
+        alpha = getattr(sched, "alpha_bytes", 0.0)
+        self.last = {}
+        orig = sched.strategy_for
+
+        def strategy_for(b, payloads):
+            try:
+                self.last[b] = cost_model.costs(sched.figures(b, payloads), alpha)
+            except Exception as exc:  # keep training; say why predictions are missing
+                self.last[b] = {"error": repr(exc)}
+            return orig(b, payloads)
+        sched.strategy_for = strategy_for
+
+    def step_prediction(self):
+        """Per strategy: predicted bytes summed over buckets; ``auto``: the sum of each
+        bucket's cheapest strategy (what exchange="auto" picks)."""
+        tot, auto = {}, 0.0
+        for c in self.last.values():
+            if "error" in c:
+                return {"error": c["error"]}
+            for k, v in c.items():
+                tot[k] = tot.get(k, 0.0) + v
+            auto += min(c.values())
+        tot["auto"] = auto
+        return tot
 
 
 def lo_bytes():
@@ -340,6 +384,7 @@ def main(argv=None):
                "opt_step_times": [], "bytes_sent": [], "bytes_received": []}
     start_epoch, global_step, train_time = 0, 0, 0.0
     time_to_target = None
+    recorder = CostModelRecorder(opt) if (args.record_cost_model and compressor is not None) else None
 
     resume_path = None
     if args.resume is not None:
@@ -437,6 +482,10 @@ def main(argv=None):
                     history.setdefault(key, []).append(ws[key])
             if "strategy" in ws:
                 history["strategy"] = ws["strategy"]
+            if "bytes_by_strategy" in ws:
+                history["bytes_by_strategy"] = ws["bytes_by_strategy"]
+            if recorder is not None:
+                history["cost_model_prediction"] = recorder.step_prediction()
             ep_times.append(t2 - t0)
             if ws.get("bytes_sent") is not None:
                 ep_sent.append(ws["bytes_sent"])
@@ -515,7 +564,12 @@ def main(argv=None):
             "target_acc": args.target_acc, "time_to_target_s": time_to_target,
             "target_step": history.get("target_step"),
             "strategy": history.get("strategy"),
+            "bytes_by_strategy": history.get("bytes_by_strategy"),
+            "cost_model_prediction": history.get("cost_model_prediction"),
         }
+        for key in ("time_compress_s", "time_wait_s", "time_decode_s"):
+            if history.get(key):
+                summary["median_" + key] = statistics.median(history[key])
         log("summary: " + json.dumps({k: v for k, v in summary.items()}, default=str))
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)

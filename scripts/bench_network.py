@@ -58,8 +58,12 @@ METHODS = {
     "qsgd4": ("QSGD 4-bit", ["--compression", "qsgd", "--bits", "4"]),
     "topk1_int4": ("TopK 1% + int4", ["--compression", "topk", "--ratio", "0.01",
                                       "--values", "int4"]),
+    # not in the default list: denser TopK, fewer steps to the target
+    "topk5": ("TopK 5%", ["--compression", "topk", "--ratio", "0.05"]),
+    "topk5_int4": ("TopK 5% + int4", ["--compression", "topk", "--ratio", "0.05",
+                                      "--values", "int4"]),
 }
-DEFAULT_METHODS = list(METHODS)
+DEFAULT_METHODS = [m for m in METHODS if not m.startswith("topk5")]
 
 
 def parse_args(argv=None):
@@ -209,10 +213,10 @@ def profile_of(res):
         v = h.get(key) or []
         if v:
             out[lab] = statistics.median(v)
-    stats = h.get("last_optimizer_stats") or {}
-    for k, v in stats.items():
-        if isinstance(v, (int, float)) and ("time" in k or k.endswith("_s") or k.endswith("_ms")):
-            out[k] = v
+    for key in ("time_compress_s", "time_wait_s", "time_decode_s"):
+        v = h.get(key) or []
+        if v:
+            out[key[5:]] = statistics.median(v)      # compress_s, wait_s, decode_s
     return out
 
 
@@ -252,15 +256,18 @@ def make_table(results, base="dense"):
 
 
 def make_profile_table(results):
-    rows = ["| method | fwd+bwd (+hooks) ms | optimizer.step (wait + decode + update) ms | other stats |",
-            "|---|---:|---:|---|"]
+    rows = ["| method | fwd+bwd (+compress in hooks) ms | optimizer.step ms | of which: compress ms "
+            "| exchange wait ms | decode ms |",
+            "|---|---:|---:|---:|---:|---:|"]
     for name, res in results.items():
         if "error" in res:
             continue
         p = profile_of(res)
-        other = ", ".join(f"{k}={v:.4g}" for k, v in p.items() if k not in ("fwd_bwd_s", "opt_step_s"))
-        rows.append(f"| {METHODS.get(name, (name,))[0]} | {fmt(p.get('fwd_bwd_s') and p['fwd_bwd_s'] * 1e3, '.1f')} "
-                    f"| {fmt(p.get('opt_step_s') and p['opt_step_s'] * 1e3, '.1f')} | {other or '-'} |")
+        ms = {k: (None if p.get(k) is None else p[k] * 1e3)
+              for k in ("fwd_bwd_s", "opt_step_s", "compress_s", "wait_s", "decode_s")}
+        rows.append(f"| {METHODS.get(name, (name,))[0]} | {fmt(ms['fwd_bwd_s'], '.1f')} "
+                    f"| {fmt(ms['opt_step_s'], '.1f')} | {fmt(ms['compress_s'], '.1f')} "
+                    f"| {fmt(ms['wait_s'], '.1f')} | {fmt(ms['decode_s'], '.1f')} |")
     return "\n".join(rows)
 
 
@@ -285,7 +292,8 @@ def plots(results, out, title):
     ax.barh(labels, st, left=fb, label="optimizer.step (exchange wait + decode + update)")
     for i, n in enumerate(names):
         tot = ok[n]["summary"]["median_step_s_slowest_rank"] * 1e3
-        ax.text(tot, i, f" {tot:.0f} ms", va="center")
+        ax.text(tot, i, f" {tot:.0f} ms", va="center", fontsize=8)
+    ax.set_xlim(right=max(ok[n]["summary"]["median_step_s_slowest_rank"] for n in names) * 1e3 * 1.15)
     ax.invert_yaxis()
     ax.set_xlabel("median step time (ms)")
     ax.set_title(f"Step time per method - {title}")
@@ -323,9 +331,7 @@ def plots(results, out, title):
 def predicted_costs(res, world):
     """Cost model prediction per strategy, summed over buckets, from the optimizer's
     own figures when it reports them (train.py stores them under last_optimizer_stats)."""
-    stats = (res.get("history") or {}).get("last_optimizer_stats") or {}
-    pred = {k: v for k, v in stats.items() if k.startswith("predicted_") or k.startswith("cost_")}
-    return pred or None
+    return (res.get("summary") or {}).get("cost_model_prediction")
 
 
 def sweep(a, ns, out):
@@ -339,7 +345,8 @@ def sweep(a, ns, out):
             print(f"[sweep] P={np_} exchange={ex} ({label})", flush=True)
             res = run_train(a, ns, np_, name, margs + ["--exchange", ex, "--epochs", "1",
                                                        "--max-steps", str(a.sweep_steps),
-                                                       "--eval-every", "0"],
+                                                       "--eval-every", "0",
+                                                       "--record-cost-model"],
                             out / "runs" / f"{name}.json", out / "logs" / f"{name}.log")
             row = {"np": np_, "exchange": ex}
             if "error" in res:
@@ -352,7 +359,7 @@ def sweep(a, ns, out):
                            median_step_s=s["median_step_s_slowest_rank"],
                            strategy=s.get("strategy"), params=s["params"],
                            predicted=predicted_costs(res, np_),
-                           optimizer_stats=(res["history"].get("last_optimizer_stats")))
+                           bytes_by_strategy=s.get("bytes_by_strategy"))
             rows.append(row)
             with open(out / "sweep.json", "w") as f:
                 json.dump({"args": vars(a), "rows": rows}, f, indent=1, default=str)
@@ -366,11 +373,8 @@ def sweep_table(rows):
         if "error" in r:
             md.append(f"| {r['np']} | {r['exchange']} | failed ({r['error']}) | | | | |")
             continue
-        pred = r.get("predicted")
-        pv = None
-        if isinstance(pred, dict):
-            key = next((k for k in pred if r["exchange"] in k or (r.get("strategy") or "") in k), None)
-            pv = pred.get(key) if key else None
+        pred = r.get("predicted") or {}
+        pv = pred.get(r["exchange"]) if "error" not in pred else None
         md.append(f"| {r['np']} | {r['exchange']} | {r.get('strategy') or '-'} "
                   f"| {fmt(r['bytes_received'] and r['bytes_received'] / 1e6, '.3f')} "
                   f"| {fmt(pv and pv / 1e6, '.3f')} | {fmt(r['lo_bytes'] and r['lo_bytes'] / 1e6, '.3f')} "

@@ -43,7 +43,7 @@ import math
 import torch
 
 from ..payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
-from .base import TINY, Compressor, ceil_div, pack_signs
+from .base import TINY, Compressor, binned_topc, ceil_div, pack_signs
 
 __all__ = ["AdaComp"]
 
@@ -116,32 +116,14 @@ class AdaComp(Compressor):
             H = G + (cfg["scale"] - 1.0) * flat.float()
         else:
             H = G
-        a = H.abs()
-        pad = nb * L - n
-        if pad:
-            a = torch.cat([a, a.new_zeros(pad)])
-        tv, ti = torch.topk(a.view(nb, L), c, dim=1, sorted=True)   # per-bin largest |H|
         thr = gmax.clamp_min(TINY).unsqueeze(1)
-        valid = tv >= thr                                    # [nb, c]
-        selected = (a.view(nb, L) >= thr).sum(dtype=torch.int32).reshape(1)
-        bin_counts = valid.sum(dim=1, dtype=torch.int32)
-        fvalid = valid.reshape(-1)
-        order = torch.sort((~fvalid).to(torch.int8), stable=True).indices
-        base = (torch.arange(nb, device=G.device) * L).unsqueeze(1)
-        gidx = (ti + base).reshape(-1)[order]
-        rel = ti.reshape(-1)[order]
-        vmask = fvalid[order]
-        count = fvalid.sum(dtype=torch.int32).reshape(1)
-        gidx = torch.where(vmask, gidx, torch.zeros_like(gidx))
+        gidx, rel, vmask, count, bin_counts, a = binned_topc(H.abs(), L, c, thr)
+        selected = (a >= thr).sum(dtype=torch.int32).reshape(1)
         g = G[gidx]
         neg = (g < 0) & vmask
         q = torch.where(neg, -scale, scale)
         zero = torch.zeros((), dtype=G.dtype, device=G.device)
         G.index_add_(0, gidx, torch.where(vmask, -q, zero))  # residue = G - Q(G) if sent
-        if ienc == IndexEncoding.BIN_U8:
-            rel = rel.to(torch.uint8)
-        else:
-            rel = torch.where(rel >= 32768, rel - 65536, rel).to(torch.int16)
         seg = Segment(numel=n, capacity=cap, index_encoding=ienc,
                       value_encoding=ValueEncoding.SIGN1, count=count,
                       values=pack_signs(neg), indices=rel, scales=scale.reshape(1).clone(),

@@ -134,6 +134,42 @@ def _is_int(x) -> bool:
 
 
 
+
+def binned_topc(a: torch.Tensor, bin_size: int, c: int, thr):
+    """Up to ``c`` largest entries of every bin of ``bin_size`` consecutive elements of
+    ``a`` (non-negative magnitudes, 1-D) that are ``>= thr`` (a scalar or an [nbins, 1]
+    tensor), laid out for the bin-relative wire format (BIN_U8 / BIN_U16).
+
+    Returns ``(gidx, rel, vmask, count, bin_counts, padded)``: ``nbins * c`` slots with the
+    valid ones first, in bin order (largest first within a bin); ``gidx`` the absolute
+    int64 index (0 in unused slots), ``rel`` the index within its bin, already cast to the
+    wire dtype (uint8 for bins <= 256, else int16 holding the uint16 bits), ``vmask`` the
+    valid slots, ``count`` int32[1], ``bin_counts`` int32[nbins], and ``padded`` = ``a``
+    zero-padded to whole bins, viewed [nbins, bin_size]. All on the device, no host sync.
+    """
+    n = a.numel()
+    nb = ceil_div(n, bin_size)
+    pad = nb * bin_size - n
+    if pad:
+        a = torch.cat([a, a.new_zeros(pad)])
+    padded = a.view(nb, bin_size)
+    tv, ti = torch.topk(padded, c, dim=1, sorted=True)
+    valid = tv >= thr                                    # [nb, c]
+    bin_counts = valid.sum(dim=1, dtype=torch.int32)
+    fvalid = valid.reshape(-1)
+    order = torch.sort((~fvalid).to(torch.int8), stable=True).indices
+    base = (torch.arange(nb, device=a.device) * bin_size).unsqueeze(1)
+    gidx = (ti + base).reshape(-1)[order]
+    rel = ti.reshape(-1)[order]
+    vmask = fvalid[order]
+    count = fvalid.sum(dtype=torch.int32).reshape(1)
+    gidx = torch.where(vmask, gidx, torch.zeros_like(gidx))
+    if bin_size <= 256:
+        rel = rel.to(torch.uint8)
+    else:
+        rel = torch.where(rel >= 32768, rel - 65536, rel).to(torch.int16)
+    return gidx, rel, vmask, count, bin_counts, padded
+
 def _deep_clone(x):
     """Copy of a nest of dicts / lists / tuples whose tensors are detached clones, so a
     state dict never aliases live compressor state (and vice versa)."""

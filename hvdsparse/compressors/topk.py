@@ -81,7 +81,7 @@ import torch
 from .. import ops
 from ..payload import FLOAT_DTYPES, QUANT_BITS, IndexEncoding, LayerPayload, Segment, \
     ValueEncoding
-from .base import (PURPOSE_QUANT, PURPOSE_SAMPLE, TINY, Compressor, ceil_div,
+from .base import (PURPOSE_QUANT, PURPOSE_SAMPLE, TINY, Compressor, binned_topc, ceil_div,
                    check_values, k_of)
 from .warmup import _check_density, make_warmup
 
@@ -278,26 +278,8 @@ class TopK(Compressor):
             return (self._dense_from_acc(name, acc, shape, enc, qseed, qb, ef),
                     dict(density=d))
         acc, _ = self._acc(name, flat, None, ef)
-        a = acc.abs()
-        pad = nb * B - n
-        if pad:
-            a = torch.cat([a, a.new_zeros(pad)])
-        tv, ti = torch.topk(a.view(nb, B), kb, dim=1, sorted=True)
-        valid = tv >= TINY                                   # [nb, kb]
-        bin_counts = valid.sum(dim=1, dtype=torch.int32)
-        fvalid = valid.reshape(-1)
-        order = torch.sort((~fvalid).to(torch.int8), stable=True).indices
-        base = (torch.arange(nb, device=acc.device) * B).unsqueeze(1)
-        gidx = (ti + base).reshape(-1)[order]
-        rel = ti.reshape(-1)[order]
-        vmask = fvalid[order]
-        count = fvalid.sum(dtype=torch.int32).reshape(1)
-        gidx = torch.where(vmask, gidx, torch.zeros_like(gidx))
+        gidx, rel, vmask, count, bin_counts, _ = binned_topc(acc.abs(), B, kb, TINY)
         values, scales = self._take(acc, gidx, vmask, count, enc, qseed, qb, ef)
-        if ienc == IndexEncoding.BIN_U8:
-            rel = rel.to(torch.uint8)
-        else:
-            rel = torch.where(rel >= 32768, rel - 65536, rel).to(torch.int16)
         seg = Segment(numel=n, capacity=cap, index_encoding=ienc, value_encoding=enc,
                       count=count, values=values, indices=rel, scales=scales,
                       bin_counts=bin_counts, bin_size=B, quant_bucket=qb)

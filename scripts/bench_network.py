@@ -329,8 +329,8 @@ def plots(results, out, title):
 # ----------------------------------------------------------------------------- sweep
 
 def predicted_costs(res, world):
-    """Cost model prediction per strategy, summed over buckets, from the optimizer's
-    own figures when it reports them (train.py stores them under last_optimizer_stats)."""
+    """Cost model prediction per strategy, summed over buckets, as recorded by
+    ``train.py --record-cost-model`` in its summary (``cost_model_prediction``)."""
     return (res.get("summary") or {}).get("cost_model_prediction")
 
 

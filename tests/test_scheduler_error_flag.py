@@ -5,7 +5,6 @@ scheduler at the next step's exchange -- never silently ignored.
 Runs the real Triton kernel through the interpreter (TRITON_INTERPRET=1 from conftest,
 HVDSPARSE_FORCE_TRITON=1 here); no Horovod launch is needed for this plumbing.
 """
-import os
 import random
 
 import pytest

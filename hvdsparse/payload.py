@@ -108,6 +108,11 @@ class LayerPayload:
     name: str
     shape: torch.Size
     segments: list
+    #: int32[1] device tensor: how many elements of this rank's gradient for the layer
+    #: were not finite (NaN/Inf). Such elements are never absorbed into the residual and
+    #: never sent; the scheduler combines the counts of all ranks and applies the
+    #: optimizer's non-finite policy. None = the producer did not check (counts as 0).
+    nonfinite: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @property
     def numel(self) -> int:

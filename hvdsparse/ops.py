@@ -7,8 +7,9 @@ Every function here has the signature of the same-named function in
 * ``HVDSPARSE_FORCE_TRITON=1`` in the environment -> the Triton kernel, whatever the
   device (tests set it together with ``TRITON_INTERPRET=1`` to run kernels on CPU
   tensors through Triton's interpreter);
-* else the Triton kernel when the (first) tensor argument is a CUDA tensor and Triton
-  imports; the torch reference otherwise.
+* else the Triton kernel when the (first) tensor argument is a CUDA tensor (ImportError
+  with an install hint if Triton does not import: no silent CPU fallback on a GPU);
+  the CPU path otherwise.
 
 Triton and the kernels are imported lazily, on the first call that needs them, so a
 CPU-only process never imports Triton, and nothing here ever probes Triton's driver
@@ -78,29 +79,53 @@ def _kernels():
 
 
 def use_triton(t: Optional[torch.Tensor]) -> bool:
-    """True when calls on tensor ``t`` go to the Triton kernels (see module doc)."""
+    """True when calls on tensor ``t`` go to the Triton kernels (see module doc).
+
+    A CUDA tensor with no importable Triton raises ImportError: falling back to the CPU
+    path there would silently run a slow, host-synchronising path on the GPU."""
     if os.environ.get("HVDSPARSE_FORCE_TRITON", "") == "1":
         return True
     if t is None or not t.is_cuda:
         return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
+    _triton_or_raise()
     return True
 
 
+_TRITON_OK = False
+
+
+def _triton_or_raise() -> None:
+    global _TRITON_OK
+    if _TRITON_OK:
+        return
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            "hvdsparse: a CUDA tensor needs the Triton kernels, but `import triton` failed "
+            f"({e}); install the triton version your torch pins (pip install triton)") from e
+    _TRITON_OK = True
+
+
 def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: int, *,
-                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """See :func:`hvdsparse.reference.residual_add_binmax`."""
+                        out: Optional[torch.Tensor] = None,
+                        grad_scale: Optional[torch.Tensor] = None,
+                        nonfinite: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``d = fp32(grad) * grad_scale``; ``residual += d`` where ``d`` is finite (else the
+    residual keeps its value and ``nonfinite[0]`` is incremented); returns the per-bin
+    ``max |residual|``. See :func:`hvdsparse.reference.residual_add_binmax` for the exact
+    rounding (two separate fp32 roundings, never an FMA) and NaN rule.
+
+    ``grad_scale``: None or a 1-element fp32 tensor on the residual's device (read on the
+    device, e.g. ``1 / loss_scale``); ``nonfinite``: None or an int32[>=1] tensor on that
+    device. Neither synchronises with the host on the Triton path.
+    """
     if not use_triton(residual):
-        return _ref.residual_add_binmax(grad, residual, bin_size, out=out)
-    _ref._check_1d("grad", grad, _ref._FLOAT_DTYPES)
-    _ref._check_1d("residual", residual, (torch.float32,))
-    if grad.numel() != residual.numel():
-        raise ValueError(f"grad has {grad.numel()} elements but residual has {residual.numel()}")
-    _ref._check_pos_int("bin_size", bin_size)
-    return _kernels().residual_add_binmax(grad, residual, bin_size, out=out)
+        return _ref.residual_add_binmax(grad, residual, bin_size, out=out,
+                                        grad_scale=grad_scale, nonfinite=nonfinite)
+    _ref._check_residual_args(grad, residual, bin_size, out, grad_scale, nonfinite)
+    return _kernels().residual_add_binmax(grad, residual, bin_size, out=out,
+                                          grad_scale=grad_scale, nonfinite=nonfinite)
 
 
 def select_compact(acc: torch.Tensor, threshold, capacity: int, *, bin_size: int = 0,

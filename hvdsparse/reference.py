@@ -396,12 +396,8 @@ def philox_uniform(seed: int, n: int, offset: int = 0, device=None) -> torch.Ten
 # --------------------------------------------------------------------------------------
 
 
-def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: int,
-                        *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``residual += grad.float()`` in place; returns ``binmax`` fp32[ceil(n / bin_size)]
-    with ``binmax[b] = max(|acc[b*L : (b+1)*L]|)`` (acc = the updated residual, the last
-    bin partial). ``out`` optionally receives binmax.
-    """
+def _check_residual_args(grad, residual, bin_size, out, grad_scale, nonfinite):
+    """Validation shared by the CPU path and ops (kernels): returns (n, L, nbins)."""
     _check_1d("grad", grad, _FLOAT_DTYPES)
     _check_1d("residual", residual, (torch.float32,))
     if grad.numel() != residual.numel():
@@ -411,14 +407,76 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
     L = _check_pos_int("bin_size", bin_size)
     n = residual.numel()
     nbins = -(-n // L)
-    if out is None:
-        out = torch.empty(nbins, dtype=torch.float32, device=residual.device)
-    else:
+    if out is not None:
         _check_1d("out", out, (torch.float32,))
         if out.numel() != nbins:
             raise ValueError(f"out must have {nbins} elements, got {out.numel()}")
+        if out.device != residual.device:
+            raise ValueError(f"out is on {out.device} but residual is on {residual.device}")
+    if grad_scale is not None:
+        if not isinstance(grad_scale, torch.Tensor) or grad_scale.numel() != 1 \
+                or grad_scale.dtype != torch.float32:
+            raise TypeError("grad_scale must be None or a 1-element fp32 tensor, got "
+                            f"{getattr(grad_scale, 'dtype', type(grad_scale).__name__)} "
+                            f"of shape {tuple(getattr(grad_scale, 'shape', ()))}")
+        if grad_scale.device != residual.device:
+            raise ValueError(f"grad_scale is on {grad_scale.device} but residual is on "
+                             f"{residual.device}")
+    if nonfinite is not None:
+        if not isinstance(nonfinite, torch.Tensor) or nonfinite.dtype != torch.int32 \
+                or nonfinite.numel() < 1 or not nonfinite.is_contiguous():
+            raise TypeError("nonfinite must be None or a contiguous int32 tensor with >= 1 "
+                            "element")
+        if nonfinite.device != residual.device:
+            raise ValueError(f"nonfinite is on {nonfinite.device} but residual is on "
+                             f"{residual.device}")
+    _check_index_width("residual", n)
+    return n, L, nbins
+
+
+def _check_index_width(name: str, n: int) -> None:
+    """int32 indices / counts address at most 2**31 - 1 elements."""
+    if n >= (1 << 31):
+        raise ValueError(f"{name} has {n} elements; hvdsparse addresses elements with int32 "
+                         f"indices, so a layer must have fewer than 2**31 elements (split "
+                         f"the parameter)")
+
+
+def _add_chunk_torch(r: torch.Tensor, g: torch.Tensor, s) -> int:
+    """``r[i] += fp32(g[i]) * s`` where that addend is finite; returns the number of
+    non-finite addends (host int). Two separate roundings (torch never contracts)."""
+    d = g.to(torch.float32)
+    if s is not None:
+        d = d * s
+    fin = torch.isfinite(d)
+    if bool(fin.all()):
+        r.add_(d)
+        return 0
+    r.copy_(torch.where(fin, r + d, r))
+    return int((~fin).sum())
+
+
+def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: int,
+                        *, out: Optional[torch.Tensor] = None,
+                        grad_scale: Optional[torch.Tensor] = None,
+                        nonfinite: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Error-feedback accumulation with the non-finite policy, and per-bin abs max.
+
+    ``d = fp32(grad) * grad_scale`` (one fp32 rounding; no multiply when grad_scale is
+    None); where ``d`` is finite ``residual += d`` (a second, separate rounding; never an
+    FMA), where it is NaN/+-Inf the residual keeps its old value and the element is
+    counted into ``nonfinite[0]`` (int32 tensor, added to). Returns ``binmax``
+    fp32[ceil(n / bin_size)], ``binmax[b] = max |residual[b*L:(b+1)*L]|`` after the
+    update (last bin partial; NaN where the bin holds a NaN, like ``torch.amax``).
+    ``out`` optionally receives binmax. Same math as ``kernels/residual.py``.
+    """
+    n, L, nbins = _check_residual_args(grad, residual, bin_size, out, grad_scale, nonfinite)
+    if out is None:
+        out = torch.empty(nbins, dtype=torch.float32, device=residual.device)
     if n == 0:
         return out
+    s = grad_scale.reshape(()).to(torch.float32) if grad_scale is not None else None
+    bad = [0]
     if L <= _CHUNK:
         bins_per_chunk = max(1, _CHUNK // L)
         ch = bins_per_chunk * L
@@ -430,47 +488,67 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
         if use_np:
             rn, gn, on = (residual.detach().numpy(), grad.detach().numpy(),
                           out.detach().numpy())
+            s32 = np.float32(float(s)) if s is not None else None
+            lock = threading.Lock()
 
             def work(s0, e0):
-                tn = _chunk_scratch(min(ch, e0 - s0))[0]
-                for s in range(s0, e0, ch):
-                    e = min(s + ch, e0)
-                    b0 = s // L
-                    nfull = (e - s) // L
-                    r = rn[s:e]
-                    np.add(r, gn[s:e], out=r)
-                    a = np.abs(r, out=tn[: e - s])
+                tn, mn = _chunk_scratch(min(ch, e0 - s0))
+                nb = 0
+                for st in range(s0, e0, ch):
+                    e = min(st + ch, e0)
+                    m = e - st
+                    b0 = st // L
+                    nfull = m // L
+                    r = rn[st:e]
+                    d = tn[:m]
+                    if s32 is not None:
+                        np.multiply(gn[st:e], s32, out=d, dtype=np.float32)
+                    else:
+                        np.copyto(d, gn[st:e], casting="unsafe")     # exact widening
+                    fin = np.isfinite(d, out=mn[:m])
+                    if fin.all():
+                        np.add(r, d, out=r)
+                    else:
+                        np.add(r, d, out=r, where=fin)
+                        nb += m - int(np.count_nonzero(fin))
+                    a = np.abs(r, out=d)
                     if nfull:
                         np.max(a[: nfull * L].reshape(nfull, L), axis=1, out=on[b0:b0 + nfull])
-                    if nfull * L < e - s:
+                    if nfull * L < m:
                         on[b0 + nfull] = a[nfull * L:].max()
+                if nb:
+                    with lock:
+                        bad[0] += nb
 
             _par_run(work, _par_ranges(n, ch, max(ch, _CHUNK_PAR_MIN)))
-            return out
-        tmp = torch.empty(min(ch, n), dtype=torch.float32, device=residual.device)
-        for s in range(0, n, ch):
-            e = min(s + ch, n)
-            b0 = s // L
-            nfull = (e - s) // L
-            r = residual[s:e]
-            r.add_(grad[s:e])
-            a = torch.abs(r, out=tmp[: e - s])
-            if nfull:
-                torch.amax(a[: nfull * L].view(nfull, L), dim=1, out=out[b0:b0 + nfull])
-            if nfull * L < e - s:
-                out[b0 + nfull] = a[nfull * L:].amax()
+        else:
+            tmp = torch.empty(min(ch, n), dtype=torch.float32, device=residual.device)
+            for st in range(0, n, ch):
+                e = min(st + ch, n)
+                b0 = st // L
+                nfull = (e - st) // L
+                r = residual[st:e]
+                bad[0] += _add_chunk_torch(r, grad[st:e], s)
+                a = torch.abs(r, out=tmp[: e - st])
+                if nfull:
+                    torch.amax(a[: nfull * L].view(nfull, L), dim=1, out=out[b0:b0 + nfull])
+                if nfull * L < e - st:
+                    out[b0 + nfull] = a[nfull * L:].amax()
     else:  # huge bins: running max over sub-chunks of one bin
         tmp = torch.empty(_CHUNK, dtype=torch.float32, device=residual.device)
         for b in range(nbins):
             bs, be = b * L, min((b + 1) * L, n)
             m = None
-            for s in range(bs, be, _CHUNK):
-                e = min(s + _CHUNK, be)
-                r = residual[s:e]
-                r.add_(grad[s:e])
-                cm = torch.abs(r, out=tmp[: e - s]).amax()
+            for st in range(bs, be, _CHUNK):
+                e = min(st + _CHUNK, be)
+                r = residual[st:e]
+                bad[0] += _add_chunk_torch(r, grad[st:e], s)
+                cm = torch.abs(r, out=tmp[: e - st]).amax()
+                # NaN propagates (torch.maximum does, unlike a compiled tl.maximum)
                 m = cm if m is None else torch.maximum(m, cm)
             out[b] = m
+    if nonfinite is not None and bad[0]:
+        nonfinite.view(-1)[0] += bad[0]
     return out
 
 

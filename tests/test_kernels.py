@@ -118,6 +118,58 @@ def test_residual_add_binmax(K, seed, dtype, L, max_chunk):
     assert torch.equal(bm2, bm1), f"seed={seed}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("L,kw", [(1, {}), (50, {}), (700, dict(max_chunk=256)),
+                                  (3000, {}), (5000, dict(block=1024)),
+                                  (1 << 40, dict(block=512))])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_residual_add_binmax_nonfinite_and_scale(K, seed, dtype, L, kw, scaled):
+    """Non-finite addends are skipped and counted; ``d = fp32(g) * s`` and ``r + d`` are
+    two separate roundings; large bins (flat layout, atomic max) agree with small ones."""
+    g = _gen(seed)
+    n = int(torch.randint(3000, 6000, (1,), generator=g))
+    grad = _randn(n, g, dtype, 3.0)
+    bad = torch.randperm(n, generator=g)[:7]
+    grad[bad[:3]] = float("nan")
+    grad[bad[3:5]] = float("inf")
+    grad[bad[5:]] = -float("inf")
+    res = _randn(n, g)
+    res[bad[0]] = -0.0
+    sc = torch.rand(1, generator=g) * 4 if scaled else None
+    d = grad.float() * sc if scaled else grad.float()
+    fin = torch.isfinite(d)
+    want = torch.where(fin, res + d, res)      # independent: plain torch, two roundings
+    nbins = -(-n // L)
+    want_bm = torch.stack([want[b * L:(b + 1) * L].abs().amax() for b in range(nbins)])
+    for impl in ("ref", "kernel"):
+        r = res.clone()
+        nf = torch.full((1,), 5, dtype=torch.int32)
+        out = torch.full((nbins,), float("nan"))
+        if impl == "ref":
+            bm = R.residual_add_binmax(grad, r, L, out=out, grad_scale=sc, nonfinite=nf)
+        else:
+            bm = K.residual_add_binmax(grad, r, L, out=out, grad_scale=sc, nonfinite=nf, **kw)
+        assert torch.equal(r.view(torch.int32), want.view(torch.int32)), (impl, seed)
+        assert torch.equal(bm, want_bm), (impl, seed)
+        assert int(nf[0]) == 5 + 7, (impl, seed)
+
+
+def test_residual_add_binmax_nan_residual_propagates(K, seed):
+    """A NaN already in the residual makes its bin's max NaN (torch.amax rule) on every
+    path; compiled tl.maximum would drop it, the kernels take an integer max instead."""
+    g = _gen(seed)
+    for L, kw in [(64, {}), (5000, dict(block=1024))]:
+        res = _randn(3000, g)
+        res[int(torch.randint(0, 3000, (1,), generator=g))] = float("nan")
+        grad = _randn(3000, g)
+        r1, r2 = res.clone(), res.clone()
+        b1 = R.residual_add_binmax(grad, r1, L)
+        b2 = K.residual_add_binmax(grad, r2, L, **kw)
+        assert torch.equal(r1.isnan(), r2.isnan())
+        assert torch.equal(b1.isnan(), b2.isnan()) and int(b2.isnan().sum()) == 1
+        assert torch.equal(b1.nan_to_num(0.0), b2.nan_to_num(0.0))
+
+
 def test_residual_add_binmax_via_ops_forced(monkeypatch, seed):
     monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")
     g = _gen(seed)

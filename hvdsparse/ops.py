@@ -130,19 +130,22 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
 
 def select_compact(acc: torch.Tensor, threshold, capacity: int, *, bin_size: int = 0,
                    grad: Optional[torch.Tensor] = None, h_scale: float = 1.0,
-                   value_encoding=_ref.VE_FP32, sign_scale=None, out=None):
+                   value_encoding=_ref.VE_FP32, sign_scale=None, out=None,
+                   grad_scale: Optional[torch.Tensor] = None):
     """See :func:`hvdsparse.reference.select_compact` (GPU: slot order differs, see
-    ``kernels/select.py``)."""
+    ``kernels/select.py``). ``grad_scale``: None or a 1-element fp32 device tensor that
+    multiplies ``grad`` (as in :func:`residual_add_binmax`)."""
     if not use_triton(acc):
         return _ref.select_compact(acc, threshold, capacity, bin_size=bin_size, grad=grad,
                                    h_scale=h_scale, value_encoding=value_encoding,
-                                   sign_scale=sign_scale, out=out)
+                                   sign_scale=sign_scale, out=out, grad_scale=grad_scale)
     n, thr, capacity, L, ve, sscale = _ref._check_select_args(
         acc, threshold, capacity, bin_size, grad, value_encoding, sign_scale)
+    _ref._check_grad_scale(grad_scale, acc.device)
     out = _ref._alloc_select_out(out, capacity, ve, acc.device) if out is not None else None
     return _kernels().select_compact(acc, thr, capacity, bin_size=L, grad=grad,
                                      h_scale=float(h_scale), value_encoding=ve,
-                                     sign_scale=sscale, out=out)
+                                     sign_scale=sscale, out=out, grad_scale=grad_scale)
 
 
 def quantize_pack(values: torch.Tensor, bits: int, bucket_size: int, seed: int, count=None):

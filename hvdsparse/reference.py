@@ -413,15 +413,7 @@ def _check_residual_args(grad, residual, bin_size, out, grad_scale, nonfinite):
             raise ValueError(f"out must have {nbins} elements, got {out.numel()}")
         if out.device != residual.device:
             raise ValueError(f"out is on {out.device} but residual is on {residual.device}")
-    if grad_scale is not None:
-        if not isinstance(grad_scale, torch.Tensor) or grad_scale.numel() != 1 \
-                or grad_scale.dtype != torch.float32:
-            raise TypeError("grad_scale must be None or a 1-element fp32 tensor, got "
-                            f"{getattr(grad_scale, 'dtype', type(grad_scale).__name__)} "
-                            f"of shape {tuple(getattr(grad_scale, 'shape', ()))}")
-        if grad_scale.device != residual.device:
-            raise ValueError(f"grad_scale is on {grad_scale.device} but residual is on "
-                             f"{residual.device}")
+    _check_grad_scale(grad_scale, residual.device)
     if nonfinite is not None:
         if not isinstance(nonfinite, torch.Tensor) or nonfinite.dtype != torch.int32 \
                 or nonfinite.numel() < 1 or not nonfinite.is_contiguous():
@@ -430,8 +422,19 @@ def _check_residual_args(grad, residual, bin_size, out, grad_scale, nonfinite):
         if nonfinite.device != residual.device:
             raise ValueError(f"nonfinite is on {nonfinite.device} but residual is on "
                              f"{residual.device}")
-    _check_index_width("residual", n)
     return n, L, nbins
+
+
+def _check_grad_scale(grad_scale, device) -> None:
+    if grad_scale is None:
+        return
+    if not isinstance(grad_scale, torch.Tensor) or grad_scale.numel() != 1 \
+            or grad_scale.dtype != torch.float32:
+        raise TypeError("grad_scale must be None or a 1-element fp32 tensor, got "
+                        f"{getattr(grad_scale, 'dtype', type(grad_scale).__name__)} "
+                        f"of shape {tuple(getattr(grad_scale, 'shape', ()))}")
+    if grad_scale.device != device:
+        raise ValueError(f"grad_scale is on {grad_scale.device} but the data is on {device}")
 
 
 def _check_index_width(name: str, n: int) -> None:
@@ -560,6 +563,7 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
 def _check_select_args(acc, threshold, capacity, bin_size, grad, value_encoding, sign_scale):
     _check_1d("acc", acc, (torch.float32,))
     n = acc.numel()
+    _check_index_width("acc", n)
     capacity = _check_pos_int("capacity", capacity, 0)
     if not isinstance(threshold, torch.Tensor):
         if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
@@ -788,10 +792,15 @@ def _select_compact_np(acc, thr, capacity, L, ch, grad, use_h, hm1, ve, sscale,
 
 def select_compact(acc: torch.Tensor, threshold, capacity: int, *, bin_size: int = 0,
                    grad: Optional[torch.Tensor] = None, h_scale: float = 1.0,
-                   value_encoding=VE_FP32, sign_scale=None, out=None
+                   value_encoding=VE_FP32, sign_scale=None, out=None,
+                   grad_scale: Optional[torch.Tensor] = None
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Select ``|acc[i] + (h_scale - 1) * grad[i]| >= thr(i)`` (``|acc[i]|`` if grad is
-    None), ``thr(i) = threshold`` (0-d) or ``threshold[i // bin_size]`` (fp32[nbins]).
+    """Select ``|h[i]| >= thr(i)`` with ``h = acc + (h_scale - 1) * g``,
+    ``g = fp32(grad) * grad_scale`` (``h = acc`` if grad is None or h_scale == 1; no
+    grad_scale multiply when it is None), every product and sum its own fp32 rounding
+    (never an FMA; the kernels are compiled without contraction, so bits agree);
+    ``thr(i) = threshold`` (0-d) or ``threshold[i // bin_size]`` (fp32[nbins]). NaN is
+    never selected.
 
     Returns ``(indices int32[capacity], values, count int32[2] = [sent, selected])``;
     values is [capacity] of fp32/fp16/bf16 (``acc`` cast) or, for SIGN1, uint8
@@ -804,9 +813,12 @@ def select_compact(acc: torch.Tensor, threshold, capacity: int, *, bin_size: int
     """
     n, thr, capacity, L, ve, sscale = _check_select_args(
         acc, threshold, capacity, bin_size, grad, value_encoding, sign_scale)
+    _check_grad_scale(grad_scale, acc.device)
     indices, values, count = _alloc_select_out(out, capacity, ve, acc.device)
     hm1 = float(h_scale) - 1.0
     use_h = grad is not None and hm1 != 0.0
+    if use_h and grad_scale is not None:
+        grad = grad.to(torch.float32) * grad_scale.reshape(()).to(torch.float32)
     sent = 0
     selected = 0
     if n:
@@ -1188,7 +1200,9 @@ def scatter_add_decode(dense: torch.Tensor, indices: torch.Tensor, count: torch.
 
     Value of slot j: ``values[p, j]`` (float), ``dequantize_unpack(codes[p], scales[p],
     bits, bucket_size)[j]``, or ``+-sign_scale[p]`` from the sign bits. 1-D inputs are a
-    batch of one row. Repeated indices accumulate. Raises IndexError naming the row, slot
+    batch of one row. Rows are added in row order (row 0 first), each element's addends
+    in that order: deterministic, and the same bits as the kernels. Repeated indices
+    inside one row (malformed) accumulate. Raises IndexError naming the row, slot
     and index of the first index < 0 or >= dense.numel(), and ValueError for a count
     outside [0, cap]; nothing is written in either case. Returns ``error_flag`` unchanged
     (the reference never sets it; errors raise instead).
@@ -1219,6 +1233,9 @@ def scatter_add_decode(dense: torch.Tensor, indices: torch.Tensor, count: torch.
             v = torch.where(b.bool(), -ssc[p], ssc[p])
         rows_idx.append(ix)
         rows_val.append(v)
-    if rows_idx:
-        dense.index_add_(0, torch.cat(rows_idx), torch.cat(rows_val))
+    # every row is checked before anything is written; then rows are added one after
+    # the other in row (rank) order, like the kernels' stream-ordered launches, so the
+    # fp32 sum at every element is the same on every rank and every run
+    for ix, v in zip(rows_idx, rows_val):
+        dense.index_add_(0, ix, v)
     return error_flag

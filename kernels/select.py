@@ -1,19 +1,26 @@
 """Threshold selection + compaction + residual update (operation 2 of docs/design.md).
 
-One launch; program ``p`` owns elements ``[p*BLOCK, (p+1)*BLOCK)``:
+One launch; program ``p`` owns elements ``[p*BLOCK, (p+1)*BLOCK)`` (int64 offsets):
 
-1. criterion ``|acc + (h_scale-1)*grad| >= thr`` (scalar threshold, or
-   ``thr[i // bin_size]``), computed from one read of acc (and grad);
+1. criterion ``|h| >= thr`` with ``h = acc + fp32(fp32(grad) * grad_scale) * (h_scale-1)``
+   (or ``h = acc``; scalar threshold, or ``thr[i // bin_size]``), from one read of acc
+   (and grad). Every product and sum is its own fp32 rounding: the kernel is compiled
+   with ``enable_fp_fusion=False``, so no ``fma.rn.f32`` is formed, exactly like the
+   numpy / torch CPU path and the oracle (which never contract). NaN is never selected
+   (an IEEE comparison with NaN is false on every path);
 2. an exclusive ``tl.cumsum`` of the mask gives each selected element its rank inside
-   the block; one ``tl.atomic_add(count[1], k)`` per block reserves ``k`` consecutive
-   slots starting at ``base`` (the old value) and one ``tl.atomic_add(count[0], fit)``
-   adds how many of them fit below ``capacity`` -- after the launch
-   ``count = [sent, selected]`` with ``sent = min(selected, capacity)``;
+   the block; ONE relaxed ``tl.atomic_add(count[1], k)`` per program with ``k > 0``
+   reserves ``k`` consecutive slots starting at ``base`` (the old value). After the
+   launch a one-element device op sets ``count[0] = min(count[1], capacity)``, so
+   ``count = [sent, selected]``;
 3. element with slot ``base + rank < capacity`` writes ``indices[slot]`` and its value
-   (fp32/fp16/bf16 cast of acc; SIGN1: one ``tl.atomic_or`` of its sign bit into the
-   int32 word ``slot // 32`` of a zeroed word buffer, little-endian so bit ``j % 8`` of
-   byte ``j // 8``) and the new residual ``acc - dequant(value)``; everything else keeps
-   acc (selected elements beyond capacity stay in the residual).
+   (fp32/fp16/bf16 cast of acc; SIGN1: one relaxed ``tl.atomic_or`` of its sign bit
+   into the int32 word ``slot // 32`` of a zeroed word buffer, little-endian so bit
+   ``j % 8`` of byte ``j // 8``) and the new residual ``acc - dequant(value)``;
+   everything else keeps acc (selected elements beyond capacity stay in the residual).
+
+Relaxed atomics: nothing is published through them inside the launch (the slot
+reservation only has to be unique; consumers read after the kernel), so no fence.
 
 Slot order: ascending index within a block; blocks take slots in whatever order their
 atomics land, so *which* selected elements overflow the capacity depends on scheduling.
@@ -30,16 +37,18 @@ _VE_DTYPE = {VE_FP32: torch.float32, VE_FP16: torch.float16, VE_BF16: torch.bflo
 
 @triton.jit
 def _select_compact_kernel(acc_ptr, grad_ptr, thr_ptr, idx_ptr, val_ptr, sign_ptr,
-                           count_ptr, sscale_ptr, n, capacity, L, hm1,
-                           HAS_GRAD: tl.constexpr, PER_BIN: tl.constexpr,
-                           VE: tl.constexpr, BLOCK: tl.constexpr):
+                           count_ptr, sscale_ptr, gscale_ptr, n, capacity, L, hm1,
+                           HAS_GRAD: tl.constexpr, HAS_GSCALE: tl.constexpr,
+                           PER_BIN: tl.constexpr, VE: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inb = offs < n
     a = tl.load(acc_ptr + offs, mask=inb, other=0.0)
     if HAS_GRAD:
         g = tl.load(grad_ptr + offs, mask=inb, other=0.0).to(tl.float32)
-        h = a + g * hm1
+        if HAS_GSCALE:
+            g = g * tl.load(gscale_ptr)
+        h = a + g * hm1          # two roundings: compiled with enable_fp_fusion=False
     else:
         h = a
     if PER_BIN:
@@ -50,9 +59,7 @@ def _select_compact_kernel(acc_ptr, grad_ptr, thr_ptr, idx_ptr, val_ptr, sign_pt
     seli = sel.to(tl.int32)
     k = tl.sum(seli, axis=0)
     rank = tl.cumsum(seli, axis=0) - seli
-    base = tl.atomic_add(count_ptr + 1, k)
-    fit = tl.minimum(tl.maximum(capacity - base, 0), k)
-    tl.atomic_add(count_ptr, fit)
+    base = tl.atomic_add(count_ptr + 1, k, mask=k > 0, sem="relaxed")
     slot = base + rank
     w = sel & (slot < capacity)
     tl.store(idx_ptr + slot, offs.to(tl.int32), mask=w)
@@ -61,7 +68,7 @@ def _select_compact_kernel(acc_ptr, grad_ptr, thr_ptr, idx_ptr, val_ptr, sign_pt
         neg = a < 0
         newa = a - tl.where(neg, -ss, ss)
         bit = tl.full([BLOCK], 1, tl.int32) << (slot & 31)
-        tl.atomic_or(sign_ptr + (slot >> 5), bit, mask=w & neg)
+        tl.atomic_or(sign_ptr + (slot >> 5), bit, mask=w & neg, sem="relaxed")
     elif VE == 0:
         tl.store(val_ptr + slot, a, mask=w)
         newa = tl.zeros_like(a)
@@ -73,12 +80,14 @@ def _select_compact_kernel(acc_ptr, grad_ptr, thr_ptr, idx_ptr, val_ptr, sign_pt
 
 
 def select_compact(acc, threshold, capacity, *, bin_size=0, grad=None, h_scale=1.0,
-                   value_encoding=VE_FP32, sign_scale=None, out=None, block=1024):
-    """Triton version of ``hvdsparse.reference.select_compact`` (arguments already
+                   value_encoding=VE_FP32, sign_scale=None, out=None, grad_scale=None,
+                   block=4096):
+    """Triton version of ``hvdsparse.cpu.select_compact`` (arguments already
     validated by ``hvdsparse.ops``: ``threshold`` an fp32 tensor, 0-d or [nbins] with
-    ``bin_size > 0``; ``sign_scale`` an fp32 1-element tensor for SIGN1).
+    ``bin_size > 0``; ``sign_scale`` an fp32 1-element tensor for SIGN1; ``grad_scale``
+    None or an fp32 1-element tensor).
 
-    Returns ``(indices int32[capacity], values, count int32[2])`` as the reference, slot
+    Returns ``(indices int32[capacity], values, count int32[2])`` as the CPU path, slot
     order as described in the module docstring. ``out`` = optional preallocated
     ``(indices, values, count)``; count is zeroed here (and SIGN1 values rewritten).
     """
@@ -104,6 +113,7 @@ def select_compact(acc, threshold, capacity, *, bin_size=0, grad=None, h_scale=1
     thr = threshold if per_bin else threshold.reshape(1)
     hm1 = float(h_scale) - 1.0
     has_grad = grad is not None and hm1 != 0.0
+    has_gs = has_grad and grad_scale is not None
     if n:
         dummy = acc
         grid = (triton.cdiv(n, block),)
@@ -111,8 +121,12 @@ def select_compact(acc, threshold, capacity, *, bin_size=0, grad=None, h_scale=1
             acc, grad if has_grad else dummy, thr, indices,
             values if ve != VE_SIGN1 else dummy, words if words is not None else indices,
             count, sign_scale.reshape(1) if ve == VE_SIGN1 else dummy,
+            grad_scale.reshape(1) if has_gs else dummy,
             n, capacity, max(int(bin_size), 1), hm1,
-            HAS_GRAD=has_grad, PER_BIN=per_bin, VE=ve, BLOCK=block)
+            HAS_GRAD=has_grad, HAS_GSCALE=has_gs, PER_BIN=per_bin, VE=ve, BLOCK=block,
+            enable_fp_fusion=False)
+        # sent = min(selected, capacity): a one-element device op, no host sync
+        torch.clamp_max(count[1:2], capacity, out=count[0:1])
     if ve == VE_SIGN1 and values.data_ptr() != sign_bytes.data_ptr():
         values.copy_(sign_bytes)
     return indices, values, count

@@ -446,6 +446,48 @@ def test_scatter_add_decode(K, seed, mode):
     torch.testing.assert_close(d_k, d_ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "int4", "sign1"])
+def test_scatter_add_decode_rank_order_bitwise(K, seed, mode):
+    """Rows are added in row (rank) order, bit for bit: each row has unique indices,
+    rows overlap heavily, magnitudes differ by 2**20 so any other order changes bits."""
+    g = _gen(seed)
+    N = int(torch.randint(500, 900, (1,), generator=g))
+    P, cap = 5, 400
+    ind = torch.stack([torch.randperm(N, generator=g)[:cap] for _ in range(P)]).to(torch.int32)
+    cnt = torch.randint(cap // 2, cap + 1, (P, 1), generator=g).to(torch.int32)
+    kw = {}
+    if mode in VDT:
+        mag = 2.0 ** (torch.randint(-10, 11, (P, 1), generator=g).float() * 2)
+        kw["values"] = (_randn(P * cap, g).view(P, cap) * mag).to(VDT[mode])
+        deq = kw["values"].float()
+    elif mode == "sign1":
+        kw["signs"] = torch.randint(0, 256, (P, cap // 8), dtype=torch.uint8, generator=g)
+        kw["sign_scale"] = torch.rand(P, generator=g) * 2.0 ** torch.randint(-20, 20, (P,), generator=g)
+        deq = torch.stack([R.sign_unpack(kw["signs"][p].contiguous(), kw["sign_scale"][p], cap)
+                           for p in range(P)])
+    else:
+        kw.update(codes=torch.randint(0, 256, (P, cap // 2), dtype=torch.uint8, generator=g),
+                  scales=torch.rand(P, -(-cap // 64), generator=g) * 1e3 ** torch.randint(-3, 3, (P, 1), generator=g),
+                  bits=4, bucket_size=64)
+        deq = torch.stack([R.dequantize_unpack(kw["codes"][p].contiguous(),
+                                               kw["scales"][p].contiguous(), 4, 64, cap)
+                           for p in range(P)])
+    base = _randn(N, g)
+    want = base.clone()
+    for p in range(P):                       # plain fp32, rank order, one add per element
+        c = int(cnt[p, 0])
+        want[ind[p, :c].long()] = want[ind[p, :c].long()] + deq[p, :c]
+    for impl in ("ref", "kernel"):
+        d = base.clone()
+        if impl == "ref":
+            R.scatter_add_decode(d, ind, cnt, **kw)
+        else:
+            flag = torch.zeros(1, dtype=torch.int32)
+            K.scatter_add_decode(d, ind, cnt, error_flag=flag, block=128, **kw)
+            assert int(flag) == 0
+        assert torch.equal(d.view(torch.int32), want.view(torch.int32)), (impl, seed)
+
+
 def test_scatter_add_decode_out_of_range(K, monkeypatch, seed):
     g = _gen(seed)
     N, P, cap = 1000, 2, 300

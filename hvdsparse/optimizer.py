@@ -33,17 +33,14 @@ Code that imported ``DistributedOptimizer`` by name from ``horovod.torch`` *befo
 from __future__ import annotations
 
 import itertools
-import os
 import warnings
 from contextlib import contextmanager
 
 import torch
 
-from .exchange import check_exchange
-from .local import LocalGradient, check_mode, sync_parameters
+from .local import LocalGradient, sync_parameters
 from .scheduler import LayerScheduler
-
-DEFAULT_FUSION_THRESHOLD = 1 << 20     # bytes of encoded payload per bucket
+from .settings import DEFAULT_FUSION_THRESHOLD, ExchangeSettings, fingerprint  # noqa: F401
 _instance_counter = itertools.count()
 
 
@@ -53,10 +50,7 @@ def _compressor_base():
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
-    def __init__(self, params, named_parameters, compression, backward_passes_per_step,
-                 op, gradient_predivide_factor, fusion_threshold, exchange, local_gradient,
-                 sync_period, dense_dtype, split_dense_bits, quant_bucket, validate,
-                 alpha_bytes):
+    def __init__(self, params, named_parameters, compression, settings, grad_scaler):
         import horovod.torch as hvd
         super(self.__class__, self).__init__(params)
         self._compression = compression
@@ -89,25 +83,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         pos = {id(v): i for i, v in enumerate(v for g in self.param_groups for v in g['params'])}
         optimised.sort(key=lambda kv: pos[id(kv[1])])
         self._parameter_names = {v: k for k, v in optimised}
-        self.backward_passes_per_step = backward_passes_per_step
-        self.op = op
-        self.gradient_predivide_factor = gradient_predivide_factor
+        self.backward_passes_per_step = settings.backward_passes_per_step
+        self.op = hvd.Average if settings.average else hvd.Sum
+        self.gradient_predivide_factor = settings.gradient_predivide_factor
         self._synchronized = False
         self._should_synchronize = True
         self._steps_done = 0
-        self._local = LocalGradient(local_gradient, sync_period) if local_gradient else None
-        self.sync_period = sync_period
+        self._local = (LocalGradient(settings.local_gradient, settings.sync_period)
+                       if settings.local_gradient else None)
+        self.sync_period = settings.sync_period
+        self._settings = settings
+        self._compression_state_loaded = False
 
         rank, size = hvd.rank(), hvd.size()
-        compression.bind(rank, size)
+        prefix = f"hvdsparse.o{next(_instance_counter)}"
+        _bind(compression, rank, size, prefix)
+        check_names = getattr(compression, "check_names", None)
+        if callable(check_names):
+            check_names([k for k, _ in optimised])
+        self._fingerprint = fingerprint(settings, compression)
         self._hvdsparse = LayerScheduler(
-            optimised, compression, rank=rank, world_size=size,
-            prefix=f"hvdsparse.o{next(_instance_counter)}", exchange=exchange,
-            fusion_threshold=fusion_threshold, average=(op == hvd.Average),
-            gradient_predivide_factor=gradient_predivide_factor,
-            backward_passes_per_step=backward_passes_per_step, dense_dtype=dense_dtype,
-            split_dense_bits=split_dense_bits, quant_bucket=quant_bucket,
-            validate=validate, alpha_bytes=alpha_bytes, local=self._local)
+            optimised, compression, settings, rank=rank, world_size=size, prefix=prefix,
+            local=self._local, fingerprint=self._fingerprint, grad_scaler=grad_scaler)
         self._hvdsparse.register_hooks()
 
     # -------------------------------------------------------------- Horovod API
@@ -120,11 +117,41 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def compression(self):
         return self._compression
 
-    def load_state_dict(self, *args, **kwargs):
+    def state_dict(self):
+        """The wrapped optimizer's state plus an ``"hvdsparse"`` entry: the step counters
+        (warm-up, seeds, local-gradient sync period continue from them) and the settings
+        fingerprint. Residuals are per rank and NOT in here: save
+        :meth:`compression_state_dict` on every rank (README: checkpoints)."""
+        sd = super(self.__class__, self).state_dict()
+        sd["hvdsparse"] = dict(scheduler_step=self._hvdsparse.step,
+                               optimizer_steps=self._steps_done,
+                               world_size=self._hvdsparse.world_size,
+                               fingerprint=self._fingerprint)
+        return sd
+
+    def load_state_dict(self, state_dict):
         self._hvdsparse.reset()
         self._synchronized = False
         self._should_synchronize = True
-        super(self.__class__, self).load_state_dict(*args, **kwargs)
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("hvdsparse", None)
+        super(self.__class__, self).load_state_dict(state_dict)
+        if extra is not None:
+            self._hvdsparse.step = int(extra["scheduler_step"])
+            self._steps_done = int(extra["optimizer_steps"])
+            saved = extra.get("fingerprint", {}).get("compressor")
+            if saved is not None and saved != self._fingerprint["compressor"]:
+                warnings.warn("hvdsparse: the loaded optimizer state was saved with a "
+                              f"different compressor configuration ({saved}); this run "
+                              f"uses {self._fingerprint['compressor']}")
+        if not self._compression_state_loaded:
+            # said at the next step unless load_compression_state_dict comes first
+            self._hvdsparse.pending_warning = (
+                "hvdsparse: optimizer.load_state_dict() restored the optimizer without "
+                "this rank's compression state: the residuals (error-feedback memory) of "
+                "every compressed layer restart from zero and what they held is lost. "
+                "Save optimizer.compression_state_dict() on every rank and load it with "
+                "optimizer.load_compression_state_dict() (README: checkpoints)")
 
     def set_backward_passes_per_step(self, passes):
         if passes <= 0:
@@ -149,15 +176,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if self._should_synchronize:
             if self._synchronized:
+                # Horovod exchanges again here (only time is lost); with compression a
+                # second exchange would re-compress the averaged gradient and advance
+                # warm-up twice, so the gradients already synchronized are used as they are.
                 warnings.warn("optimizer.step() called without "
                               "optimizer.skip_synchronize() context after "
-                              "optimizer.synchronize(). This can cause training "
-                              "slowdown. You may want to consider using "
+                              "optimizer.synchronize(). hvdsparse does not exchange the "
+                              "gradients a second time; use the "
                               "optimizer.skip_synchronize() context if you use "
                               "optimizer.synchronize() in your code.")
-            self.synchronize()
+            else:
+                self.synchronize()
         self._synchronized = False
+        if self._hvdsparse.skip_update:
+            # nonfinite="skip": every rank skips this step (residuals were rolled back)
+            self._hvdsparse.skip_update = False
+            return None
         loss = super(self.__class__, self).step(closure)
+        self._hvdsparse.step_applied()
         self._steps_done += 1
         if self._local is not None and self._local.should_sync(self._steps_done):
             sync_parameters([p for g in self.param_groups for p in g['params']],
@@ -195,6 +231,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def load_compression_state_dict(self, sd: dict):
         self._compression.load_state_dict(sd)
+        self._compression_state_loaded = True
+        self._hvdsparse.pending_warning = None
         if "scheduler_step" in sd:
             self._hvdsparse.step = int(sd["scheduler_step"])
         if "optimizer_steps" in sd:
@@ -214,11 +252,33 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, torch.float32: torch
            "fp16": torch.float16, "float16": torch.float16, torch.float16: torch.float16}
 
 
+def _bind(compression, rank, size, owner):
+    """Bind the compressor to this rank; a compressor keeps per-layer residuals keyed
+    by name, so one instance cannot serve two optimizers (refused with an error)."""
+    import inspect
+    import horovod.torch as hvd
+    params = inspect.signature(compression.bind).parameters
+    kw = {}
+    if "broadcast" in params:
+        def broadcast(tensor, name):   # blocking, from rank 0 (Slim-DP cores)
+            return hvd.broadcast(tensor, root_rank=0, name=f"{owner}.bcast.{name}")
+        kw["broadcast"] = broadcast
+    if "owner" in params:
+        kw["owner"] = owner
+    elif getattr(compression, "_hvdsparse_owner", None) not in (None, owner):
+        raise ValueError(f"compressor {compression!r} is already used by another "
+                         f"DistributedOptimizer; residuals are kept per layer name, so "
+                         f"create one compressor per optimizer")
+    compression.bind(rank, size, **kw)
+    compression._hvdsparse_owner = owner
+
+
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
                          fusion_threshold=None, exchange="auto", local_gradient=None,
                          sync_period=500, dense_dtype="fp32", split_dense_bits=0,
                          quant_bucket=512, validate=None, alpha_bytes=0.0,
+                         nonfinite="raise", grad_scaler=None,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None):
     """Wrap ``optimizer`` so that gradients are compressed and exchanged sparsely.
 
@@ -227,14 +287,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         named_parameters: ``model.named_parameters()``; names the collectives and the
             compressor's per-layer state.
         compression: an hvdsparse compressor instance (``hvdsparse.TopK(0.01)``, ...);
-            default ``NoCompression()``.
+            default ``NoCompression()``. One instance per optimizer.
         backward_passes_per_step: backward passes accumulated locally before one
             exchange.
         op: ``hvd.Average`` (default) or ``hvd.Sum``.
         gradient_predivide_factor: with Average, gradients are scaled by ``1/f`` before
             and ``f/size`` after the sum.
         fusion_threshold: bytes of encoded payload per bucket (default 1 MiB, or
-            ``HVDSPARSE_FUSION_THRESHOLD``); 0 = one bucket per layer.
+            ``HVDSPARSE_FUSION_THRESHOLD``); 0 = one bucket per layer. Must be equal on
+            every rank (checked at the first step).
         exchange: ``"auto"`` (per bucket by the cost model), ``"allgather"``,
             ``"split"`` or ``"dense"`` (see :mod:`hvdsparse.exchange`).
         local_gradient: None, ``"sum"``, ``"partial"`` or ``"error"``
@@ -245,6 +306,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         quant_bucket: elements per scale of that quantisation.
         validate: host-validate received messages (default: on CPU yes, CUDA no).
         alpha_bytes: per-message latency charge of the auto cost model (bytes).
+        nonfinite: ``"raise"`` (default), ``"skip"`` or ``"propagate"``: what a step
+            does when a gradient holds NaN/Inf on some rank (:mod:`hvdsparse.settings`).
+        grad_scaler: a ``torch.amp.GradScaler``: residuals are kept in unscaled units
+            and a step the scaler skips is rolled back (README: mixed precision).
     """
     import horovod.torch as hvd
     if op is None:
@@ -264,45 +329,32 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
-    if gradient_predivide_factor != 1.0:
-        if op != hvd.Average:
-            raise ValueError('gradient_predivide_factor not supported with op != Average')
-        if not gradient_predivide_factor > 0:
-            raise ValueError(f"gradient_predivide_factor must be > 0, got "
-                             f"{gradient_predivide_factor!r}")
+    if gradient_predivide_factor != 1.0 and op != hvd.Average:
+        raise ValueError('gradient_predivide_factor not supported with op != Average')
     if num_groups != 0 or groups is not None:
         raise ValueError("groups / num_groups are not supported with hvdsparse compressors: "
                          "buckets are formed by fusion_threshold (bytes of encoded payload)")
     if sparse_as_dense:
-        raise ValueError("sparse_as_dense is not supported with hvdsparse compressors "
-                         "(torch sparse gradients are not handled)")
+        raise ValueError("sparse_as_dense is not supported with hvdsparse compressors: "
+                         "sparse gradients go through Horovod's sparse allreduce, dense "
+                         "ones are compressed")
     if process_set is not None and process_set is not hvd.global_process_set:
         raise NotImplementedError("hvdsparse supports only the global process set")
-    if backward_passes_per_step <= 0:
-        raise ValueError("backward_passes_per_step must be > 0")
     if op == hvd.Adasum:
         raise ValueError("op=hvd.Adasum is not supported by hvdsparse: sparse payloads are "
                          "summed (use hvd.Average or hvd.Sum)")
     if op not in (hvd.Average, hvd.Sum):
         raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
-    check_exchange(exchange)
-    check_mode(local_gradient)
-    if not isinstance(sync_period, int) or isinstance(sync_period, bool) or sync_period < 1:
-        raise ValueError(f"sync_period must be an int >= 1, got {sync_period!r}")
-    if fusion_threshold is None:
-        fusion_threshold = int(os.environ.get("HVDSPARSE_FUSION_THRESHOLD",
-                                              DEFAULT_FUSION_THRESHOLD))
-    if not isinstance(fusion_threshold, int) or isinstance(fusion_threshold, bool) \
-            or fusion_threshold < 0:
-        raise ValueError(f"fusion_threshold must be an int >= 0 (bytes), got "
-                         f"{fusion_threshold!r}")
-    if dense_dtype not in _DTYPES:
-        raise ValueError(f"dense_dtype must be 'fp32' or 'fp16', got {dense_dtype!r}")
-    if split_dense_bits not in (0, 2, 4, 8):
-        raise ValueError(f"split_dense_bits must be 0 (fp32), 8, 4 or 2, got "
-                         f"{split_dense_bits!r}")
-    if not isinstance(quant_bucket, int) or quant_bucket < 1:
-        raise ValueError(f"quant_bucket must be an int >= 1, got {quant_bucket!r}")
+    if grad_scaler is not None and not hasattr(grad_scaler, "is_enabled"):
+        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got "
+                        f"{type(grad_scaler).__name__}")
+    settings = ExchangeSettings.from_args(
+        exchange=exchange, fusion_threshold=fusion_threshold, average=(op == hvd.Average),
+        gradient_predivide_factor=gradient_predivide_factor,
+        backward_passes_per_step=backward_passes_per_step, dense_dtype=dense_dtype,
+        split_dense_bits=split_dense_bits, quant_bucket=quant_bucket, validate=validate,
+        alpha_bytes=alpha_bytes, local_gradient=local_gradient, sync_period=sync_period,
+        nonfinite=nonfinite)
 
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
@@ -312,10 +364,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     # not every rank would join); claim that module so it does the same for ours.
     cls.__module__ = "horovod.torch.optimizer"
     cls.__qualname__ = f"hvdsparse.DistributedOptimizer[{optimizer.__class__.__name__}]"
-    return cls(optimizer.param_groups, named_parameters, compression,
-               backward_passes_per_step, op, gradient_predivide_factor, fusion_threshold,
-               exchange, local_gradient, sync_period, _DTYPES[dense_dtype],
-               split_dense_bits, quant_bucket, validate, alpha_bytes)
+    return cls(optimizer.param_groups, named_parameters, compression, settings, grad_scaler)
 
 
 # ---------------------------------------------------------------------- routing

@@ -9,62 +9,90 @@ Per step
    ready. When every layer of bucket ``b`` is ready, bucket ``b`` is launched (one named
    async collective, see :mod:`hvdsparse.exchange`). A layer that arrives out of order
    simply waits for the rest of its bucket, so buckets are identical on every rank
-   whatever the hook order.
-2. ``synchronize()``: layers without a gradient this step get ``p.grad = 0`` (as in
-   Horovod: another rank may have one) and are compressed; unlaunched buckets are
-   launched; then every bucket is waited for, decoded and summed, averaged
-   (``op=Average``: ``G = sum / P``; ``gradient_predivide_factor`` f splits this into
-   ``/f`` before and ``*f/P`` after the sum, which is exact in fp32 and used as Horovod's
-   pre/post scale for the fp16 dense allreduce), optionally combined with the local
-   gradient (:mod:`hvdsparse.local`), written to ``p.grad`` and passed to
-   ``compressor.after_exchange``.
+   whatever the hook order. A *sparse* gradient (``nn.Embedding(sparse=True)``) is
+   already index/value data: it goes through Horovod's sparse allreduce (allgather of
+   indices and values, as ``hvd.DistributedOptimizer`` does) and never into a bucket.
+2. ``synchronize()``: a layer without a gradient this step (unused on this rank, or
+   frozen with ``requires_grad=False``) contributes an *absent* payload -- the wire
+   layout of its compressed form with nothing in it -- so its residual is neither
+   flushed nor changed (it stays for when the layer trains again); unlaunched buckets
+   are launched; every bucket is waited for, decoded and summed **in rank order**
+   (bitwise identical on every rank), averaged (``op=Average``: ``G = sum / P``;
+   ``gradient_predivide_factor`` f splits this into ``/f`` before and ``*f/P`` after the
+   sum), optionally combined with the local gradient (:mod:`hvdsparse.local`), written
+   to ``p.grad`` and passed to ``compressor.after_exchange``. A parameter that is frozen
+   on this rank keeps its ``p.grad`` untouched (usually ``None``, so the optimizer does
+   not move it); a trainable parameter without a gradient gets the exchanged one (zeros
+   when no rank had one), as Horovod zero-fills it.
+3. Non-finite gradients: compressors never absorb NaN/Inf into a residual and count
+   them per layer (``payload.nonfinite``). Each step one small allgather carries every
+   rank's per-layer counts, so every rank sees the same table and applies the policy of
+   :mod:`hvdsparse.settings` (``raise`` / ``skip`` / ``propagate``) identically.
 
 First step: the bucket plan
 ---------------------------
 Buckets must be identical on all ranks. At the first ``synchronize()`` every rank
-contributes, through one ``hvd.allgather_object``, the order in which its layers became
-ready, each layer's numel and encoded payload size. The plan is computed on every rank
-from **rank 0's** order and sizes (greedy: append layers in that order, close a bucket
-once its encoded size reaches ``fusion_threshold`` bytes); the gathered sets, numels and
-sizes are checked against rank 0's, and a mismatch raises the same error on every rank
-naming the layer and the rank (no hang). From the second step on buckets are launched
-from the hooks; during the first step they are launched in ``synchronize()``.
+contributes, through one ``hvd.allgather_object``, its settings fingerprint
+(:func:`hvdsparse.settings.fingerprint`: compressor type and arguments, per-layer
+overrides, fusion threshold, exchange, dense dtype, value encodings, library and wire
+versions), the order in which its layers became ready, each layer's numel, its
+*steady-state* encoded payload size (after warm-up: :meth:`Compressor.steady_state_step`)
+and which layers had sparse gradients. Any difference from rank 0 raises the same
+``ValueError`` on every rank naming the setting or layer and the ranks (no hang). The
+plan is computed on every rank from rank 0's order and sizes (greedy: append layers in
+that order, close a bucket once its encoded size reaches ``fusion_threshold`` bytes).
+From the second step on buckets are launched from the hooks.
 
-Payload capacities depend only on layer size, compressor settings and the step, so a
-bucket's message length is equal on all ranks at every step.
+World size 1
+------------
+As in Horovod, nothing is exchanged: no hooks, no compression, ``p.grad`` is left as
+backward made it, so a step equals the wrapped optimizer's step.
+
+Host synchronisation
+--------------------
+The hooks never read device values (except the split strategy's launch, which needs
+its per-range pair counts on the host for the alltoall splits). ``synchronize()`` waits
+on the handles, which is where Horovod synchronises too. Device flags that the host
+must act on -- the unvalidated decode's error flag and the non-finite table on CUDA --
+are copied into pinned memory with a non-blocking copy plus an event and read at the
+next step's ``synchronize()``, when they are long done (so the error surfaces one step
+late on CUDA, at once on CPU). The ``nonfinite="skip"`` policy reads the table in the
+same step (one host read per step on CUDA, as ``torch.amp.GradScaler`` does).
 
 Instrumentation
 ---------------
 ``events``: the current step's log -- ``("ready", name)``, ``("launch", bucket,
-strategy)``, ``("backward_done",)`` (queued on the autograd engine by the first hook of
-a backward pass, so it is logged when that backward pass finishes), ``("synchronize",)``,
-``("finish", bucket)``. Cleared by the first hook after a ``synchronize()``.
+strategy)``, ``("backward_done",)``, ``("synchronize",)``, ``("finish", bucket)``.
 ``last_stats`` / ``totals``: bytes sent / received per strategy, strategy per bucket,
 time spent compressing, waiting and decoding (host wall time, cheap).
-
-Host synchronisation: the hooks never read device values (except the split strategy's
-launch, which needs its per-range pair counts on the host for the alltoall splits);
-``synchronize()`` waits on the handles, which is where Horovod synchronises too, and
-with ``exchange="auto"`` reads one integer per bucket (the counts the cost model uses
-at the next step) after the wait.
 """
 from __future__ import annotations
 
 import inspect
+import logging
 import time
+import warnings
 from collections import defaultdict
 from typing import Dict, List, Optional
 
 import torch
 
 from . import codec
-from .exchange import ExchangeContext, BucketSpec, check_exchange, launch as launch_exchange
+from .exchange import ExchangeContext, BucketSpec, launch as launch_exchange
 from .exchange import cost_model
 from .exchange.split import pair_dtype
+from .settings import ExchangeSettings, differences
+
+log = logging.getLogger("hvdsparse")
 
 _HOROVOD_DELAY_MSG = ("Gradients were computed more than backward_passes_per_step times "
                       "before call to step(). Increase backward_passes_per_step to "
                       "accumulate gradients locally.")
+
+#: error codes the decoders OR into the device error flag (codec / kernels)
+ERROR_CODES = {1: "an index outside its layer", 2: "a count above its capacity",
+               4: "bin counts that do not match the segment",
+               8: "a malformed segment"}
 
 
 def plan_buckets(order, sizes, fusion_threshold: int) -> List[List[str]]:
@@ -83,6 +111,27 @@ def plan_buckets(order, sizes, fusion_threshold: int) -> List[List[str]]:
     return buckets
 
 
+class DeferredRead:
+    """A small device tensor whose value the host needs later, read without stalling:
+    on CUDA one non-blocking copy into pinned memory plus an event (``get`` waits on the
+    event, which is long done by the next step); on CPU the tensor itself. Values are
+    read through numpy, which is no tensor op."""
+
+    def __init__(self, t: torch.Tensor):
+        if t.is_cuda:
+            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._host.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host, self._event = t, None
+
+    def get(self):
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.detach().numpy()
+
+
 class _BucketHistory:
     __slots__ = ("pairs", "reduced")
 
@@ -92,102 +141,169 @@ class _BucketHistory:
 
 
 class LayerScheduler:
-    """See the module docstring. Owned by :class:`hvdsparse.DistributedOptimizer`."""
+    """See the module docstring. Owned by :class:`hvdsparse.DistributedOptimizer`.
 
-    def __init__(self, named_params, compressor, *, rank: int, world_size: int,
-                 prefix: str, exchange: str = "auto", fusion_threshold: int = 1 << 20,
-                 average: bool = True, gradient_predivide_factor: float = 1.0,
-                 backward_passes_per_step: int = 1, dense_dtype=torch.float32,
-                 split_dense_bits: int = 0, quant_bucket: int = 512,
-                 validate: Optional[bool] = None, alpha_bytes: float = 0.0, local=None):
-        self.exchange = check_exchange(exchange)
+    ``named_params``: the optimised parameters in the optimizer's order (every one is
+    part of the plan, trainable or not); ``settings``: :class:`ExchangeSettings`;
+    ``fingerprint``: plain data compared across ranks at step 1; ``grad_scaler``: a
+    ``torch.amp.GradScaler`` whose scale is divided out before gradients meet the
+    residuals (residuals stay in unscaled units) and multiplied back into ``p.grad``.
+    """
+
+    def __init__(self, named_params, compressor, settings: Optional[ExchangeSettings] = None,
+                 *, rank: int, world_size: int, prefix: str, local=None,
+                 fingerprint: Optional[dict] = None, grad_scaler=None, **legacy):
+        if settings is None:
+            settings = ExchangeSettings.from_args(**legacy)
+        elif legacy:
+            raise TypeError(f"pass settings or keyword settings, not both: {sorted(legacy)}")
+        self.settings = settings
         self.compressor = compressor
         self.rank, self.world_size = int(rank), int(world_size)
+        self.active = self.world_size > 1
         self.prefix = prefix
-        self.fusion_threshold = int(fusion_threshold)
-        self.average = bool(average)
-        self.gradient_predivide_factor = float(gradient_predivide_factor)
-        self.backward_passes_per_step = int(backward_passes_per_step)
-        self.dense_dtype = dense_dtype
-        self.split_dense_bits = int(split_dense_bits)
-        self.quant_bucket = int(quant_bucket)
-        self.validate = validate
-        self.alpha_bytes = float(alpha_bytes)
         self.local = local
+        self.fingerprint = fingerprint if fingerprint is not None else {}
+        self.grad_scaler = grad_scaler
+        self.nonfinite = settings.nonfinite
+        if grad_scaler is not None and settings.nonfinite == "raise":
+            # overflow steps are expected with a scaler: it sees the NaN and skips
+            self.nonfinite = "propagate"
+        if hasattr(compressor, "transactional"):
+            compressor.transactional = self.nonfinite == "skip" or grad_scaler is not None
 
         self.params: Dict[str, torch.Tensor] = {}
-        self.names: Dict[int, str] = {}          # id(param) -> name
         for name, p in named_params:
-            if p.requires_grad:
-                self.params[name] = p
-                self.names[id(p)] = name
+            self.params[name] = p
         self._reg_order = list(self.params)
         self.step = 0
         self.plan: Optional[List[List[str]]] = None
+        self.sparse_layers: set = set()
         self._specs: List[BucketSpec] = []
         self._bucket_of: Dict[str, int] = {}
+        self._dense_order: List[str] = []
         self._history: List[_BucketHistory] = []
         self._delay = {n: self.backward_passes_per_step for n in self.params}
         self._payloads: Dict[str, object] = {}
+        self._sparse_handles: Dict[str, object] = {}
+        self._frozen: set = set()
         self._ready_order: List[str] = []
         self._ready_count: List[int] = []
         self._inflight: Dict[int, object] = {}
         self._cb_queued = False
-        # Unvalidated (CUDA) decode: the kernels flag bad indices in a device int32[1]
-        # instead of raising. Reading it right after decoding would stall the host until
-        # the decode kernels finish, so each step's flag is read at the next step's
-        # synchronize(), when it is long done (the error surfaces one step late).
+        self._step_open = False
+        self._await_step = False        # synchronized, optimizer step not applied yet
+        self._warned_lost_step = False
+        self.pending_warning: Optional[str] = None   # said when the next step opens
+        self.skip_update = False        # the last synchronize decided to skip the step
+        self.skipped_steps = 0
+        # Unvalidated (CUDA) decode: the kernels flag bad messages in a device int32[1]
+        # instead of raising; the flag (and, on CUDA, the non-finite table) is read at
+        # the next synchronize() through a DeferredRead, when reading it no longer
+        # stalls the stream.
         self._error_flag: Optional[torch.Tensor] = None
-        self._error_flag_step = -1
+        self._pending_reads: List[tuple] = []
         self._dirty = False
         self._clear_events = False
         self.events: List[tuple] = []
         self.last_stats: dict = {}
         self.totals: dict = _empty_totals()
         self._t_compress = 0.0
-        self._hook_handles = []
+        self._hook_handles: Dict[str, object] = {}
         try:
             sig = inspect.signature(compressor.after_exchange).parameters
             self._after_takes_param = "param" in sig
         except (TypeError, ValueError):
             self._after_takes_param = False
 
+    # settings read in the hot path
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self.settings.backward_passes_per_step
+
+    @property
+    def average(self) -> bool:
+        return self.settings.average
+
+    @property
+    def exchange(self) -> str:
+        return self.settings.exchange
+
+    @property
+    def fusion_threshold(self) -> int:
+        return self.settings.fusion_threshold
+
+    @property
+    def validate(self):
+        return self.settings.validate
+
     # ------------------------------------------------------------------ hooks
     def register_hooks(self):
+        """Hook every trainable parameter (none at world size 1: nothing to exchange).
+        A parameter frozen now is hooked when it first trains (see synchronize)."""
+        if not self.active:
+            return
         for name, p in self.params.items():
-            if hasattr(p, "register_post_accumulate_grad_hook"):
-                h = p.register_post_accumulate_grad_hook(self._make_hook(name))
-            else:  # older torch: Horovod's way, a hook on the AccumulateGrad node
-                grad_acc = p.expand_as(p).grad_fn.next_functions[0][0]
-                h = grad_acc.register_hook(lambda *a, _n=name: self._on_grad(_n))
-                self._grad_accs = getattr(self, "_grad_accs", []) + [grad_acc]
-            self._hook_handles.append(h)
+            if p.requires_grad:
+                self._hook(name, p)
+
+    def _hook(self, name, p):
+        if name in self._hook_handles:
+            return
+        if hasattr(p, "register_post_accumulate_grad_hook"):
+            h = p.register_post_accumulate_grad_hook(lambda _p, _n=name: self._on_grad(_n))
+        else:  # older torch: Horovod's way, a hook on the AccumulateGrad node
+            grad_acc = p.expand_as(p).grad_fn.next_functions[0][0]
+            h = grad_acc.register_hook(lambda *a, _n=name: self._on_grad(_n))
+            self._grad_accs = getattr(self, "_grad_accs", []) + [grad_acc]
+        self._hook_handles[name] = h
 
     def remove_hooks(self):
-        for h in self._hook_handles:
+        for h in self._hook_handles.values():
             h.remove()
-        self._hook_handles = []
-
-    def _make_hook(self, name):
-        def hook(_param):
-            self._on_grad(name)
-        return hook
+        self._hook_handles = {}
 
     def _backward_done(self):
         self._cb_queued = False
         self.events.append(("backward_done",))
 
-    def _on_grad(self, name: str):
+    def _open_step(self):
+        """First hook (or synchronize) of a step: roll back a step that was exchanged
+        but never applied (GradScaler skipped it), then open the compressor's
+        transaction for this step."""
+        if self._step_open:
+            return
+        self._step_open = True
+        if self.pending_warning:
+            warnings.warn(self.pending_warning)
+            self.pending_warning = None
         if self._clear_events:
             self.events.clear()
             self._clear_events = False
+        if self._await_step:
+            self._await_step = False
+            if getattr(self.compressor, "transactional", False):
+                self.compressor.rollback()
+                self.events.append(("rollback", self.step - 1))
+            elif not self._warned_lost_step:
+                self._warned_lost_step = True
+                warnings.warn("hvdsparse: optimizer.synchronize() was not followed by "
+                              "optimizer.step(); the residuals already gave up what that "
+                              "step sent. Pass grad_scaler=... (or nonfinite='skip') to "
+                              "DistributedOptimizer so skipped steps are rolled back.")
+        begin = getattr(self.compressor, "begin_step", None)
+        if callable(begin):
+            begin(self.step)
+
+    def _on_grad(self, name: str):
+        self._open_step()
         if not self._cb_queued:
             try:
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
                 self._cb_queued = True
             except RuntimeError:
                 pass
-        if name in self._payloads:
+        if name in self._payloads or name in self._sparse_handles:
             raise AssertionError(_HOROVOD_DELAY_MSG + f" (parameter {name!r})")
         p = self.params[name]
         if p.grad is None or p.grad.requires_grad:
@@ -196,6 +312,9 @@ class LayerScheduler:
         self._dirty = True
         self._delay[name] -= 1
         if self._delay[name] > 0:
+            return
+        if p.grad.is_sparse:
+            self._launch_sparse(name, p.grad)
             return
         self._compress(name)
         if self.plan is not None:
@@ -206,53 +325,100 @@ class LayerScheduler:
         for pend in self._inflight.values():
             pend.advance()
 
+    def _grad_scale(self) -> Optional[torch.Tensor]:
+        """1 / loss scale as a device tensor (a power of two: exact), or None."""
+        sc = self.grad_scaler
+        if sc is None or not sc.is_enabled():
+            return None
+        scale = sc._scale if getattr(sc, "_scale", None) is not None else None
+        if scale is None:
+            return None
+        return torch.reciprocal(scale.float())
+
     def _compress(self, name: str):
         p = self.params[name]
         t0 = time.perf_counter()
+        kw = {}
+        inv = self._grad_scale()
+        if inv is not None:
+            kw["grad_scale"] = inv.to(p.grad.device)
         with torch.no_grad():
-            payload = self.compressor.compress(name, p.grad, self.step, param=p.detach())
+            payload = self.compressor.compress(name, p.grad, self.step, param=p.detach(), **kw)
         self._t_compress += time.perf_counter() - t0
         self._payloads[name] = payload
         self._ready_order.append(name)
         self.events.append(("ready", name))
 
+    def _compress_absent(self, name: str):
+        """Payload of a layer without a gradient this step: its wire layout, contributing
+        zero, residual and compressor state untouched."""
+        p = self.params[name]
+        if not p.requires_grad:
+            self._frozen.add(name)
+        absent = getattr(self.compressor, "compress_absent", None)
+        with torch.no_grad():
+            if callable(absent):
+                payload = absent(name, p.detach(), self.step, param=p.detach())
+            else:  # compressor without absent payloads: Horovod's zero fill
+                payload = self.compressor.compress(name, torch.zeros_like(p.detach()),
+                                                   self.step, param=p.detach())
+        self._payloads[name] = payload
+        self._ready_order.append(name)
+        self.events.append(("absent", name))
+
+    def _launch_sparse(self, name: str, grad: torch.Tensor):
+        import horovod.torch as hvd
+        from horovod.torch.mpi_ops import sparse_allreduce_async
+        if name in self._bucket_of:
+            raise RuntimeError(f"hvdsparse: parameter {name!r} produced a sparse gradient, "
+                               f"but it was planned as a dense layer at the first step; a "
+                               f"layer's gradients must be always sparse or always dense")
+        self.sparse_layers.add(name)
+        op = hvd.Average if self.average else hvd.Sum
+        self._sparse_handles[name] = sparse_allreduce_async(
+            grad.coalesce(), name=f"{self.prefix}.sparse.{name}", op=op)
+        self.events.append(("sparse", name))
+
     # ------------------------------------------------------------------ buckets
     def _ctx(self, want_figures: bool) -> ExchangeContext:
         validate = self.validate
         if validate is None:
-            dev = next(iter(self.params.values())).device if self.params else None
+            dev = self._device()
             validate = dev is None or dev.type == "cpu"
         flag = None
         if not validate:
-            if self._error_flag_step != self.step:
-                self._check_error_flag()
-                dev = next(iter(self.params.values())).device
-                self._error_flag = torch.zeros(1, dtype=torch.int32, device=dev)
-                self._error_flag_step = self.step
+            if self._error_flag is None:
+                self._error_flag = torch.zeros(1, dtype=torch.int32, device=self._device())
             flag = self._error_flag
+        st = self.settings
         return ExchangeContext(rank=self.rank, world_size=self.world_size, prefix=self.prefix,
-                               step=self.step, validate=validate, error_flag=flag, dense_dtype=self.dense_dtype,
-                               gradient_predivide_factor=self.gradient_predivide_factor,
-                               split_dense_bits=self.split_dense_bits,
-                               quant_bucket=self.quant_bucket, want_figures=want_figures)
+                               step=self.step, validate=validate, error_flag=flag,
+                               dense_dtype=st.dense_dtype,
+                               gradient_predivide_factor=st.gradient_predivide_factor,
+                               split_dense_bits=st.split_dense_bits,
+                               quant_bucket=st.quant_bucket, want_figures=want_figures)
+
+    def _device(self):
+        return next(iter(self.params.values())).device if self.params else None
 
     def figures(self, b: int, payloads) -> cost_model.BucketFigures:
         """The rank-independent figures the auto cost model reads for bucket ``b``."""
         spec, hist = self._specs[b], self._history[b]
         cap = sum(int(s.capacity) for p in payloads for s in p.segments)
         vb = torch.tensor([], dtype=pair_dtype(payloads)).element_size()
+        st = self.settings
         return cost_model.BucketFigures(
             world_size=self.world_size, numel=spec.numel,
             wire_nbytes=codec.encoded_nbytes(payloads), capacity=cap,
             sparse_value_bytes=vb,
-            dense_value_bytes=torch.tensor([], dtype=self.dense_dtype).element_size(),
-            split_dense_bits=self.split_dense_bits, quant_bucket=self.quant_bucket,
+            dense_value_bytes=torch.tensor([], dtype=st.dense_dtype).element_size(),
+            split_dense_bits=st.split_dense_bits, quant_bucket=st.quant_bucket,
             prev_pairs=hist.pairs, prev_reduced=hist.reduced)
 
     def strategy_for(self, b: int, payloads) -> str:
         if self.exchange != "auto":
             return self.exchange
-        return cost_model.choose(self.figures(b, payloads), alpha_bytes=self.alpha_bytes)
+        return cost_model.choose(self.figures(b, payloads), alpha_bytes=self.settings.alpha_bytes)
 
     def _launch(self, b: int):
         spec = self._specs[b]
@@ -262,85 +428,160 @@ class LayerScheduler:
         self._inflight[b] = pend
         self.events.append(("launch", b, strategy))
 
+    def _steady_size(self, name: str) -> int:
+        """Encoded bytes of a layer's payload once warm-up is over (the plan is made for
+        the steady state, not for a dense warm-up step)."""
+        steady = getattr(self.compressor, "steady_state_step", None)
+        absent = getattr(self.compressor, "compress_absent", None)
+        if callable(steady) and callable(absent):
+            p = self.params[name]
+            with torch.no_grad():
+                payload = absent(name, p.detach(), max(int(steady()), self.step),
+                                 param=p.detach())
+            return codec.encoded_nbytes([payload])
+        return codec.encoded_nbytes([self._payloads[name]])
+
     def _build_plan(self):
         import horovod.torch as hvd
-        sizes = {n: codec.encoded_nbytes([self._payloads[n]]) for n in self._ready_order}
-        numels = {n: int(self.params[n].numel()) for n in self._ready_order}
-        mine = dict(order=list(self._ready_order), sizes=sizes, numels=numels)
+        dense_ready = [n for n in self._ready_order if n in self._payloads]
+        mine = dict(order=dense_ready,
+                    sizes={n: self._steady_size(n) for n in dense_ready},
+                    numels={n: int(self.params[n].numel()) for n in self.params},
+                    sparse=sorted(self.sparse_layers), fingerprint=self.fingerprint)
         everyone = hvd.allgather_object(mine, name=f"{self.prefix}.plan")
         ref = everyone[0]
         problems = []
+        diff_ranks = defaultdict(list)
         for r, d in enumerate(everyone):
-            missing = sorted(set(ref["order"]) - set(d["order"]))
-            extra = sorted(set(d["order"]) - set(ref["order"]))
-            if missing or extra:
-                problems.append(f"rank {r} has parameters {extra} that rank 0 lacks and lacks "
-                                f"{missing}" if extra else
-                                f"rank {r} lacks parameters {missing} that rank 0 has")
+            for key, a, b in differences(d["fingerprint"], ref["fingerprint"]):
+                diff_ranks[(key, repr(a), repr(b))].append(r)
+        for (key, a, b), ranks in sorted(diff_ranks.items()):
+            problems.append(f"setting {key!r} is {a} on rank(s) {ranks} but {b} on rank 0")
+        sparse = set().union(*(set(d["sparse"]) for d in everyone))
+        for r, d in enumerate(everyone):
+            names_r, names_0 = set(d["numels"]), set(ref["numels"])
+            if names_r != names_0:
+                problems.append(f"rank {r} has parameters {sorted(names_r - names_0)} that "
+                                f"rank 0 lacks and lacks {sorted(names_0 - names_r)}")
                 continue
-            for n in ref["order"]:
+            for n in ref["numels"]:
                 if d["numels"][n] != ref["numels"][n]:
                     problems.append(f"parameter {n!r} has {d['numels'][n]} elements on rank "
                                     f"{r} but {ref['numels'][n]} on rank 0")
-                elif d["sizes"][n] != ref["sizes"][n]:
+            for n in ref["order"]:
+                if n in sparse or n not in d["sizes"]:
+                    continue
+                if d["sizes"][n] != ref["sizes"][n]:
                     problems.append(f"parameter {n!r}: encoded payload is {d['sizes'][n]} "
                                     f"bytes on rank {r} but {ref['sizes'][n]} on rank 0 "
                                     f"(compressor settings differ across ranks?)")
         if problems:
-            raise ValueError("hvdsparse: ranks disagree on the model: " + "; ".join(problems))
-        self.plan = plan_buckets(ref["order"], ref["sizes"], self.fusion_threshold)
+            raise ValueError("hvdsparse: ranks disagree at the first step: " +
+                             "; ".join(problems))
+        # a layer that was sparse on some rank is sparse everywhere
+        for n in sorted(sparse - self.sparse_layers):
+            self._payloads.pop(n, None)
+            self._launch_sparse(n, _empty_sparse_like(self.params[n]))
+        self.sparse_layers |= sparse
+        order = [n for n in ref["order"] if n not in sparse]
+        sizes = {n: ref["sizes"][n] for n in order}
+        self.plan = plan_buckets(order, sizes, self.fusion_threshold)
         self._specs = [BucketSpec.build(b, names, [ref["numels"][n] for n in names])
                        for b, names in enumerate(self.plan)]
         self._bucket_of = {n: b for b, names in enumerate(self.plan) for n in names}
+        self._dense_order = order
         self._history = [_BucketHistory() for _ in self.plan]
         self._ready_count = [0] * len(self.plan)
 
     # ------------------------------------------------------------------ step
     def pending(self) -> bool:
-        return self._dirty or bool(self._payloads) or bool(self._inflight)
+        return self._dirty or bool(self._payloads) or bool(self._inflight) \
+            or bool(self._sparse_handles)
 
-    def _check_error_flag(self):
-        """Raise if the previous unvalidated decode met an out-of-range index (1) or a
-        count outside [0, capacity] (2) in a received message."""
-        flag, step = self._error_flag, self._error_flag_step
-        self._error_flag = None
-        if flag is not None:
-            code = int(flag.item())
-            if code:
-                what = {1: "an index outside its layer", 2: "a count above its capacity"}
-                raise RuntimeError(
-                    f"hvdsparse: a message received at step {step} carried "
-                    f"{what.get(code, f'error code {code}')}; those entries were skipped. "
-                    f"The ranks disagree on the bucket layout or a message was corrupted "
-                    f"(rerun with validate=True to find the rank and segment)")
+    def _check_deferred(self):
+        """Act on last step's device flags (CUDA: read now, without stalling)."""
+        reads, self._pending_reads = self._pending_reads, []
+        for kind, step, reader in reads:
+            if kind == "error":
+                code = int(reader.get().reshape(-1)[0])
+                if code:
+                    what = ", ".join(v for k, v in ERROR_CODES.items() if code & k) or \
+                        f"error code {code}"
+                    raise RuntimeError(
+                        f"hvdsparse: a message received at step {step} carried {what}; "
+                        f"those entries were skipped. The ranks disagree on the bucket "
+                        f"layout or a message was corrupted (rerun with validate=True to "
+                        f"find the rank and segment)")
+            elif kind == "nonfinite":
+                self._raise_nonfinite(reader.get(), step)
+
+    def _retire_error_flag(self):
+        """This step's decode flag is read at the next synchronize()."""
+        if self._error_flag is not None:
+            self._pending_reads.append(("error", self.step, DeferredRead(self._error_flag)))
+            self._error_flag = None
+
+    def _raise_nonfinite(self, table, step: int):
+        """``table``: host [P, nlayers] counts of non-finite gradient elements."""
+        hits = [(self._dense_order[j], r, int(table[r, j]))
+                for r in range(table.shape[0]) for j in range(table.shape[1])
+                if table[r, j]]
+        if hits:
+            desc = "; ".join(f"layer {n!r} on rank {r}: {c} element(s)" for n, r, c in hits[:8])
+            raise FloatingPointError(
+                f"hvdsparse: non-finite gradient (NaN/Inf) at step {step}: {desc}"
+                f"{' ...' if len(hits) > 8 else ''}. Nothing of it entered a residual. Use "
+                f"DistributedOptimizer(nonfinite='skip') to skip such steps, or "
+                f"grad_scaler=... with torch.amp.GradScaler (README: mixed precision)")
 
     def synchronize(self):
         """Flush, wait, decode, average and write ``p.grad`` for every parameter."""
+        if not self.active:
+            self.step += 1
+            self._await_step = False
+            return
+        self._open_step()
         self.events.append(("synchronize",))
-        order = self.plan_order() if self.plan is not None else reversed(self._reg_order)
-        for name in list(order):
-            if name not in self._payloads:
-                p = self.params[name]
-                if p.grad is None:
-                    p.grad = p.data.new(p.size()).zero_()
-                self._compress(name)
+        self._check_deferred()
+        if self.plan is not None:
+            order = self._dense_order + sorted(self.sparse_layers)
+        else:
+            order = list(reversed(self._reg_order))
+        for name in order:
+            if name in self._payloads or name in self._sparse_handles:
+                continue
+            p = self.params[name]
+            if p.requires_grad and name not in self._hook_handles:
+                self._hook(name, p)            # unfrozen after construction
+            if p.requires_grad and p.grad is not None:
+                if p.grad.is_sparse:
+                    self._launch_sparse(name, p.grad)
+                else:
+                    self._compress(name)       # hook delay not reached, or set by hand
+            elif name in self.sparse_layers:
+                self._launch_sparse(name, _empty_sparse_like(p))
+            else:
+                self._compress_absent(name)
         if self.plan is None:
             self._build_plan()
         for b in range(len(self._specs)):
             if b not in self._inflight:
                 self._launch(b)
+        nf_handle = self._launch_nonfinite()
+
         P = self.world_size
         scale = 1.0 / P if self.average else 1.0
+        table = self._finish_nonfinite(nf_handle)
         buckets, sent, recv = [], defaultdict(int), defaultdict(int)
         t_wait = t_dec = 0.0
+        totals = []
         for b, spec in enumerate(self._specs):
             pend = self._inflight[b]
             total = pend.finish()
             t0 = time.perf_counter()
             self.events.append(("finish", b))
             total.mul_(scale)
-            for name, view in zip(spec.names, spec.views(total)):
-                self._apply(name, view)
+            totals.append(total)
             t_dec += pend.decode_s + time.perf_counter() - t0
             t_wait += pend.wait_s
             hist = self._history[b]
@@ -353,6 +594,17 @@ class LayerScheduler:
             buckets.append(dict(id=b, layers=list(spec.names), numel=spec.numel,
                                 strategy=pend.strategy, sent_bytes=pend.sent_bytes,
                                 recv_bytes=pend.recv_bytes, figures=dict(pend.figures)))
+        skip = self._apply_nonfinite_policy(table, totals)
+        if not skip:
+            for spec, total in zip(self._specs, totals):
+                if self.grad_scaler is not None:
+                    inv = self._grad_scale()
+                    if inv is not None:   # back to the scaled units GradScaler expects
+                        total.div_(inv.to(total.device))
+                for name, view in zip(spec.names, spec.views(total)):
+                    self._apply(name, view)
+        self._finish_sparse(write=not skip)
+        self._retire_error_flag()
         n_total = sum(s.numel for s in self._specs)
         self.last_stats = dict(
             step=self.step, world_size=P, buckets=buckets,
@@ -360,11 +612,16 @@ class LayerScheduler:
             bytes_sent=dict(sent), bytes_recv=dict(recv),
             bytes_sent_total=int(sum(sent.values())), bytes_recv_total=int(sum(recv.values())),
             dense_allreduce_bytes=int(cost_model.dense_allreduce_bytes(P, n_total)),
-            time_compress_s=self._t_compress, time_wait_s=t_wait, time_decode_s=t_dec)
+            time_compress_s=self._t_compress, time_wait_s=t_wait, time_decode_s=t_dec,
+            skipped=skip)
         _add_totals(self.totals, self.last_stats)
         # reset for the next step
         self.step += 1
+        self._await_step = not skip
+        self.skip_update = skip
+        self._step_open = False
         self._payloads.clear()
+        self._frozen.clear()
         self._ready_order.clear()
         self._inflight.clear()
         self._ready_count = [0] * len(self._specs)
@@ -373,20 +630,95 @@ class LayerScheduler:
         self._dirty = False
         self._clear_events = True
 
+    def step_applied(self):
+        """The optimizer applied the exchanged gradients: commit the compressor's step."""
+        if self._await_step:
+            self._await_step = False
+            commit = getattr(self.compressor, "commit", None)
+            if callable(commit):
+                commit()
+
+    # ------------------------------------------------------------------ non-finite
+    def _launch_nonfinite(self):
+        """One small allgather of this rank's per-layer non-finite counts."""
+        import horovod.torch as hvd
+        if not self._dense_order:
+            return None
+        dev = self._device()
+        zero = torch.zeros((), dtype=torch.int32, device=dev)
+        counts = [self._payloads[n].nonfinite if self._payloads[n].nonfinite is not None
+                  else zero for n in self._dense_order]
+        mine = torch.stack([c.reshape(()).to(torch.int32) for c in counts]).view(1, -1)
+        return hvd.allgather_async(mine, name=f"{self.prefix}.nonfinite")
+
+    def _finish_nonfinite(self, handle):
+        import horovod.torch as hvd
+        if handle is None:
+            return None
+        return hvd.synchronize(handle)          # [P, nlayers] int32, identical on all ranks
+
+    def _apply_nonfinite_policy(self, table, totals) -> bool:
+        """Returns True when the step is skipped."""
+        if table is None:
+            return False
+        if table.device.type == "cpu" or self.nonfinite == "skip":
+            host = table.numpy() if table.device.type == "cpu" else table.cpu().numpy()
+            if not host.any():
+                return False
+            if self.nonfinite == "raise":
+                self._raise_nonfinite(host, self.step)
+            if self.nonfinite == "skip":
+                self.skipped_steps += 1
+                if getattr(self.compressor, "transactional", False):
+                    self.compressor.rollback()
+                log.warning("hvdsparse: step %d skipped: non-finite gradient in %s",
+                            self.step, sorted({self._dense_order[j] for j in
+                                               range(host.shape[1]) if host[:, j].any()}))
+                return True
+            self._mark_nan(totals, torch.as_tensor(host).sum(0) > 0)
+            return False
+        # CUDA, raise / propagate: mark on the device, decide next step (raise)
+        self._mark_nan(totals, table.sum(0) > 0)
+        if self.nonfinite == "raise":
+            self._pending_reads.append(("nonfinite", self.step, DeferredRead(table)))
+        return False
+
+    def _mark_nan(self, totals, flagged: torch.Tensor):
+        """Put a NaN into element 0 of every flagged layer's exchanged gradient (on every
+        rank, as a dense allreduce of a NaN would), device-side."""
+        j = 0
+        for spec, total in zip(self._specs, totals):
+            idx = torch.tensor(spec.offsets, dtype=torch.long, device=total.device)
+            f = flagged[j:j + len(spec.names)].to(total.device)
+            j += len(spec.names)
+            total.index_copy_(0, idx, torch.where(
+                f, torch.full_like(total[idx], float("nan")), total[idx]))
+
+    # ------------------------------------------------------------------ writing p.grad
+    def _finish_sparse(self, write: bool = True):
+        import horovod.torch as hvd
+        for name, handle in list(self._sparse_handles.items()):
+            out = hvd.synchronize(handle) if not callable(handle) else handle()
+            p = self.params[name]
+            if write and p.requires_grad:
+                p.grad = out.coalesce()
+        self._sparse_handles.clear()
+
     def _apply(self, name: str, g_flat: torch.Tensor):
         p = self.params[name]
         g = g_flat.view(p.shape)
         payload = self._payloads[name]
-        if self.local is not None:
-            c = self.local.combine(name, g, p.grad, payload, self.compressor,
-                                   1.0 / self.world_size if self.average else 1.0)
-        else:
-            c = g
-        with torch.no_grad():
-            if p.grad.shape == p.shape and not p.grad.is_sparse:
-                p.grad.copy_(c)
+        if name not in self._frozen:
+            if self.local is not None and p.grad is not None:
+                c = self.local.combine(name, g, p.grad, payload, self.compressor,
+                                       1.0 / self.world_size if self.average else 1.0)
             else:
-                p.grad = c.to(p.dtype).clone()
+                c = g
+            with torch.no_grad():
+                if p.grad is not None and p.grad.shape == p.shape and not p.grad.is_sparse:
+                    p.grad.copy_(c)
+                else:
+                    p.grad = c.to(p.dtype).clone()
         if self._after_takes_param:
             self.compressor.after_exchange(name, g, self.step, param=p.detach())
         else:
@@ -398,21 +730,35 @@ class LayerScheduler:
     def reset(self):
         """Drop everything in flight-free state (load_state_dict, as Horovod)."""
         self._payloads.clear()
+        self._sparse_handles.clear()
+        self._frozen.clear()
         self._ready_order.clear()
         self._inflight.clear()
         self._dirty = False
+        self._step_open = False
+        self._await_step = False
         self._ready_count = [0] * len(self._specs)
         self._delay = {n: self.backward_passes_per_step for n in self.params}
 
     def set_backward_passes_per_step(self, passes: int):
-        self.backward_passes_per_step = int(passes)
+        self.settings.backward_passes_per_step = int(passes)
         self._delay = {n: self.backward_passes_per_step for n in self.params}
+
+
+def _empty_sparse_like(p: torch.Tensor) -> torch.Tensor:
+    """A sparse COO gradient of ``p``'s shape with no entries (embedding layout:
+    one sparse dimension, dense rows), for a rank without a sparse gradient."""
+    dense_dims = tuple(p.shape[1:])
+    return torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long, device=p.device),
+                                   torch.zeros((0,) + dense_dims, dtype=p.dtype,
+                                               device=p.device),
+                                   tuple(p.shape))
 
 
 def _empty_totals() -> dict:
     return dict(steps=0, bytes_sent={}, bytes_recv={}, bytes_sent_total=0,
                 bytes_recv_total=0, dense_allreduce_bytes=0, strategy_counts={},
-                time_compress_s=0.0, time_wait_s=0.0, time_decode_s=0.0)
+                time_compress_s=0.0, time_wait_s=0.0, time_decode_s=0.0, skipped_steps=0)
 
 
 def _add_totals(t: dict, s: dict):
@@ -423,5 +769,6 @@ def _add_totals(t: dict, s: dict):
     for key in ("bytes_sent_total", "bytes_recv_total", "dense_allreduce_bytes",
                 "time_compress_s", "time_wait_s", "time_decode_s"):
         t[key] += s[key]
+    t["skipped_steps"] += int(bool(s.get("skipped")))
     for st in s["strategies"]:
         t["strategy_counts"][st] = t["strategy_counts"].get(st, 0) + 1

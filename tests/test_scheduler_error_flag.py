@@ -57,9 +57,13 @@ def test_bad_index_is_flagged_and_raised_next_step(monkeypatch, bad):
             expect[bad_idx[j]] += v
     torch.testing.assert_close(out, expect)   # the bad entry was skipped, nothing else
 
+    # end of step 0: the flag is handed to a DeferredRead (pinned copy + event on
+    # CUDA) and read at the next step's synchronize() without stalling the stream
+    sched._retire_error_flag()
     sched.step += 1
     if bad:
         with pytest.raises(RuntimeError, match="step 0 carried an index outside its layer"):
-            sched._ctx(False)
+            sched._check_deferred()
     else:
+        sched._check_deferred()
         assert sched._ctx(False).error_flag is not None

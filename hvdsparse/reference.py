@@ -914,9 +914,9 @@ def _quantize_pack_np(v: np.ndarray, c: int, bits: int, B: int, seed: int,
                 A2 = A.reshape(R, B)
                 sc = scales[bs // B: bs // B + R]
                 np.max(A2, axis=1, out=sc)
-                # r = fp32(fp32(|v| * s) / scale); 0 where not scale > 0 (zero or NaN)
+                # r = fp32(fp32(|v| * s) / scale); 0 where the scale is 0, Inf or NaN
                 np.multiply(A, fs, out=A)
-                ok = sc > 0
+                ok = (sc > 0) & (sc < np.inf)      # Inf/NaN scale: q = 0 (design.md)
                 if ok.all():
                     np.divide(A2, sc[:, None], out=A2)
                 else:
@@ -1014,7 +1014,7 @@ def _quantize_pack_torch(values: torch.Tensor, bits: int, B: int, seed: int,
     scales = avp.view(nb, B).amax(dim=1) if n else av.new_zeros(0)
     scale_e = scales.repeat_interleave(B)[:n]
     r = (av * float(s)) / scale_e
-    r = torch.where(scale_e > 0, r, torch.zeros_like(r))
+    r = torch.where((scale_e > 0) & (scale_e < math.inf), r, torch.zeros_like(r))
     fl = torch.floor(r)
     u = philox_uniform(seed, n, device=values.device)
     q = fl + (u < (r - fl)).to(torch.float32)
@@ -1060,7 +1060,8 @@ def _dequantize_unpack_np(codes: np.ndarray, scales: np.ndarray, bits: int, B: i
             if R * B > m:
                 F[m:] = 0.0
             F2 = F.reshape(R, B)
-            np.multiply(F2, scales[bs // B: bs // B + R, None], out=F2)
+            with np.errstate(invalid="ignore"):          # 0 * Inf = NaN is the rule
+                np.multiply(F2, scales[bs // B: bs // B + R, None], out=F2)
             np.divide(F[:m], s, out=out[bs:be])
 
     _philox_parallel(n, work, align=L, min_per=max(L, _PHILOX_PAR_MIN))

@@ -11,13 +11,24 @@ Quantiser math (bit-identical to the reference in the interpreter): ``s = 2**(bi
 ``E[q] = r``, unbiased; ``r - floor(r)`` is exact and there is no multiply feeding an add,
 so FMA contraction cannot change the result on a GPU either.
 
+Non-finite input: ``scale`` is the max of the bit patterns of ``|v|`` (an exact integer
+max in which NaN lies above +Inf), so a bucket holding a NaN gets ``scale = NaN``
+(canonical ``0x7FC00000``; ``torch.amax`` rule) and one holding an Inf gets
+``scale = Inf``; a bucket whose scale is not finite and > 0 quantises every element to
+``q = 0``, so it decodes as NaN (``0 * Inf``, ``0 * NaN``): the bad value stays
+visible downstream instead of becoming a full-scale code (what compiled
+``tl.maximum``/``tl.minimum``, which drop NaN, would produce). Same rule in
+``hvdsparse.cpu`` and ``hvdsparse.oracle``.
+
 Launch layout of :func:`quantize_pack`: program ``p`` owns ``ROWS`` whole buckets, with
 ``ROWS`` a power of 2 such that ``ROWS * bucket_size * bits`` is a multiple of 8, so no
 output byte straddles two programs. Phase A loads the buckets as a ``[ROWS, BPAD]`` tile
 and writes their scales; after a CTA barrier, phase B walks the same elements byte-major
 (``[bytes, 8 // bits]`` tile; these loads hit the cache), reads back the scales it just
-wrote, quantises and packs each output byte in registers. Buckets wider than
-``max_bucket_tile`` are reduced in a loop in phase A.
+wrote, quantises and packs each output byte in registers, ``max_phase_b`` elements
+per loop step (so registers stay bounded and nothing spills for any bucket size).
+Buckets wider than ``max_bucket_tile`` are reduced in a loop in phase A. All element
+and byte offsets are int64.
 """
 import torch
 import triton
@@ -31,47 +42,53 @@ def _quantize_pack_kernel(v_ptr, count_ptr, codes_ptr, scales_ptr, n, nbuckets, 
     PER: tl.constexpr = 8 // BITS
     HALF: tl.constexpr = 1 << (BITS - 1)
     S: tl.constexpr = HALF - 1
+    CH: tl.constexpr = NBYTES * PER
     pid = tl.program_id(0)
     nv = n
     if HAS_COUNT:
         nv = tl.minimum(tl.maximum(tl.load(count_ptr), 0), n).to(tl.int64)
-    # phase A: per-bucket max |v|
+    # phase A: per-bucket max |v| as an integer max of the bit patterns (exact, and NaN
+    # propagates: every NaN pattern lies above +Inf; stored as the canonical NaN)
     rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < nbuckets
     rstart = rows.to(tl.int64) * B
     cols = tl.arange(0, BPAD)
-    m = tl.zeros([ROWS], dtype=tl.float32)
+    m = tl.zeros([ROWS], dtype=tl.int32)
     for c0 in range(0, B, BPAD):
         col = c0 + cols
         offs = rstart[:, None] + col[None, :]
         mask = row_ok[:, None] & (col[None, :] < B) & (offs < nv)
         x = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = tl.maximum(m, tl.max(tl.abs(x), axis=1))
-    tl.store(scales_ptr + rows, m, mask=row_ok)
+        bits = tl.where(mask, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+        m = tl.maximum(m, tl.max(bits, axis=1))
+    m = tl.where(m > 0x7F800000, 0x7FC00000, m)
+    tl.store(scales_ptr + rows, m.to(tl.float32, bitcast=True), mask=row_ok)
     tl.debug_barrier()
-    # phase B: quantise + pack, byte-major
+    # phase B: quantise + pack, byte-major, CH elements at a time (bounded registers)
     e0 = pid.to(tl.int64) * ROWS * B
     e_end = tl.minimum(e0 + ROWS * B, n)
     byte_i = tl.arange(0, NBYTES)
     k = tl.arange(0, PER)
-    e = e0 + byte_i[:, None] * PER + k[None, :]
-    emask = e < e_end
-    x = tl.load(v_ptr + e, mask=emask & (e < nv), other=0.0).to(tl.float32)
-    sc = tl.load(scales_ptr + e // B, mask=emask, other=0.0)
-    ax = tl.abs(x)
-    r = tl.math.div_rn(ax * S, tl.where(sc > 0, sc, 1.0))
-    r = tl.where(sc > 0, r, 0.0)
-    fl = tl.floor(r)
-    u = tl.rand(seed, e)
-    q = fl + tl.where(u < (r - fl), 1.0, 0.0)
-    q = tl.minimum(q, S)
-    q = tl.where(x < 0, -q, q)
-    code = tl.where(emask, (q.to(tl.int32) + HALF) & ((1 << BITS) - 1), 0)  # pad bits: 0
-    packed = tl.sum(code << (k[None, :] * BITS), axis=1)
-    b_glob = e0 * BITS // 8 + byte_i
-    nbytes_total = (n * BITS + 7) // 8
-    bmask = (b_glob < nbytes_total) & ((e0 + byte_i * PER) < e_end)
-    tl.store(codes_ptr + b_glob, packed.to(tl.uint8), mask=bmask)
+    for c in range(0, ROWS * B, CH):
+        e = e0 + c + byte_i[:, None] * PER + k[None, :]
+        emask = e < e_end
+        x = tl.load(v_ptr + e, mask=emask & (e < nv), other=0.0).to(tl.float32)
+        sc = tl.load(scales_ptr + e // B, mask=emask, other=0.0)
+        ax = tl.abs(x)
+        # a scale that is 0, Inf or NaN quantises its whole bucket to q = 0 (it decodes
+        # as 0 or NaN: a non-finite value stays visible, never becomes full scale)
+        ok = (sc > 0) & (sc < float("inf"))
+        r = tl.math.div_rn(ax * S, tl.where(ok, sc, 1.0))
+        r = tl.where(ok, r, 0.0)
+        fl = tl.floor(r)
+        u = tl.rand(seed, e)
+        q = fl + tl.where(u < (r - fl), 1.0, 0.0)
+        q = tl.minimum(q, S)          # r is finite here, so min never meets a NaN
+        q = tl.where(x < 0, -q, q)
+        code = tl.where(emask, (q.to(tl.int32) + HALF) & ((1 << BITS) - 1), 0)  # pad: 0
+        packed = tl.sum(code << (k[None, :] * BITS), axis=1)
+        first = e0 + c + byte_i * PER          # first element of each output byte
+        tl.store(codes_ptr + first * BITS // 8, packed.to(tl.uint8), mask=first < e_end)
 
 
 def _rows_for(B, bits, block):
@@ -87,10 +104,11 @@ def _gcd(a, b):
 
 
 def quantize_pack(values, bits, bucket_size, seed, count=None, *, block=2048,
-                  max_bucket_tile=4096):
-    """Triton version of ``hvdsparse.reference.quantize_pack``; ``count`` is None or an
+                  max_bucket_tile=4096, max_phase_b=4096):
+    """Triton version of ``hvdsparse.cpu.quantize_pack``; ``count`` is None or an
     int32 device tensor (``count[0]`` used). Returns ``(codes uint8[ceil(n*bits/8)],
-    scales fp32[ceil(n / bucket_size)])``."""
+    scales fp32[ceil(n / bucket_size)])``. ``max_phase_b``: elements per phase-B step
+    (a power of 2): registers stay bounded for any bucket size."""
     n = values.numel()
     B = int(bucket_size)
     bits = int(bits)
@@ -102,7 +120,7 @@ def quantize_pack(values, bits, bucket_size, seed, count=None, *, block=2048,
     rows = min(_rows_for(B, bits, block), max(triton.next_power_of_2(nb), 8 // _gcd(B * bits, 8)))
     bpad = min(triton.next_power_of_2(B), max_bucket_tile)
     per = 8 // bits
-    nbytes = triton.next_power_of_2(-(-rows * B // per))
+    nbytes = min(triton.next_power_of_2(-(-rows * B // per)), max(1, max_phase_b // per))
     grid = (triton.cdiv(nb, rows),)
     _quantize_pack_kernel[grid](values, count if count is not None else scales, codes, scales,
                                 n, nb, B, int(seed), HAS_COUNT=count is not None, BITS=bits,

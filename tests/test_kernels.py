@@ -368,6 +368,34 @@ def test_quantize_pack_kernel_bit_exact(K, seed, bits, B):
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quantize_nonfinite_buckets_and_big_buckets(K, seed, bits):
+    """A bucket holding NaN gets scale NaN, one holding Inf scale Inf, and all their codes
+    are q = 0 (decode: NaN); an 8192-element bucket (phase B loops, no spill) and
+    max_phase_b smaller than a bucket still match the CPU path bit for bit."""
+    g, n = _case(seed, 2500, 3000)
+    v = _randn(n, g)
+    B = 100
+    v[3] = float("nan")
+    v[B + 7] = float("inf")
+    v[2 * B + 1] = -float("inf")
+    c1, s1 = R.quantize_pack(v, bits, B, seed)
+    c2, s2 = K.quantize_pack(v, bits, B, seed)
+    assert torch.isnan(s1[0]) and torch.isnan(s2[0])
+    assert s1[1] == s2[1] == s1[2] == s2[2] == float("inf")
+    assert torch.equal(s1[3:], s2[3:]) and torch.equal(c1, c2), f"seed={seed}"
+    half = 1 << (bits - 1)
+    codes = R._unpack_bits(c1, bits, n)
+    assert bool((codes[: 3 * B] == half).all())
+    d = R.dequantize_unpack(c1, s1, bits, B, n)
+    assert bool(d[: 3 * B].isnan().all()) and bool(d[3 * B:].isfinite().all())
+    for B2, kw in ((8192, {}), (700, dict(max_phase_b=256))):
+        w = _randn(9000, g)
+        c1, s1 = R.quantize_pack(w, bits, B2, seed)
+        c2, s2 = K.quantize_pack(w, bits, B2, seed, **kw)
+        assert torch.equal(s1, s2) and torch.equal(c1, c2), f"seed={seed} B={B2}"
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
 def test_dequantize_kernel_random_codes(K, seed, bits):
     g, n = _case(seed, 1000, 3000)
     B = 100

@@ -98,27 +98,57 @@ BITMASK: the value of the k-th set bit (ascending element order) is slot k;
 Validation
 ----------
 
-:func:`decode` parses on the host and validates everything (magic, version, lengths
-against capacity/encodings, offsets, counts, encoding codes, bin counts, index ranges,
-bitmask popcount, layer numel consistency); any problem raises :class:`CodecError`
-naming the field, the segment and what was expected. It never reads outside the buffer.
+A message is *valid* for a template (the receiving rank's own payload list) when
 
-:func:`accumulate` with ``validate=True`` runs that host parse on every rank's message
-(cheap on CPU; on CUDA it costs a device->host copy and synchronisation) and checks each
-message's layout against the local template. With ``validate=False`` (the CUDA path)
-nothing is read on the host: the layout is computed from the template (identical on all
-ranks by construction: capacities depend only on the layer sizes and settings) and only
-the device-side ``count`` fields and sections are used. Corrupted indices then surface
-through ``ops.scatter_add_decode``'s bounds check (IndexError on the reference path,
-``error_flag`` set by the Triton kernel, to be checked by the caller where it already
-synchronises; a count outside [0, capacity] is a ValueError / flag 2). Malformed BIN
-bin counts or relative indices ``>= B`` and BITMASK slots without a set bit are mapped to
-the out-of-range index ``numel`` so that the bounds check reports them.
+* header and records are byte-identical to the template's (magic, version, record size,
+  layer count, segment count, total length, and every record field except ``count``:
+  numel, data offset, capacity, layer, bin size, quantisation bucket, encodings,
+  reserved = 0, section lengths);
+* every ``count <= capacity`` (read as u32);
+* INT32: the first ``count`` indices lie in ``[0, numel)``;
+* BIN_*: ``0 <= bin_counts[k] <= min(B, N - k*B)``, ``sum(bin_counts) == count``, and
+  the first ``count`` relative indices are ``< B`` with absolute index ``< N``;
+* BITMASK: no bit ``>= N`` set, ``popcount == count``.
+
+Padding bytes and padding slots are not checked (they are never read). Repeated indices
+inside one row are legal and accumulate (no compressor produces them; on the GPU their
+summation order is unspecified).
+
+Two ways to decode, one notion of validity:
+
+* :func:`decode` parses on the host and checks all of the above except the comparison
+  with a template (it checks the records' internal consistency instead); any problem
+  raises :class:`CodecError` naming the field, the segment and what was expected. It
+  never reads outside the buffer. :func:`accumulate` with ``validate=True`` runs it on
+  every rank's message and compares the result with the template (CodecError naming the
+  rank and the segment). On CUDA this costs a device->host copy per message.
+* :func:`accumulate` with ``validate=False`` (the trusted, no-host-sync path used on
+  CUDA) checks exactly the same conditions *on the device* with tensor operations and
+  ORs what it finds into ``error_flag`` (int32[1]) -- see :data:`ERROR_CODES`:
+
+  ==  ======================================================================
+  1   an index outside its layer (INT32 / IMPLICIT index, BIN relative index >= B or
+      absolute >= N; also set by the Triton kernel's own bounds check)
+  2   a count above its capacity (or >= 2**31)
+  4   bin counts out of range or not summing to the count (BIN_*)
+  8   bitmask popcount != count, or bits set beyond numel (BITMASK)
+  16  header / records differ from this rank's layout (any field but ``count``)
+  ==  ======================================================================
+
+  A (rank, segment) pair with any of these problems contributes nothing (its count is
+  zeroed on the device before the scatter), except that on the Triton path an INT32
+  index out of range is skipped slot by slot by the kernel itself. A row whose header
+  differs contributes nothing at all. Nothing is ever written outside the output tensors.
+
+Decode order: for every segment (record order), rank rows are added in rank order
+0..P-1, inside a row in slot order (``ops.scatter_add_decode``), so every rank computes
+bitwise identical sums from the same P messages.
 """
 from __future__ import annotations
 
 import struct
 import sys
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
@@ -132,8 +162,9 @@ from .payload import (FLOAT_BYTES, FLOAT_DTYPES, QUANT_BITS, IndexEncoding, Laye
 assert sys.byteorder == "little", "hvdsparse wire format assumes a little-endian host"
 
 __all__ = ["CodecError", "DecodedSegment", "MAGIC", "VERSION", "HEADER_SIZE", "RECORD_SIZE",
-           "encoded_nbytes", "encode", "decode", "accumulate", "payload_to_dense",
-           "layout_signature"]
+           "ERROR_CODES", "ERR_INDEX", "ERR_COUNT", "ERR_BIN_COUNTS", "ERR_BITMASK",
+           "ERR_HEADER", "describe_error", "encoded_nbytes", "encode", "decode",
+           "accumulate", "payload_to_dense", "layout_signature"]
 
 MAGIC = b"HVSP"
 VERSION = 1
@@ -149,6 +180,30 @@ _MAX_BIN = {IndexEncoding.BIN_U8: 256, IndexEncoding.BIN_U16: 65536}
 
 assert HEADER_SIZE == 24 and RECORD_SIZE == 72
 
+#: error codes ORed into ``error_flag`` by ``accumulate(validate=False)`` (see module doc)
+ERR_INDEX = 1
+ERR_COUNT = 2
+ERR_BIN_COUNTS = 4
+ERR_BITMASK = 8
+ERR_HEADER = 16
+ERROR_CODES = {
+    ERR_INDEX: "an index outside its layer",
+    ERR_COUNT: "a count above its capacity",
+    ERR_BIN_COUNTS: "bin counts out of range or not summing to the count",
+    ERR_BITMASK: "a bitmask whose popcount differs from the count or with bits beyond numel",
+    ERR_HEADER: "a header or segment record that differs from this rank's layout",
+}
+
+
+def describe_error(code: int) -> str:
+    """Human-readable list of the problems encoded in an error-flag value."""
+    code = int(code)
+    parts = [v for k, v in ERROR_CODES.items() if code & k]
+    rest = code & ~sum(ERROR_CODES)
+    if rest:
+        parts.append(f"unknown error bits 0x{rest:x}")
+    return ", ".join(parts) if parts else "no error"
+
 
 class CodecError(ValueError):
     """A message or payload does not follow the wire format (see module docstring)."""
@@ -160,6 +215,27 @@ def _align(n: int) -> int:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class _LRU(OrderedDict):
+    """A small bounded cache: the least recently used entry goes first."""
+
+    def __init__(self, maxsize: int):
+        super().__init__()
+        self.maxsize = maxsize
+
+    def get_lru(self, key):
+        v = self.get(key)
+        if v is not None:
+            self.move_to_end(key)
+        return v
+
+    def put(self, key, value):
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.maxsize:
+            self.popitem(last=False)
+        return value
 
 
 # --------------------------------------------------------------------------- layout
@@ -247,8 +323,9 @@ def _section_lengths(where: str, numel: int, capacity: int, ienc, venc, bin_size
 
 
 def _seg_params(seg: Segment):
-    ienc = IndexEncoding(int(seg.index_encoding))
-    venc = ValueEncoding(int(seg.value_encoding))
+    """Host-known fields of a segment as plain ints (encodings checked later, by
+    :func:`_section_lengths`, which names the segment)."""
+    ienc, venc = int(seg.index_encoding), int(seg.value_encoding)
     bin_size = int(seg.bin_size) if ienc in _MAX_BIN else 0
     qb = int(seg.quant_bucket) if venc in QUANT_BITS else 0
     return int(seg.numel), int(seg.capacity), ienc, venc, bin_size, qb
@@ -256,6 +333,11 @@ def _seg_params(seg: Segment):
 
 def _layout(payloads: Sequence[LayerPayload]):
     """(list[_SegLayout], data_start, total_nbytes) from host-known fields only."""
+    plan = _plan(payloads)
+    return list(plan.segs), plan.data_start, plan.total
+
+
+def _layout_uncached(payloads: Sequence[LayerPayload]):
     segs = []
     nseg = sum(len(p.segments) for p in payloads)
     pos = HEADER_SIZE + RECORD_SIZE * nseg
@@ -279,48 +361,145 @@ def _layout(payloads: Sequence[LayerPayload]):
     return segs, HEADER_SIZE + RECORD_SIZE * nseg, pos
 
 
-def layout_signature(payloads: Sequence[LayerPayload]) -> tuple:
-    """Hashable description of the wire layout: per layer ``(numel, segments)`` with
-    per segment ``(numel, capacity, index_encoding, value_encoding, bin_size,
-    quant_bucket)`` (bin_size / quant_bucket 0 where the encoding does not use them).
-    Two payload lists with equal signatures encode to messages of equal length and
-    identical section offsets."""
-    return tuple(
-        (p.numel, tuple((n, c, int(i), int(v), b, q)
-                        for n, c, i, v, b, q in map(_seg_params, p.segments)))
-        for p in payloads)
+@dataclass(frozen=True)
+class _Plan:
+    """Everything host-known about one layout, computed once per layout signature."""
+
+    sig: tuple
+    segs: tuple              # of _SegLayout
+    nlayers: int
+    data_start: int          # end of the records
+    total: int               # message length
+    header: bytes            # header + records with every count field 0
 
 
-def encoded_nbytes(payloads: Sequence[LayerPayload]) -> int:
-    """Length in bytes of ``encode(payloads)``; uses capacities and encodings only."""
-    return _layout(payloads)[2]
+_PLANS = _LRU(1024)          # layout signature -> _Plan
+_DEVICE_BYTES = _LRU(512)    # (signature, device, kind) -> (tensor, pinned source)
 
 
-# --------------------------------------------------------------------------- encode
-
-_STATIC_CACHE: dict = {}
-_ZEROS_CACHE: dict = {}
-_CACHE_MAX = 256
-
-
-def _static_image(payloads, segs, data_start, total, device) -> torch.Tensor:
-    """Header + records (count fields 0) as a uint8 tensor on ``device``, cached per
-    layout and device so that encoding only copies device memory."""
-    key = (layout_signature(payloads), str(device))
-    img = _STATIC_CACHE.get(key)
-    if img is not None:
-        return img
+def _plan(payloads: Sequence[LayerPayload]) -> _Plan:
+    sig = layout_signature(payloads)
+    plan = _PLANS.get_lru(sig)
+    if plan is not None:
+        return plan
+    segs, data_start, total = _layout_uncached(payloads)
     raw = bytearray(data_start)
     _HEADER.pack_into(raw, 0, MAGIC, VERSION, RECORD_SIZE, len(payloads), len(segs), total)
     for s, sl in enumerate(segs):
         _RECORD.pack_into(raw, HEADER_SIZE + RECORD_SIZE * s, sl.numel, sl.offsets[0], 0,
                           sl.capacity, sl.layer, sl.bin_size, sl.quant_bucket, int(sl.ienc),
                           int(sl.venc), 0, *sl.lengths)
-    img = torch.frombuffer(raw, dtype=torch.uint8).clone().to(device)
-    if len(_STATIC_CACHE) >= _CACHE_MAX:
-        _STATIC_CACHE.clear()
-    _STATIC_CACHE[key] = img
-    return img
+    return _PLANS.put(sig, _Plan(sig, tuple(segs), len(payloads), data_start, total,
+                                 bytes(raw)))
+
+
+def _to_device(raw: bytes, device: torch.device):
+    """(device tensor, pinned host source or None) holding ``raw``; never blocks the
+    host: on CUDA the bytes go through pinned memory with a non-blocking copy, ordered
+    on the current stream before every later use of the tensor on that stream. The
+    pinned source is kept alive with the cache entry."""
+    if not raw:
+        return torch.empty(0, dtype=torch.uint8, device=device), None
+    host = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    if device.type == "cpu":
+        return host, None
+    if device.type == "cuda":
+        pinned = host.pin_memory()
+        dev = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+        dev.copy_(pinned, non_blocking=True)
+        return dev, pinned
+    return host.to(device), None
+
+
+def _plan_bytes(plan: _Plan, device: torch.device, kind: str) -> torch.Tensor:
+    """Cached device copy of a per-layout byte string: ``"image"`` (header + records,
+    counts 0) or ``"mask"`` (0xFF everywhere except 0 on the count fields)."""
+    key = (plan.sig, str(device), kind)
+    ent = _DEVICE_BYTES.get_lru(key)
+    if ent is None:
+        if kind == "image":
+            raw = plan.header
+        else:
+            m = bytearray(b"\xff" * plan.data_start)
+            for s in range(len(plan.segs)):
+                rec = HEADER_SIZE + RECORD_SIZE * s + _COUNT_OFFSET
+                m[rec:rec + 4] = b"\0\0\0\0"
+            raw = bytes(m)
+        ent = _DEVICE_BYTES.put(key, _to_device(raw, device))
+    return ent[0]
+
+
+def layout_signature(payloads: Sequence[LayerPayload]) -> tuple:
+    """Hashable description of the wire layout: per layer ``(numel, segments)`` with
+    per segment ``(numel, capacity, index_encoding, value_encoding, bin_size,
+    quant_bucket)`` (bin_size / quant_bucket 0 where the encoding does not use them).
+    Two payload lists with equal signatures encode to messages of equal length and
+    identical section offsets."""
+    return tuple((p.numel, tuple(map(_seg_params, p.segments))) for p in payloads)
+
+
+def encoded_nbytes(payloads: Sequence[LayerPayload]) -> int:
+    """Length in bytes of ``encode(payloads)``; uses capacities and encodings only."""
+    return _plan(payloads).total
+
+
+# ------------------------------------------------------------------ cached temporaries
+
+_ARANGES: dict = {}
+
+
+def _arange(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` as a slice of a cached, geometrically grown tensor (one per device
+    and dtype): slot numbers and DENSE indices without a per-step allocation."""
+    key = (str(device), dtype)
+    t = _ARANGES.get(key)
+    if t is None or t.numel() < n:
+        size = max(64, 1 << max(0, n - 1).bit_length())
+        t = torch.arange(size, dtype=dtype, device=device)
+        _ARANGES[key] = t
+    return t[:n]
+
+
+def _bin_limits(plan: _Plan, s: int, sl: _SegLayout, device) -> torch.Tensor:
+    """int32[nbins]: ``min(B, N - k*B)``, the most slots bin k can own (cached)."""
+    key = (plan.sig, str(device), ("limits", s))
+    ent = _DEVICE_BYTES.get_lru(key)
+    if ent is None:
+        k = torch.arange(sl.nbins, dtype=torch.int64)
+        lim = (sl.numel - k * sl.bin_size).clamp(max=sl.bin_size).to(torch.int32)
+        ent = _DEVICE_BYTES.put(key, _to_device(lim.numpy().tobytes(), device))
+    return ent[0].view(torch.int32)
+
+
+_SLOTS = _LRU(64)
+
+
+def _slots(P: int, C: int, dtype: torch.dtype, device, start: int = 0) -> torch.Tensor:
+    """Contiguous [P, C] rows ``start .. start+C-1`` (cached: searchsorted wants a
+    contiguous input and would copy an expanded one at every call)."""
+    key = (P, C, dtype, str(device), start)
+    t = _SLOTS.get_lru(key)
+    if t is None:
+        t = _SLOTS.put(key, _arange(start + C, dtype, device)[start:].expand(P, C)
+                       .contiguous())
+    return t
+
+
+_CODE_BITS: dict = {}
+
+
+def _code_bits(device) -> torch.Tensor:
+    key = str(device)
+    t = _CODE_BITS.get(key)
+    if t is None:
+        t = torch.tensor(sorted(ERROR_CODES), dtype=torch.int32, device=device)
+        _CODE_BITS[key] = t
+    return t
+
+
+# --------------------------------------------------------------------------- encode
+
+_ZEROS_CACHE: dict = {}
 
 
 def _zeros(device) -> torch.Tensor:
@@ -336,6 +515,8 @@ def _as_bytes(t: Optional[torch.Tensor], where: str, field: str, dtypes, numel: 
               device) -> torch.Tensor:
     if t is None:
         raise CodecError(f"{where}: {field} is required by the encoding but is None")
+    if not isinstance(t, torch.Tensor):
+        raise CodecError(f"{where}: {field} is a {type(t).__name__}, expected a tensor")
     if t.dtype not in dtypes:
         raise CodecError(f"{where}: {field} dtype {t.dtype}, expected "
                          f"{' or '.join(str(d) for d in dtypes)}")
@@ -392,39 +573,56 @@ def _segment_pieces(seg: Segment, sl: _SegLayout, where: str, device):
     return pieces
 
 
+def new_message(payloads: Sequence[LayerPayload], device=None) -> torch.Tensor:
+    """An uninitialised uint8 buffer of ``encoded_nbytes(payloads)`` bytes on ``device``
+    (default: the payloads' device): allocate it once per bucket and pass it to
+    :func:`encode` as ``out`` at every step (the layout, hence the length, is fixed)."""
+    if device is None:
+        device = _payload_device(payloads) or torch.device("cpu")
+    return torch.empty(_plan(payloads).total, dtype=torch.uint8, device=device)
+
+
+def _payload_device(payloads) -> Optional[torch.device]:
+    for p in payloads:
+        for seg in p.segments:
+            c = seg.count
+            return c.device if isinstance(c, torch.Tensor) else None
+    return None
+
+
 def encode(payloads: Sequence[LayerPayload], out: Optional[torch.Tensor] = None
            ) -> torch.Tensor:
     """Serialise ``payloads`` into one uint8 message on the payloads' device.
 
-    Everything host-known (header, records) comes from a cached device image; counts
-    and sections are copied with tensor operations (one ``torch.cat`` into ``out``), so
-    nothing synchronises with the host. Padding bytes are zero; padding *slots*
-    (``>= count``) are copied verbatim. ``out`` (uint8, ``encoded_nbytes(payloads)``
-    elements, contiguous) is filled and returned when given.
+    Header and records come from a per-layout image built once on the host and cached
+    on the device (LRU over layouts; on CUDA it is uploaded with one non-blocking copy
+    from pinned memory), the counts and sections are copied with tensor operations (one
+    ``torch.cat`` into ``out``): nothing synchronises with the host. Padding bytes are
+    zero; padding *slots* (``>= count``) are copied verbatim.
+
+    ``out`` (uint8, ``encoded_nbytes(payloads)`` elements, contiguous, on the payloads'
+    device) is filled and returned when given: keep one per bucket (see
+    :func:`new_message`) and pass it every step, so encoding allocates nothing. The
+    caller must not overwrite it while a collective still reads it.
     """
-    segs, data_start, total = _layout(payloads)
-    device = None
-    for p in payloads:
-        for seg in p.segments:
-            device = seg.count.device
-            break
-        if device is not None:
-            break
+    plan = _plan(payloads)
+    segs, data_start, total = plan.segs, plan.data_start, plan.total
+    device = _payload_device(payloads)
     if out is not None:
-        if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != total \
-                or not out.is_contiguous():
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1 \
+                or out.numel() != total or not out.is_contiguous():
             raise CodecError(f"encode: out must be a contiguous 1-D uint8 tensor of {total} "
-                             f"bytes, got {out.dtype} shape {tuple(out.shape)}")
+                             f"bytes, got {getattr(out, 'dtype', type(out).__name__)} shape "
+                             f"{tuple(getattr(out, 'shape', ()))}")
         if device is not None and out.device != device:
             raise CodecError(f"encode: out on {out.device}, payloads on {device}")
         device = out.device
     if device is None:
         device = torch.device("cpu")
-    img = _static_image(payloads, segs, data_start, total, device)
+    img = _plan_bytes(plan, device, "image")
     zeros = _zeros(device)
     pieces = []
     pos = 0
-    s = 0
     flat_segs = [(li, p, seg) for li, p in enumerate(payloads) for seg in p.segments]
     for s, (li, p, seg) in enumerate(flat_segs):
         where = f"layer {li} ({p.name!r}) segment {s}"
@@ -501,7 +699,12 @@ def _host_bytes(buffer: torch.Tensor) -> torch.Tensor:
         raise CodecError(f"buffer dtype {buffer.dtype}, expected torch.uint8")
     if buffer.dim() != 1:
         raise CodecError(f"buffer must be 1-D, got shape {tuple(buffer.shape)}")
-    return buffer.detach().to("cpu").contiguous()
+    buf = buffer.detach().to("cpu")
+    # a view that starts at an offset not divisible by 8 (a slice of a larger buffer)
+    # cannot be reinterpreted as int32 / fp32 sections: copy it to a fresh buffer
+    if buf.stride(0) != 1 or buf.storage_offset() % _ALIGN:
+        buf = buf.clone(memory_format=torch.contiguous_format)
+    return buf
 
 
 def _check_content(where: str, sl_numel: int, count: int, ienc, indices, bin_counts,
@@ -560,6 +763,11 @@ def decode(buffer: torch.Tensor, *, check_content: bool = True) -> List[DecodedS
     skips the data checks (index ranges, bin counts, bitmask popcount) but keeps all
     structural checks.
     """
+    return _decode(buffer, check_content)[1]
+
+
+def _decode(buffer: torch.Tensor, check_content: bool = True):
+    """(layer count from the header, list of DecodedSegment); see :func:`decode`."""
     buf = _host_bytes(buffer)
     n = buf.numel()
     raw = memoryview(buf.numpy())
@@ -642,60 +850,88 @@ def decode(buffer: torch.Tensor, *, check_content: bool = True) -> List[DecodedS
     if pos != n:
         raise CodecError(f"buffer length mismatch: segments end at byte {pos}, header total "
                          f"{n}")
-    return out
+    return nlayers, out
 
 
 # --------------------------------------------------------------------- decode helpers
 
-def _abs_indices(ienc: IndexEncoding, numel: int, capacity: int, bin_size: int,
-                 indices: Optional[torch.Tensor], bin_counts: Optional[torch.Tensor],
-                 implicit: Optional[torch.Tensor], P: int, device) -> torch.Tensor:
-    """Absolute int32 indices [P, capacity] of every slot, device-side (no host sync).
+def _slot_indices(sl: _SegLayout, ind: Optional[torch.Tensor], bc: Optional[torch.Tensor],
+                  implicit: Optional[torch.Tensor], P: int, device,
+                  count: Optional[torch.Tensor] = None, cnt: Optional[torch.Tensor] = None,
+                  check_int32: bool = False, limits: Optional[torch.Tensor] = None):
+    """``(idx, err)``: absolute int32 indices [P, capacity] of every slot, computed on the
+    device (no host sync), and the content error codes int32 [P] of every row.
 
-    Slots that cannot be valid get the out-of-range index ``numel`` (beyond the used
-    slots they are ignored; within them the bounds check of scatter_add_decode
-    reports them).
+    ``count`` (int32 [P], as received) and ``cnt`` (the same clamped to [0, capacity])
+    switch the content checks on (see the module doc); ``err`` is None without them.
+    INT32 ranges are checked only with ``check_int32`` (the Triton kernel checks them
+    itself). Slots that cannot be valid get the out-of-range index ``numel``.
     """
+    C, N, ienc = sl.capacity, sl.numel, sl.ienc
+    checks = cnt is not None
+    err = None
     if ienc == IndexEncoding.DENSE:
-        return torch.arange(capacity, dtype=torch.int32, device=device).expand(P, capacity)
-    if ienc == IndexEncoding.INT32:
-        return indices
-    if ienc == IndexEncoding.IMPLICIT:
-        if implicit is None:
-            raise CodecError("IMPLICIT segment without implicit_indices in the template")
-        if implicit.numel() != capacity:
-            raise CodecError(f"implicit_indices has {implicit.numel()} elements, expected "
-                             f"capacity {capacity}")
-        imp = implicit.reshape(1, -1).to(device=device, dtype=torch.int32)
-        return imp.expand(P, capacity)
+        return _arange(C, torch.int32, device).expand(P, C), err
+    if ienc in (IndexEncoding.INT32, IndexEncoding.IMPLICIT):
+        if ienc == IndexEncoding.INT32:
+            idx = ind
+        else:
+            if implicit is None:
+                raise CodecError("IMPLICIT segment without implicit_indices in the template")
+            if implicit.numel() != C:
+                raise CodecError(f"implicit_indices has {implicit.numel()} elements, "
+                                 f"expected capacity {C}")
+            idx = implicit.reshape(1, -1).to(device=device)
+            # the template's own indices: checked before the int32 cast can wrap them
+            check_int32 = True
+        if checks and check_int32:
+            used = _arange(C, torch.int32, device) < cnt.unsqueeze(1)            # [P, C]
+            bad = ((idx < 0) | (idx >= N)) & used
+            err = bad.any(1).to(torch.int32) * ERR_INDEX
+        if ienc == IndexEncoding.IMPLICIT:
+            idx = idx.to(torch.int32).expand(P, C)
+        return idx, err
     if ienc in _MAX_BIN:
+        B, nb = sl.bin_size, sl.nbins
         mask_bits = 0xFFFF if ienc == IndexEncoding.BIN_U16 else 0xFF
-        rel = indices.to(torch.int32) & mask_bits                     # [P, C]
-        cum = bin_counts.to(torch.int64).cumsum(1).contiguous()        # [P, nbins]
-        slots = torch.arange(capacity, dtype=torch.int64, device=device)
-        slots = slots.expand(P, capacity).contiguous()
-        if cum.shape[1] == 0:
-            return torch.full((P, capacity), numel, dtype=torch.int32, device=device)
-        b = torch.searchsorted(cum, slots, right=True)                 # [P, C] int64
-        a = b * bin_size + rel
-        bad = (rel >= bin_size) | (a > numel)
-        a = torch.where(bad, torch.full_like(a, numel), a)
-        return a.to(torch.int32)
-    # BITMASK: slot k <- k-th set bit
-    shifts = torch.arange(8, dtype=torch.uint8, device=device)
-    bits = ((indices.unsqueeze(-1) >> shifts) & 1).reshape(P, -1)[:, :numel]   # [P, N]
-    pos = bits.to(torch.int64).cumsum(1) - 1
-    slot = torch.where(bits.bool(), pos.clamp(max=capacity), torch.full_like(pos, capacity))
-    idx = torch.full((P, capacity + 1), numel, dtype=torch.int32, device=device)
-    elem = torch.arange(numel, dtype=torch.int32, device=device).expand(P, numel)
-    idx.scatter_(1, slot, elem)
-    return idx[:, :capacity]
+        rel = ind.to(torch.int32) & mask_bits                                    # [P, C]
+        cum = bc.cumsum(1, dtype=torch.int64)                                    # [P, nb]
+        slots = _slots(P, C, torch.int64, device)
+        # bin of slot j = number of cumulative counts <= j
+        b = torch.searchsorted(cum, slots, right=True)                           # [P, C]
+        a = b * B + rel
+        bad = (rel >= B) | (a >= N)
+        idx = torch.where(bad, N, a).to(torch.int32)
+        if checks:
+            total = cum[:, -1] if nb else torch.zeros_like(count, dtype=torch.int64)
+            bc_bad = ((bc < 0) | (bc > limits)).any(1) | (total != count)
+            rel_bad = (bad & (slots < cnt.unsqueeze(1))).any(1) & ~bc_bad
+            err = bc_bad.to(torch.int32) * ERR_BIN_COUNTS | rel_bad.to(torch.int32) * ERR_INDEX
+        return idx, err
+    # BITMASK: slot k <- the k-th set bit, found as the first element whose inclusive
+    # running popcount reaches k+1 (k >= popcount finds numel: out of range)
+    nbits = 8 * sl.lengths[0]
+    bits = ((ind.unsqueeze(-1) >> _arange(8, torch.uint8, device)) & 1).reshape(P, nbits)
+    cum = bits[:, :N].cumsum(1, dtype=torch.int32)                                 # [P, N]
+    if N and C:
+        idx = torch.searchsorted(cum, _slots(P, C, torch.int32, device, start=1))
+        idx = idx.to(torch.int32)
+    else:
+        idx = torch.full((P, C), N, dtype=torch.int32, device=device)
+    if checks:
+        pop = cum[:, -1] if N else torch.zeros_like(count)
+        bm_bad = pop != count
+        if nbits > N:
+            bm_bad = bm_bad | bits[:, N:].any(1)
+        err = bm_bad.to(torch.int32) * ERR_BITMASK
+    return idx, err
 
 
 def _scatter(dense: torch.Tensor, venc: ValueEncoding, capacity: int, quant_bucket: int,
              idx: torch.Tensor, count: torch.Tensor, values: torch.Tensor,
              scales: Optional[torch.Tensor], error_flag):
-    """One batched ops.scatter_add_decode call; all tensors have a leading P dim."""
+    """One batched ops.scatter_add_decode call (rows in rank order); all tensors have a
+    leading P dim."""
     if capacity == 0:
         return
     if venc in FLOAT_DTYPES:
@@ -709,13 +945,17 @@ def _scatter(dense: torch.Tensor, venc: ValueEncoding, capacity: int, quant_buck
                                error_flag=error_flag)
 
 
-def _check_out(out: torch.Tensor, numel: int, what: str) -> torch.Tensor:
+def _check_out(out, numel: int, what: str, device=None) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise CodecError(f"{what}: a {type(out).__name__}, expected a torch.Tensor")
     if out.dtype != torch.float32:
         raise CodecError(f"{what}: dtype {out.dtype}, expected torch.float32")
     if out.numel() != numel:
         raise CodecError(f"{what}: {out.numel()} elements, expected numel {numel}")
     if not out.is_contiguous():
         raise CodecError(f"{what}: must be contiguous")
+    if device is not None and out.device != device:
+        raise CodecError(f"{what}: on {out.device}, the messages are on {device}")
     return out.view(-1)
 
 
@@ -736,16 +976,19 @@ def payload_to_dense(payload: LayerPayload, out: Optional[torch.Tensor] = None
         n, cap, ienc, venc, bs, qb = _seg_params(seg)
         if n != numel:
             raise CodecError(f"{where}: segment numel {n} != layer numel {numel}")
-        _, _, lens = _section_lengths(where, n, cap, ienc, venc, bs, qb)
-        pieces = _segment_pieces(seg, _SegLayout(0, n, cap, ienc, venc, bs, qb, lens,
-                                                 (0, 0, 0, 0)), where, dev)
+        ienc, venc, lens = _section_lengths(where, n, cap, ienc, venc, bs, qb)
+        sl = _SegLayout(0, n, cap, ienc, venc, bs, qb, lens, (0, 0, 0, 0))
+        _segment_pieces(seg, sl, where, dev)
         count = _count_bytes(seg, where, dev).view(torch.int32).reshape(1, 1)
         ind = seg.indices.reshape(1, -1) if ienc not in (IndexEncoding.DENSE,
                                                           IndexEncoding.IMPLICIT) else None
         if ind is not None and ind.dtype == torch.uint16:
             ind = ind.view(torch.int16)
-        bc = seg.bin_counts.reshape(1, -1) if ienc in _MAX_BIN else None
-        idx = _abs_indices(ienc, n, cap, bs, ind, bc, seg.implicit_indices, 1, dev)
+        bc = None
+        if ienc in _MAX_BIN:
+            bc = seg.bin_counts.reshape(1, -1) if seg.bin_counts is not None else \
+                torch.zeros((1, 0), dtype=torch.int32, device=dev)
+        idx, _ = _slot_indices(sl, ind, bc, seg.implicit_indices, 1, dev)
         vals = seg.values.reshape(1, -1)
         scales = seg.scales.reshape(1, -1) if seg.scales is not None and \
             venc not in FLOAT_DTYPES else None
@@ -754,79 +997,151 @@ def payload_to_dense(payload: LayerPayload, out: Optional[torch.Tensor] = None
 
 
 def _rows(buffers, nbytes: int) -> torch.Tensor:
+    """The P messages as one uint8 [P, nbytes] tensor whose rows start at multiples of 8
+    bytes (so sections can be reinterpreted as int32 / fp32 in place); everything here
+    is host-known (shapes, dtypes, devices), so it raises CodecError on both paths."""
     if isinstance(buffers, torch.Tensor):
         if buffers.dim() != 2:
             raise CodecError(f"accumulate: buffers must be [P, nbytes], got shape "
                              f"{tuple(buffers.shape)}")
+        if buffers.dtype != torch.uint8:
+            raise CodecError(f"accumulate: buffers dtype {buffers.dtype}, expected "
+                             f"torch.uint8")
         b2 = buffers
     else:
-        buffers = list(buffers)
-        if not buffers:
+        try:
+            rows = list(buffers)
+        except TypeError:
+            raise CodecError(f"accumulate: buffers must be a uint8 [P, nbytes] tensor or a "
+                             f"sequence of uint8 tensors, got {type(buffers).__name__}"
+                             ) from None
+        if not rows:
             raise CodecError("accumulate: no buffers")
-        for r, b in enumerate(buffers):
+        for r, b in enumerate(rows):
+            if not isinstance(b, torch.Tensor):
+                raise CodecError(f"accumulate: buffer of rank {r} is a {type(b).__name__}, "
+                                 f"expected a uint8 torch.Tensor")
+            if b.dtype != torch.uint8:
+                raise CodecError(f"accumulate: buffer of rank {r} has dtype {b.dtype}, "
+                                 f"expected torch.uint8")
             if b.dim() != 1 or b.numel() != nbytes:
                 raise CodecError(f"accumulate: buffer of rank {r} has shape "
                                  f"{tuple(b.shape)}, expected ({nbytes},)")
-        b2 = torch.stack([b.reshape(-1) for b in buffers])
-    if b2.dtype != torch.uint8:
-        raise CodecError(f"accumulate: buffers dtype {b2.dtype}, expected torch.uint8")
+            if b.device != rows[0].device:
+                raise CodecError(f"accumulate: buffer of rank {r} on {b.device}, rank 0's "
+                                 f"on {rows[0].device}")
+        b2 = torch.stack(rows)
+    if b2.shape[0] == 0:
+        raise CodecError("accumulate: no messages (0 rows)")
     if b2.shape[1] != nbytes:
         raise CodecError(f"accumulate: messages are {b2.shape[1]} bytes, the template's "
                          f"layout needs {nbytes}")
-    if b2.stride(1) != 1 or b2.stride(0) % _ALIGN:
-        b2 = b2.contiguous()
+    if b2.stride(1) != 1 or b2.stride(0) % _ALIGN or b2.storage_offset() % _ALIGN:
+        b2 = torch.empty(b2.shape, dtype=torch.uint8, device=b2.device).copy_(b2)
     return b2
+
+
+def _validate_rows(b2: torch.Tensor, plan: _Plan, template, flat_segs) -> None:
+    """validate=True: host parse of every row (:func:`decode`) + comparison with the
+    template's layout; CodecError naming the rank and the segment."""
+    segs = plan.segs
+    expected = [(sl.layer, sl.numel, sl.capacity, int(sl.ienc), int(sl.venc),
+                 sl.bin_size, sl.quant_bucket) for sl in segs]
+    fields = ("layer", "numel", "capacity", "index_encoding", "value_encoding", "bin_size",
+              "quant_bucket")
+    for r in range(b2.shape[0]):
+        try:
+            nlayers, dec = _decode(b2[r])
+        except CodecError as exc:
+            raise CodecError(f"message of rank {r}: {exc}") from None
+        if nlayers != plan.nlayers:
+            raise CodecError(f"message of rank {r}: header layer count {nlayers}, template "
+                             f"has {plan.nlayers} layers")
+        if len(dec) != len(segs):
+            raise CodecError(f"message of rank {r}: {len(dec)} segments, template has "
+                             f"{len(segs)}")
+        for d, e in zip(dec, expected):
+            if d.layout_key() != e:
+                diff = [f"{f} {g} != {x}" for f, g, x in zip(fields, d.layout_key(), e)
+                        if g != x]
+                raise CodecError(f"message of rank {r} segment {d.segment}: layout differs "
+                                 f"from the template: {', '.join(diff)}")
+    # the template's own IMPLICIT indices (they never travel) must lie in their layer
+    for s, (sl, tseg) in enumerate(zip(segs, flat_segs)):
+        if sl.ienc == IndexEncoding.IMPLICIT and sl.capacity:
+            imp = tseg.implicit_indices
+            if imp is None or imp.numel() != sl.capacity:
+                continue                      # reported by _slot_indices
+            a = imp.detach().reshape(-1).to("cpu", torch.int64)
+            if bool(((a < 0) | (a >= sl.numel)).any()):
+                raise CodecError(f"template segment {s} (layer {sl.layer}): implicit_indices "
+                                 f"outside [0, {sl.numel})")
 
 
 def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
                template: Sequence[LayerPayload], outs: Sequence[torch.Tensor],
-               validate: bool = True, *, error_flag: Optional[torch.Tensor] = None) -> None:
+               validate: bool = True, *, error_flag: Optional[torch.Tensor] = None
+               ) -> Optional[torch.Tensor]:
     """Add the decoded values of P ranks' messages into ``outs`` (summed over ranks).
 
     ``buffers``: uint8 [P, nbytes] (allgathered equal-size messages) or a list of P
     uint8 [nbytes] tensors (stacked into one). ``template``: this rank's payload list
     (its layout is the layout of every message; IMPLICIT indices come from it).
-    ``outs``: one contiguous fp32 tensor per layer with the layer's numel; added to.
+    ``outs``: one contiguous fp32 tensor per layer with the layer's numel, on the
+    messages' device; added to. Per segment, rank rows are added in rank order (see the
+    module doc), so all ranks get bitwise identical sums.
+
+    Wrong Python types, dtypes, shapes, devices or message lengths (all host-known)
+    raise :class:`CodecError` in both modes. Then:
 
     ``validate=True``: every message is parsed on the host (:func:`decode`) and must
-    match the template's layout, else :class:`CodecError` (naming rank and segment).
-    ``validate=False`` (CUDA, no host sync): the layout is taken from the template and
-    bad indices are caught by ``ops.scatter_add_decode`` (IndexError from the reference,
-    ``error_flag`` from the Triton kernel). One scatter call per segment covers all P.
+    match the template's layout, else CodecError naming rank and segment; nothing is
+    written in that case.
+
+    ``validate=False`` (CUDA, no host sync): the layout comes from the template; every
+    message is checked on the device against the same rules (header bytes, counts,
+    bin counts, bitmasks, index ranges) and problems are ORed into ``error_flag``
+    (int32[>= 1], contiguous, on the messages' device; codes in :data:`ERROR_CODES`);
+    a bad (rank, segment) contributes nothing. With ``error_flag=None`` a flag is made
+    here and read once at the end (a host sync on CUDA), raising CodecError naming the
+    first bad rank and segment.
+
+    Returns ``error_flag`` (validate=True: as passed).
     """
-    segs, _, total = _layout(template)
-    if len(outs) != len(template):
-        raise CodecError(f"accumulate: {len(outs)} output tensors for {len(template)} layers")
-    flat_outs = [_check_out(o, p.numel, f"accumulate outs[{i}] ({p.name!r})")
-                 for i, (o, p) in enumerate(zip(outs, template))]
+    plan = _plan(template)
+    segs, total = plan.segs, plan.total
     b2 = _rows(buffers, total)
-    P = b2.shape[0]
-    device = b2.device
-    if validate:
-        expected = [(sl.layer, sl.numel, sl.capacity, int(sl.ienc), int(sl.venc),
-                     sl.bin_size, sl.quant_bucket) for sl in segs]
-        for r in range(P):
-            try:
-                dec = decode(b2[r])
-            except CodecError as exc:
-                raise CodecError(f"message of rank {r}: {exc}") from None
-            if len(dec) != len(segs):
-                raise CodecError(f"message of rank {r}: {len(dec)} segments, template has "
-                                 f"{len(segs)}")
-            for d, e in zip(dec, expected):
-                if d.layout_key() != e:
-                    fields = ("layer", "numel", "capacity", "index_encoding",
-                              "value_encoding", "bin_size", "quant_bucket")
-                    diff = [f"{f} {g} != {x}" for f, g, x in zip(fields, d.layout_key(), e)
-                            if g != x]
-                    raise CodecError(f"message of rank {r} segment {d.segment}: layout differs "
-                                     f"from the template: {', '.join(diff)}")
+    P, device = b2.shape[0], b2.device
+    if isinstance(outs, torch.Tensor) or len(outs) != len(template):
+        raise CodecError(f"accumulate: outs must be a sequence of {len(template)} tensors "
+                         f"(one per layer), got "
+                         f"{len(outs) if not isinstance(outs, torch.Tensor) else 'a tensor'}")
+    flat_outs = [_check_out(o, p.numel, f"accumulate outs[{i}] ({p.name!r})", device)
+                 for i, (o, p) in enumerate(zip(outs, template))]
+    if error_flag is not None:
+        if not isinstance(error_flag, torch.Tensor) or error_flag.dtype != torch.int32 or \
+                error_flag.numel() < 1 or not error_flag.is_contiguous() or \
+                error_flag.device != device:
+            raise CodecError(f"accumulate: error_flag must be a contiguous int32 tensor with "
+                             f">= 1 element on {device}")
     flat_segs = [seg for p in template for seg in p.segments]
+    own_flag = False
+    if validate:
+        _validate_rows(b2, plan, template, flat_segs)
+    else:
+        if error_flag is None:
+            error_flag = torch.zeros(1, dtype=torch.int32, device=device)
+            own_flag = True
+        # header + records must equal this rank's, except the count fields
+        hdr = b2[:, :plan.data_start]
+        row_hdr = ((hdr & _plan_bytes(plan, device, "mask")) !=
+                   _plan_bytes(plan, device, "image")).any(1).to(torch.int32) * ERR_HEADER
+        row_err = row_hdr
+        seg_errs = []
     for s, (sl, tseg) in enumerate(zip(segs, flat_segs)):
         rec = HEADER_SIZE + RECORD_SIZE * s + _COUNT_OFFSET
-        # u32 on the wire, read as int32: a corrupt count >= 2^31 reads negative; the
-        # kernel's count check ([0, capacity]) reports either way
-        count = b2[:, rec:rec + 4].view(torch.int32)                 # [P, 1]
+        # u32 on the wire, read as int32: a corrupt count >= 2^31 reads negative
+        count = b2[:, rec:rec + 4].view(torch.int32)                          # [P, 1]
         (oi, ob, ov, osc), (il, bl, vl, scl) = sl.offsets, sl.lengths
         ind = None
         if sl.ienc == IndexEncoding.INT32:
@@ -835,10 +1150,47 @@ def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
             ind = b2[:, oi:oi + il]
         elif sl.ienc == IndexEncoding.BIN_U16:
             ind = b2[:, oi:oi + il].view(torch.int16)
-        bc = b2[:, ob:ob + bl].view(torch.int32) if bl else None
-        idx = _abs_indices(sl.ienc, sl.numel, sl.capacity, sl.bin_size, ind, bc,
-                           tseg.implicit_indices, P, device)
+        bc = b2[:, ob:ob + bl].view(torch.int32) if sl.ienc in _MAX_BIN else None
+        dense = flat_outs[sl.layer]
+        if validate:
+            idx, _ = _slot_indices(sl, ind, bc, tseg.implicit_indices, P, device)
+        else:
+            c = count[:, 0]
+            cnt = c.clamp(0, sl.capacity)
+            limits = _bin_limits(plan, s, sl, device) if sl.ienc in _MAX_BIN else None
+            idx, err = _slot_indices(sl, ind, bc, tseg.implicit_indices, P, device,
+                                     count=c, cnt=cnt,
+                                     check_int32=not ops.use_triton(dense), limits=limits)
+            c_bad = (c < 0) | (c > sl.capacity)
+            seg_err = c_bad.to(torch.int32) * ERR_COUNT
+            if err is not None:
+                # content checks ran on the clamped count: meaningless if it was bad
+                seg_err = torch.where(c_bad, seg_err, err)
+            seg_err = seg_err | row_hdr
+            # a (rank, segment) with any problem contributes nothing
+            count = torch.where(seg_err != 0, 0, c).unsqueeze(1)
+            row_err = row_err | seg_err
+            if own_flag:
+                seg_errs.append((s, sl.layer, seg_err))
         vals = b2[:, ov:ov + vl].view(FLOAT_DTYPES.get(sl.venc, torch.uint8))
         scales = b2[:, osc:osc + scl].view(torch.float32) if scl else None
-        _scatter(flat_outs[sl.layer], sl.venc, sl.capacity, sl.quant_bucket, idx, count,
-                 vals, scales, error_flag)
+        _scatter(dense, sl.venc, sl.capacity, sl.quant_bucket, idx, count, vals, scales,
+                 error_flag)
+    if not validate:
+        bits = _code_bits(device)
+        present = ((row_err.unsqueeze(1) & bits) != 0).any(0)
+        error_flag.view(-1)[:1].bitwise_or_((present.to(torch.int32) * bits).sum()
+                                            .to(torch.int32))
+        if own_flag:
+            code = int(error_flag.view(-1)[0])            # the one documented host read
+            if code:
+                where = ""
+                for s, layer, e in seg_errs:
+                    rows = [r for r, v in enumerate(e.tolist()) if v]
+                    if rows:
+                        where = (f"message of rank {rows[0]} segment {s} (layer {layer}): "
+                                 f"{describe_error(e[rows[0]])}; ")
+                        break
+                raise CodecError(f"accumulate(validate=False): {where}error flag {code} = "
+                                 f"{describe_error(code)}")
+    return error_flag

@@ -385,22 +385,55 @@ def test_accumulate_index_out_of_range():
     with pytest.raises(CodecError, match=r"message of rank 0: segment 2 \(layer 1\): index "
                                          r"out of range: slot 0 has index 1000"):
         accumulate(torch.stack([bad, buf]), payloads, outs)
-    # validate=False (the no-host-sync path): the kernel's bounds check reports it
-    with pytest.raises(IndexError, match=r"index 1000 at row 0, slot 0 is out of range"):
-        accumulate(torch.stack([bad, buf]), payloads, outs, validate=False)
-    # BIN relative index >= bin size and a BITMASK with fewer set bits than count are
-    # mapped to an out-of-range index on the device path
-    bad = _patch(buf, segs[0].offsets[0] + 2, "<H", 7)
-    with pytest.raises(IndexError, match=r"index 23 at row 1, slot 1 is out of range"):
-        accumulate(torch.stack([buf, bad]), payloads, outs, validate=False)
-    mask_off = segs[1].offsets[0]
-    bad = _patch(buf, mask_off, "<3s", b"\0\0\0")             # no bit set, count 7
-    with pytest.raises(IndexError, match=r"index 19 at row 0, slot 0 is out of range"):
-        accumulate(torch.stack([bad, buf]), payloads, outs, validate=False)
-    # a count > capacity reaches the kernel's count check
-    bad = _patch(buf, H + 2 * R + 16, "<I", 7)
-    with pytest.raises(ValueError, match=r"count\[1\] = 7 is outside \[0, cap=6\]"):
-        accumulate(torch.stack([buf, bad]), payloads, outs, validate=False)
+    # validate=False (the no-host-sync path) reports through the device error flag, and
+    # the bad (rank, segment) contributes nothing; without a flag it raises CodecError
+    # naming the rank and segment (one host read)
+    cases = [
+        (bad, 0, 2, codec.ERR_INDEX),
+        # BIN relative index >= bin size
+        (_patch(buf, segs[0].offsets[0] + 2, "<H", 7), 1, 0, codec.ERR_INDEX),
+        # BITMASK with fewer set bits than count
+        (_patch(buf, segs[1].offsets[0], "<3s", b"\0\0\0"), 0, 1, codec.ERR_BITMASK),
+        # count > capacity
+        (_patch(buf, H + 2 * R + 16, "<I", 7), 1, 2, codec.ERR_COUNT),
+        # bin counts that no longer sum to the count
+        (_patch(buf, segs[0].offsets[1], "<i", 0), 0, 0, codec.ERR_BIN_COUNTS),
+        # a record field other than count
+        (_patch(buf, H + R + 32, "<I", 4), 1, None, codec.ERR_HEADER),
+    ]
+    for corrupt, rank, seg, code in cases:
+        if torch.equal(corrupt, buf):
+            continue                      # e.g. bin count already 0
+        rows = torch.stack([corrupt, buf] if rank == 0 else [buf, corrupt])
+        flag = torch.zeros(1, dtype=torch.int32)
+        outs = [torch.zeros(p.numel) for p in payloads]
+        assert accumulate(rows, payloads, outs, validate=False, error_flag=flag) is flag
+        assert int(flag[0]) == code, (code, int(flag[0]))
+        # what was written is the sum of the valid (rank, segment) pairs only
+        ref = [torch.zeros(p.numel) for p in payloads]
+        for s_, sl in enumerate(segs):
+            for r in range(2):
+                if r == rank and (seg is None or s_ == seg):
+                    continue
+                single = _single_segment_sum(payloads, buf, s_)
+                ref[sl.layer] += single
+        for o, r_ in zip(outs, ref):
+            assert torch.allclose(o, r_, atol=1e-5), (code, o, r_)
+        where = rf"message of rank {rank} segment {seg}" if seg is not None else \
+            rf"message of rank {rank} segment 0"
+        with pytest.raises(CodecError, match=where + r".*" + codec.ERROR_CODES[code][:20]):
+            accumulate(rows, payloads, [torch.zeros(p.numel) for p in payloads],
+                       validate=False)
+
+
+def _single_segment_sum(payloads, buf, s):
+    """Dense contribution of segment s of one (valid) message, through payload_to_dense
+    of a one-segment payload decoded from the buffer."""
+    dec = decode(buf)[s]
+    p = payloads[dec.layer]
+    lp = LayerPayload(p.name, p.shape, [dec.as_segment(
+        [seg for q in payloads for seg in q.segments][s].implicit_indices)])
+    return codec.payload_to_dense(lp).reshape(-1)
 
 
 def test_accumulate_layout_mismatch_and_bad_args():

@@ -131,6 +131,31 @@ def layout(payload):
     return tuple(sig)
 
 
+def _no_broadcast(t, name):
+    raise AssertionError(f"unexpected broadcast {name!r} (no after_exchange here)")
+
+
+class BroadcastHub:
+    """Blocking-broadcast stand-in for ranks simulated in one process, called rank by
+    rank in rank order: rank 0's tensor is kept under its name and handed to the
+    others (a copy, as a real broadcast would deliver)."""
+
+    def __init__(self):
+        self.sent = {}
+        self.calls = []
+
+    def fn(self, rank):
+        def broadcast(t, name):
+            self.calls.append((rank, name))
+            if rank == 0:
+                self.sent[name] = t.clone()
+                return t
+            got = self.sent[name]
+            assert got.shape == t.shape and got.dtype == t.dtype, name
+            return got.clone()
+        return broadcast
+
+
 # ----------------------------------------------------------------------------------
 # compressors under test, each with a checker of its documented count bounds
 # ----------------------------------------------------------------------------------
@@ -210,7 +235,8 @@ def chk_adacomp(comp, p, acc, grad, step, sent_mask):
 def chk_slimdp(comp, p, acc, grad, step, sent_mask):
     n = acc.numel()
     if p.segments[0].index_encoding == IE.DENSE:
-        assert (step + 1) % comp.core_period == 0 or not comp._sparse_is_worth_it(
+        push = comp.core_period > 1 and ((step + 1) % comp.core_period == 0 or step == 0)
+        assert push or not comp._sparse_is_worth_it(
             n, sum(comp.sizes(n, comp.alpha, comp.beta)), VE.FP32)
         return
     core, ex = comp.sizes(n, comp.alpha, comp.beta)
@@ -293,7 +319,7 @@ def test_error_feedback_invariant_and_counts(spec, kind):
             continue                      # fp16 values cannot hold 1e30 (documented)
         for shape in SHAPES:
             comp = make()
-            comp.bind(1, 4)
+            comp.bind(1, 4, broadcast=_no_broadcast)
             for step in range(3):
                 grad = make_grad(kind, shape, dtype, g)
                 r_old = comp.residual("layer")
@@ -466,24 +492,34 @@ def test_adacomp_bin_size_defaults_and_override():
 
 
 def _ranks(make, world=4):
-    return [make().bind(r, world) for r in range(world)]
+    hub = BroadcastHub()
+    return [make().bind(r, world, broadcast=hub.fn(r)) for r in range(world)]
 
 
 def test_slimdp_core_identical_across_ranks_and_stable():
+    """Ranks whose weights differ (as with local_gradient) still hold the same core:
+    rank 0's top |w| + c|g| at the end of each re-selection step, broadcast; dense
+    pushes at step 0 and before every re-selection; one broadcast per re-selection."""
     q = 5
-    comps = _ranks(lambda: SlimDP(0.3, 0.15, core_period=q, **POL))
+    hub = BroadcastHub()
+    comps = [SlimDP(0.3, 0.15, core_period=q, c=1.5, **POL).bind(r, 4, broadcast=hub.fn(r))
+             for r in range(4)]
     g = gen("slim")
     w = torch.randn(30, 40, generator=g)
     n = w.numel()
+    core, exs = SlimDP.sizes(n, 0.3, 0.15)
     cores = {}
+    expect = None
     for step in range(16):
-        payloads = [c.compress("w", torch.randn(30, 40, generator=g), step, param=w)
-                    for c in comps]
-        if (step + 1) % q == 0:                    # dense push before re-selection
+        ws = [w + 0.05 * r * torch.randn(30, 40, generator=g) for r in range(4)]
+        payloads = [c.compress("w", torch.randn(30, 40, generator=g), step, param=ws[r])
+                    for r, c in enumerate(comps)]
+        if (step + 1) % q == 0 or step == 0:       # dense push before re-selection
             assert all(p.segments[0].index_encoding == IE.DENSE for p in payloads)
         else:
             core0 = payloads[0].segments[0].implicit_indices
             assert payloads[0].segments[0].index_encoding == IE.IMPLICIT
+            assert torch.equal(core0, expect)
             for p in payloads[1:]:
                 assert torch.equal(p.segments[0].implicit_indices, core0)
             # explorer: outside the core, unique, different per rank
@@ -496,15 +532,24 @@ def test_slimdp_core_identical_across_ranks_and_stable():
                 assert torch.equal(cores[epoch], core0), "core changed between re-selections"
             cores[epoch] = core0
             # cost: beta n values + (alpha - beta) n pairs = (2 alpha - beta) n words
-            core, exs = SlimDP.sizes(n, 0.3, 0.15)
             assert payloads[0].segments[0].capacity == core
             assert payloads[0].segments[1].capacity == exs
             st = comps[0].stats()["w"]
             assert st["payload_bytes"] == 4 * (core + 2 * exs) + 8
             assert abs(4 * (core + 2 * exs) - 4 * (2 * 0.3 - 0.15) * n) <= 12
         avg = sum(payload_to_dense(p) for p in payloads) / 4
-        for c in comps:
-            c.after_exchange("w", avg, step, param=w)
+        ncalls = len(hub.calls)
+        for r, c in enumerate(comps):
+            c.after_exchange("w", avg, step, param=ws[r])
+        if (step + 1) % q == 0 or step == 0:
+            assert len(hub.calls) == ncalls + 4
+            S = ws[0].reshape(-1).abs() + 1.5 * avg.reshape(-1).abs()
+            expect = torch.sort(torch.topk(S, core).indices).values
+            # rank 3's own weights would have chosen a different core
+            assert not torch.equal(expect, torch.sort(torch.topk(
+                ws[3].reshape(-1).abs() + 1.5 * avg.reshape(-1).abs(), core).indices).values)
+        else:
+            assert len(hub.calls) == ncalls
         w = w - 0.1 * avg
     assert len(cores) >= 3
 
@@ -715,12 +760,13 @@ def test_state_dict_resume_is_identical(name):
                 comp.after_exchange(k, payload_to_dense(p), t, param=ws[t] if k == "a" else None)
         return outs
 
-    a = make().bind(2, 4)
+    ident = lambda t, name: t           # rank 0 of 4: its own tensor is the broadcast  # noqa: E731
+    a = make().bind(0, 4, broadcast=ident)
     run(a, range(N))
     buf = io.BytesIO()
     torch.save(a.state_dict(), buf)
     cont = run(a, range(N, N + M))
-    b = make().bind(2, 4)
+    b = make().bind(0, 4, broadcast=ident)
     buf.seek(0)
     b.load_state_dict(torch.load(buf, weights_only=False))
     resumed = run(b, range(N, N + M))
@@ -800,7 +846,7 @@ def test_without_error_feedback_nothing_is_remembered():
     assert torch.allclose(dec[sent], x.reshape(-1)[sent] * (n / k), rtol=1e-6)
     # Slim-DP as in the paper: the communication set travels exactly, the rest is dropped
     sd = SlimDP(0.3, 0.15, core_period=10, error_feedback=False, **POL)
-    for t in range(3):
+    for t in range(1, 4):                        # step 0 is a dense push
         y = torch.randn(60, 70, generator=g)
         dec, sent, _ = ref_decode(sd.compress("w", y, t, param=x))
         assert sd.residual("w") is None

@@ -113,7 +113,8 @@ class AdaComp(Compressor):
         G, gmax = self._acc(name, flat, L, True)             # G = residue + dW, in place
         scale = gmax.mean()                                  # one scale per layer
         if cfg["scale"] != 1.0:
-            H = G + (cfg["scale"] - 1.0) * flat.float()
+            # dW as the residual saw it: non-finite elements 0, loss scale removed
+            H = G + (cfg["scale"] - 1.0) * self._clean_grad(flat)
         else:
             H = G
         thr = gmax.clamp_min(TINY).unsqueeze(1)

@@ -40,7 +40,10 @@ integer arithmetic on sizes and seeds.
 """
 from __future__ import annotations
 
+import fnmatch
+import inspect
 import math
+import weakref
 import zlib
 from typing import Optional
 
@@ -183,15 +186,144 @@ def _deep_clone(x):
         return tuple(_deep_clone(v) for v in x)
     return x
 
+_MISSING = object()
+
+
+def _snap_state(x):
+    """Snapshot of a layer's algorithm state for :meth:`Compressor.rollback`: containers
+    are copied, tensors are shared. Valid because compressors never modify a layer-state
+    tensor in place -- they replace it (``st["tau"] = torch.where(...)``) -- so sharing
+    costs nothing and stays exact (a core of beta*n indices is not copied every step)."""
+    if isinstance(x, dict):
+        return {k: _snap_state(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_snap_state(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_snap_state(v) for v in x)
+    return x
+
+
+def _check_grad_scale(name, grad_scale, device):
+    """``grad_scale``: None or a 1-element fp32 tensor on the gradient's device (checked
+    from metadata only: no host sync)."""
+    if grad_scale is None:
+        return None
+    if not isinstance(grad_scale, torch.Tensor) or grad_scale.dtype != torch.float32 \
+            or grad_scale.numel() != 1:
+        got = (f"{grad_scale.dtype} of shape {tuple(grad_scale.shape)}"
+               if isinstance(grad_scale, torch.Tensor) else repr(grad_scale))
+        raise TypeError(f"layer {name!r}: grad_scale must be None or a 1-element float32 "
+                        f"tensor (1 / GradScaler scale), got {got}")
+    if grad_scale.device != device:
+        raise ValueError(f"layer {name!r}: grad_scale is on {grad_scale.device} but the "
+                         f"gradient is on {device}")
+    return grad_scale.reshape(1)
+
+
+_EXT_RESIDUAL_ADD = None
+
+
+def _residual_add_ext() -> bool:
+    """True when ``ops.residual_add_binmax`` takes ``grad_scale=`` / ``nonfinite=`` (the
+    kernel contract that masks and counts non-finite gradient elements in the fused
+    pass)."""
+    global _EXT_RESIDUAL_ADD
+    if _EXT_RESIDUAL_ADD is None:
+        params = inspect.signature(ops.residual_add_binmax).parameters
+        _EXT_RESIDUAL_ADD = "nonfinite" in params and "grad_scale" in params
+    return _EXT_RESIDUAL_ADD
+
+
+def clean_grad(flat: torch.Tensor, grad_scale, nonfinite: Optional[torch.Tensor],
+               count: bool = True) -> torch.Tensor:
+    """``where(isfinite(g), g, 0).float() * grad_scale`` (fp32, a new tensor) and, with
+    ``count``, ``nonfinite[0] += #non-finite`` -- torch ops on the device, no host sync.
+    The path for gradients that do not go through ``ops.residual_add_binmax``."""
+    fin = torch.isfinite(flat)
+    if count and nonfinite is not None:
+        nonfinite.add_((~fin).sum(dtype=torch.int32).reshape(1))
+    g = torch.where(fin, flat, torch.zeros((), dtype=flat.dtype, device=flat.device)).float()
+    if grad_scale is not None:
+        g.mul_(grad_scale)
+    return g
+
+
+def residual_add(flat: torch.Tensor, residual: torch.Tensor, bin_size: int, grad_scale,
+                 nonfinite: Optional[torch.Tensor]) -> torch.Tensor:
+    """``residual += where(isfinite(g), g, 0).float() * grad_scale`` in place,
+    ``nonfinite[0] += #non-finite(g)``; returns the per-bin max of ``|residual|``
+    (``ops.residual_add_binmax``). Without the extended kernel contract the gradient is
+    cleaned with torch ops first (one extra pass, still no host sync)."""
+    if _residual_add_ext():
+        return ops.residual_add_binmax(flat, residual, bin_size, grad_scale=grad_scale,
+                                       nonfinite=nonfinite)
+    g = clean_grad(flat, grad_scale, nonfinite)
+    return ops.residual_add_binmax(g, residual, bin_size)
+
+
+class _Call:
+    """Per-call inputs of one ``compress`` that the shared helpers need."""
+    __slots__ = ("grad_scale", "nonfinite")
+
+    def __init__(self, grad_scale=None, nonfinite=None):
+        self.grad_scale = grad_scale
+        self.nonfinite = nonfinite
+
+
 class Compressor:
     """Base class. Subclasses implement :meth:`_compress` and list their per-layer
-    settings (constructor arguments an override may change) in ``_settings``.
+    settings (constructor arguments an override may change) in ``_settings``, and the
+    other constructor arguments that change behaviour in ``_extra_args`` (both end up in
+    :meth:`config`).
 
     Common keyword arguments: ``min_numel=1024``, ``compress_1d=False``,
     ``overrides=None`` (see :mod:`.policy`), ``seed=0`` (base of all seeds).
+
+    Interface for the optimizer / scheduler (all of it on the calling thread; nothing
+    here talks to Horovod except through the ``broadcast`` callable given to ``bind``):
+
+    * ``bind(rank, world_size, *, broadcast=None, owner=None)``, ``check_names(names)``,
+      ``config()``, ``steady_state_step()``;
+    * per step: ``begin_step(step)``; ``compress(name, grad, step, param=None,
+      grad_scale=None)`` or ``compress_absent(name, like, step, param=None)`` per layer;
+      ``after_exchange(name, averaged_grad, step, param=None)`` per exchanged layer, in
+      the same layer order on every rank; then ``commit()`` or ``rollback()``.
+
+    Non-finite gradients
+    --------------------
+    A NaN/Inf element of ``grad`` is treated as 0: it is never added to a residual and
+    never sent (every path: error-feedback add, policy-dense layers,
+    ``error_feedback=False``, AdaComp's ``H``, warm-up dense steps, Slim-DP, QSGD). The
+    number of such elements is counted on the device into ``payload.nonfinite``
+    (int32[1]); what to do about them (raise, skip the step) is the caller's policy.
+    ``stats()[name]["nonfinite"]`` is the count of the layer's latest step.
+
+    Loss scaling
+    ------------
+    ``grad_scale`` (None or a 1-element fp32 device tensor, ``1 / GradScaler.scale``)
+    multiplies the (finite) gradient before it meets the residual: residuals are always
+    in unscaled units, whatever the loss scale does.
+
+    Transactions (``transactional=True``)
+    -------------------------------------
+    ``begin_step(step)`` opens a step. The first time ``compress`` or ``after_exchange``
+    touches a layer inside the step, the layer's residual (copied into a reused buffer)
+    and its algorithm state (thresholds, Slim-DP core, histories; containers copied,
+    tensors shared -- they are replaced, never modified in place) are snapshotted.
+    ``commit()`` keeps everything; ``rollback()`` puts every touched layer back exactly
+    as it was at ``begin_step`` (bitwise residual, same state objects; a residual or
+    state created during the step is removed; a residual flushed by a policy-dense
+    step comes back), so the next step behaves as if the skipped step had never run.
+    Not rolled back: ``stats()`` (the skipped step's bytes did travel) and anything
+    keyed by the step number (the caller decides whether the skipped step's number is
+    used again). ``compress``/``after_exchange`` while ``transactional`` is set but no
+    step is open, ``begin_step`` while one is open, and ``commit``/``rollback`` with
+    none open raise ``RuntimeError``. With ``transactional=False`` (default)
+    ``begin_step``/``commit``/``rollback`` are no-ops and nothing is copied.
     """
 
     _settings: tuple = ()
+    _extra_args: tuple = ()
 
     def __init__(self, *, min_numel: int = 1024, compress_1d: bool = False,
                  overrides: Optional[dict] = None, seed: int = 0):
@@ -201,10 +333,20 @@ class Compressor:
         self.seed = seed
         self.rank = 0
         self.world_size = 1
+        self._broadcast = None
+        self._owner = None
         self._residuals: dict = {}
         self._layers: dict = {}        # per-layer algorithm state (subclass-defined)
         self._stats = StatsCollector()
         self._cfg_cache: dict = {}
+        #: set by the scheduler when it may need :meth:`rollback` (see class docstring)
+        self.transactional = False
+        self._txn: Optional[dict] = None
+        self._txn_step: Optional[int] = None
+        self._snap_bufs: dict = {}
+        self._scratch: dict = {}
+        self._call = _Call()
+        self._absent = False
 
     # ------------------------------------------------------------------ settings
     def _base_cfg(self) -> dict:
@@ -222,6 +364,16 @@ class Compressor:
             merged.update({k: v for k, v in ov.items() if k in self._settings})
             self._validate_cfg(merged, where=f"overrides[{pat!r}]: ")
 
+    def _all_cfgs(self) -> list:
+        """The base settings and every override's merged settings."""
+        base = self._base_cfg()
+        out = [base]
+        for pat, ov in self.policy.overrides.items():
+            merged = dict(base)
+            merged.update({k: v for k, v in ov.items() if k in self._settings})
+            out.append(self._validate_cfg(merged, where=f"overrides[{pat!r}]: "))
+        return out
+
     def layer_cfg(self, name: str) -> dict:
         cfg = self._cfg_cache.get(name)
         if cfg is None:
@@ -232,16 +384,54 @@ class Compressor:
             self._cfg_cache[name] = cfg
         return cfg
 
+    def check_names(self, names) -> None:
+        """Raise ``ValueError`` when an ``overrides`` pattern matches none of ``names``
+        (the model's parameter names), naming the pattern and a few parameter names --
+        e.g. a pattern written without the ``module.`` prefix that DDP-style wrappers
+        add. Call once with every parameter name the compressor will see."""
+        names = [str(n) for n in names]
+        for pat in self.policy.overrides:
+            if any(fnmatch.fnmatchcase(n, pat) for n in names):
+                continue
+            hint = ""
+            if any(fnmatch.fnmatchcase(n, "*" + pat) for n in names):
+                hint = " (it matches with a prefix: add e.g. 'module.' or a leading '*')"
+            few = ", ".join(repr(n) for n in names[:5]) + (", ..." if len(names) > 5 else "")
+            raise ValueError(f"{type(self).__name__}: overrides pattern {pat!r} matches no "
+                             f"parameter name{hint}; parameter names are {few or '(none)'}")
+
     # ------------------------------------------------------------------ binding
-    def bind(self, rank: int, world_size: int):
-        """Tell the compressor which rank it runs on (per-rank randomness mixes it in)."""
+    def bind(self, rank: int, world_size: int, *, broadcast=None, owner=None):
+        """Tell the compressor which rank it runs on (per-rank randomness mixes it in).
+
+        ``broadcast``: a callable ``broadcast(tensor, name) -> tensor`` that returns rank
+        0's ``tensor`` on every rank (blocking; the scheduler wraps ``hvd.broadcast``);
+        used by compressors whose decisions must agree across ranks (Slim-DP's core).
+        ``owner``: the optimizer that owns this compressor's state; binding again with a
+        different live owner raises ``ValueError`` (residuals are keyed by parameter
+        name, so two optimizers sharing one compressor would corrupt each other)."""
         if not _is_int(world_size) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if not _is_int(rank) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an int in [0, world_size={world_size}), "
                              f"got {rank!r}")
+        if broadcast is not None and not callable(broadcast):
+            raise TypeError(f"broadcast must be a callable (tensor, name) -> tensor, got "
+                            f"{broadcast!r}")
+        if owner is not None:
+            cur = self._owner() if self._owner is not None else None
+            if cur is not None and cur is not owner:
+                raise ValueError(f"{self!r} is already bound to another optimizer "
+                                 f"({type(cur).__name__} at {id(cur):#x}); one compressor "
+                                 f"instance per optimizer (its residuals are keyed by "
+                                 f"parameter name): create a second {type(self).__name__}(...)")
+            try:
+                self._owner = weakref.ref(owner)
+            except TypeError:
+                self._owner = (lambda o: (lambda: o))(owner)
         self.rank = rank
         self.world_size = world_size
+        self._broadcast = broadcast
         return self
 
     def _seed(self, name: str, step: int, purpose: int, shared: bool = False) -> int:
@@ -250,41 +440,161 @@ class Compressor:
             return mix_seed(self.seed, step, name_hash(name), purpose)
         return mix_seed(self.seed, step, name_hash(name), purpose, 0x5EED + self.rank)
 
+    def steady_state_step(self) -> int:
+        """The first step from which capacities and layouts no longer change: the end of
+        the density warm-up (0 without one). Plan buckets with
+        ``compress_absent(name, like, steady_state_step())``."""
+        w = getattr(self, "warmup", None)
+        return 0 if w is None else int(w.T)
+
+    # ------------------------------------------------------------------ transactions
+    def begin_step(self, step: int):
+        """Open step ``step`` (before its first ``compress``); see the class docstring."""
+        if not self.transactional:
+            return
+        if self._txn is not None:
+            raise RuntimeError(f"{type(self).__name__}.begin_step({step}): step "
+                               f"{self._txn_step} is still open (call commit() or "
+                               f"rollback() first)")
+        self._txn = {}
+        self._txn_step = step
+
+    def commit(self):
+        """The step's update was applied: keep the compressor state as it is."""
+        if not self.transactional:
+            return
+        if self._txn is None:
+            raise RuntimeError(f"{type(self).__name__}.commit() without begin_step()")
+        self._txn = None
+        self._txn_step = None
+
+    def rollback(self):
+        """The step was skipped: every layer touched since ``begin_step`` gets back its
+        residual and algorithm state (see the class docstring)."""
+        if not self.transactional:
+            return
+        if self._txn is None:
+            raise RuntimeError(f"{type(self).__name__}.rollback() without begin_step()")
+        for name, (rsnap, ssnap) in self._txn.items():
+            if rsnap is None:
+                self._residuals.pop(name, None)
+            else:
+                r, buf = rsnap
+                r.copy_(buf)
+                self._residuals[name] = r
+            if ssnap is _MISSING:
+                self._layers.pop(name, None)
+            else:
+                self._layers[name] = ssnap
+        self._txn = None
+        self._txn_step = None
+
+    def _touch(self, name: str):
+        """Snapshot layer ``name`` before its first change in the open step."""
+        if self._absent or not self.transactional:
+            return
+        txn = self._txn
+        if txn is None:
+            raise RuntimeError(f"{type(self).__name__}: transactional=True but layer "
+                               f"{name!r} is compressed outside begin_step()/commit()")
+        if name in txn:
+            return
+        r = self._residuals.get(name)
+        rsnap = None
+        if r is not None:
+            buf = self._snap_bufs.get(name)
+            if buf is None or buf.numel() != r.numel() or buf.device != r.device:
+                buf = torch.empty_like(r)
+                self._snap_bufs[name] = buf
+            buf.copy_(r)
+            rsnap = (r, buf)
+        st = self._layers.get(name, _MISSING)
+        txn[name] = (rsnap, _MISSING if st is _MISSING else _snap_state(st))
+
     # ------------------------------------------------------------------ public API
     def compress(self, name: str, grad: torch.Tensor, step: int,
-                 param: Optional[torch.Tensor] = None) -> LayerPayload:
-        """Compress one layer's gradient for this step (see the class docstring)."""
+                 param: Optional[torch.Tensor] = None,
+                 grad_scale: Optional[torch.Tensor] = None) -> LayerPayload:
+        """Compress one layer's gradient for this step (see the class docstring).
+        ``payload.nonfinite`` counts the non-finite elements of ``grad`` (int32[1],
+        device)."""
+        self._check_args(name, grad, step, "grad")
+        grad_scale = _check_grad_scale(name, grad_scale, grad.device)
+        self._touch(name)
+        return self._compress_layer(name, grad, step, param, grad_scale, record=True)
+
+    def compress_absent(self, name: str, like: torch.Tensor, step: int,
+                        param: Optional[torch.Tensor] = None) -> LayerPayload:
+        """The payload of a layer that has no gradient this step (frozen or unused
+        parameter): the same wire layout -- segments, capacities, encodings, hence the
+        same encoded size -- as :meth:`compress` would produce for ``like`` (a tensor of
+        the gradient's shape, dtype and device) at ``step``, contributing exactly zero
+        (count 0 in INT32 / bin-relative segments, zero values in DENSE / IMPLICIT
+        ones). Changes nothing: residuals (kept for when the parameter is unfrozen),
+        thresholds, cores, statistics, transactions."""
+        self._check_args(name, like, step, "like")
+        saved = (self._residuals, self._layers)
+        st = self._layers.get(name)
+        # run the ordinary path on a zero gradient against scratch state: a zero
+        # residual and a copy of the layer's state, both dropped afterwards
+        self._residuals = {}
+        self._layers = {} if st is None else {name: _snap_state(st)}
+        self._absent = True
+        try:
+            zero = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+            payload = self._compress_layer(name, zero, step, param, None, record=False)
+        finally:
+            self._residuals, self._layers = saved
+            self._absent = False
+        for seg in payload.segments:
+            if seg.index_encoding in (IndexEncoding.INT32, IndexEncoding.BIN_U8,
+                                      IndexEncoding.BIN_U16):
+                seg.count = torch.zeros_like(seg.count)
+                if seg.bin_counts is not None:
+                    seg.bin_counts = torch.zeros_like(seg.bin_counts)
+        return payload
+
+    def _check_args(self, name, grad, step, argname):
         if not isinstance(grad, torch.Tensor):
-            raise TypeError(f"layer {name!r}: grad must be a torch.Tensor, got "
+            raise TypeError(f"layer {name!r}: {argname} must be a torch.Tensor, got "
                             f"{type(grad).__name__}")
         if grad.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise TypeError(f"layer {name!r}: grad dtype must be float32, float16 or "
+            raise TypeError(f"layer {name!r}: {argname} dtype must be float32, float16 or "
                             f"bfloat16, got {grad.dtype}")
         if not _is_int(step) or step < 0:
             raise ValueError(f"layer {name!r}: step must be an int >= 0, got {step!r}")
+
+    def _compress_layer(self, name, grad, step, param, grad_scale, record):
         shape = grad.shape
         flat = grad.detach().reshape(-1)
-        if flat.numel() == 0:
-            seg = Segment(numel=0, capacity=0, index_encoding=IndexEncoding.DENSE,
-                          value_encoding=ValueEncoding.FP32,
-                          count=torch.zeros(1, dtype=torch.int32, device=flat.device),
-                          values=torch.zeros(0, dtype=torch.float32, device=flat.device))
-            payload = LayerPayload(name, shape, [seg])
-            self._stats.record(name, step, payload)
-            return payload
-        if self.policy.is_dense(name, shape):
-            payload = self._policy_dense(name, flat, shape)
-            self._stats.record(name, step, payload, density=1.0)
-            return payload
-        cfg = self.layer_cfg(name)
-        payload, info = self._compress(name, flat, shape, step, cfg, param)
-        self._stats.record(name, step, payload, **info)
+        nonfinite = torch.zeros(1, dtype=torch.int32, device=flat.device)
+        self._call = _Call(grad_scale, nonfinite)
+        try:
+            if flat.numel() == 0:
+                seg = Segment(numel=0, capacity=0, index_encoding=IndexEncoding.DENSE,
+                              value_encoding=ValueEncoding.FP32,
+                              count=torch.zeros(1, dtype=torch.int32, device=flat.device),
+                              values=torch.zeros(0, dtype=torch.float32, device=flat.device))
+                payload, info = LayerPayload(name, shape, [seg]), {}
+            elif self.policy.is_dense(name, shape):
+                payload, info = self._policy_dense(name, flat, shape), dict(density=1.0)
+            else:
+                cfg = self.layer_cfg(name)
+                payload, info = self._compress(name, flat, shape, step, cfg, param)
+        finally:
+            self._call = _Call()
+        payload.nonfinite = nonfinite
+        if record:
+            extra = dict(info.pop("extra", None) or {})
+            extra["nonfinite"] = nonfinite
+            self._stats.record(name, step, payload, extra=extra, **info)
         return payload
 
     def after_exchange(self, name: str, averaged_grad: torch.Tensor, step: int,
                        param: Optional[torch.Tensor] = None):
         """Called by the optimizer with the decoded, averaged gradient (identical on all
-        ranks). Only Slim-DP uses it."""
+        ranks), for every exchanged layer in the same order on every rank (it may
+        broadcast). Only Slim-DP uses it."""
         return None
 
     def stats(self) -> dict:
@@ -304,8 +614,14 @@ class Compressor:
 
     # ------------------------------------------------------------------ state
     def config(self) -> dict:
+        """Everything that determines what this compressor sends: type, every
+        constructor argument (per-layer settings, policy with its overrides, warm-up,
+        seed, other behaviour switches). Ranks must agree on it."""
+        w = getattr(self, "warmup", None)
         return dict(type=type(self).__name__, settings=self._base_cfg(),
-                    policy=self.policy.config(), seed=self.seed)
+                    policy=self.policy.config(), seed=self.seed,
+                    warmup=None if w is None else w.config(),
+                    args={k: getattr(self, k) for k in self._extra_args})
 
     def state_dict(self) -> dict:
         """Everything needed to continue identically: residuals, per-layer algorithm
@@ -329,10 +645,23 @@ class Compressor:
         self._residuals = {k: _deep_clone(v).float() for k, v in sd["residuals"].items()}
         self._layers = _deep_clone(sd["layers"])
         self._stats.load_state_dict(_deep_clone(sd.get("stats", {})))
+        self._txn = {} if self._txn is not None else None
 
     # ------------------------------------------------------------------ helpers
     def _compress(self, name, flat, shape, step, cfg, param):
         raise NotImplementedError
+
+    def _scratch_buf(self, kind: str, n: int, dtype, device) -> torch.Tensor:
+        """A reused 1-D buffer of at least ``n`` elements (one per kind, dtype and
+        device, grown to the largest layer seen): per-step full-size temporaries
+        without an allocation per step. Valid until the next call with the same kind;
+        never handed out in a payload."""
+        key = (kind, dtype, str(device))
+        b = self._scratch.get(key)
+        if b is None or b.numel() < n:
+            b = torch.empty(n, dtype=dtype, device=device)
+            self._scratch[key] = b
+        return b[:n]
 
     def _residual_for(self, name: str, flat: torch.Tensor) -> torch.Tensor:
         r = self._residuals.get(name)
@@ -349,27 +678,37 @@ class Compressor:
         return r
 
     def _acc(self, name, flat, bin_size=None, error_feedback=True):
-        """acc = residual + grad (fp32, in place in the residual); returns (acc, binmax).
-        Without error feedback acc is a fresh fp32 copy of grad (nothing remembered)."""
+        """acc = residual + clean(grad) * grad_scale (fp32, in place in the residual);
+        returns (acc, binmax). Non-finite gradient elements add nothing and are counted
+        into this call's ``nonfinite``. Without error feedback acc is a fp32 copy of the
+        cleaned gradient in a reused scratch buffer (nothing remembered)."""
         n = flat.numel()
         if bin_size is None:
             bin_size = n
+        c = self._call
         if error_feedback:
             r = self._residual_for(name, flat)
-            binmax = ops.residual_add_binmax(flat, r, bin_size)
+            binmax = residual_add(flat, r, bin_size, c.grad_scale, c.nonfinite)
             return r, binmax
-        acc = torch.zeros(n, dtype=torch.float32, device=flat.device)
-        binmax = ops.residual_add_binmax(flat, acc, bin_size)
+        acc = self._scratch_buf("acc", n, torch.float32, flat.device).zero_()
+        binmax = residual_add(flat, acc, bin_size, c.grad_scale, c.nonfinite)
         return acc, binmax
+
+    def _clean_grad(self, flat: torch.Tensor) -> torch.Tensor:
+        """The gradient as the residual saw it: non-finite elements 0, times grad_scale,
+        fp32 (not counted again: ``_acc`` counts)."""
+        return clean_grad(flat, self._call.grad_scale, None, count=False)
 
     @staticmethod
     def _count(n: int, device) -> torch.Tensor:
         return torch.full((1,), n, dtype=torch.int32, device=device)
 
     def _policy_dense(self, name, flat, shape) -> LayerPayload:
-        """fp32 dense, no error feedback (a pending residual, if any, is flushed)."""
+        """fp32 dense, no error feedback (a pending residual, if any, is flushed);
+        non-finite elements travel as 0 and are counted."""
         r = self._residuals.pop(name, None)
-        vals = flat.to(torch.float32, copy=True)
+        c = self._call
+        vals = clean_grad(flat, c.grad_scale, c.nonfinite)
         if r is not None:
             vals += r.to(vals.device)
         seg = Segment(numel=flat.numel(), capacity=flat.numel(),

@@ -53,11 +53,6 @@ class RandomK(Compressor):
         _check_bool(cfg["error_feedback"], "error_feedback", where)
         return cfg
 
-    def config(self):
-        c = super().config()
-        c["warmup"] = None if self.warmup is None else self.warmup.config()
-        return c
-
     def density(self, step: int, ratio=None) -> float:
         ratio = self.ratio if ratio is None else ratio
         return self.warmup(step, ratio) if self.warmup is not None else ratio

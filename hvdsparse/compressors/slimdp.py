@@ -4,13 +4,25 @@ Per layer of ``n`` elements, each step sends the *communication set* ``T_C`` =
 
 * **core** ``T_S``: the ``ceil(beta n)`` most significant elements,
   ``S_i = |w_i| + c |g_i|`` (Sec. 3.2, Eq. 1), re-selected every ``core_period`` (the
-  paper's ``q``) steps from values identical on every rank: ``w`` = the synchronised
-  weights (``param`` passed to ``compress`` on the re-selection step, or the last
-  ``param`` passed to ``after_exchange``) and ``g`` = the last averaged gradient the
-  optimizer passed to :meth:`SlimDP.after_exchange` (the paper likewise uses "an old
-  version of gradients"). So every rank computes the same core; it is kept sorted by
-  index and its values travel *in core order with no indices* (an IMPLICIT segment: the
-  paper's key-caching filter);
+  paper's ``q``) steps. It is kept sorted by index and its values travel *in core order
+  with no indices* (an IMPLICIT segment: the paper's key-caching filter), so every rank
+  must hold the same core -- guaranteed by construction, not by equal inputs:
+
+  - **re-selection** happens in :meth:`SlimDP.after_exchange` at the end of step ``t``
+    with ``(t + 1) % q == 0`` (and at the end of step 0), the core serving steps
+    ``t + 1 ...``. Rank 0 computes ``S`` from the averaged gradient ``g`` of that step
+    (identical on all ranks) and its own weights ``w`` (the ``param`` passed to
+    ``after_exchange``, before the step's update; the paper uses the server's weights
+    after it), takes the top ``ceil(beta n)`` and **broadcasts** the indices with the
+    ``broadcast`` callable given to ``bind`` -- so ranks whose weights differ
+    (``local_gradient``, or replicas that drifted in the last bit) still agree. Cost:
+    one blocking broadcast of ``ceil(beta n)`` int64 per layer and re-selection, i.e.
+    one host synchronisation every ``q`` steps (every step with ``q = 1``);
+  - a layer with no core yet (a run resumed without compressor state, or
+    ``dense_before_reselect=False``'s step 0) uses a random core from a shared seed
+    that does not depend on the step (identical on every rank, and in
+    ``compress_absent``) until its first re-selection;
+
 * **explorer** ``T_R^k``: ``min(n - |core|, ceil((alpha - beta) n))`` indices drawn
   uniformly without replacement from outside the core, fresh every step and different
   on every rank (Philox keys from a per-rank seed, ``keys[core] = 2``, the
@@ -18,8 +30,11 @@ Per layer of ``n`` elements, each step sends the *communication set* ``T_C`` =
 
 Before every re-selection (``(t + 1) % q == 0``) the whole layer is pushed dense, as in
 Algorithm 1 ("if (t+1)%q == 0: Push(delta)"), so the averaged gradient that feeds the
-significance is complete (``dense_before_reselect=True``; not with ``core_period=1``,
-where it would make every step dense -- the core then comes from the sparse average).
+significance is complete; step 0 is pushed dense as well, so the first core comes from
+real data (the paper leaves the initial core open). With ``dense_before_reselect=False``
+or ``core_period=1`` (where it would make every step dense) there are no dense pushes
+and cores come from the sparse average. Which steps are dense depends on the step only,
+so all ranks encode equal layouts.
 
 Wire cost (fp32 values, int32 indices): core ``beta n`` values + explorer
 ``(alpha - beta) n`` (index, value) pairs = ``beta n + 2 (alpha - beta) n =
@@ -35,11 +50,11 @@ Deviations:
   paper drops it (``error_feedback=False`` reproduces that).
 * **Parameter server -> all-to-all.** The paper pushes updates to a parameter server and
   pulls the communication set's weights; here all ranks decode all payloads and apply
-  the same averaged update, so the weights stay identical and nothing is pulled.
-* ``c="auto"`` (default): ``c = mean|w| / mean|g|`` computed from the same identical
-  tensors, putting both terms "to the same scale" as the paper intends; a number sets
-  ``c`` directly. Missing terms count as 0; with neither ``w`` nor ``g`` (first step,
-  no ``param``) the core is a shared-seed random set (identical on all ranks).
+  the same averaged update, so nothing is pulled; the server's core decision is rank
+  0's, broadcast.
+* ``c="auto"`` (default): ``c = mean|w| / mean|g|`` (on rank 0), putting both terms "to
+  the same scale" as the paper intends; a number sets ``c`` directly. Without ``param``
+  the significance is ``|g|`` alone.
 """
 from __future__ import annotations
 
@@ -112,80 +127,128 @@ class SlimDP(Compressor):
             ex = 1
         return core, ex
 
+    def bind(self, rank, world_size, *, broadcast=None, owner=None):
+        """See :meth:`Compressor.bind`; with ``world_size > 1`` Slim-DP needs
+        ``broadcast`` (rank 0 decides the core, every rank receives it)."""
+        if world_size != 1 and broadcast is None:
+            raise ValueError(f"{type(self).__name__}: bind(rank={rank}, world_size="
+                             f"{world_size}) needs broadcast=callable(tensor, name) -> "
+                             f"rank 0's tensor: the core is chosen on rank 0 and broadcast")
+        return super().bind(rank, world_size, broadcast=broadcast, owner=owner)
+
     def core(self, name: str):
         """The layer's current core indices (int64, ascending) or None."""
         st = self._layers.get(name)
         return None if st is None else st.get("core")
 
+    @staticmethod
+    def _push_step(step: int, cfg: dict) -> bool:
+        """Whole layer dense this step: before every re-selection (Algorithm 1) and at
+        step 0 (whose averaged gradient chooses the first core)."""
+        q = cfg["core_period"]
+        return cfg["dense_before_reselect"] and q > 1 and ((step + 1) % q == 0 or step == 0)
+
+    @staticmethod
+    def _reselect_step(step: int, cfg: dict) -> bool:
+        """A new core is chosen at the end of this step (for the steps after it)."""
+        return (step + 1) % cfg["core_period"] == 0 or step == 0
+
+    def steady_state_step(self) -> int:
+        """A regular (core + explorer) step: every layout from it on equals this one's
+        except the periodic dense pushes (every ``core_period``-th step)."""
+        cfgs = self._all_cfgs()
+        s = 0
+        while any(self._push_step(s, c) for c in cfgs):
+            s += 1
+        return s
+
+    def _worth(self, n, cfg):
+        core_size, ex_size = self.sizes(n, cfg["alpha"], cfg["beta"])
+        enc = cfg["values"]
+        vb = FLOAT_BYTES[enc] if enc in FLOAT_BYTES else QUANT_BITS[enc] / 8.0
+        return core_size * vb + ex_size * (4 + vb) < n * vb
+
     def after_exchange(self, name, averaged_grad, step, param=None):
-        """Keep the averaged gradient (and weights) that the next re-selection needs:
-        stored only when ``(step + 1) % core_period == 0`` or the layer has no core yet."""
+        """At the end of a re-selection step (``(step + 1) % core_period == 0``, and
+        step 0): rank 0 chooses the core for the following steps from the averaged
+        gradient and its weights ``param`` and broadcasts it (one blocking broadcast
+        of ``ceil(beta n)`` int64 per layer and re-selection: a host sync). Every rank
+        must call this for the same layers in the same order."""
         if self.policy.is_dense(name, averaged_grad.shape):
             return
         cfg = self.layer_cfg(name)
-        st = self._layers.setdefault(name, dict(core=None, core_step=None, grad=None,
-                                                param=None))
-        if (step + 1) % cfg["core_period"] == 0 or st["core"] is None:
-            st["grad"] = averaged_grad.detach().reshape(-1).float().clone()
-            if param is not None:
-                st["param"] = param.detach().reshape(-1).float().clone()
-
-    def _select_core(self, name, n, core_size, step, cfg, param, device):
-        st = self._layers[name]
-        w = param.detach().reshape(-1).float().to(device) if param is not None else (
-            st["param"].to(device) if st["param"] is not None else None)
-        g = st["grad"].to(device) if st["grad"] is not None else None
-        if w is None and g is None:
-            S = uniform(self._seed(name, step, PURPOSE_CORE, shared=True), n, device)
+        n = averaged_grad.numel()
+        core_size, _ = self.sizes(n, cfg["alpha"], cfg["beta"])
+        if not core_size or not self._worth(n, cfg) or not self._reselect_step(step, cfg):
+            return
+        self._touch(name)
+        dev = averaged_grad.device
+        if self.rank == 0:
+            core = self._significant(averaged_grad, param, core_size, cfg)
         else:
-            aw = w.abs() if w is not None else None
-            ag = g.abs() if g is not None else None
-            if aw is None:
-                S = ag
-            elif ag is None:
-                S = aw
+            core = torch.zeros(core_size, dtype=torch.int64, device=dev)
+        if self.world_size > 1:
+            if self._broadcast is None:
+                raise RuntimeError(f"{type(self).__name__}: layer {name!r}: world_size "
+                                   f"{self.world_size} but no broadcast (see bind)")
+            got = self._broadcast(core, f"hvdsparse.slimdp.core.{name}")
+            if not isinstance(got, torch.Tensor) or got.numel() != core_size:
+                raise RuntimeError(f"{type(self).__name__}: layer {name!r}: broadcast "
+                                   f"returned {got!r}, expected {core_size} int64 indices")
+            core = got.reshape(-1).to(device=dev, dtype=torch.int64)
+        self._layers[name] = dict(core=core, core_step=step + 1)
+
+    @staticmethod
+    def _significant(g, param, core_size, cfg):
+        """Indices (int64, ascending) of the ``core_size`` largest
+        ``S = |w| + c |g|`` (Eq. 1); ``c="auto"``: ``mean|w| / mean|g|``."""
+        ag = g.detach().reshape(-1).float().abs()
+        if param is None:
+            S = ag
+        else:
+            aw = param.detach().reshape(-1).float().to(ag.device).abs()
+            if cfg["c"] == "auto":
+                mg = ag.mean()
+                c = torch.where(mg > 0, aw.mean() / mg.clamp_min(TINY),
+                                torch.ones((), device=ag.device))
             else:
-                if cfg["c"] == "auto":
-                    mg = ag.mean()
-                    c = torch.where(mg > 0, aw.mean() / mg.clamp_min(TINY),
-                                    torch.ones((), device=device))
-                else:
-                    c = cfg["c"]
-                S = aw + c * ag
+                c = cfg["c"]
+            S = aw + c * ag
         core = torch.topk(S, core_size, sorted=False).indices
-        core = torch.sort(core).values
-        st.update(core=core, core_step=step, grad=None, param=None)
+        return torch.sort(core).values
+
+    def _random_core(self, name, n, core_size, device):
+        """The core of a layer that has none yet (no re-selection has run for it):
+        ``core_size`` indices from a shared seed that does not depend on the step, so
+        every rank -- and compress_absent -- gets the same set by construction."""
+        keys = uniform(self._seed(name, 0, PURPOSE_CORE, shared=True), n, device)
+        return torch.sort(torch.topk(keys, core_size, largest=False, sorted=False).indices).values
 
     def _compress(self, name, flat, shape, step, cfg, param):
         n = flat.numel()
         enc = cfg["values"]
         ef = cfg["error_feedback"]
         qb = cfg["quant_bucket"]
-        q = cfg["core_period"]
         core_size, ex_size = self.sizes(n, cfg["alpha"], cfg["beta"])
         qseed = self._seed(name, step, PURPOSE_QUANT)
-        vb = FLOAT_BYTES[enc] if enc in FLOAT_BYTES else QUANT_BITS[enc] / 8.0
-        worth = core_size * vb + ex_size * (4 + vb) < n * vb
-        push_all = cfg["dense_before_reselect"] and q > 1 and (step + 1) % q == 0
-        st = self._layers.setdefault(name, dict(core=None, core_step=None, grad=None,
-                                                param=None))
-        if push_all or not worth:
+        push_all = self._push_step(step, cfg)
+        if push_all or not self._worth(n, cfg):
             acc, _ = self._acc(name, flat, None, ef)
-            if param is not None and push_all:
-                st["param"] = param.detach().reshape(-1).float().clone()
             return (self._dense_from_acc(name, acc, shape, enc, qseed, qb, ef),
                     dict(extra=dict(dense_push=push_all)))
         acc, _ = self._acc(name, flat, None, ef)
         dev = acc.device
-        reselected = False
-        if core_size and (st["core"] is None or
-                          (step % q == 0 and st["core_step"] != step)):
-            self._select_core(name, n, core_size, step, cfg, param, dev)
-            reselected = True
         segs = []
+        core = None
         if core_size:
-            core = st["core"].to(dev)
-            st["core"] = core
+            st = self._layers.get(name)
+            core = None if st is None else st.get("core")
+            if core is None:
+                core = self._random_core(name, n, core_size, dev)
+                self._layers[name] = dict(core=core, core_step=None)
+            elif core.device != dev:
+                core = core.to(dev)
+                self._layers[name] = dict(st, core=core)
             values, scales = self._take(acc, core, None, None, enc, qseed, qb, ef)
             segs.append(Segment(numel=n, capacity=core_size,
                                 index_encoding=IndexEncoding.IMPLICIT, value_encoding=enc,
@@ -193,8 +256,8 @@ class SlimDP(Compressor):
                                 scales=scales, quant_bucket=qb, implicit_indices=core))
         if ex_size:
             keys = uniform(self._seed(name, step, PURPOSE_EXPLORE), n, dev)
-            if core_size:
-                keys[st["core"]] = 2.0
+            if core is not None:
+                keys[core] = 2.0
             ex = torch.topk(keys, ex_size, largest=False, sorted=False).indices
             ex = torch.sort(ex).values
             values, scales = self._take(acc, ex, None, None, enc, qseed ^ 0x1, qb, ef)
@@ -202,4 +265,4 @@ class SlimDP(Compressor):
                                 value_encoding=enc, count=self._count(ex_size, dev),
                                 values=values, indices=ex.to(torch.int32), scales=scales,
                                 quant_bucket=qb))
-        return LayerPayload(name, shape, segs), dict(extra=dict(reselected=reselected))
+        return LayerPayload(name, shape, segs), dict(extra=dict(dense_push=False))

@@ -63,6 +63,7 @@ class Threshold(TopK):
 
     _settings = ("sparsity", "life_span", "values", "slack", "quant_bucket",
                  "error_feedback")
+    _extra_args = ("record_true_threshold", "max_history", "overflow_guard")
 
     def __init__(self, sparsity: float, life_span: int = 1000, values="fp32",
                  slack: float = 2.0, quant_bucket: int = 512, warmup=None,
@@ -147,7 +148,8 @@ class Threshold(TopK):
         refresh = st["tau"] is None or step % cfg["life_span"] == 0 or st["k"] != k
         true_tau = None
         if refresh or self.record_true_threshold:
-            true_tau = torch.topk(acc.abs(), k, sorted=False).values.min().clamp_min(TINY)
+            true_tau = torch.topk(self._abs_buf(acc), k,
+                                  sorted=False).values.min().clamp_min(TINY)
         if refresh:
             st["tau"] = true_tau
             st["k"] = k

@@ -75,6 +75,7 @@ same value encoding (e.g. densities > ~0.5 during warm-up), the layer goes dense
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -102,15 +103,20 @@ def _check_quant_bucket(x, where=""):
 
 def estimate_topk_threshold(acc: torch.Tensor, k: int, capacity: int, offset: int = 0,
                             rounds: int = 2, sample_min: int = 4096,
-                            sample_above: int = 256) -> torch.Tensor:
+                            sample_above: int = 256, abs_out: Optional[torch.Tensor] = None,
+                            mask_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Sampled estimate of a threshold ``tau`` with ``k <= #{|acc| >= tau} <= capacity``
     (see the module docstring for the algorithm and its guarantees). Returns a 0-d fp32
-    device tensor ``>= TINY``; never synchronises with the host."""
+    device tensor ``>= TINY``; never synchronises with the host.
+
+    ``abs_out`` (fp32[n]) and ``mask_out`` (bool[n]): optional reused buffers for
+    ``|acc|`` and the per-round comparison, so a step allocates no full-size
+    temporaries (the compressors pass their scratch buffers)."""
     n = acc.numel()
     target = 0.5 * (k + capacity)
     s = min(n, max(sample_min, math.ceil(sample_above * n / target)))
     if 2 * s > n:
-        a = acc.abs()
+        a = torch.abs(acc, out=abs_out) if abs_out is not None else acc.abs()
         t = torch.topk(a, k, sorted=False).values.min()
         return t.clamp_min(TINY)
     stride = n // s
@@ -121,10 +127,13 @@ def estimate_topk_threshold(acc: torch.Tensor, k: int, capacity: int, offset: in
     v = torch.topk(sample, m, sorted=True).values       # descending
     t = v[r0 - 1]
     r = torch.full((), float(r0), dtype=torch.float32, device=acc.device)
-    a = acc.abs() if rounds > 0 else None
+    a = None
+    if rounds > 0:
+        a = torch.abs(acc, out=abs_out) if abs_out is not None else acc.abs()
     for _ in range(rounds):
         # count_nonzero, not bool .sum(): the latter is ~7x slower on CPU (int64 cast)
-        c = torch.count_nonzero(a >= t).to(torch.float32)
+        ge = torch.ge(a, t, out=mask_out) if mask_out is not None else a >= t
+        c = torch.count_nonzero(ge).to(torch.float32)
         ok = (c >= k) & (c <= capacity)
         r_new = (r * target / c.clamp_min(1.0)).round().clamp(1.0, float(m))
         # index_select with a 1-element tensor: indexing with a 0-d tensor would be
@@ -198,12 +207,12 @@ class TopK(Compressor):
         k = k_of(d, numel)
         return k if cfg["exact"] else min(numel, math.ceil(cfg["slack"] * k))
 
-    def config(self):
-        c = super().config()
-        c["warmup"] = None if self.warmup is None else self.warmup.config()
-        return c
-
     # ------------------------------------------------------------------
+    def _abs_buf(self, acc):
+        """``|acc|`` into the reused fp32 scratch buffer (no per-step allocation)."""
+        return torch.abs(acc, out=self._scratch_buf("abs", acc.numel(), torch.float32,
+                                                    acc.device))
+
     def _compress(self, name, flat, shape, step, cfg, param):
         n = flat.numel()
         enc = cfg["values"]
@@ -221,7 +230,7 @@ class TopK(Compressor):
                     dict(density=d))
         acc, binmax = self._acc(name, flat, None, ef)
         if cfg["exact"]:
-            tv, ti = torch.topk(acc.abs(), k, sorted=True)
+            tv, ti = torch.topk(self._abs_buf(acc), k, sorted=True)
             valid = tv >= TINY                       # a prefix: sorted descending
             count = valid.sum(dtype=torch.int32).reshape(1)
             idx = torch.where(valid, ti, torch.zeros_like(ti))
@@ -232,9 +241,10 @@ class TopK(Compressor):
             thr = tv[k - 1].clamp_min(TINY)
             return LayerPayload(name, shape, [seg]), dict(selected=count, threshold=thr,
                                                           density=d)
-        thr = estimate_topk_threshold(acc, k, cap,
-                                      offset=self._seed(name, step, PURPOSE_SAMPLE),
-                                      rounds=cfg["rounds"])
+        thr = estimate_topk_threshold(
+            acc, k, cap, offset=self._seed(name, step, PURPOSE_SAMPLE), rounds=cfg["rounds"],
+            abs_out=self._scratch_buf("abs", n, torch.float32, acc.device),
+            mask_out=self._scratch_buf("mask", n, torch.bool, acc.device))
         seg, cnt = self._select(acc, thr, cap, enc, qseed, qb, ef)
         return LayerPayload(name, shape, [seg]), dict(selected=cnt[1:2], threshold=thr,
                                                       density=d)
@@ -278,7 +288,7 @@ class TopK(Compressor):
             return (self._dense_from_acc(name, acc, shape, enc, qseed, qb, ef),
                     dict(density=d))
         acc, _ = self._acc(name, flat, None, ef)
-        gidx, rel, vmask, count, bin_counts, _ = binned_topc(acc.abs(), B, kb, TINY)
+        gidx, rel, vmask, count, bin_counts, _ = binned_topc(self._abs_buf(acc), B, kb, TINY)
         values, scales = self._take(acc, gidx, vmask, count, enc, qseed, qb, ef)
         seg = Segment(numel=n, capacity=cap, index_encoding=ienc, value_encoding=enc,
                       count=count, values=values, indices=rel, scales=scales,

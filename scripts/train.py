@@ -25,18 +25,28 @@ held-out split and summed across ranks.
 line ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=hvdsparse.X(...))``,
 which ``import hvdsparse`` routes to ``hvdsparse.DistributedOptimizer``.
 
-Outputs: a tqdm progress bar on rank 0, one line per epoch (loss, accuracy, step time,
-wire bytes per rank per step, effective compression rate), optional TensorBoard
-(``--logdir``), optional JSON with every figure (``--json``), checkpoints
-(``--checkpoint PATH``: model + optimizer + metadata in PATH from rank 0, each rank's
-compressor/optimizer-wrapper state and RNG in PATH.rank<r>; ``--resume`` continues
-from it and reproduces the uninterrupted run).
+Outputs: one line per epoch from rank 0 through :mod:`logging` (loss, accuracy, step
+time, wire bytes per rank per step, effective compression rate); a tqdm progress bar
+on rank 0 only when stderr is a terminal (never under horovodrun, whose output is a
+pipe, so logs stay one readable line per epoch); optional TensorBoard (``--logdir``),
+optional JSON with every figure (``--json``), checkpoints (``--checkpoint PATH``: model +
+optimizer + metadata in PATH from rank 0, each rank's compressor/optimizer-wrapper state
+and RNG in PATH.rank<r>; ``--resume`` continues from it and reproduces the uninterrupted
+run).
+
+The training loop is the one to copy: it does not block the host every step. The loss
+stays on the device (summed there, read once per epoch), ``torch.cuda.synchronize()``
+and ``optimizer.stats()`` are called at epoch ends only, and per-step times are host
+timestamps. ``--profile`` asks for the per-step breakdown a benchmark needs (a device
+synchronize around forward/backward and ``optimizer.step()``, the optimizer's
+per-step bytes and compress / wait / decode times): ``scripts/bench_network.py``
+passes it.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import logging
 import os
 import statistics
 import sys
@@ -132,11 +142,20 @@ def parse_args(argv=None):
     g.add_argument("--measure-lo", action="store_true",
                    help="rank 0 reads the loopback byte counter from /proc/net/dev: the "
                         "real bytes on the wire of all ranks (only meaningful in a private "
-                        "network namespace, as bench_network.py uses)")
+                        "network namespace, as bench_network.py --topology shared uses)")
+    g.add_argument("--measure-iface", default=None, metavar="IFACE",
+                   help="rank 0 reads IFACE's tx/rx byte counters from /proc/net/dev: its "
+                        "own link's bytes (bench_network.py --topology per-node, one rank "
+                        "per emulated node)")
+    g.add_argument("--profile", action="store_true",
+                   help="per-step breakdown: synchronize the device around forward/backward "
+                        "and optimizer.step() and read optimizer.stats() every step "
+                        "(benchmarks; costs a host sync per step on CUDA)")
     g.add_argument("--record-cost-model", action="store_true",
                    help="hvdsparse: record the exchange cost model's per-strategy byte "
                         "prediction of every step (bench_network.py --sweep)")
-    g.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    g.add_argument("--no-progress", action="store_true",
+                   help="no tqdm bar (there is none anyway unless stderr is a terminal)")
     args = p.parse_args(argv)
     if args.width is None:
         args.width = 256 if args.workload == "digits" else 2048
@@ -272,14 +291,47 @@ class CostModelRecorder:
         return tot
 
 
-def lo_bytes():
-    """tx bytes of the loopback interface (all ranks' traffic in a private namespace)."""
+def iface_bytes(iface):
+    """(rx, tx) byte counters of ``iface`` from /proc/net/dev (this network namespace),
+    or None when the interface does not exist."""
     with open("/proc/net/dev") as f:
         for line in f:
             name, _, rest = line.partition(":")
-            if name.strip() == "lo":
-                return int(rest.split()[8])
+            if name.strip() == iface:
+                fields = rest.split()
+                return int(fields[0]), int(fields[8])
     return None
+
+
+def lo_bytes():
+    """tx bytes of the loopback interface (all ranks' traffic in a private namespace)."""
+    c = iface_bytes("lo")
+    return None if c is None else c[1]
+
+
+def epoch_wire_stats(args, opt, numel, world, before, steps):
+    """Mean per-rank bytes sent / received per step over the ``steps`` steps since the
+    ``before`` snapshot of ``optimizer.stats()["totals"]`` (one stats() call per epoch
+    instead of one per step), plus the mean compress / wait / decode seconds."""
+    if args.compression in ("none", "fp16"):
+        itemsize = 2 if args.compression == "fp16" else 4
+        b = dense_allreduce_bytes(numel, itemsize, world)
+        return {"bytes_sent": b, "bytes_received": b, "strategy": "allreduce"}, None
+    st = opt.stats()
+    tot, last = st["totals"], st["last"]
+    n = tot["steps"] - (before["steps"] if before else 0)
+    if n <= 0 or steps <= 0:
+        return {}, tot
+
+    def d(key):
+        return (tot[key] - (before[key] if before else 0)) / n
+    strategies = list(last.get("strategies", []))
+    return {"bytes_sent": d("bytes_sent_total"), "bytes_received": d("bytes_recv_total"),
+            "bytes_by_strategy": {"sent": dict(last["bytes_sent"]),
+                                  "received": dict(last["bytes_recv"])},
+            "strategy": ", ".join(f"{s} x{strategies.count(s)}" for s in sorted(set(strategies))),
+            "time_compress_s": d("time_compress_s"), "time_wait_s": d("time_wait_s"),
+            "time_decode_s": d("time_decode_s")}, tot
 
 
 # ----------------------------------------------------------------------------- checkpoint
@@ -335,15 +387,33 @@ def load_checkpoint(path, hvd, model, opt, compressor, log):
 
 # ----------------------------------------------------------------------------- main
 
+def setup_logging(rank):
+    """Rank 0 logs INFO (one line per epoch), every other rank WARNING and above only,
+    so a P-rank job prints one readable stream; each line names its rank."""
+    logger = logging.getLogger("hvdsparse.train")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(
+            f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    return logger
+
+
 def main(argv=None):
     args = parse_args(argv)
     import horovod.torch as hvd
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
+    logger = setup_logging(rank)
 
     def log(msg, all_ranks=False):
-        if rank == 0 or all_ranks:
-            print(f"[rank {rank}] {msg}" if all_ranks else msg, flush=True)
+        """all_ranks: a warning every rank prints; otherwise rank 0's INFO line."""
+        if all_ranks:
+            logger.warning(msg)
+        else:
+            logger.info(msg)
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but torch.cuda.is_available() is False")
@@ -438,90 +508,107 @@ def main(argv=None):
         return loss, acc
 
     lo_start = lo_bytes() if (args.measure_lo and rank == 0) else None
+    iface_start = None
+    if args.measure_iface and rank == 0:
+        iface_start = iface_bytes(args.measure_iface)
+        if iface_start is None:
+            raise SystemExit(f"--measure-iface {args.measure_iface}: no such interface in "
+                             f"/proc/net/dev of rank 0's network namespace")
     lo_steps = 0
     if not history["evals"]:
         record_eval(0)
 
     stop = False
-    sync = torch.cuda.synchronize if use_cuda else (lambda: None)
+    # Per-step device synchronisation only when asked (--profile): a host sync per step
+    # would serialise the CPU with the GPU, which is exactly what the library avoids.
+    device_sync = torch.cuda.synchronize if use_cuda else (lambda: None)
+    step_sync = device_sync if args.profile else (lambda: None)
+    show_bar = rank == 0 and not args.no_progress and sys.stderr.isatty()
+    run_totals = opt.stats()["totals"] if compressor is not None else None
+    ep_totals = run_totals
     for epoch in range(start_epoch, args.epochs):
         perm = np.random.RandomState(args.seed * 1000 + epoch).permutation(len(xtr))
         perm = perm[rank::world][:steps_per_epoch * args.batch_size]
         bar = range(steps_per_epoch)
-        if rank == 0 and not args.no_progress:
+        if show_bar:
             from tqdm import tqdm
             bar = tqdm(bar, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
                        dynamic_ncols=True, file=sys.stderr)
-        loss_sum, ep_times, ep_sent, ep_recv = 0.0, [], [], []
+        step_losses, ep_times, ep_first_step = [], [], global_step
         for i in bar:
             idx = torch.from_numpy(perm[i * args.batch_size:(i + 1) * args.batch_size])
             xb, yb = xtr[idx].to(device), ytr[idx].to(device)
-            sync()
+            step_sync()
             t0 = time.perf_counter()
             opt.zero_grad()
             loss = F.cross_entropy(model(xb), yb)
             loss.backward()
-            sync()
+            step_sync()
             t1 = time.perf_counter()
             opt.step()
-            sync()
+            step_sync()
             t2 = time.perf_counter()
-            lval = loss.item()
-            loss_sum += lval
+            step_losses.append(loss.detach())      # read once per epoch, not per step
             train_time += t2 - t0
             global_step += 1
             lo_steps += 1
-            ws = wire_stats(args, opt, numel, world)
             history["step_times"].append(t2 - t0)
-            history["fwd_bwd_times"].append(t1 - t0)
-            history["opt_step_times"].append(t2 - t1)
-            history["bytes_sent"].append(ws.get("bytes_sent"))
-            history["bytes_received"].append(ws.get("bytes_received"))
-            for key in ("time_compress_s", "time_wait_s", "time_decode_s"):
-                if key in ws:
-                    history.setdefault(key, []).append(ws[key])
-            if "strategy" in ws:
-                history["strategy"] = ws["strategy"]
-            if "bytes_by_strategy" in ws:
-                history["bytes_by_strategy"] = ws["bytes_by_strategy"]
+            ep_times.append(t2 - t0)
+            if args.profile:
+                ws = wire_stats(args, opt, numel, world)
+                history["fwd_bwd_times"].append(t1 - t0)
+                history["opt_step_times"].append(t2 - t1)
+                history["bytes_sent"].append(ws.get("bytes_sent"))
+                history["bytes_received"].append(ws.get("bytes_received"))
+                for key in ("time_compress_s", "time_wait_s", "time_decode_s"):
+                    if key in ws:
+                        history.setdefault(key, []).append(ws[key])
             if recorder is not None:
                 history["cost_model_prediction"] = recorder.step_prediction()
-            ep_times.append(t2 - t0)
-            if ws.get("bytes_sent") is not None:
-                ep_sent.append(ws["bytes_sent"])
-            if ws.get("bytes_received") is not None:
-                ep_recv.append(ws["bytes_received"])
-            if rank == 0 and not args.no_progress:
-                bar.set_postfix(loss=f"{lval:.3f}", step_s=f"{t2 - t0:.3f}")
-            if writer is not None:
-                writer.add_scalar("train/loss", lval, global_step)
-                writer.add_scalar("train/step_time_s", t2 - t0, global_step)
-                if ws.get("bytes_sent") is not None:
-                    writer.add_scalar("wire/bytes_sent_per_rank", ws["bytes_sent"], global_step)
+            if show_bar:
+                bar.set_postfix(step_s=f"{t2 - t0:.3f}")
             if args.eval_every and global_step % args.eval_every == 0 and i + 1 < steps_per_epoch:
                 record_eval(epoch + 1)
             if args.max_steps and global_step >= args.max_steps:
                 stop = True
                 break
+        # epoch end: the one place the host waits for the device and reads the stats
+        t_sync = time.perf_counter()
+        device_sync()
+        train_time += time.perf_counter() - t_sync
+        losses = torch.stack(step_losses).float().cpu().tolist() if step_losses else []
+        ws, ep_totals = epoch_wire_stats(args, opt, numel, world, ep_totals, len(losses))
+        for key in ("strategy", "bytes_by_strategy"):
+            if key in ws:
+                history[key] = ws[key]
         test_loss, test_acc = record_eval(epoch + 1)
         dense = dense_allreduce_bytes(numel, 4, world) or numel * 4
-        sent = statistics.mean(ep_sent) if ep_sent else None
-        ep = {"epoch": epoch + 1, "steps": global_step, "train_loss": loss_sum / max(1, len(ep_times)),
+        sent = ws.get("bytes_sent")
+        ep = {"epoch": epoch + 1, "steps": global_step,
+              "train_loss": sum(losses) / max(1, len(losses)),
               "test_loss": test_loss, "test_acc": test_acc, "train_time": train_time,
-              "median_step_s": statistics.median(ep_times),
+              "median_step_s": statistics.median(ep_times) if ep_times else None,
               "bytes_sent_per_rank_step": sent,
-              "bytes_received_per_rank_step": statistics.mean(ep_recv) if ep_recv else None,
+              "bytes_received_per_rank_step": ws.get("bytes_received"),
               "effective_compression": (dense / sent) if sent else None}
+        for key in ("time_compress_s", "time_wait_s", "time_decode_s"):
+            if key in ws:
+                ep["mean_" + key] = ws[key]
         history["epochs"].append(ep)
-        if rank == 0:
-            comp = (f" | {sent / 1e6:.3f} MB sent/rank/step, {dense / sent:.1f}x vs dense fp32 allreduce"
-                    if sent else "")
-            log(f"epoch {epoch + 1:3d} | train loss {ep['train_loss']:.4f} | test loss "
-                f"{test_loss:.4f} acc {test_acc * 100:.2f}% | step {ep['median_step_s'] * 1e3:.1f} ms"
-                f" | train time {train_time:.1f} s{comp}")
+        comp = (f" | {sent / 1e6:.3f} MB sent/rank/step, {dense / sent:.1f}x vs dense fp32 allreduce"
+                if sent else "")
+        step_ms = f"{ep['median_step_s'] * 1e3:.1f} ms" if ep_times else "-"
+        log(f"epoch {epoch + 1:3d} | train loss {ep['train_loss']:.4f} | test loss "
+            f"{test_loss:.4f} acc {test_acc * 100:.2f}% | step {step_ms}"
+            f" | train time {train_time:.1f} s{comp}")
         if writer is not None:
+            for j, lval in enumerate(losses):
+                writer.add_scalar("train/loss", lval, ep_first_step + j + 1)
+            for j, st in enumerate(ep_times):
+                writer.add_scalar("train/step_time_s", st, ep_first_step + j + 1)
             writer.add_scalar("epoch/test_accuracy", test_acc, epoch + 1)
             if sent:
+                writer.add_scalar("wire/bytes_sent_per_rank_step", sent, epoch + 1)
                 writer.add_scalar("epoch/effective_compression", dense / sent, epoch + 1)
         if args.checkpoint:
             meta = {"epoch": epoch + 1, "global_step": global_step, "train_time": train_time,
@@ -534,15 +621,28 @@ def main(argv=None):
     lo_total = None
     if lo_start is not None:
         lo_total = lo_bytes() - lo_start
+    iface_delta = None
+    if iface_start is not None:
+        end = iface_bytes(args.measure_iface)
+        iface_delta = (end[0] - iface_start[0], end[1] - iface_start[1])
+    run_ws, _ = epoch_wire_stats(args, opt, numel, world, run_totals, lo_steps)
 
     # step time: the slowest rank's median (all ranks wait for each other every step)
     med = statistics.median(history["step_times"][-lo_steps:]) if lo_steps else float("nan")
     med_all = hvd.allreduce(torch.tensor([med]), op=hvd.Max, name="final.med")
     if rank == 0:
         st = history["step_times"]
-        sent = [b for b in history["bytes_sent"] if b is not None]
-        recv = [b for b in history["bytes_received"] if b is not None]
+        # per-step lists with --profile; otherwise this run's mean from the stats totals
+        sent = [b for b in history["bytes_sent"] if b is not None] or \
+            ([run_ws["bytes_sent"]] if run_ws.get("bytes_sent") is not None else [])
+        recv = [b for b in history["bytes_received"] if b is not None] or \
+            ([run_ws["bytes_received"]] if run_ws.get("bytes_received") is not None else [])
         final = history["evals"][-1]
+        wire = None
+        if lo_total is not None and lo_steps:
+            wire = lo_total / lo_steps / world
+        elif iface_delta is not None and lo_steps:
+            wire = iface_delta[1] / lo_steps
         summary = {
             "workload": args.workload, "width": args.width, "params": numel,
             "dense_bytes": numel * 4, "world_size": world, "device": str(device),
@@ -550,8 +650,11 @@ def main(argv=None):
             "steps": global_step, "train_time_s": train_time,
             "median_step_s": statistics.median(st) if st else None,
             "median_step_s_slowest_rank": float(med_all[0]),
-            "median_fwd_bwd_s": statistics.median(history["fwd_bwd_times"]) if st else None,
-            "median_opt_step_s": statistics.median(history["opt_step_times"]) if st else None,
+            "median_fwd_bwd_s": (statistics.median(history["fwd_bwd_times"])
+                                 if history["fwd_bwd_times"] else None),
+            "median_opt_step_s": (statistics.median(history["opt_step_times"])
+                                  if history["opt_step_times"] else None),
+            "profiled_steps": bool(args.profile),
             "bytes_sent_per_rank_step": statistics.mean(sent) if sent else None,
             "bytes_received_per_rank_step": statistics.mean(recv) if recv else None,
             # bytes a dense fp32 allreduce sends per rank / bytes this method sends per rank
@@ -559,6 +662,12 @@ def main(argv=None):
                                       / statistics.mean(sent)) if sent and statistics.mean(sent) else None,
             "lo_bytes_per_rank_step": (lo_total / lo_steps / world) if lo_total is not None and lo_steps else None,
             "lo_steps": lo_steps,
+            # real link bytes per rank per step: loopback tx / ranks (shared medium) or
+            # rank 0's own interface tx (one rank per emulated node)
+            "wire_bytes_per_rank_step": wire,
+            "iface": args.measure_iface,
+            "iface_rx_bytes_per_step": (iface_delta[0] / lo_steps) if iface_delta and lo_steps else None,
+            "iface_tx_bytes_per_step": (iface_delta[1] / lo_steps) if iface_delta and lo_steps else None,
             "final_test_acc": final["test_acc"], "final_test_loss": final["test_loss"],
             "best_test_acc": max(e["test_acc"] for e in history["evals"]),
             "target_acc": args.target_acc, "time_to_target_s": time_to_target,
@@ -570,6 +679,8 @@ def main(argv=None):
         for key in ("time_compress_s", "time_wait_s", "time_decode_s"):
             if history.get(key):
                 summary["median_" + key] = statistics.median(history[key])
+            elif key in run_ws:
+                summary["mean_" + key] = run_ws[key]
         log("summary: " + json.dumps({k: v for k, v in summary.items()}, default=str))
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)

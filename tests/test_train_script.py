@@ -3,11 +3,14 @@
 Two launches (~9 s start-up each):
 
 1. three epochs with ``--checkpoint`` and ``--keep-checkpoints`` (a copy per epoch);
-2. ``--resume`` from the epoch-2 copy up to epoch 3.
+2. ``--resume`` from the epoch-2 copy up to epoch 3, with ``--profile`` (per-step
+   synchronise + ``optimizer.stats()``).
 
 The resumed epoch 3 must reproduce the uninterrupted epoch 3 (same test loss/accuracy,
 same training loss), which needs model, optimizer *and* every rank's compressor
-residuals restored. Also checks the per-rank checkpoint files, the JSON figures, and
+residuals restored, and shows that ``--profile`` changes only what is measured. The
+logs must be readable under horovodrun: no progress bar (stderr is a pipe), exactly one
+INFO line per epoch, from rank 0 only. Also checks the per-rank checkpoint files, the JSON figures, and
 that TopK actually compressed (bytes sent < dense allreduce bytes).
 """
 from __future__ import annotations
@@ -37,6 +40,9 @@ def test_train_topk_checkpoint_resume(tmp_path):
                                           "--keep-checkpoints", "--json", full_json],
                       timeout=120)
     assert "epoch   3" in out
+    epoch_lines = [l for l in out.splitlines() if "INFO epoch " in l]
+    assert len(epoch_lines) == 3 and all("[rank 0]" in l for l in epoch_lines), epoch_lines
+    assert "it/s" not in out and "\r" not in out, "progress bar output under horovodrun"
     for f in (ck, f"{ck}.rank0", f"{ck}.rank1", f"{ck}.e2", f"{ck}.e2.rank0", f"{ck}.e2.rank1"):
         assert os.path.exists(f), f"missing checkpoint file {f}"
 
@@ -49,9 +55,14 @@ def test_train_topk_checkpoint_resume(tmp_path):
     assert s["time_to_target_s"] is not None and s["final_test_acc"] >= 0.5, s
 
     out = run_horovod(TRAIN, 2, COMMON + ["--epochs", "3", "--resume", f"{ck}.e2",
-                                          "--json", res_json], timeout=120)
+                                          "--json", res_json, "--profile"], timeout=120)
     assert "resumed from" in out
     res = json.loads(res_json.read_text())
+    assert res["summary"]["profiled_steps"] and res["summary"]["median_opt_step_s"] > 0
+    # per-step bytes (profile) and the epoch mean from the stats totals agree
+    per_step = res["history"]["bytes_sent"][-res["summary"]["lo_steps"]:]
+    assert math.isclose(sum(per_step) / len(per_step),
+                        res["history"]["epochs"][2]["bytes_sent_per_rank_step"], rel_tol=1e-9)
     a, b = full["history"]["epochs"][2], res["history"]["epochs"][2]
     assert b["epoch"] == 3 and b["steps"] == a["steps"]
     for key in ("train_loss", "test_loss", "test_acc"):

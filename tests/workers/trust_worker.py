@@ -1,0 +1,1127 @@
+"""Proof across real ranks (trust issue 9): run under ``horovodrun`` (modes ``matrix``,
+``scenarios``, ``kill``) or as a plain process (``single``: world size 1).
+
+Usage: horovodrun -np 3 ... python trust_worker.py matrix|scenarios|kill
+       python trust_worker.py single
+
+Every case prints one line from rank 0, ``[case] <name> OK ...`` or
+``[case] <name> FAIL: <rank r: reason>; ...``, built from every rank's findings (one
+``allgather_object`` at the end of the case), so tests/test_trust_hvd.py can report each
+case separately from one launch. A case that hangs is ended by a watchdog that prints
+``[case] <name> FAIL: hang ...`` and exits (horovodrun then terminates the job).
+
+The expectations are built here in plain torch, never by calling the code under test for
+the math:
+
+* the raw gradient of every layer is captured by a post-accumulate-grad hook registered
+  BEFORE the optimizer wraps the model (so it runs before hvdsparse's hook), together
+  with the layer's residual at that moment (``residual_before``);
+* what a rank sent is decoded from the payload the compressor returned (a spy on the
+  compressor instance's ``compress`` -- the real method runs) by :func:`decode_payload`,
+  an independent plain-torch reader of :class:`hvdsparse.payload.Segment`;
+* (a) error feedback, (b) the compressor's selection rule and (c) the exchanged
+  gradient = (sum over ranks in rank order of sent_r) / P are checked per layer and step.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import horovod.torch as hvd
+import hvdsparse
+from hvdsparse import codec
+from hvdsparse.payload import IndexEncoding, ValueEncoding
+
+MODE = sys.argv[1] if len(sys.argv) > 1 else "matrix"
+hvd.init()
+R, P = hvd.rank(), hvd.size()
+torch.set_num_threads(1)
+warnings.simplefilter("ignore")
+
+U = 2.0 ** -24                     # unit roundoff of fp32
+TINY = float(torch.finfo(torch.float32).tiny)
+QBITS = {int(ValueEncoding.INT8): 8, int(ValueEncoding.INT4): 4, int(ValueEncoding.INT2): 2}
+
+
+# ------------------------------------------------------------------------------ output
+def say(msg):
+    if R == 0:
+        print(msg, flush=True)
+
+
+def gather(obj, tag):
+    return hvd.allgather_object(obj, name=f"trust.{tag}")
+
+
+class Case:
+    """Collects this rank's failures for one case; ``finish()`` gathers every rank's and
+    prints one line (rank 0). A watchdog ends the job if the case hangs."""
+
+    def __init__(self, name, timeout=90.0):
+        self.name = name
+        self.fails = []
+        self.notes = []
+        self._timer = threading.Timer(timeout, self._hang)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _hang(self):
+        print(f"[case] {self.name} FAIL: hang: rank {R} did not finish the case within the "
+              f"watchdog time", flush=True)
+        os._exit(7)
+
+    def check(self, cond, msg):
+        if not cond and len(self.fails) < 6:
+            self.fails.append(f"rank {R}: {msg}")
+        return bool(cond)
+
+    def fail(self, msg):
+        self.check(False, msg)
+
+    def finish(self):
+        self._timer.cancel()
+        everyone = gather((self.fails, self.notes), f"end.{self.name}")
+        fails = [f for fl, _ in everyone for f in fl]
+        notes = everyone[0][1]
+        if fails:
+            say(f"[case] {self.name} FAIL: " + " | ".join(fails[:8]).replace("\n", " "))
+        else:
+            say(f"[case] {self.name} OK " + "; ".join(notes))
+        return not fails
+
+
+def digest(model):
+    h = hashlib.sha256()
+    for _, p in model.named_parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def params_of(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def maxdiff(a, b):
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+# ------------------------------------------------------------------------------ models
+class Net(nn.Module):
+    """Mixed sizes: fc1/fc2/fc3 weights (1536, 3072, 1920 elements) are compressed
+    (>= min_numel 1024), the biases and head go dense by the policy."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(24, 64)
+        self.fc2 = nn.Linear(64, 48)
+        self.fc3 = nn.Linear(48, 40)
+        self.head = nn.Linear(40, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        h = torch.tanh(self.fc2(h))
+        h = torch.tanh(self.fc3(h))
+        return self.head(h)
+
+
+def batch(step, rank, salt=0, n=16):
+    g = torch.Generator().manual_seed(1_000_003 * salt + 7919 * step + 104_729 * rank + 17)
+    x = torch.randn(n, 24, generator=g)
+    y = torch.randint(0, 5, (n,), generator=g)
+    return x, y
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return Net()
+
+
+def loss_of(model, step, salt=0):
+    x, y = batch(step, R, salt)
+    return F.cross_entropy(model(x), y)
+
+
+# ------------------------------------------------------------------------------ capture
+class Capture:
+    """Hooks registered before the optimizer: raw gradient and residual before compress;
+    a spy on ``compression.compress`` keeps the payload the real method returned."""
+
+    def __init__(self, model, comp, inject=None):
+        self.comp = comp
+        self.raw, self.rbefore, self.payloads = {}, {}, {}
+        self.inject = inject            # fn(name, grad) -> None, mutates grad in place
+        self.handles = []
+        for name, p in model.named_parameters():
+            self.handles.append(p.register_post_accumulate_grad_hook(self._hook(name)))
+        orig = comp.compress
+
+        def spy(name, grad, *args, **kwargs):
+            pl = orig(name, grad, *args, **kwargs)
+            self.payloads[name] = pl
+            return pl
+        comp.compress = spy
+
+    def _hook(self, name):
+        def hook(p):
+            with torch.no_grad():
+                if self.inject is not None:
+                    self.inject(name, p.grad)
+                g = p.grad
+                self.raw[name] = (g.coalesce().to_dense() if g.is_sparse else g).detach().clone()
+                r = self.comp.residual(name)
+                self.rbefore[name] = None if r is None else r.detach().clone()
+        return hook
+
+    def reset(self):
+        self.raw.clear()
+        self.rbefore.clear()
+        self.payloads.clear()
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+# ------------------------------------------------------------------------------ decoder
+def _unpack(u8, bits, n):
+    """Element j of a little-end packed stream: byte j*bits//8, bit (j*bits)%8."""
+    j = torch.arange(n, dtype=torch.int64)
+    byte = u8.to(torch.int64)[(j * bits) // 8]
+    return (byte >> ((j * bits) % 8)) & ((1 << bits) - 1)
+
+
+def decode_segment(seg):
+    """(idx int64[count], val fp32[count], scales or None): the valid slots of a segment,
+    read in plain torch from its fields (independent of hvdsparse.codec)."""
+    n, cap = int(seg.numel), int(seg.capacity)
+    cnt = int(seg.count.reshape(-1)[0])
+    ie, ve = int(seg.index_encoding), int(seg.value_encoding)
+    if not 0 <= cnt <= cap:
+        raise AssertionError(f"count {cnt} outside [0, capacity {cap}]")
+    if ie == IndexEncoding.DENSE:
+        if cap != n or cnt != n:
+            raise AssertionError(f"dense segment with capacity {cap} / count {cnt} != n {n}")
+        idx = torch.arange(n, dtype=torch.int64)
+    elif ie == IndexEncoding.INT32:
+        idx = seg.indices.reshape(-1)[:cnt].to(torch.int64)
+    elif ie in (IndexEncoding.BIN_U8, IndexEncoding.BIN_U16):
+        rel = seg.indices.reshape(-1)
+        rel = rel.to(torch.int64) & (0xFF if ie == IndexEncoding.BIN_U8 else 0xFFFF)
+        bc = seg.bin_counts.reshape(-1).to(torch.int64)
+        if int(bc.sum()) != cnt:
+            raise AssertionError(f"bin counts sum {int(bc.sum())} != count {cnt}")
+        bins = torch.repeat_interleave(torch.arange(bc.numel()), bc)
+        idx = bins * int(seg.bin_size) + rel[:cnt]
+        if cnt and int((rel[:cnt] >= int(seg.bin_size)).sum()):
+            raise AssertionError("bin-relative index >= bin size")
+    elif ie == IndexEncoding.IMPLICIT:
+        idx = seg.implicit_indices.reshape(-1)[:cnt].to(torch.int64)
+    else:
+        raise AssertionError(f"unexpected index encoding {ie}")
+    scales = None
+    if ve in (ValueEncoding.FP32, ValueEncoding.FP16, ValueEncoding.BF16):
+        val = seg.values.reshape(-1)[:cnt].float()
+    elif ve in QBITS:
+        bits = QBITS[ve]
+        s = (1 << (bits - 1)) - 1
+        q = _unpack(seg.values.reshape(-1), bits, cap) - (1 << (bits - 1))
+        scales = seg.scales.reshape(-1).float()
+        sc = scales[torch.arange(cap) // int(seg.quant_bucket)]
+        # the documented map: v = fp32(fp32(q * scale) / s)
+        val = ((q.to(torch.float32) * sc) / float(s))[:cnt]
+    elif ve == ValueEncoding.SIGN1:
+        b = _unpack(seg.values.reshape(-1), 1, cnt)
+        scales = seg.scales.reshape(-1).float()
+        val = torch.where(b.bool(), -scales[0], scales[0])
+    else:
+        raise AssertionError(f"unexpected value encoding {ve}")
+    if cnt and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        raise AssertionError("index out of range")
+    return idx, val, scales
+
+
+def decode_payload(pl):
+    """Dense fp32 sum of the payload's segments plus the decoded segments."""
+    dense = torch.zeros(pl.numel, dtype=torch.float32)
+    segs = []
+    for seg in pl.segments:
+        idx, val, scales = decode_segment(seg)
+        dense.index_put_((idx,), val, accumulate=True)
+        segs.append((seg, idx, val, scales))
+    return dense, segs
+
+
+# ------------------------------------------------------------------------------ rules
+def k_of(d, n):
+    return max(1, min(n, math.ceil(d * n - 1e-9)))
+
+
+def is_quant(ve):
+    return int(ve) in QBITS
+
+
+def check_quant(case, where, seg, idx_slots, v, deq, scales):
+    """Stochastic rounding of the slot values ``v`` (fp32, slot order, count long):
+    scale_b = max |v| over the valid slots of quantisation bucket b (bitwise) and
+    |deq - v| <= scale_b / s (plus one fp32 rounding), sign preserved."""
+    bits = QBITS[int(seg.value_encoding)]
+    s = (1 << (bits - 1)) - 1
+    qb = int(seg.quant_bucket)
+    cnt = v.numel()
+    if cnt == 0:
+        return
+    b = torch.arange(cnt) // qb
+    nb = int(b.max()) + 1
+    exp_scale = torch.zeros(nb).index_reduce_(0, b, v.abs(), "amax", include_self=True)
+    case.check(torch.equal(scales[:nb], exp_scale),
+               f"{where}: quantisation scales {scales[:nb].tolist()[:4]} != max |value| per "
+               f"bucket {exp_scale.tolist()[:4]}")
+    # |q scale / s - v| < scale / s exactly; deq adds two fp32 roundings (<= 2u scale)
+    bound = scales[b] / s + 4 * U * scales[b] + 1e-30
+    err = (deq.double() - v.double()).abs()
+    case.check(bool((err <= bound.double()).all()),
+               f"{where}: |deq - v| exceeds scale/{s}: max excess "
+               f"{float((err - bound.double()).max())}")
+    case.check(bool(((deq * v) >= 0).all()), f"{where}: quantisation flipped a sign")
+
+
+class Replay:
+    """Per-rank plain-torch state a compressor rule needs across steps (Threshold's tau)."""
+
+    def __init__(self):
+        self.tau = {}
+        self.k = {}
+
+
+def slim_push(step, cfg):
+    """Slim-DP pushes the whole layer dense at step 0 (its average chooses the first
+    core) and before every re-selection ((step + 1) % q == 0)."""
+    return step == 0 or (step + 1) % cfg["q"] == 0
+
+
+def slim_core(p, core_n):
+    """Slim-DP's core from identical data (Eq. 1): the core_n largest |w| + c|g|,
+    c = mean|w| / mean|g|, g the averaged gradient, w the weights before the update."""
+    ag = p.grad.detach().reshape(-1).float().abs()
+    aw = p.detach().reshape(-1).float().abs()
+    mg = ag.mean()
+    c = aw.mean() / mg if float(mg) > 0 else torch.ones(())
+    return torch.sort(torch.topk(aw + c * ag, core_n, sorted=False).indices).values
+
+
+def check_layer(case, kind, cfg, name, step, grad, rb, ra, pl, replay, policy_dense):
+    """Checks (a) and (b) for one layer of this rank at one step; returns sent (fp32)."""
+    where = f"{kind} step {step} {name}"
+    n = grad.numel()
+    flat = grad.reshape(-1).float()
+    try:
+        sent, segs = decode_payload(pl)
+    except AssertionError as e:
+        case.fail(f"{where}: payload: {e}")
+        return torch.zeros(n)
+    rbz = torch.zeros(n) if rb is None else rb.reshape(-1)
+    acc = rbz + flat                       # fp32, as residual_add (one rounding)
+    ef = cfg.get("ef", True) and not policy_dense
+    raz = torch.zeros(n) if ra is None else ra.reshape(-1)
+    exact_vals = all(int(s.value_encoding) == ValueEncoding.FP32 for s, *_ in segs)
+
+    # ---- (a) error feedback: sent + residual_after == residual_before + grad
+    if policy_dense:
+        case.check(ra is None or float(ra.abs().max()) == 0.0,
+                   f"{where}: policy-dense layer keeps a residual")
+        case.check(torch.equal(sent, acc), f"{where}: dense layer sent != grad (+ pending "
+                   f"residual), max diff {maxdiff(sent, acc)}")
+    elif not ef:
+        case.check(ra is None or float(ra.abs().max()) == 0.0,
+                   f"{where}: error_feedback=False but a residual is kept")
+    elif exact_vals:
+        case.check(torch.equal(sent + raz, acc),
+                   f"{where}: (a) sent + residual_after != residual_before + grad (fp32 must "
+                   f"be exact), max diff {maxdiff(sent + raz, acc)}")
+    else:
+        # one fp32 rounding of residual_after = fl(acc - deq): |sent + r - acc| <= u |r|
+        err = (sent.double() + raz.double() - acc.double()).abs()
+        bound = U * raz.double().abs() * (1 + 1e-6) + 1e-38
+        case.check(bool((err <= bound).all()),
+                   f"{where}: (a) |sent + residual_after - acc| exceeds one fp32 rounding "
+                   f"of the residual: max excess {float((err - bound).max())}")
+    if policy_dense:
+        return sent
+    v_in = acc if ef else flat              # what the compressor worked on
+
+    # ---- (b) the selection rule
+    seg0, idx0, val0, sc0 = segs[0]
+    ie0 = int(seg0.index_encoding)
+    if ie0 == IndexEncoding.DENSE and len(segs) == 1:
+        # the whole layer (QSGD, SlimDP's push before re-selection, sparse not worth it)
+        if is_quant(seg0.value_encoding):
+            check_quant(case, where, seg0, idx0, v_in, val0, sc0)
+        elif int(seg0.value_encoding) == ValueEncoding.FP32:
+            case.check(torch.equal(val0, v_in), f"{where}: dense fp32 values != acc")
+        if kind == "slimdp":
+            case.check(slim_push(step, cfg), f"{where}: SlimDP went dense outside a push step")
+        if kind in ("topk", "threshold", "randomk", "topk_pb", "adacomp"):
+            case.notes.append(f"{name} dense at step {step}") if len(case.notes) < 3 else None
+        return sent
+    if kind in ("topk", "threshold", "randomk", "topk_pb"):
+        idx, val = idx0, val0
+        cnt = idx.numel()
+        case.check(len(segs) == 1, f"{where}: {len(segs)} segments")
+        case.check(idx.unique().numel() == cnt, f"{where}: repeated indices")
+        if is_quant(seg0.value_encoding):
+            check_quant(case, where, seg0, idx, acc[idx], val, sc0)
+        elif int(seg0.value_encoding) == ValueEncoding.FP32:
+            case.check(torch.equal(val, acc[idx]), f"{where}: sent values != acc at the "
+                       f"selected indices, max diff {maxdiff(val, acc[idx])}")
+        a = acc.abs()
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[idx] = True
+        nnz = int((a > 0).sum())
+        if kind == "topk":
+            k = k_of(cfg["ratio"], n)
+            C = min(n, math.ceil(1.5 * k))
+            case.check(cnt <= C, f"{where}: count {cnt} > capacity {C}")
+            # layers this small (2 * sample > n) get the exact k-th largest |acc|
+            case.check(cnt >= min(k, nnz), f"{where}: count {cnt} < k {k}")
+            if cnt and cnt < n:
+                lo, hi = float(a[mask].min()), float(a[~mask].max())
+                case.check(lo >= hi, f"{where}: an unsent |acc| {hi} exceeds a sent one {lo}")
+        elif kind == "randomk":
+            k = k_of(cfg["ratio"], n)
+            case.check(cnt == k, f"{where}: RandomK sent {cnt} != k {k}")
+        elif kind == "topk_pb":
+            B = min(cfg["B"], n)
+            kb = k_of(cfg["ratio"], B)
+            nb = -(-n // B)
+            pad = nb * B - n
+            ap = torch.cat([a, torch.zeros(pad)]).view(nb, B)
+            mp = torch.cat([mask, torch.zeros(pad, dtype=torch.bool)]).view(nb, B)
+            per = mp.sum(1)
+            nzb = (ap > 0).sum(1)
+            case.check(torch.equal(per, torch.minimum(nzb, torch.full_like(nzb, kb))),
+                       f"{where}: per-bucket counts {per.tolist()} != min(kb={kb}, nnz)")
+            lo = torch.where(mp, ap, torch.full_like(ap, float("inf"))).min(1).values
+            hi = torch.where(mp, torch.full_like(ap, -1.0), ap).max(1).values
+            case.check(bool((lo >= hi).all()), f"{where}: per bucket an unsent |acc| exceeds "
+                       f"a sent one")
+        elif kind == "threshold":
+            k = k_of(1.0 - cfg["sparsity"], n)
+            cap = min(n, math.ceil(2.0 * k))
+            if replay.tau.get(name) is None or step % 1000 == 0 or replay.k.get(name) != k:
+                replay.tau[name] = torch.topk(a, k, sorted=False).values.min().clamp_min(TINY)
+                replay.k[name] = k
+            tau = replay.tau[name]
+            sel = torch.nonzero(a >= tau).reshape(-1)
+            want = sel[:cap]               # the first `cap` in ascending index order (CPU)
+            case.check(torch.equal(torch.sort(idx).values, want),
+                       f"{where}: sent {cnt} indices, expected the {want.numel()} of "
+                       f"{sel.numel()} with |acc| >= tau={float(tau):.6g} (cap {cap})")
+            # overflow guard: tau *= min(2, sqrt(selected / cap)) when selected > cap
+            ratio = torch.tensor(float(sel.numel()), dtype=torch.float32) / float(cap)
+            replay.tau[name] = torch.where(ratio > 1.0, tau * ratio.sqrt().clamp_max(2.0), tau)
+        return sent
+    if kind == "adacomp":
+        L = min(500, n)
+        c = min(max(4, math.ceil(L / 50)), L)
+        nb = -(-n // L)
+        pad = nb * L - n
+        G = acc
+        H = G + (2.0 - 1.0) * flat
+        Gp = torch.cat([G.abs(), torch.zeros(pad)]).view(nb, L)
+        Hp = torch.cat([H.abs(), torch.zeros(pad)]).view(nb, L)
+        gmax = Gp.max(1).values
+        thr = gmax.clamp_min(TINY).unsqueeze(1)
+        selp = Hp >= thr
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[idx0] = True
+        mp = torch.cat([mask, torch.zeros(pad, dtype=torch.bool)]).view(nb, L)
+        case.check(bool((~mp | selp).all()), f"{where}: AdaComp sent an element with "
+                   f"|H| < its bin max |G|")
+        want = torch.minimum(selp.sum(1), torch.full((nb,), c))
+        case.check(torch.equal(mp.sum(1), want), f"{where}: per-bin counts "
+                   f"{mp.sum(1).tolist()} != min({c}, #|H|>=gmax) {want.tolist()}")
+        lo = torch.where(mp, Hp, torch.full_like(Hp, float("inf"))).min(1).values
+        hi = torch.where(selp & ~mp, Hp, torch.full_like(Hp, -1.0)).max(1).values
+        case.check(bool((lo >= hi).all()), f"{where}: AdaComp left a larger |H| unsent")
+        s = gmax.mean()
+        q = torch.where(G[idx0] < 0, -s, s)
+        case.check(torch.equal(val0, q), f"{where}: AdaComp values != sign(G) * mean bin max "
+                   f"({float(s)}), max diff {maxdiff(val0, q)}")
+        ra_exp = G.clone()
+        ra_exp[idx0] = G[idx0] - q
+        case.check(torch.equal(raz, ra_exp), f"{where}: AdaComp residual != G - Q(G) on sent, "
+                   f"G elsewhere (max diff {maxdiff(raz, ra_exp)})")
+        return sent
+    if kind == "slimdp":
+        core_n = min(n, math.ceil(cfg["beta"] * n - 1e-9))
+        ex_n = min(n - core_n, max(0, math.ceil((cfg["alpha"] - cfg["beta"]) * n - 1e-9)))
+        case.check(not slim_push(step, cfg), f"{where}: SlimDP did not push dense at step 0 / "
+                   f"before re-selection")
+        core = [t for t in segs if int(t[0].index_encoding) == IndexEncoding.IMPLICIT]
+        expl = [t for t in segs if int(t[0].index_encoding) == IndexEncoding.INT32]
+        if not case.check(len(core) == 1 and len(expl) == 1 and len(segs) == 2,
+                          f"{where}: SlimDP segments "
+                          f"{[int(t[0].index_encoding) for t in segs]}"):
+            return sent
+        ci, ei = core[0][1], expl[0][1]
+        case.check(ci.numel() == core_n and ci.unique().numel() == core_n,
+                   f"{where}: core size {ci.numel()} != {core_n}")
+        case.check(ei.numel() == ex_n and ei.unique().numel() == ex_n,
+                   f"{where}: explorer size {ei.numel()} != {ex_n}")
+        both = torch.cat([ci, ei])
+        case.check(both.unique().numel() == both.numel(), f"{where}: explorer overlaps core")
+        case.check(torch.equal(sent[both], acc[both]), f"{where}: SlimDP values != acc")
+        replay.k[("core", name)] = torch.sort(ci).values
+        exp = replay.k.get(("core_exp", name))
+        if exp is not None:
+            case.check(torch.equal(torch.sort(ci).values, exp),
+                       f"{where}: core is not the top-{core_n} of |w| + c|g| (c = mean|w| / "
+                       f"mean|g|) of the last push step's averaged gradient and weights")
+        return sent
+    case.fail(f"{where}: no rule for {kind}")
+    return sent
+
+
+# ------------------------------------------------------------------------------ matrix
+COMPRESSORS = {
+    "topk": ("topk", dict(ratio=0.05), lambda: hvdsparse.TopK(0.05)),
+    "threshold": ("threshold", dict(sparsity=0.95), lambda: hvdsparse.Threshold(0.95)),
+    "adacomp": ("adacomp", dict(), lambda: hvdsparse.AdaComp()),
+    "slimdp": ("slimdp", dict(alpha=0.3, beta=0.15, q=5),
+               lambda: hvdsparse.SlimDP(0.3, 0.15, core_period=5)),
+    "randomk": ("randomk", dict(ratio=0.05), lambda: hvdsparse.RandomK(0.05)),
+    "qsgd4": ("qsgd", dict(ef=False), lambda: hvdsparse.QSGD(4)),
+    "topk-int8": ("topk", dict(ratio=0.05), lambda: hvdsparse.TopK(0.05, values="int8")),
+    "topk-int4": ("topk", dict(ratio=0.05), lambda: hvdsparse.TopK(0.05, values="int4")),
+    # at 5 % an int2 top-k payload (4.25 bytes a pair) is not smaller than the dense int2
+    # layer and would go dense: 2 % keeps it sparse
+    "topk-int2": ("topk", dict(ratio=0.02), lambda: hvdsparse.TopK(0.02, values="int2")),
+    "topk-perbucket": ("topk_pb", dict(ratio=0.05, B=512),
+                       lambda: hvdsparse.TopK(0.05, per_bucket=512)),
+}
+EXCHANGES = ("allgather", "split", "dense", "auto")
+MATRIX_STEPS = int(os.environ.get("TRUST_MATRIX_STEPS", "10"))
+
+
+def matrix_case(cname, exchange):
+    case = Case(f"matrix/{cname}/{exchange}")
+    kind, cfg, make = COMPRESSORS[cname]
+    model = make_model(seed=5)
+    comp = make()
+    cap = Capture(model, comp)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+                                   named_parameters=model.named_parameters(),
+                                   compression=comp, exchange=exchange,
+                                   fusion_threshold=2000)
+    if not case.check(hasattr(opt, "scheduler"), "routing did not reach hvdsparse"):
+        return case.finish()
+    names = [n for n, _ in model.named_parameters()]
+    replay = Replay()
+    bitwise_all, worst = True, 0.0
+    strategies, avg_forms = set(), set()
+    try:
+        for step in range(MATRIX_STEPS):
+            cap.reset()
+            opt.zero_grad()
+            loss_of(model, step, salt=1).backward()
+            opt.synchronize()
+            last = opt.stats()["last"]
+            layer_strategy = {n: b["strategy"] for b in last["buckets"] for n in b["layers"]}
+            strategies.update(layer_strategy.values())
+            sent = {}
+            for name, p in model.named_parameters():
+                if name not in cap.payloads:
+                    case.fail(f"step {step} {name}: no payload from compress()")
+                    sent[name] = torch.zeros(p.numel())
+                    continue
+                pd = comp.policy.is_dense(name, p.shape)
+                sent[name] = check_layer(case, kind, cfg, name, step, cap.raw[name],
+                                         cap.rbefore[name], comp.residual(name),
+                                         cap.payloads[name], replay, pd)
+            if kind == "slimdp" and slim_push(step, cfg):
+                for name, p in model.named_parameters():
+                    if not comp.policy.is_dense(name, p.shape):
+                        replay.k[("core_exp", name)] = slim_core(
+                            p, min(p.numel(), math.ceil(cfg["beta"] * p.numel() - 1e-9)))
+            # one allgather per step: every rank's sent vectors and parameters (flat fp32)
+            flat_sent = torch.cat([sent[n].reshape(-1) for n in names])
+            flat_par = torch.cat([p.detach().reshape(-1) for _, p in model.named_parameters()])
+            rows = hvd.allgather(torch.cat([flat_sent, flat_par]).unsqueeze(0),
+                                 name=f"trust.m.{cname}.{exchange}.{step}")
+            pars = rows[:, flat_sent.numel():]
+            case.check(all(torch.equal(pars[r], pars[0]) for r in range(P)),
+                       f"step {step}: parameters differ across ranks before the update")
+            if kind == "slimdp":
+                core = {n: replay.k.get(("core", n)) for n in names}
+                cores = gather(core, f"m.{cname}.{exchange}.{step}.core")
+                for n in names:
+                    cs = [c[n] for c in cores]
+                    if cs[0] is not None:
+                        case.check(all(c is not None and torch.equal(c, cs[0]) for c in cs),
+                                   f"step {step} {n}: Slim-DP cores differ across ranks")
+            # (c) p.grad == (sum over ranks, in rank order, of sent_r) / P
+            off = 0
+            for name, p in model.named_parameters():
+                k = p.numel()
+                tot = torch.zeros(k)
+                absum = torch.zeros(k, dtype=torch.float64)
+                for r in range(P):
+                    s_r = rows[r, off:off + k]
+                    tot = tot + s_r
+                    absum += s_r.double().abs()
+                off += k
+                want = tot / float(P)
+                got = p.grad.detach().reshape(-1)
+                same = torch.equal(got, want)
+                if layer_strategy.get(name) == "allgather":
+                    # the documented average is sum / P; sum * fp32(1/P) is the same
+                    # rank-independent rank-order sum, one rounding apart: accepted, noted
+                    other = torch.equal(got, tot * (1.0 / P))
+                    if not same and other:
+                        avg_forms.add("sum*(1/P)")
+                    else:
+                        if same and not other:
+                            avg_forms.add("sum/P")
+                        case.check(same, f"step {step} {name} (allgather): p.grad != rank-order "
+                                   f"sum / P, max diff {maxdiff(got, want)}")
+                else:
+                    bitwise_all &= same
+                    # fp32 summation in another order + the division: bound stated here
+                    bound = (2 * (P - 1) * U * absum / P + 2 * U * want.double().abs()
+                             ) * 1.01 + 1e-38
+                    err = (got.double() - want.double()).abs()
+                    worst = max(worst, float((err / bound).max()))
+                    case.check(bool((err <= bound).all()),
+                               f"step {step} {name} ({layer_strategy.get(name)}): p.grad off "
+                               f"the rank sum / P by {float(err.max())} > order bound")
+            with opt.skip_synchronize():
+                opt.step()
+        final = gather(digest(model), f"m.{cname}.{exchange}.final")
+        case.check(all(d == final[0] for d in final), "parameters differ across ranks at the end")
+    except Exception as e:  # noqa: BLE001 - reported per case
+        case.fail(f"{type(e).__name__}: {e}")
+        traceback.print_exc()
+    case.notes.append(f"strategies {sorted(strategies)}")
+    if avg_forms:
+        case.notes.append(f"allgather average bitwise = {'/'.join(sorted(avg_forms))}")
+    if exchange in ("split", "dense") or strategies - {"allgather"}:
+        case.notes.append(f"non-allgather buckets bitwise={bitwise_all} worst err/bound "
+                          f"{worst:.3f}")
+    opt.scheduler.remove_hooks()
+    cap.remove()
+    return case.finish()
+
+
+def run_matrix():
+    only = os.environ.get("TRUST_MATRIX_ONLY")
+    for cname in COMPRESSORS:
+        for ex in EXCHANGES:
+            if only and f"{cname}/{ex}" not in only.split(","):
+                continue
+            t0 = time.time()
+            matrix_case(cname, ex)
+            if os.environ.get("TRUST_TIMING"):
+                say(f"[time] {cname}/{ex} {time.time() - t0:.2f}s")
+
+
+# ------------------------------------------------------------------------------ scenarios
+def residuals(comp, names):
+    out = {}
+    for n in names:
+        r = comp.residual(n)
+        out[n] = None if r is None else r.detach().clone()
+    return out
+
+
+def same_residuals(a, b):
+    for n in a:
+        x, y = a[n], b.get(n)
+        if (x is None) != (y is None):
+            if x is not None and float(x.abs().max()) == 0 or \
+                    y is not None and float(y.abs().max()) == 0:
+                continue
+            return n
+        if x is not None and not torch.equal(x, y):
+            return n
+    return None
+
+
+NAN_STEP, NAN_LAYER, NAN_POS = 2, "fc2.weight", (3, 7)
+
+
+def nan_raise():
+    case = Case("nan/raise")
+    model = make_model(1)
+    comp = hvdsparse.TopK(0.05)
+
+    def inject(name, g):
+        if R == 1 and name == NAN_LAYER and state["step"] == NAN_STEP:
+            g[NAN_POS] = float("nan")
+    state = dict(step=0)
+    cap = Capture(model, comp, inject)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=comp, exchange="allgather")
+    names = [n for n, _ in model.named_parameters()]
+    raised = None
+    try:
+        # stop at the NaN step whatever happens: a rank that did not raise must not start
+        # collectives of a step the others never join
+        for step in range(NAN_STEP + 1):
+            state["step"] = step
+            opt.zero_grad()
+            before = residuals(comp, names)
+            loss_of(model, step, salt=2).backward()
+            try:
+                opt.step()
+            except Exception as e:  # noqa: BLE001
+                raised = (step, e)
+                break
+        if raised is None:
+            case.fail("no error raised for a NaN gradient on rank 1")
+        else:
+            step, e = raised
+            msg = str(e)
+            case.check(step == NAN_STEP, f"raised at step {step}, NaN was injected at "
+                       f"{NAN_STEP}: {type(e).__name__}: {msg}")
+            case.check(isinstance(e, (RuntimeError, FloatingPointError)),
+                       f"{type(e).__name__} raised, expected RuntimeError (or "
+                       f"FloatingPointError): {msg}")
+            case.check(NAN_LAYER in msg and "rank 1" in msg,
+                       f"message does not name layer {NAN_LAYER!r} and 'rank 1': {msg!r}")
+            case.notes.append(f"{type(e).__name__}: {msg[:160]}")
+            after = residuals(comp, names)
+            for n, r in after.items():
+                if r is not None:
+                    case.check(bool(torch.isfinite(r).all()), f"residual of {n} holds a "
+                               f"non-finite value after the NaN step")
+            if R == 1:
+                rb, ra = before.get(NAN_LAYER), after.get(NAN_LAYER)
+                flat = NAN_POS[0] * 64 + NAN_POS[1]
+                if ra is not None:
+                    b = 0.0 if rb is None else float(rb[flat])
+                    case.check(float(ra[flat]) == b, f"residual at the NaN element changed "
+                               f"({b} -> {float(ra[flat])})")
+    except Exception as e:  # noqa: BLE001
+        case.fail(f"{type(e).__name__}: {e}")
+    opt.scheduler.remove_hooks()
+    cap.remove()
+    case.finish()
+
+
+def nan_skip():
+    case = Case("nan/skip")
+    model = make_model(1)
+    comp = hvdsparse.TopK(0.05)
+    state = dict(step=0)
+
+    def inject(name, g):
+        if R == 1 and name == NAN_LAYER and state["step"] == NAN_STEP:
+            g[NAN_POS] = float("nan")
+        if R == 0 and name == "fc1.bias" and state["step"] == NAN_STEP + 2:
+            g[5] = float("inf")
+    cap = Capture(model, comp, inject)
+    try:
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters(),
+                                       compression=comp, exchange="allgather",
+                                       nonfinite="skip")
+    except Exception as e:  # noqa: BLE001
+        case.fail(f"nonfinite='skip' refused: {type(e).__name__}: {e}")
+        cap.remove()
+        return case.finish()
+    names = [n for n, _ in model.named_parameters()]
+    skipped = []
+    try:
+        for step in range(7):
+            state["step"] = step
+            opt.zero_grad()
+            rb = residuals(comp, names)
+            pb = params_of(model)
+            loss_of(model, step, salt=3).backward()
+            opt.step()
+            pa = params_of(model)
+            unchanged = all(torch.equal(pa[n], pb[n]) for n in names)
+            if step in (NAN_STEP, NAN_STEP + 2):
+                case.check(unchanged, f"step {step} (non-finite on rank "
+                           f"{1 if step == NAN_STEP else 0}) was not skipped: parameters changed")
+                bad = same_residuals(rb, residuals(comp, names))
+                case.check(bad is None, f"step {step} skipped but residual of {bad} changed")
+                skipped.append(step)
+            else:
+                case.check(not unchanged, f"step {step}: parameters did not change")
+            for n, r in residuals(comp, names).items():
+                if r is not None:
+                    case.check(bool(torch.isfinite(r).all()), f"step {step}: residual of {n} "
+                               f"not finite")
+            case.check(all(bool(torch.isfinite(p).all()) for p in pa.values()),
+                       f"step {step}: non-finite parameters")
+            d = gather(digest(model), f"skip.{step}")
+            case.check(all(x == d[0] for x in d), f"step {step}: replicas differ")
+        case.notes.append(f"skipped steps {skipped} (NaN on rank 1 in {NAN_LAYER}, Inf on "
+                          f"rank 0 in fc1.bias), training continued, replicas identical")
+    except Exception as e:  # noqa: BLE001
+        case.fail(f"{type(e).__name__}: {e}")
+    opt.scheduler.remove_hooks()
+    cap.remove()
+    case.finish()
+
+
+def frozen(momentum):
+    tag = "frozen/sgd-momentum" if momentum else "frozen/sgd"
+    case = Case(tag)
+    model = make_model(2)
+    comp = hvdsparse.TopK(0.05)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
+                                                   momentum=momentum),
+                                   named_parameters=model.named_parameters(),
+                                   compression=comp, fusion_threshold=2000)
+    names = [n for n, _ in model.named_parameters()]
+    w = model.fc1.weight
+    try:
+        frozen_at = None
+        for step in range(13):
+            if step == 6:
+                w.requires_grad_(False)
+                frozen_at = w.detach().clone()
+            if step == 10:
+                w.requires_grad_(True)
+            opt.zero_grad(set_to_none=True)
+            pb = params_of(model)
+            loss_of(model, step, salt=4).backward()
+            opt.step()
+            pa = params_of(model)
+            if 6 <= step < 10:
+                case.check(torch.equal(w.detach(), frozen_at),
+                           f"step {step}: frozen fc1.weight changed in "
+                           f"{int((w.detach() != frozen_at).sum())} elements")
+                moved = [n for n in names if n != "fc1.weight" and not torch.equal(pa[n], pb[n])]
+                case.check(len(moved) == len(names) - 1,
+                           f"step {step}: only {moved} trained while fc1.weight was frozen")
+            else:
+                case.check(not torch.equal(pa["fc1.weight"], pb["fc1.weight"]),
+                           f"step {step}: fc1.weight did not train "
+                           f"({'after unfreezing' if step >= 10 else 'before freezing'})")
+            d = gather(digest(model), f"{tag}.{step}")
+            case.check(all(x == d[0] for x in d), f"step {step}: replicas differ")
+        case.notes.append("frozen at steps 6-9: bitwise unchanged; trains before and after")
+    except Exception as e:  # noqa: BLE001
+        case.fail(f"{type(e).__name__}: {e}")
+    opt.scheduler.remove_hooks()
+    case.finish()
+
+
+def sync_then_step():
+    case = Case("sync-then-step")
+    mA, mB = make_model(3), make_model(3)
+    oA = hvd.DistributedOptimizer(torch.optim.SGD(mA.parameters(), lr=0.1, momentum=0.9),
+                                  named_parameters=mA.named_parameters(),
+                                  compression=hvdsparse.TopK(0.05, warmup=hvdsparse.RtWarmup(4)),
+                                  exchange="allgather")
+    oB = hvd.DistributedOptimizer(torch.optim.SGD(mB.parameters(), lr=0.1, momentum=0.9),
+                                  named_parameters=mB.named_parameters(),
+                                  compression=hvdsparse.TopK(0.05, warmup=hvdsparse.RtWarmup(4)),
+                                  exchange="allgather")
+    steps = 6
+    try:
+        for step in range(steps):
+            oA.zero_grad()
+            loss_of(mA, step, salt=5).backward()
+            oA.synchronize()
+            oA.step()                      # no skip_synchronize(): must not exchange again
+            oB.zero_grad()
+            loss_of(mB, step, salt=5).backward()
+            oB.synchronize()
+            with oB.skip_synchronize():
+                oB.step()
+            case.check(digest(mA) == digest(mB), f"step {step}: synchronize()+step() differs "
+                       f"from synchronize()+skip_synchronize() step()")
+            case.check(oA.scheduler.step == step + 1, f"step {step}: scheduler step counter "
+                       f"{oA.scheduler.step}, expected {step + 1} (exchanged twice?)")
+        d = gather(digest(mA), "sts")
+        case.check(all(x == d[0] for x in d), "replicas differ")
+        case.notes.append(f"{steps} steps bitwise equal, step counter {oA.scheduler.step}")
+    except Exception as e:  # noqa: BLE001
+        case.fail(f"{type(e).__name__}: {e}")
+    oA.scheduler.remove_hooks()
+    oB.scheduler.remove_hooks()
+    case.finish()
+
+
+class EmbedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 16, sparse=True)
+        self.fc = nn.Linear(16, 80)        # 1280 elements: compressed by TopK
+        self.out = nn.Linear(80, 4)
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.fc(self.emb(ids).mean(1))))
+
+
+def sparse_embeddings():
+    case = Case("sparse-embeddings")
+    torch.manual_seed(4)
+    model = EmbedNet()
+    comp = hvdsparse.TopK(0.05)
+    cap = Capture(model, comp)
+    try:
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                       named_parameters=model.named_parameters(),
+                                       compression=comp, fusion_threshold=2000)
+        bitwise = True
+        losses = []
+        for step in range(6):
+            cap.reset()
+            g = torch.Generator().manual_seed(step * 13 + R)
+            ids = torch.randint(0, 100, (8, 5), generator=g)
+            y = torch.randint(0, 4, (8,), generator=g)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(ids), y)
+            loss.backward()
+            losses.append(float(loss))
+            opt.synchronize()
+            raw = gather(cap.raw["emb.weight"], f"emb.{step}")
+            tot = torch.zeros(100, 16)
+            for r in range(P):
+                tot = tot + raw[r]
+            want = tot / float(P)
+            gg = model.emb.weight.grad
+            got = (gg.coalesce().to_dense() if gg.is_sparse else gg).detach()
+            bitwise &= torch.equal(got, want)
+            case.check(torch.allclose(got, want, rtol=1e-6, atol=1e-9),
+                       f"step {step}: embedding grad != average of the ranks' sparse "
+                       f"gradients, max diff {maxdiff(got, want)}")
+            pb = params_of(model)
+            with opt.skip_synchronize():
+                opt.step()
+            case.check(not torch.equal(pb["emb.weight"], model.emb.weight.detach()),
+                       f"step {step}: embedding did not train")
+            d = gather(digest(model), f"embd.{step}")
+            case.check(all(x == d[0] for x in d), f"step {step}: replicas differ")
+        case.notes.append(f"embedding grad bitwise rank-order average: {bitwise}; loss "
+                          f"{losses[0]:.3f} -> {losses[-1]:.3f}")
+        opt.scheduler.remove_hooks()
+    except Exception as e:  # noqa: BLE001
+        case.fail(f"{type(e).__name__}: {e}")
+    cap.remove()
+    case.finish()
+
+
+def mismatch(tag, setting, odd_rank, **per_rank):
+    """``per_rank``: keyword -> (value for odd_rank, value for the others)."""
+    case = Case(f"mismatch/{tag}", timeout=45)
+    model = make_model(6)
+    kw = dict(exchange="allgather", fusion_threshold=2000)
+    comp = hvdsparse.TopK(0.05)
+    for key, (odd, other) in per_rank.items():
+        v = odd if R == odd_rank else other
+        if key == "ratio":
+            comp = hvdsparse.TopK(v)
+        else:
+            kw[key] = v
+    t0 = time.time()
+    try:
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       compression=comp, **kw)
+        loss_of(model, 0, salt=6).backward()
+        try:
+            opt.step()
+            case.fail(f"no error with {setting} different on rank {odd_rank}")
+        except ValueError as e:
+            msg = str(e)
+            case.check(setting in msg and f"rank {odd_rank}" in msg,
+                       f"ValueError does not name {setting!r} and 'rank {odd_rank}': {msg!r}")
+            case.notes.append(f"ValueError after {time.time() - t0:.1f}s: {msg[:200]}")
+        except Exception as e:  # noqa: BLE001
+            case.fail(f"{type(e).__name__} instead of ValueError: {e}")
+        opt.scheduler.remove_hooks()
+    except Exception as e:  # noqa: BLE001
+        case.fail(f"{type(e).__name__}: {e}")
+    case.finish()
+
+
+def checkpoint():
+    case = Case("checkpoint")
+    N = 4
+
+    def build():
+        m = make_model(7)
+        o = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                                     named_parameters=m.named_parameters(),
+                                     compression=hvdsparse.TopK(0.05,
+                                                                warmup=hvdsparse.RtWarmup(6)),
+                                     exchange="allgather", fusion_threshold=2000)
+        return m, o
+
+    def train(m, o, steps):
+        for step in steps:
+            o.zero_grad()
+            loss_of(m, step, salt=7).backward()
+            o.step()
+    opts = []
+    try:
+        mA, oA = build()
+        opts.append(oA)
+        train(mA, oA, range(2 * N))
+        mB, oB = build()
+        opts.append(oB)
+        train(mB, oB, range(N))
+        sd = copy.deepcopy(oB.state_dict())
+        csd = copy.deepcopy(oB.compression_state_dict())
+        msd = copy.deepcopy(mB.state_dict())
+        extra = sd.get("hvdsparse")
+        if case.check(isinstance(extra, dict), f"optimizer.state_dict() has no 'hvdsparse' "
+                      f"entry (keys {sorted(sd)})"):
+            steps = {k: v for k, v in extra.items() if "step" in k}
+            case.check(steps and all(v == N for v in steps.values()),
+                       f"hvdsparse step counters {steps}, expected {N}")
+            case.check(extra.get("fingerprint") is not None, "no configuration fingerprint "
+                       f"in state_dict()['hvdsparse'] (keys {sorted(extra)})")
+        # a fresh run restored without the compression state warns about the residuals
+        mD, oD = build()
+        opts.append(oD)
+        mD.load_state_dict(msd)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            oD.load_state_dict(sd)
+            train(mD, oD, range(N, N + 1))
+        msgs = [str(w.message) for w in rec if issubclass(w.category, UserWarning)]
+        case.check(any("residual" in m for m in msgs),
+                   f"no UserWarning about residuals when loading without the compression "
+                   f"state (warnings: {msgs})")
+        # a fresh run restored with both continues bitwise as the uninterrupted one
+        mC, oC = build()
+        opts.append(oC)
+        mC.load_state_dict(msd)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            oC.load_state_dict(sd)
+            oC.load_compression_state_dict(csd)
+            train(mC, oC, range(N, 2 * N))
+        msgs = [str(w.message) for w in rec if "residual" in str(w.message)]
+        case.check(not msgs, f"residual warning although the compression state was loaded: "
+                   f"{msgs}")
+        case.check(oC.scheduler.step == 2 * N, f"resumed scheduler step {oC.scheduler.step}")
+        case.check(digest(mC) == digest(mA), "resumed run differs from the uninterrupted run: "
+                   + ", ".join(f"{n} max diff {maxdiff(a, b)}" for (n, a), (_, b) in
+                               zip(mC.named_parameters(), mA.named_parameters())))
+        d = gather(digest(mC), "ckpt")
+        case.check(all(x == d[0] for x in d), "replicas differ after resume")
+        case.notes.append(f"state_dict()['hvdsparse'] keys {sorted(extra or {})}")
+    except Exception as e:  # noqa: BLE001
+        case.fail(f"{type(e).__name__}: {e}")
+        traceback.print_exc()
+    for o in opts:
+        o.scheduler.remove_hooks()
+    case.finish()
+
+
+def run_scenarios():
+    nan_raise()
+    nan_skip()
+    frozen(0.0)
+    frozen(0.9)
+    sync_then_step()
+    sparse_embeddings()
+    checkpoint()
+    # last: a missing check here would hang (the watchdog then ends the job)
+    mismatch("fusion_threshold", "fusion_threshold", 1, fusion_threshold=(100_000, 2000))
+    mismatch("ratio", "ratio", 2, ratio=(0.1, 0.05))
+    mismatch("exchange", "exchange", 1, exchange=("split", "allgather"))
+
+
+# ------------------------------------------------------------------------------ kill
+def run_kill():
+    """Rank 2 SIGKILLs itself at step 5 of a TopK training loop; the others must not
+    finish. Prints what each rank saw."""
+    model = make_model(8)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvdsparse.TopK(0.05), exchange="allgather")
+    try:
+        for step in range(400):
+            opt.zero_grad()
+            loss_of(model, step, salt=8).backward()
+            if R == 2 and step == 5:
+                print(f"[kill] rank 2 SIGKILL at {time.time():.3f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            opt.step()
+            time.sleep(0.02)
+    except BaseException as e:  # noqa: BLE001
+        print(f"[kill] rank {R} error at {time.time():.3f}: {type(e).__name__}: {e}",
+              flush=True)
+        raise
+    print(f"[kill] rank {R} finished all steps", flush=True)
+
+
+# ------------------------------------------------------------------------------ single
+def run_single():
+    """World size 1: no exchange, p.grad untouched, step == the plain optimizer's step."""
+    case = Case("single")
+    case.check(P == 1, f"world size {P}")
+    for cname in ("topk", "adacomp", "qsgd4"):
+        mA, mB = make_model(9), make_model(9)
+        comp = COMPRESSORS[cname][2]()
+        oA = hvd.DistributedOptimizer(torch.optim.SGD(mA.parameters(), lr=0.1, momentum=0.9),
+                                      named_parameters=mA.named_parameters(),
+                                      compression=comp, fusion_threshold=2000)
+        oB = torch.optim.SGD(mB.parameters(), lr=0.1, momentum=0.9)
+        try:
+            for step in range(5):
+                oA.zero_grad()
+                loss_of(mA, step, salt=9).backward()
+                raw = {n: p.grad.detach().clone() for n, p in mA.named_parameters()}
+                oA.synchronize()
+                for n, p in mA.named_parameters():
+                    case.check(torch.equal(p.grad, raw[n]), f"{cname} step {step} {n}: p.grad "
+                               f"changed by the optimizer at world size 1 (max diff "
+                               f"{maxdiff(p.grad, raw[n])})")
+                    r = comp.residual(n)
+                    case.check(r is None or float(r.abs().max()) == 0.0,
+                               f"{cname} step {step} {n}: a residual was kept at world size 1")
+                with oA.skip_synchronize():
+                    oA.step()
+                oB.zero_grad()
+                loss_of(mB, step, salt=9).backward()
+                oB.step()
+                case.check(digest(mA) == digest(mB), f"{cname} step {step}: differs from the "
+                           f"plain optimizer")
+        except Exception as e:  # noqa: BLE001
+            case.fail(f"{cname}: {type(e).__name__}: {e}")
+        oA.scheduler.remove_hooks()
+    case.notes.append("TopK/AdaComp/QSGD: p.grad untouched, bitwise equal to plain SGD+momentum")
+    case.finish()
+
+
+def main():
+    if MODE == "matrix":
+        run_matrix()
+    elif MODE == "scenarios":
+        run_scenarios()
+    elif MODE == "kill":
+        run_kill()
+        return
+    elif MODE == "single":
+        run_single()
+    else:
+        raise SystemExit(f"unknown mode {MODE!r}")
+    hvd.barrier()
+    print(f"HVDSPARSE-OK rank={R}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -39,6 +39,7 @@ from contextlib import contextmanager
 import torch
 
 from .local import LocalGradient, sync_parameters
+from .momentum import LocalUpdate
 from .scheduler import LayerScheduler
 from .settings import DEFAULT_FUSION_THRESHOLD, ExchangeSettings, fingerprint  # noqa: F401
 _instance_counter = itertools.count()
@@ -50,7 +51,8 @@ def _compressor_base():
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
-    def __init__(self, params, named_parameters, compression, settings, grad_scaler):
+    def __init__(self, params, named_parameters, compression, settings, grad_scaler,
+                 momentum_correction, clip_grad_norm):
         import horovod.torch as hvd
         super(self.__class__, self).__init__(params)
         self._compression = compression
@@ -101,10 +103,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         check_names = getattr(compression, "check_names", None)
         if callable(check_names):
             check_names([k for k, _ in optimised])
+        self._local_update = None
+        if momentum_correction or clip_grad_norm is not None:
+            group_of = {id(p): g for g in self.param_groups for p in g['params']}
+            self._local_update = LocalUpdate(
+                {k: group_of[id(v)] for k, v in optimised}, size,
+                momentum_correction=momentum_correction, clip_grad_norm=clip_grad_norm)
         self._fingerprint = fingerprint(settings, compression)
+        self._fingerprint["momentum_correction"] = bool(momentum_correction)
+        self._fingerprint["clip_grad_norm"] = clip_grad_norm
         self._hvdsparse = LayerScheduler(
             optimised, compression, settings, rank=rank, world_size=size, prefix=prefix,
-            local=self._local, fingerprint=self._fingerprint, grad_scaler=grad_scaler)
+            local=self._local, fingerprint=self._fingerprint, grad_scaler=grad_scaler,
+            local_update=self._local_update)
         self._hvdsparse.register_hooks()
 
     # -------------------------------------------------------------- Horovod API
@@ -192,7 +203,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # nonfinite="skip": every rank skips this step (residuals were rolled back)
             self._hvdsparse.skip_update = False
             return None
-        loss = super(self.__class__, self).step(closure)
+        if self._local_update is not None and self._hvdsparse.active:
+            with self._local_update.neutralised():   # momentum / wd applied before
+                loss = super(self.__class__, self).step(closure)
+        else:
+            loss = super(self.__class__, self).step(closure)
         self._hvdsparse.step_applied()
         self._steps_done += 1
         if self._local is not None and self._local.should_sync(self._steps_done):
@@ -225,12 +240,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         period, so a resumed run continues exactly where it stopped. Residuals are per
         rank: save one per rank."""
         sd = self._compression.state_dict()
+        if self._local_update is not None:
+            sd["momentum_correction"] = self._local_update.state_dict()
         sd["scheduler_step"] = self._hvdsparse.step
         sd["optimizer_steps"] = self._steps_done
         return sd
 
     def load_compression_state_dict(self, sd: dict):
         self._compression.load_state_dict(sd)
+        if self._local_update is not None and "momentum_correction" in sd:
+            self._local_update.load_state_dict(sd["momentum_correction"])
         self._compression_state_loaded = True
         self._hvdsparse.pending_warning = None
         if "scheduler_step" in sd:
@@ -278,8 +297,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          fusion_threshold=None, exchange="auto", local_gradient=None,
                          sync_period=500, dense_dtype="fp32", split_dense_bits=0,
                          quant_bucket=512, validate=None, alpha_bytes=0.0,
-                         nonfinite="raise", grad_scaler=None,
-                         num_groups=0, groups=None, sparse_as_dense=False, process_set=None):
+                         nonfinite="raise", grad_scaler=None, momentum_correction=False,
+                         clip_grad_norm=None, num_groups=0, groups=None, sparse_as_dense=False, process_set=None):
     """Wrap ``optimizer`` so that gradients are compressed and exchanged sparsely.
 
     Arguments (Horovod's meaning where the name is Horovod's):
@@ -310,6 +329,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             does when a gradient holds NaN/Inf on some rank (:mod:`hvdsparse.settings`).
         grad_scaler: a ``torch.amp.GradScaler``: residuals are kept in unscaled units
             and a step the scaler skips is rolled back (README: mixed precision).
+        momentum_correction: DGC's momentum correction and momentum-factor masking for
+            ``torch.optim.SGD`` with momentum (:mod:`hvdsparse.momentum`): the velocity is
+            accumulated locally and compressed; the wrapped optimizer's momentum and
+            weight decay are applied there instead.
+        clip_grad_norm: DGC's local gradient clipping: each layer's local gradient is
+            clipped to norm ``clip_grad_norm / sqrt(size)`` before it is accumulated.
     """
     import horovod.torch as hvd
     if op is None:
@@ -348,6 +373,20 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     if grad_scaler is not None and not hasattr(grad_scaler, "is_enabled"):
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got "
                         f"{type(grad_scaler).__name__}")
+    if momentum_correction not in (True, False):
+        raise ValueError(f"momentum_correction must be True or False, got "
+                         f"{momentum_correction!r}")
+    if momentum_correction:
+        if not isinstance(optimizer, torch.optim.SGD):
+            raise ValueError(f"momentum_correction=True needs torch.optim.SGD (with "
+                             f"momentum), got {type(optimizer).__name__}")
+        if local_gradient is not None:
+            raise ValueError("momentum_correction cannot be combined with local_gradient")
+    if clip_grad_norm is not None and (not isinstance(clip_grad_norm, (int, float)) or
+                                       isinstance(clip_grad_norm, bool) or
+                                       not clip_grad_norm > 0):
+        raise ValueError(f"clip_grad_norm must be None or a number > 0, got "
+                         f"{clip_grad_norm!r}")
     settings = ExchangeSettings.from_args(
         exchange=exchange, fusion_threshold=fusion_threshold, average=(op == hvd.Average),
         gradient_predivide_factor=gradient_predivide_factor,
@@ -364,7 +403,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     # not every rank would join); claim that module so it does the same for ours.
     cls.__module__ = "horovod.torch.optimizer"
     cls.__qualname__ = f"hvdsparse.DistributedOptimizer[{optimizer.__class__.__name__}]"
-    return cls(optimizer.param_groups, named_parameters, compression, settings, grad_scaler)
+    return cls(optimizer.param_groups, named_parameters, compression, settings, grad_scaler,
+               momentum_correction, clip_grad_norm)
 
 
 # ---------------------------------------------------------------------- routing

@@ -152,7 +152,8 @@ class LayerScheduler:
 
     def __init__(self, named_params, compressor, settings: Optional[ExchangeSettings] = None,
                  *, rank: int, world_size: int, prefix: str, local=None,
-                 fingerprint: Optional[dict] = None, grad_scaler=None, **legacy):
+                 fingerprint: Optional[dict] = None, grad_scaler=None, local_update=None,
+                 **legacy):
         if settings is None:
             settings = ExchangeSettings.from_args(**legacy)
         elif legacy:
@@ -165,12 +166,16 @@ class LayerScheduler:
         self.local = local
         self.fingerprint = fingerprint if fingerprint is not None else {}
         self.grad_scaler = grad_scaler
+        self.local_update = local_update        # hvdsparse.momentum.LocalUpdate or None
         self.nonfinite = settings.nonfinite
         if grad_scaler is not None and settings.nonfinite == "raise":
             # overflow steps are expected with a scaler: it sees the NaN and skips
             self.nonfinite = "propagate"
+        transactional = self.nonfinite == "skip" or grad_scaler is not None
         if hasattr(compressor, "transactional"):
-            compressor.transactional = self.nonfinite == "skip" or grad_scaler is not None
+            compressor.transactional = transactional
+        if local_update is not None:
+            local_update.transactional = transactional
 
         self.params: Dict[str, torch.Tensor] = {}
         for name, p in named_params:
@@ -283,7 +288,7 @@ class LayerScheduler:
         if self._await_step:
             self._await_step = False
             if getattr(self.compressor, "transactional", False):
-                self.compressor.rollback()
+                self._rollback()
                 self.events.append(("rollback", self.step - 1))
             elif not self._warned_lost_step:
                 self._warned_lost_step = True
@@ -294,6 +299,13 @@ class LayerScheduler:
         begin = getattr(self.compressor, "begin_step", None)
         if callable(begin):
             begin(self.step)
+        if self.local_update is not None:
+            self.local_update.begin_step()
+
+    def _rollback(self):
+        self.compressor.rollback()
+        if self.local_update is not None:
+            self.local_update.rollback()
 
     def _on_grad(self, name: str):
         self._open_step()
@@ -341,9 +353,21 @@ class LayerScheduler:
         kw = {}
         inv = self._grad_scale()
         if inv is not None:
-            kw["grad_scale"] = inv.to(p.grad.device)
+            inv = inv.to(p.grad.device)
+        grad, nonfinite, lu = p.grad, None, self.local_update
         with torch.no_grad():
-            payload = self.compressor.compress(name, p.grad, self.step, param=p.detach(), **kw)
+            if lu is not None and lu.wants(name):
+                # DGC: clip, fold in weight decay, accumulate the velocity locally
+                dense = self.compressor.policy.is_dense(name, p.shape)
+                grad, nonfinite = lu.corrected(name, p.grad, p, dense, inv)
+            elif inv is not None:
+                kw["grad_scale"] = inv
+            payload = self.compressor.compress(name, grad, self.step, param=p.detach(), **kw)
+            if nonfinite is not None:
+                payload.nonfinite = nonfinite if payload.nonfinite is None \
+                    else payload.nonfinite + nonfinite
+            if lu is not None and name in lu.u:
+                lu.mask(name, codec.payload_to_dense(payload))   # momentum-factor masking
         self._t_compress += time.perf_counter() - t0
         self._payloads[name] = payload
         self._ready_order.append(name)
@@ -637,6 +661,8 @@ class LayerScheduler:
             commit = getattr(self.compressor, "commit", None)
             if callable(commit):
                 commit()
+            if self.local_update is not None:
+                self.local_update.commit()
 
     # ------------------------------------------------------------------ non-finite
     def _launch_nonfinite(self):
@@ -670,7 +696,7 @@ class LayerScheduler:
             if self.nonfinite == "skip":
                 self.skipped_steps += 1
                 if getattr(self.compressor, "transactional", False):
-                    self.compressor.rollback()
+                    self._rollback()
                 log.warning("hvdsparse: step %d skipped: non-finite gradient in %s",
                             self.step, sorted({self._dense_order[j] for j in
                                                range(host.shape[1]) if host[:, j].any()}))
@@ -714,6 +740,10 @@ class LayerScheduler:
                                        1.0 / self.world_size if self.average else 1.0)
             else:
                 c = g
+            lu = self.local_update
+            if lu is not None and lu.momentum_correction and \
+                    self.compressor.policy.is_dense(name, p.shape):
+                c = lu.dense_momentum(name, c, p)     # sent dense: ordinary momentum
             with torch.no_grad():
                 if p.grad is not None and p.grad.shape == p.shape and not p.grad.is_sparse:
                     p.grad.copy_(c)

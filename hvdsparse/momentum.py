@@ -1,0 +1,195 @@
+"""DGC's momentum correction, momentum-factor masking and local gradient clipping
+(Lin et al., "Deep Gradient Compression", ICLR'18), applied on each rank before its
+gradient meets the compressor.
+
+Why: with error feedback a small coordinate waits several steps in the residual before
+it is sent; if the wrapped optimizer then applies momentum to the sparse, delayed
+gradient, the delay compounds and the momentum points the wrong way. DGC accumulates
+the *velocity* locally instead and sends the top of the accumulated velocity.
+
+Per compressed layer on rank ``r`` (``m`` momentum, ``wd`` weight decay, ``d``
+dampening of the wrapped ``torch.optim.SGD`` param group):
+
+    g  <- clip(g, c / sqrt(P))          (``clip_grad_norm=c``: local clipping, per layer)
+    g  <- g + wd * w                    (weight decay folded in before the momentum)
+    u  <- m * u + (1 - d) * g           (nesterov: u <- m * u + g;  x = g + m * u)
+    x   = u                             (what the compressor receives as "gradient")
+    compressor: v = residual + x, sends top(v), residual = v - sent  (v: DGC's velocity)
+    u[sent] <- 0                        (momentum-factor masking)
+
+and the wrapped optimizer applies the exchanged average ``G`` with momentum 0 and weight
+decay 0 (``w <- w - lr * G``); hvdsparse sets both to 0 only for the duration of the
+wrapped ``step()``, so ``param_groups`` and checkpoints keep the user's values. Layers
+that the compressor sends dense (its size / 1-D policy) keep ordinary momentum, applied
+after the exchange to the averaged gradient (identical on every rank):
+``buf <- m * buf + (1 - d) * (G + wd * w)``, update ``buf`` (nesterov: ``G' + m * buf``).
+
+What the user writes stays the same: ``torch.optim.SGD(params, lr, momentum=0.9,
+nesterov=..., weight_decay=...)`` wrapped with ``momentum_correction=True``.
+
+Local clipping (DGC section 3.2): each layer's local gradient is scaled to norm at most
+``c * P**-0.5`` before it is accumulated (the N^-1/2 keeps the clipped sum of P ranks at
+the scale of a dense ``clip_grad_norm_(..., c)``); computed on the device, no host sync.
+
+With non-finite gradients the elements are zeroed before they reach the velocity (they
+would poison it forever) and counted into the payload's ``nonfinite``, so the
+optimizer's non-finite policy sees them as usual.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+__all__ = ["LocalUpdate"]
+
+
+class _Group:
+    __slots__ = ("momentum", "dampening", "nesterov", "weight_decay")
+
+    def __init__(self, g: dict):
+        self.momentum = float(g.get("momentum", 0.0) or 0.0)
+        self.dampening = float(g.get("dampening", 0.0) or 0.0)
+        self.nesterov = bool(g.get("nesterov", False))
+        self.weight_decay = float(g.get("weight_decay", 0.0) or 0.0)
+
+
+class LocalUpdate:
+    """Momentum correction / masking and local clipping for one optimizer (see the module
+    docstring). ``groups``: name -> the torch param group dict of that parameter."""
+
+    def __init__(self, groups: Dict[str, dict], world_size: int, *,
+                 momentum_correction: bool, clip_grad_norm: Optional[float]):
+        self.world_size = int(world_size)
+        self.momentum_correction = bool(momentum_correction)
+        self.clip = None if clip_grad_norm is None else float(clip_grad_norm) / \
+            (self.world_size ** 0.5)
+        self._hyper = {n: _Group(g) for n, g in groups.items()}
+        self._groups = groups
+        self.u: Dict[str, torch.Tensor] = {}        # velocity of compressed layers
+        self.buf: Dict[str, torch.Tensor] = {}      # momentum buffer of dense layers
+        self._snap: Optional[dict] = None
+        self.transactional = False
+
+    # ----------------------------------------------------------------- transactions
+    def begin_step(self):
+        self._snap = {} if self.transactional else None
+
+    def _touch(self, store: dict, name: str):
+        if self._snap is not None and (id(store), name) not in self._snap:
+            t = store.get(name)
+            self._snap[(id(store), name)] = (store, name, None if t is None else t.clone())
+
+    def rollback(self):
+        for store, name, t in (self._snap or {}).values():
+            if t is None:
+                store.pop(name, None)
+            else:
+                store[name] = t
+        self._snap = {} if self.transactional else None
+
+    def commit(self):
+        self._snap = {} if self.transactional else None
+
+    # ----------------------------------------------------------------- before compress
+    def corrected(self, name: str, grad: torch.Tensor, param: torch.Tensor, dense: bool,
+                  grad_scale: Optional[torch.Tensor]):
+        """What the compressor receives for this layer: ``(x, nonfinite)`` where ``x`` is
+        the (clipped, decayed, momentum-corrected) fp32 gradient and ``nonfinite`` an
+        int32[1] device count of the non-finite elements of ``grad`` (zeroed here)."""
+        g = grad.detach().float()
+        if grad_scale is not None:
+            g = g * grad_scale
+        fin = torch.isfinite(g)
+        nonfinite = (~fin).sum(dtype=torch.int32).reshape(1)
+        g = torch.where(fin, g, torch.zeros((), dtype=g.dtype, device=g.device))
+        if self.clip is not None:
+            norm = torch.linalg.vector_norm(g)
+            g = g * torch.clamp(self.clip / (norm + 1e-6), max=1.0)
+        h = self._hyper[name]
+        if not self.momentum_correction or h.momentum == 0.0 or dense:
+            return g, nonfinite
+        if h.weight_decay:
+            g = g + h.weight_decay * param.detach().float()
+        self._touch(self.u, name)
+        u = self.u.get(name)
+        if u is None:
+            u = torch.zeros_like(g)
+        if h.nesterov:
+            u = u * h.momentum + g
+            x = g + h.momentum * u
+        else:
+            u = u * h.momentum + (1.0 - h.dampening) * g
+            x = u
+        self.u[name] = u
+        return x, nonfinite
+
+    def mask(self, name: str, sent_dense: torch.Tensor):
+        """Momentum-factor masking: ``u[sent] = 0`` (``sent_dense``: this rank's decoded
+        payload of the layer; non-zero where an element was sent)."""
+        u = self.u.get(name)
+        if u is not None:
+            self.u[name] = torch.where(sent_dense.view(u.shape) != 0,
+                                       torch.zeros((), dtype=u.dtype, device=u.device), u)
+
+    def wants(self, name: str) -> bool:
+        h = self._hyper[name]
+        return (self.momentum_correction and h.momentum != 0.0) or self.clip is not None
+
+    # ----------------------------------------------------------------- after exchange
+    def dense_momentum(self, name: str, G: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """Ordinary SGD momentum for a layer sent dense (see module docstring)."""
+        h = self._hyper[name]
+        if not self.momentum_correction or h.momentum == 0.0:
+            return G
+        d = G.float()
+        if h.weight_decay:
+            d = d + h.weight_decay * param.detach().float()
+        self._touch(self.buf, name)
+        buf = self.buf.get(name)
+        buf = d.clone() if buf is None else buf * h.momentum + (1.0 - h.dampening) * d
+        self.buf[name] = buf
+        return d + h.momentum * buf if h.nesterov else buf
+
+    # ----------------------------------------------------------------- the wrapped step
+    def neutralised(self):
+        """Context: the wrapped optimizer's momentum and weight decay are 0 while it
+        applies the corrected gradients (restored afterwards)."""
+        return _Neutral(list({id(g): g for g in self._groups.values()}.values())
+                        if self.momentum_correction else [])
+
+    def state_dict(self) -> dict:
+        return dict(u={k: v.clone() for k, v in self.u.items()},
+                    buf={k: v.clone() for k, v in self.buf.items()})
+
+    def load_state_dict(self, sd: dict):
+        self.u = {k: v.clone() for k, v in sd.get("u", {}).items()}
+        self.buf = {k: v.clone() for k, v in sd.get("buf", {}).items()}
+
+
+class _Neutral:
+    def __init__(self, groups):
+        self.groups = groups
+        self.saved = []
+
+    def __enter__(self):
+        for g in self.groups:
+            self.saved.append((g, g.get("momentum"), g.get("weight_decay"),
+                               g.get("nesterov")))
+            if "momentum" in g:
+                g["momentum"] = 0.0
+            if "weight_decay" in g:
+                g["weight_decay"] = 0.0
+            if "nesterov" in g:
+                g["nesterov"] = False
+        return self
+
+    def __exit__(self, *exc):
+        for g, m, wd, nest in self.saved:
+            if "momentum" in g:
+                g["momentum"] = m
+            if "weight_decay" in g:
+                g["weight_decay"] = wd
+            if "nesterov" in g:
+                g["nesterov"] = nest
+        return False

@@ -28,6 +28,7 @@ import copy
 import hashlib
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -699,8 +700,8 @@ def nan_raise():
             case.check(isinstance(e, (RuntimeError, FloatingPointError)),
                        f"{type(e).__name__} raised, expected RuntimeError (or "
                        f"FloatingPointError): {msg}")
-            case.check(NAN_LAYER in msg and "rank 1" in msg,
-                       f"message does not name layer {NAN_LAYER!r} and 'rank 1': {msg!r}")
+            case.check(NAN_LAYER in msg and names_rank(msg, 1),
+                       f"message does not name layer {NAN_LAYER!r} and rank 1: {msg!r}")
             case.notes.append(f"{type(e).__name__}: {msg[:160]}")
             after = residuals(comp, names)
             for n, r in after.items():
@@ -920,6 +921,14 @@ def sparse_embeddings():
     case.finish()
 
 
+def names_rank(msg, r):
+    """True when ``msg`` names rank ``r``: 'rank 1', 'rank(s) [1]', 'ranks [0, 1]'."""
+    for m in re.finditer(r"\branks?(?:\(s\))?\s*\[?\s*(\d+(?:\s*,\s*\d+)*)", msg):
+        if r in [int(x) for x in m.group(1).split(",")]:
+            return True
+    return False
+
+
 def mismatch(tag, setting, odd_rank, **per_rank):
     """``per_rank``: keyword -> (value for odd_rank, value for the others)."""
     case = Case(f"mismatch/{tag}", timeout=45)
@@ -943,8 +952,8 @@ def mismatch(tag, setting, odd_rank, **per_rank):
             case.fail(f"no error with {setting} different on rank {odd_rank}")
         except ValueError as e:
             msg = str(e)
-            case.check(setting in msg and f"rank {odd_rank}" in msg,
-                       f"ValueError does not name {setting!r} and 'rank {odd_rank}': {msg!r}")
+            case.check(setting in msg and names_rank(msg, odd_rank),
+                       f"ValueError does not name {setting!r} and rank {odd_rank}: {msg!r}")
             case.notes.append(f"ValueError after {time.time() - t0:.1f}s: {msg[:200]}")
         except Exception as e:  # noqa: BLE001
             case.fail(f"{type(e).__name__} instead of ValueError: {e}")
@@ -997,7 +1006,8 @@ def checkpoint():
         mD.load_state_dict(msd)
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")
-            oD.load_state_dict(sd)
+            # torch's load_state_dict aliases same-device state tensors: a private copy
+            oD.load_state_dict(copy.deepcopy(sd))
             train(mD, oD, range(N, N + 1))
         msgs = [str(w.message) for w in rec if issubclass(w.category, UserWarning)]
         case.check(any("residual" in m for m in msgs),
@@ -1009,7 +1019,7 @@ def checkpoint():
         mC.load_state_dict(msd)
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")
-            oC.load_state_dict(sd)
+            oC.load_state_dict(copy.deepcopy(sd))
             oC.load_compression_state_dict(csd)
             train(mC, oC, range(N, 2 * N))
         msgs = [str(w.message) for w in rec if "residual" in str(w.message)]

@@ -59,14 +59,13 @@ bitmask positions use ``nonzero_static``).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .payload import (FLOAT_BYTES, FLOAT_DTYPES, IndexEncoding, LayerPayload, Segment,
-                      ValueEncoding)
+from . import ops
+from .payload import FLOAT_BYTES, FLOAT_DTYPES, IndexEncoding, LayerPayload, Segment, ValueEncoding
 
 __all__ = [
     "kept_per_row", "row_threshold", "row_threshold_reference", "activation_threshold",
@@ -121,17 +120,7 @@ def _as_rows(x: torch.Tensor, argname: str = "x") -> torch.Tensor:
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    if os.environ.get("HVDSPARSE_FORCE_TRITON") == "1":
-        return True
-    return x.is_cuda and torch.cuda.is_available()
-
-
-def _kernel_module():
-    try:
-        from hvdsparse.kernels import rowthreshold  # installed layout
-    except ImportError:
-        from kernels import rowthreshold  # source-tree layout (PYTHONPATH=repo root)
-    return rowthreshold
+    return ops.use_triton(x)
 
 
 # ----------------------------------------------------------------------- selection ops
@@ -173,15 +162,13 @@ def row_threshold(x: torch.Tensor, k: int, value_dtype=None
     if not isinstance(k, int) or not 1 <= k <= d:
         raise ValueError(f"k must be an int in [1, d={d}], got {k!r}")
     value_dtype = value_dtype or x.dtype
-    if _use_triton(x):
-        kern = _kernel_module()
-        if d <= kern.MAX_D:
-            x = x.detach().contiguous()
-            cols = torch.empty(B, k, dtype=torch.int32, device=x.device)
-            vals = torch.empty(B, k, dtype=value_dtype, device=x.device)
-            mask = torch.empty(B, d, dtype=torch.uint8, device=x.device)
-            kern.row_threshold(x, k, cols, vals, mask)
-            return cols, vals, mask
+    if _use_triton(x) and d <= ops.row_threshold_max_d():
+        x = x.detach().contiguous()
+        cols = torch.empty(B, k, dtype=torch.int32, device=x.device)
+        vals = torch.empty(B, k, dtype=value_dtype, device=x.device)
+        mask = torch.empty(B, d, dtype=torch.uint8, device=x.device)
+        ops.row_threshold_kernel(x, k, cols, vals, mask)
+        return cols, vals, mask
     return row_threshold_reference(x, k, value_dtype)
 
 
@@ -269,21 +256,14 @@ def choose_index_encoding(rows: int, d: int, k: int, value_encoding=ValueEncodin
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """bool/uint8 [n] -> uint8[ceil(n/8)], bit ``e % 8`` of byte ``e // 8``."""
-    m = mask.reshape(-1).to(torch.uint8)
-    n = m.numel()
-    pad = (-n) % 8
-    if pad:
-        m = torch.cat([m, m.new_zeros(pad)])
-    w = (1 << torch.arange(8, device=m.device, dtype=torch.int32))
-    return (m.view(-1, 8).to(torch.int32) * w).sum(1).to(torch.uint8)
+    """bool/uint8 [n] -> uint8[ceil(n/8)], bit ``e % 8`` of byte ``e // 8``
+    (:func:`hvdsparse.ops.pack_bits` with ``bits=1``: the project's one bit packer)."""
+    return ops.pack_bits(mask.reshape(-1).to(torch.uint8), 1)
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: bool[n]."""
-    sh = torch.arange(8, device=packed.device, dtype=torch.int32)
-    bits = (packed.to(torch.int32).unsqueeze(1) >> sh) & 1
-    return bits.reshape(-1)[:n].bool()
+    return ops.unpack_bits(packed.reshape(-1), 1, n).bool()
 
 
 def threshold_payload(x: torch.Tensor, sparsity: float, *,
@@ -419,37 +399,27 @@ def _codec():
     return codec
 
 
-_HEADER_AND_RECORD = 24 + 72   # codec message: header + one segment record
 _INDEX_DTYPE = {IndexEncoding.INT32: torch.int32, IndexEncoding.BIN_U8: torch.uint8,
                 IndexEncoding.BIN_U16: torch.int16, IndexEncoding.BITMASK: torch.uint8}
 
 
-def _align8(n: int) -> int:
-    return (n + 7) // 8 * 8
-
-
-def _section_lengths(ie: IndexEncoding, ve: ValueEncoding, numel: int, cap: int,
-                     nbins: int) -> Tuple[int, int, int]:
-    vb = FLOAT_BYTES[ve]
-    idx = {IndexEncoding.INT32: 4 * cap, IndexEncoding.BIN_U8: cap,
-           IndexEncoding.BIN_U16: 2 * cap, IndexEncoding.BITMASK: (numel + 7) // 8,
-           IndexEncoding.DENSE: 0, IndexEncoding.IMPLICIT: 0}[ie]
-    bins = 4 * nbins if ie in (IndexEncoding.BIN_U8, IndexEncoding.BIN_U16) else 0
-    return idx, bins, vb * cap
-
-
 class _Layout:
-    """Expected one-segment message of a split (both sides derive it from settings)."""
+    """Expected one-segment message of a split (both sides derive it from settings).
+
+    Offsets and lengths come from the codec's own layout function (header, record and
+    section sizes, alignment), computed from host-known fields only, so this class can
+    never drift from :func:`hvdsparse.codec.encode`."""
 
     def __init__(self, ie, ve, numel, cap, nbins, bin_size):
         self.ie, self.ve, self.numel, self.cap = ie, ve, numel, cap
         self.nbins, self.bin_size = nbins, bin_size
-        self.lengths = _section_lengths(ie, ve, numel, cap, nbins)
-        offs, pos = [], _HEADER_AND_RECORD
-        for ln in self.lengths:
-            offs.append(pos)
-            pos += _align8(ln)
-        self.offsets, self.nbytes = offs, pos
+        # host fields only: the codec's layout never touches the tensors
+        seg = Segment(numel=numel, capacity=cap, index_encoding=ie, value_encoding=ve,
+                      count=None, values=None, bin_size=bin_size)
+        shape = torch.Size((numel,))
+        (sl,), _, total = _codec()._layout([LayerPayload("split", shape, [seg])])
+        self.lengths = tuple(sl.lengths[:3])       # indices, bin_counts, values
+        self.offsets, self.nbytes = tuple(sl.offsets[:3]), total
 
     def segment_from_device(self, buf: torch.Tensor) -> Segment:
         """Slice the sections of ``buf`` on its device (no host parse, no sync)."""

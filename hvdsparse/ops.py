@@ -1,7 +1,7 @@
-"""Dispatcher of the compression kernels: Triton on GPUs, the torch reference on CPU.
+"""Dispatcher of the compression kernels: Triton on GPUs, :mod:`hvdsparse.cpu` on CPU.
 
 Every function here has the signature of the same-named function in
-:mod:`hvdsparse.reference` (which documents the math and the layouts; see also
+:mod:`hvdsparse.cpu` (which documents the math and the layouts; see also
 ``docs/design.md``). Dispatch rule, per call:
 
 * ``HVDSPARSE_FORCE_TRITON=1`` in the environment -> the Triton kernel, whatever the
@@ -38,11 +38,12 @@ from typing import Optional
 
 import torch
 
-from . import reference as _ref
+from . import cpu as _ref
 
 __all__ = [
     "residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
-    "sign_unpack", "scatter_add_decode", "philox_uniform", "use_triton",
+    "sign_unpack", "scatter_add_decode", "philox_uniform", "use_triton", "pack_bits",
+    "unpack_bits", "row_threshold_kernel", "row_threshold_max_d",
 ]
 
 _KERNELS = None
@@ -113,7 +114,7 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
                         nonfinite: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``d = fp32(grad) * grad_scale``; ``residual += d`` where ``d`` is finite (else the
     residual keeps its value and ``nonfinite[0]`` is incremented); returns the per-bin
-    ``max |residual|``. See :func:`hvdsparse.reference.residual_add_binmax` for the exact
+    ``max |residual|``. See :func:`hvdsparse.cpu.residual_add_binmax` for the exact
     rounding (two separate fp32 roundings, never an FMA) and NaN rule.
 
     ``grad_scale``: None or a 1-element fp32 tensor on the residual's device (read on the
@@ -132,7 +133,7 @@ def select_compact(acc: torch.Tensor, threshold, capacity: int, *, bin_size: int
                    grad: Optional[torch.Tensor] = None, h_scale: float = 1.0,
                    value_encoding=_ref.VE_FP32, sign_scale=None, out=None,
                    grad_scale: Optional[torch.Tensor] = None):
-    """See :func:`hvdsparse.reference.select_compact` (GPU: slot order differs, see
+    """See :func:`hvdsparse.cpu.select_compact` (GPU: slot order differs, see
     ``kernels/select.py``). ``grad_scale``: None or a 1-element fp32 device tensor that
     multiplies ``grad`` (as in :func:`residual_add_binmax`)."""
     if not use_triton(acc):
@@ -149,7 +150,7 @@ def select_compact(acc: torch.Tensor, threshold, capacity: int, *, bin_size: int
 
 
 def quantize_pack(values: torch.Tensor, bits: int, bucket_size: int, seed: int, count=None):
-    """See :func:`hvdsparse.reference.quantize_pack`."""
+    """See :func:`hvdsparse.cpu.quantize_pack`."""
     if not use_triton(values):
         return _ref.quantize_pack(values, bits, bucket_size, seed, count)
     _ref._check_1d("values", values, _ref._FLOAT_DTYPES)
@@ -163,7 +164,7 @@ def quantize_pack(values: torch.Tensor, bits: int, bucket_size: int, seed: int, 
 
 def dequantize_unpack(codes: torch.Tensor, scales: torch.Tensor, bits: int,
                       bucket_size: int, n: int) -> torch.Tensor:
-    """See :func:`hvdsparse.reference.dequantize_unpack`."""
+    """See :func:`hvdsparse.cpu.dequantize_unpack`."""
     if not use_triton(codes):
         return _ref.dequantize_unpack(codes, scales, bits, bucket_size, n)
     _ref._check_1d("codes", codes, (torch.uint8,))
@@ -177,7 +178,7 @@ def dequantize_unpack(codes: torch.Tensor, scales: torch.Tensor, bits: int,
 
 
 def sign_unpack(bits_u8: torch.Tensor, scale, n: int) -> torch.Tensor:
-    """See :func:`hvdsparse.reference.sign_unpack`."""
+    """See :func:`hvdsparse.cpu.sign_unpack`."""
     if not use_triton(bits_u8):
         return _ref.sign_unpack(bits_u8, scale, n)
     _ref._check_1d("bits_u8", bits_u8, (torch.uint8,))
@@ -191,13 +192,13 @@ def scatter_add_decode(dense: torch.Tensor, indices: torch.Tensor, count: torch.
                        values: Optional[torch.Tensor] = None, *, codes=None, scales=None,
                        bits: int = 0, bucket_size: int = 512, signs=None, sign_scale=None,
                        error_flag: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """See :func:`hvdsparse.reference.scatter_add_decode`.
+    """See :func:`hvdsparse.cpu.scatter_add_decode`.
 
     Returns the error flag: on the Triton path an int32[1] device tensor (``error_flag``
     if given, else a new zeroed one) that the kernel ORs with 1 for an out-of-range index
     (the write is skipped) and 2 for a count outside [0, cap] (clamped); the caller
-    checks it where it synchronises anyway. The reference raises instead and returns
-    ``error_flag`` untouched.
+    checks it where it synchronises anyway. The CPU path raises instead and returns
+    ``error_flag`` untouched. Both add the rows in row order (bitwise deterministic).
     """
     if not use_triton(dense):
         return _ref.scatter_add_decode(dense, indices, count, values, codes=codes,
@@ -228,3 +229,22 @@ def philox_uniform(seed: int, n: int, offset: int = 0, device=None) -> torch.Ten
         _ref._check_pos_int("offset", offset, 0)
         return _kernels().philox_uniform(seed, n, offset, device=dev)
     return _ref.philox_uniform(seed, n, offset, device=dev)
+
+
+#: the project's one bit packer (see :func:`hvdsparse.cpu.pack_bits`): plain torch ops,
+#: so it runs on any device without a host sync
+pack_bits = _ref.pack_bits
+unpack_bits = _ref.unpack_bits
+
+
+def row_threshold_max_d() -> int:
+    """Widest row the Triton row-threshold kernel handles (``kernels.rowthreshold``)."""
+    return _kernels().rowthreshold.MAX_D
+
+
+def row_threshold_kernel(x: torch.Tensor, k: int, cols: torch.Tensor, vals: torch.Tensor,
+                         mask: torch.Tensor) -> None:
+    """DCT-MP row threshold through the Triton kernel (``kernels/rowthreshold.py``; the
+    caller, :mod:`hvdsparse.mp`, checks :func:`use_triton` and the row width and owns the
+    torch reference)."""
+    _kernels().rowthreshold.row_threshold(x, k, cols, vals, mask)

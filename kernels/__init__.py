@@ -3,12 +3,14 @@
 Importing this package imports triton. It imports nothing of hvdsparse; argument
 validation happens in ``hvdsparse.ops``, which dispatches here for CUDA tensors (or under
 ``HVDSPARSE_FORCE_TRITON=1``). Each function has the contract of the same-named function
-in ``hvdsparse.reference``; the modules document launch layouts and slot order.
+in ``hvdsparse.cpu`` (plain definitions: ``hvdsparse.oracle``); the modules document
+launch layouts and slot order.
 """
 from .residual import residual_add_binmax
 from .select import select_compact
 from .quantize import quantize_pack, dequantize_unpack, sign_unpack, philox_uniform
 from .scatter import scatter_add_decode
+from . import rowthreshold
 
 __all__ = ["residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
-           "sign_unpack", "philox_uniform", "scatter_add_decode"]
+           "sign_unpack", "philox_uniform", "scatter_add_decode", "rowthreshold"]

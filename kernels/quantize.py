@@ -2,7 +2,7 @@
 uniform stream (operation 3 of docs/design.md).
 
 RNG: ``u = tl.rand(seed, e)`` with the int64 element index ``e`` as counter (Philox
-4x32-10, Triton's own implementation); ``hvdsparse.reference.philox_uniform`` is
+4x32-10, Triton's own implementation); ``hvdsparse.cpu.philox_uniform`` is
 bit-identical.
 
 Quantiser math (bit-identical to the reference in the interpreter): ``s = 2**(bits-1)-1``,
@@ -152,7 +152,7 @@ def _unpack_kernel(src_ptr, scales_ptr, out_ptr, n, B, BITS: tl.constexpr,
 
 
 def dequantize_unpack(codes, scales, bits, bucket_size, n, *, block=4096):
-    """Triton version of ``hvdsparse.reference.dequantize_unpack``: fp32[n]."""
+    """Triton version of ``hvdsparse.cpu.dequantize_unpack``: fp32[n]."""
     out = torch.empty(n, dtype=torch.float32, device=codes.device)
     if n == 0:
         return out
@@ -165,7 +165,7 @@ def dequantize_unpack(codes, scales, bits, bucket_size, n, *, block=4096):
 
 
 def sign_unpack(bits_u8, scale, n, *, block=4096):
-    """Triton version of ``hvdsparse.reference.sign_unpack`` (``scale`` an fp32 tensor)."""
+    """Triton version of ``hvdsparse.cpu.sign_unpack`` (``scale`` an fp32 tensor)."""
     out = torch.empty(n, dtype=torch.float32, device=bits_u8.device)
     if n == 0:
         return out

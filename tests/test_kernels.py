@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hvdsparse import ops
-from hvdsparse import reference as R
+from hvdsparse import cpu as R
 
 
 @pytest.fixture

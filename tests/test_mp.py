@@ -134,8 +134,8 @@ def test_kept_per_row_matches_exact_arithmetic():
 def force_triton(monkeypatch):
     assert os.environ.get("TRITON_INTERPRET") == "1", "conftest must set TRITON_INTERPRET"
     monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")
-    from kernels import rowthreshold
-    return rowthreshold
+    from hvdsparse import ops
+    return ops._kernels().rowthreshold
 
 
 @pytest.mark.parametrize("dtype,vdtype", [(torch.float32, torch.float32),

@@ -1,0 +1,996 @@
+"""The CPU path of the compression operations (what :mod:`hvdsparse.ops` runs for CPU
+tensors), written for memory bandwidth.
+
+Same functions and signatures as the Triton kernels in ``kernels/`` (dispatched by
+:mod:`hvdsparse.ops`) and the same results bit for bit, except the slot order of
+``select_compact`` (ascending here; see docs/design.md). The math of every operation is
+stated once, plainly, in :mod:`hvdsparse.oracle`; the tests check this module and the
+kernels against it. Imports nothing of hvdsparse but :mod:`hvdsparse.philox` (dependency
+floor). All tensors are 1-D and contiguous unless stated. Gradients may be fp32, fp16
+or bf16; residuals / accumulators are fp32.
+
+Operations (see ``docs/design.md``):
+
+1. :func:`residual_add_binmax` -- ``residual += grad * grad_scale`` in place (non-finite
+   addends skipped and counted) and the per-bin abs max.
+2. :func:`select_compact` -- threshold selection, compaction into fixed-capacity buffers
+   and the residual update, in ascending index order.
+3. :func:`quantize_pack` / :func:`dequantize_unpack` / :func:`sign_unpack` --
+   stochastic rounding to 8/4/2-bit codes with one fp32 scale per bucket, bit packing,
+   and the inverse maps; :func:`pack_bits` / :func:`unpack_bits` are the one bit packer
+   of the project (also used for sign bits and bitmasks).
+4. :func:`scatter_add_decode` -- bounds-checked scatter-add of a batch of payloads,
+   rows added in row order (deterministic).
+
+How it is fast: (1) and (2) walk the tensors in cache-sized chunks (``_CHUNK``
+elements, rounded to whole bins) and reuse scratch buffers, so each element is read
+from DRAM once per operation and no full-size temporary is allocated; on the CPU they
+run in numpy, contiguous ranges of whole chunks split across up to
+``torch.get_num_threads()`` threads (inputs under ``_CHUNK_PAR_MIN`` elements per
+thread stay on one), with (2) in two phases (count / collect per range, prefix over
+ranges, then write) so the output order is unchanged. Philox (:mod:`hvdsparse.philox`)
+and (3) run in numpy on the CPU (blocks of whole buckets, split across threads); the
+torch code is kept for other devices and gives identical bits.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+
+from .philox import (_check_pos_int, _check_seed, _par_ranges, _par_run,  # noqa: F401
+                     _philox_np_block, _philox_parallel, _philox_scratch,
+                     _uint32_to_uniform_np, _PHILOX_CHUNK, _PHILOX_PAR_MIN,
+                     philox_uint32, philox_uniform)
+
+__all__ = [
+    "residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
+    "sign_unpack", "scatter_add_decode", "philox_uniform", "philox_uint32",
+    "pack_bits", "unpack_bits",
+    "VE_FP32", "VE_FP16", "VE_BF16", "VE_SIGN1", "QUANT_BITS_ALLOWED",
+]
+
+# Value-encoding codes: identical to hvdsparse.payload.ValueEncoding (an IntEnum, so the
+# enum members compare equal to these ints). Duplicated here because cpu.py and
+# kernels/ must not import hvdsparse; tests check that the two agree.
+VE_FP32, VE_FP16, VE_BF16, VE_SIGN1 = 0, 1, 2, 6
+_FLOAT_VE = {VE_FP32: torch.float32, VE_FP16: torch.float16, VE_BF16: torch.bfloat16}
+QUANT_BITS_ALLOWED = (8, 4, 2)
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: elements per chunk of the CPU path (1 MiB of fp32: stays in L2/L3; the per-op
+#: dispatch overhead of smaller chunks costs more than the cache misses it saves)
+_CHUNK = 1 << 18
+#: at least this many elements per worker thread before the CPU passes of (1) and (2)
+#: are split across threads (whole chunks per thread; smaller inputs run inline)
+_CHUNK_PAR_MIN = 1 << 19
+#: CPU passes of (1) and (2) in numpy (False: the torch steps used off-CPU; for tests)
+_USE_NUMPY = True
+
+_tls = threading.local()
+
+
+def _chunk_scratch(m: int):
+    """Per-thread scratch of the CPU path of (1) and (2): (fp32[m], bool[m]), reused."""
+    s = getattr(_tls, "c", None)
+    if s is None or s[0].shape[0] < m:
+        s = (np.empty(m, np.float32), np.empty(m, np.bool_))
+        _tls.c = s
+    return s[0][:m], s[1][:m]
+
+
+# --------------------------------------------------------------------------------------
+# argument checks (shared with ops.py / kernels through duplication-free import in ops)
+# --------------------------------------------------------------------------------------
+
+
+def _check_1d(name: str, t, dtypes=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+
+
+def _check_bits(bits) -> int:
+    if bits not in QUANT_BITS_ALLOWED:
+        raise ValueError(f"bits must be one of {QUANT_BITS_ALLOWED}, got {bits!r}")
+    return int(bits)
+
+
+def _value_encoding(ve) -> int:
+    v = int(ve)
+    if v not in (VE_FP32, VE_FP16, VE_BF16, VE_SIGN1):
+        raise ValueError(f"value_encoding must be FP32, FP16, BF16 or SIGN1 for "
+                         f"select_compact (quantised encodings go through quantize_pack), "
+                         f"got {ve!r}")
+    return v
+
+
+def _scalar_tensor(name: str, x, device) -> torch.Tensor:
+    """fp32 0-d/1-element tensor from a float or tensor (no host sync for tensors)."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise ValueError(f"{name} must have exactly one element, got shape {tuple(x.shape)}")
+        return x.reshape(()).to(device=device, dtype=torch.float32)
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return torch.tensor(float(x), dtype=torch.float32, device=device)
+    raise TypeError(f"{name} must be a float or a 1-element tensor, got {type(x).__name__}")
+
+
+def _count_value(name: str, count, n: int) -> int:
+    """Host int from count=None | int | int tensor (first element). Clamped to [0, n]."""
+    if count is None:
+        return n
+    if isinstance(count, torch.Tensor):
+        if count.numel() < 1:
+            raise ValueError(f"{name} must have at least one element")
+        c = int(count.reshape(-1)[0])
+    elif isinstance(count, int) and not isinstance(count, bool):
+        c = count
+    else:
+        raise TypeError(f"{name} must be None, an int or an int tensor, got {type(count).__name__}")
+    return max(0, min(c, n))
+
+
+# --------------------------------------------------------------------------------------
+# 1. residual add + per-bin abs max
+# --------------------------------------------------------------------------------------
+
+
+def _check_residual_args(grad, residual, bin_size, out, grad_scale, nonfinite):
+    """Validation shared by the CPU path and ops (kernels): returns (n, L, nbins)."""
+    _check_1d("grad", grad, _FLOAT_DTYPES)
+    _check_1d("residual", residual, (torch.float32,))
+    if grad.numel() != residual.numel():
+        raise ValueError(f"grad has {grad.numel()} elements but residual has {residual.numel()}")
+    if grad.device != residual.device:
+        raise ValueError(f"grad is on {grad.device} but residual is on {residual.device}")
+    L = _check_pos_int("bin_size", bin_size)
+    n = residual.numel()
+    nbins = -(-n // L)
+    if out is not None:
+        _check_1d("out", out, (torch.float32,))
+        if out.numel() != nbins:
+            raise ValueError(f"out must have {nbins} elements, got {out.numel()}")
+        if out.device != residual.device:
+            raise ValueError(f"out is on {out.device} but residual is on {residual.device}")
+    _check_grad_scale(grad_scale, residual.device)
+    if nonfinite is not None:
+        if not isinstance(nonfinite, torch.Tensor) or nonfinite.dtype != torch.int32 \
+                or nonfinite.numel() < 1 or not nonfinite.is_contiguous():
+            raise TypeError("nonfinite must be None or a contiguous int32 tensor with >= 1 "
+                            "element")
+        if nonfinite.device != residual.device:
+            raise ValueError(f"nonfinite is on {nonfinite.device} but residual is on "
+                             f"{residual.device}")
+    return n, L, nbins
+
+
+def _check_grad_scale(grad_scale, device) -> None:
+    if grad_scale is None:
+        return
+    if not isinstance(grad_scale, torch.Tensor) or grad_scale.numel() != 1 \
+            or grad_scale.dtype != torch.float32:
+        raise TypeError("grad_scale must be None or a 1-element fp32 tensor, got "
+                        f"{getattr(grad_scale, 'dtype', type(grad_scale).__name__)} "
+                        f"of shape {tuple(getattr(grad_scale, 'shape', ()))}")
+    if grad_scale.device != device:
+        raise ValueError(f"grad_scale is on {grad_scale.device} but the data is on {device}")
+
+
+def _check_index_width(name: str, n: int) -> None:
+    """int32 indices / counts address at most 2**31 - 1 elements."""
+    if n >= (1 << 31):
+        raise ValueError(f"{name} has {n} elements; hvdsparse addresses elements with int32 "
+                         f"indices, so a layer must have fewer than 2**31 elements (split "
+                         f"the parameter)")
+
+
+def _add_chunk_torch(r: torch.Tensor, g: torch.Tensor, s) -> int:
+    """``r[i] += fp32(g[i]) * s`` where that addend is finite; returns the number of
+    non-finite addends (host int). Two separate roundings (torch never contracts)."""
+    d = g.to(torch.float32)
+    if s is not None:
+        d = d * s
+    fin = torch.isfinite(d)
+    if bool(fin.all()):
+        r.add_(d)
+        return 0
+    r.copy_(torch.where(fin, r + d, r))
+    return int((~fin).sum())
+
+
+def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: int,
+                        *, out: Optional[torch.Tensor] = None,
+                        grad_scale: Optional[torch.Tensor] = None,
+                        nonfinite: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Error-feedback accumulation with the non-finite policy, and per-bin abs max.
+
+    ``d = fp32(grad) * grad_scale`` (one fp32 rounding; no multiply when grad_scale is
+    None); where ``d`` is finite ``residual += d`` (a second, separate rounding; never an
+    FMA), where it is NaN/+-Inf the residual keeps its old value and the element is
+    counted into ``nonfinite[0]`` (int32 tensor, added to). Returns ``binmax``
+    fp32[ceil(n / bin_size)], ``binmax[b] = max |residual[b*L:(b+1)*L]|`` after the
+    update (last bin partial; NaN where the bin holds a NaN, like ``torch.amax``).
+    ``out`` optionally receives binmax. Same math as ``kernels/residual.py``.
+    """
+    n, L, nbins = _check_residual_args(grad, residual, bin_size, out, grad_scale, nonfinite)
+    if out is None:
+        out = torch.empty(nbins, dtype=torch.float32, device=residual.device)
+    if n == 0:
+        return out
+    s = grad_scale.reshape(()).to(torch.float32) if grad_scale is not None else None
+    bad = [0]
+    if L <= _CHUNK:
+        bins_per_chunk = max(1, _CHUNK // L)
+        ch = bins_per_chunk * L
+        # CPU: numpy on views of the same memory (no OpenMP region per chunk: torch's
+        # per-op thread pool stalls badly when the cores are shared), contiguous ranges
+        # of whole chunks split across up to torch.get_num_threads() Python threads;
+        # bf16 (no numpy dtype) and other devices use the same steps in torch.
+        use_np = residual.device.type == "cpu" and grad.dtype != torch.bfloat16 and _USE_NUMPY
+        if use_np:
+            rn, gn, on = (residual.detach().numpy(), grad.detach().numpy(),
+                          out.detach().numpy())
+            s32 = np.float32(float(s)) if s is not None else None
+            lock = threading.Lock()
+
+            def work(s0, e0):
+                tn, mn = _chunk_scratch(min(ch, e0 - s0))
+                nb = 0
+                for st in range(s0, e0, ch):
+                    e = min(st + ch, e0)
+                    m = e - st
+                    b0 = st // L
+                    nfull = m // L
+                    r = rn[st:e]
+                    d = tn[:m]
+                    if s32 is not None:
+                        np.multiply(gn[st:e], s32, out=d, dtype=np.float32)
+                    else:
+                        np.copyto(d, gn[st:e], casting="unsafe")     # exact widening
+                    fin = np.isfinite(d, out=mn[:m])
+                    if fin.all():
+                        np.add(r, d, out=r)
+                    else:
+                        np.add(r, d, out=r, where=fin)
+                        nb += m - int(np.count_nonzero(fin))
+                    a = np.abs(r, out=d)
+                    if nfull:
+                        np.max(a[: nfull * L].reshape(nfull, L), axis=1, out=on[b0:b0 + nfull])
+                    if nfull * L < m:
+                        on[b0 + nfull] = a[nfull * L:].max()
+                if nb:
+                    with lock:
+                        bad[0] += nb
+
+            _par_run(work, _par_ranges(n, ch, max(ch, _CHUNK_PAR_MIN)))
+        else:
+            tmp = torch.empty(min(ch, n), dtype=torch.float32, device=residual.device)
+            for st in range(0, n, ch):
+                e = min(st + ch, n)
+                b0 = st // L
+                nfull = (e - st) // L
+                r = residual[st:e]
+                bad[0] += _add_chunk_torch(r, grad[st:e], s)
+                a = torch.abs(r, out=tmp[: e - st])
+                if nfull:
+                    torch.amax(a[: nfull * L].view(nfull, L), dim=1, out=out[b0:b0 + nfull])
+                if nfull * L < e - st:
+                    out[b0 + nfull] = a[nfull * L:].amax()
+    else:  # huge bins: running max over sub-chunks of one bin
+        tmp = torch.empty(_CHUNK, dtype=torch.float32, device=residual.device)
+        for b in range(nbins):
+            bs, be = b * L, min((b + 1) * L, n)
+            m = None
+            for st in range(bs, be, _CHUNK):
+                e = min(st + _CHUNK, be)
+                r = residual[st:e]
+                bad[0] += _add_chunk_torch(r, grad[st:e], s)
+                cm = torch.abs(r, out=tmp[: e - st]).amax()
+                # NaN propagates (torch.maximum does, unlike a compiled tl.maximum)
+                m = cm if m is None else torch.maximum(m, cm)
+            out[b] = m
+    if nonfinite is not None and bad[0]:
+        nonfinite.view(-1)[0] += bad[0]
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# 2. select + compact + residual update
+# --------------------------------------------------------------------------------------
+
+
+def _check_select_args(acc, threshold, capacity, bin_size, grad, value_encoding, sign_scale):
+    _check_1d("acc", acc, (torch.float32,))
+    n = acc.numel()
+    _check_index_width("acc", n)
+    capacity = _check_pos_int("capacity", capacity, 0)
+    if not isinstance(threshold, torch.Tensor):
+        if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
+            threshold = torch.tensor(float(threshold), dtype=torch.float32, device=acc.device)
+        else:
+            raise TypeError(f"threshold must be a tensor or float, got {type(threshold).__name__}")
+    if threshold.dtype != torch.float32:
+        raise TypeError(f"threshold must be fp32, got {threshold.dtype}")
+    if threshold.device != acc.device:
+        raise ValueError(f"threshold is on {threshold.device} but acc is on {acc.device}")
+    per_bin = threshold.dim() > 0 and bin_size
+    if per_bin:
+        L = _check_pos_int("bin_size", bin_size)
+        nbins = -(-n // L)
+        _check_1d("threshold", threshold)
+        if threshold.numel() != nbins:
+            raise ValueError(f"per-bin threshold must have ceil(n / bin_size) = {nbins} "
+                             f"elements, got {threshold.numel()}")
+    else:
+        if threshold.numel() != 1:
+            raise ValueError(f"threshold must be a 0-d tensor (or fp32[nbins] with "
+                             f"bin_size > 0), got shape {tuple(threshold.shape)}")
+        threshold = threshold.reshape(())
+        L = 0
+    if grad is not None:
+        _check_1d("grad", grad, _FLOAT_DTYPES)
+        if grad.numel() != n:
+            raise ValueError(f"grad has {grad.numel()} elements but acc has {n}")
+        if grad.device != acc.device:
+            raise ValueError(f"grad is on {grad.device} but acc is on {acc.device}")
+    ve = _value_encoding(value_encoding)
+    if ve == VE_SIGN1:
+        if sign_scale is None:
+            raise ValueError("sign_scale is required for value_encoding SIGN1")
+        sign_scale = _scalar_tensor("sign_scale", sign_scale, acc.device)
+    return n, threshold, capacity, L, ve, sign_scale
+
+
+def _alloc_select_out(out, capacity, ve, device):
+    vbytes = -(-capacity // 8)
+    if out is None:
+        indices = torch.zeros(capacity, dtype=torch.int32, device=device)
+        if ve == VE_SIGN1:
+            values = torch.zeros(vbytes, dtype=torch.uint8, device=device)
+        else:
+            values = torch.zeros(capacity, dtype=_FLOAT_VE[ve], device=device)
+        count = torch.zeros(2, dtype=torch.int32, device=device)
+        return indices, values, count
+    indices, values, count = out
+    _check_1d("out indices", indices, (torch.int32,))
+    if indices.numel() != capacity:
+        raise ValueError(f"out indices must have capacity={capacity} elements, got {indices.numel()}")
+    if ve == VE_SIGN1:
+        _check_1d("out values", values, (torch.uint8,))
+        if values.numel() != vbytes:
+            raise ValueError(f"out values (SIGN1) must have ceil(capacity/8)={vbytes} bytes, "
+                             f"got {values.numel()}")
+    else:
+        _check_1d("out values", values, (_FLOAT_VE[ve],))
+        if values.numel() != capacity:
+            raise ValueError(f"out values must have capacity={capacity} elements, got {values.numel()}")
+    _check_1d("out count", count, (torch.int32,))
+    if count.numel() != 2:
+        raise ValueError(f"out count must be int32[2], got {count.numel()} elements")
+    return indices, values, count
+
+
+def _select_compact_chunks(acc, thr, capacity, L, ch, grad, use_h, hm1, ve, sscale,
+                           indices, values) -> Tuple[int, int]:
+    """(2) in torch, chunk by chunk (devices other than the CPU, and ``_USE_NUMPY`` off).
+    Returns (sent, selected)."""
+    n = acc.numel()
+    tmp = torch.empty(ch, dtype=torch.float32, device=acc.device)
+    sent = selected = 0
+    signs = [] if ve == VE_SIGN1 else None
+    for s in range(0, n, ch):
+        e = min(s + ch, n)
+        m = e - s
+        a = acc[s:e]
+        c = tmp[:m]
+        if use_h:
+            c.copy_(grad[s:e]).mul_(hm1).add_(a).abs_()
+        else:
+            torch.abs(a, out=c)
+        # chunks start on bin boundaries (ch is a multiple of L)
+        tt = thr[s // L: -(-e // L)].repeat_interleave(L)[:m] if L else thr
+        idx = torch.nonzero(c >= tt).view(-1)
+        k = idx.numel()
+        selected += k
+        room = capacity - sent
+        if room <= 0 or k == 0:
+            continue
+        if k > room:
+            idx = idx[:room]
+            k = room
+        indices[sent:sent + k] = (idx + s).to(torch.int32)
+        v = a[idx]
+        if ve == VE_FP32:
+            values[sent:sent + k] = v
+            a.index_fill_(0, idx, 0.0)
+        elif ve == VE_SIGN1:
+            neg = v < 0
+            signs.append(neg)
+            a.index_copy_(0, idx, v - torch.where(neg, -sscale, sscale))
+        else:
+            vc = v.to(_FLOAT_VE[ve])
+            values[sent:sent + k] = vc
+            a.index_copy_(0, idx, v - vc.float())
+        sent += k
+    if ve == VE_SIGN1 and sent:
+        values[: -(-sent // 8)] = pack_bits(torch.cat(signs).to(torch.uint8), 1)
+    return sent, selected
+
+
+def _select_compact_np(acc, thr, capacity, L, ch, grad, use_h, hm1, ve, sscale,
+                       indices, values) -> Tuple[int, int]:
+    """(2) on the CPU: numpy passes over chunks, contiguous ranges of whole chunks split
+    across up to torch.get_num_threads() threads, in two phases that keep the reference
+    order. Phase 1: each range computes its chunks' masks and keeps its selected
+    positions (at most ``capacity`` of them: a range cannot send more) and its count.
+    An exclusive prefix over the ranges' counts gives each range its output offset and
+    how many it may send (the first ``capacity`` selected overall, ascending). Phase 2:
+    each range writes its indices / values and updates the residual of what it sends.
+    Returns (sent, selected)."""
+    n = acc.numel()
+    an_all = acc.detach().numpy()
+    # numpy has no bf16: a bf16 grad is cast in torch, which stays on one thread (torch
+    # ops in several Python threads would each open an intra-op parallel region)
+    gn_all = grad.detach().numpy() if use_h and grad.dtype != torch.bfloat16 else None
+    thr_n = thr.detach().numpy() if L else np.float32(float(thr))
+    hm1_32 = np.float32(hm1)
+    if use_h and gn_all is None:
+        ranges = [(0, n)]
+    else:
+        ranges = _par_ranges(n, ch, max(ch, _CHUNK_PAR_MIN))
+    found = [None] * len(ranges)      # per range: (count, [(chunk start, local idx), ...])
+
+    def phase1(i, s0, e0):
+        tn, mn = _chunk_scratch(min(ch, e0 - s0))
+        cnt = 0
+        keep = []
+        for s in range(s0, e0, ch):
+            e = min(s + ch, e0)
+            m = e - s
+            an = an_all[s:e]
+            c = tn[:m]
+            if use_h:
+                if gn_all is not None:
+                    np.multiply(gn_all[s:e], hm1_32, out=c)
+                else:
+                    torch.from_numpy(c).copy_(grad[s:e]).mul_(hm1)
+                np.add(c, an, out=c)
+                np.abs(c, out=c)
+            else:
+                np.abs(an, out=c)
+            mk = mn[:m]
+            if L:
+                b0 = s // L
+                nfull = m // L
+                if nfull:
+                    np.greater_equal(c[: nfull * L].reshape(nfull, L),
+                                     thr_n[b0:b0 + nfull, None],
+                                     out=mk[: nfull * L].reshape(nfull, L))
+                if nfull * L < m:
+                    np.greater_equal(c[nfull * L:], thr_n[b0 + nfull], out=mk[nfull * L:])
+            else:
+                np.greater_equal(c, thr_n, out=mk)
+            idx = np.flatnonzero(mk)
+            k = idx.shape[0]
+            room = capacity - cnt
+            if room > 0 and k:
+                keep.append((s, idx[:room] if k > room else idx))
+            cnt += k
+        found[i] = (cnt, keep)
+
+    _par_run(phase1, [(i, s0, e0) for i, (s0, e0) in enumerate(ranges)])
+    # exclusive prefix: output offset and number sent of each range
+    plan = []
+    total = 0
+    for cnt, keep in found:
+        off = min(total, capacity)
+        plan.append((off, min(cnt, capacity - off), keep))
+        total += cnt
+    selected = total
+    sent = min(total, capacity)
+    ind_n = indices.numpy()
+    val_n = values.detach().numpy() if ve == VE_FP32 else None
+    signs = [None] * len(ranges)
+    sc = np.float32(float(sscale)) if ve == VE_SIGN1 else None
+
+    def phase2(i):
+        off, quota, keep = plan[i]
+        negs = []
+        for s, idx in keep:
+            if quota <= 0:
+                break
+            k = idx.shape[0]
+            if k > quota:
+                idx = idx[:quota]
+                k = quota
+            np.add(idx, s, out=ind_n[off:off + k], casting="unsafe")  # int64 -> int32
+            an = an_all[s:]
+            if ve == VE_FP32:
+                np.take(an, idx, out=val_n[off:off + k])
+                an[idx] = 0.0
+            elif ve == VE_SIGN1:
+                v = an[idx]
+                neg = v < 0
+                negs.append(neg)
+                an[idx] = v - np.where(neg, -sc, sc)
+            else:
+                v = torch.from_numpy(an[idx])
+                vc = v.to(_FLOAT_VE[ve])
+                values[off:off + k] = vc
+                an[idx] = (v - vc.float()).numpy()
+            off += k
+            quota -= k
+        signs[i] = negs
+
+    _par_run(phase2, [(i,) for i in range(len(ranges)) if plan[i][1] > 0])
+    if ve == VE_SIGN1 and sent:
+        bits = np.concatenate([x for negs in signs if negs for x in negs])
+        values[: -(-sent // 8)] = pack_bits(torch.from_numpy(bits).to(torch.uint8), 1)
+    return sent, selected
+
+
+def select_compact(acc: torch.Tensor, threshold, capacity: int, *, bin_size: int = 0,
+                   grad: Optional[torch.Tensor] = None, h_scale: float = 1.0,
+                   value_encoding=VE_FP32, sign_scale=None, out=None,
+                   grad_scale: Optional[torch.Tensor] = None
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Select ``|h[i]| >= thr(i)`` with ``h = acc + (h_scale - 1) * g``,
+    ``g = fp32(grad) * grad_scale`` (``h = acc`` if grad is None or h_scale == 1; no
+    grad_scale multiply when it is None), every product and sum its own fp32 rounding
+    (never an FMA; the kernels are compiled without contraction, so bits agree);
+    ``thr(i) = threshold`` (0-d) or ``threshold[i // bin_size]`` (fp32[nbins]). NaN is
+    never selected.
+
+    Returns ``(indices int32[capacity], values, count int32[2] = [sent, selected])``;
+    values is [capacity] of fp32/fp16/bf16 (``acc`` cast) or, for SIGN1, uint8
+    [ceil(capacity / 8)] sign bits (bit j%8 of byte j//8, 1 = negative, acc == 0 counts
+    as positive). The first ``capacity`` selected elements in ascending index order are
+    sent; slots >= sent are padding. ``acc`` becomes the new residual in place: for sent
+    elements ``acc - dequant(value)`` (0 for fp32, the cast error for fp16/bf16,
+    ``acc - (+-sign_scale)`` for SIGN1); every other element is unchanged.
+    ``out`` = optional preallocated ``(indices, values, count)``.
+    """
+    n, thr, capacity, L, ve, sscale = _check_select_args(
+        acc, threshold, capacity, bin_size, grad, value_encoding, sign_scale)
+    _check_grad_scale(grad_scale, acc.device)
+    indices, values, count = _alloc_select_out(out, capacity, ve, acc.device)
+    hm1 = float(h_scale) - 1.0
+    use_h = grad is not None and hm1 != 0.0
+    if use_h and grad_scale is not None:
+        grad = grad.to(torch.float32) * grad_scale.reshape(()).to(torch.float32)
+    sent = 0
+    selected = 0
+    if n:
+        if L:
+            ch = max(1, _CHUNK // L) * L
+        else:
+            ch = _CHUNK
+        ch = min(ch, n)
+        if acc.device.type == "cpu" and _USE_NUMPY:
+            sent, selected = _select_compact_np(acc, thr, capacity, L, ch, grad, use_h, hm1,
+                                                ve, sscale, indices, values)
+        else:
+            sent, selected = _select_compact_chunks(acc, thr, capacity, L, ch, grad, use_h,
+                                                    hm1, ve, sscale, indices, values)
+    count[0] = sent
+    count[1] = selected
+    return indices, values, count
+
+
+# --------------------------------------------------------------------------------------
+# 3. quantise + pack, and the inverses
+# --------------------------------------------------------------------------------------
+
+
+def pack_bits(codes_u8: torch.Tensor, bits: int) -> torch.Tensor:
+    """The project's one bit packer: ``bits``-wide codes (``bits`` in {1, 2, 4, 8}, values
+    < 2**bits, any integer/bool dtype, any device) -> uint8[ceil(n*bits/8)], element j at
+    byte ``j*bits // 8``, bit ``(j*bits) % 8`` (little end first); unused high bits of the
+    last byte are 0. bits=1 packs sign bits and bitmasks (bit j%8 of byte j//8)."""
+    per = 8 // bits
+    n = codes_u8.numel()
+    nbytes = -(-n * bits // 8)
+    c = codes_u8.to(torch.int32)
+    if nbytes * per != n:
+        c = torch.cat([c, c.new_zeros(nbytes * per - n)])
+    c = c.view(nbytes, per)
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=c.device)
+    return (c << shifts).sum(dim=1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: int32[n] codes."""
+    per = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
+    c = (packed.to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)
+    return c.reshape(-1)[:n]
+
+
+_pack_bits, _unpack_bits = pack_bits, unpack_bits   # old private names
+
+
+#: target elements per block of the numpy quantise / dequantise path (whole buckets)
+_Q_CHUNK = 1 << 16
+
+
+def _q_block_len(B: int, bits: int) -> int:
+    """Block length for the numpy quantise path: whole buckets, ~_Q_CHUNK elements,
+    a multiple of 8 // bits so every block starts on a byte of the packed codes."""
+    per = 8 // bits
+    rows = max(1, _Q_CHUNK // B)
+    step = per // math.gcd(B, per)
+    rows = -(-rows // step) * step
+    return rows * B
+
+
+def _quantize_pack_np(v: np.ndarray, c: int, bits: int, B: int, seed: int,
+                      codes: np.ndarray, scales: np.ndarray) -> None:
+    """numpy :func:`quantize_pack` of fp32 ``v`` (count ``c``), block by block, with the
+    same fp32 operations (hence results) as the torch path."""
+    n = v.shape[0]
+    s = (1 << (bits - 1)) - 1
+    half = 1 << (bits - 1)
+    per = 8 // bits
+    L = _q_block_len(B, bits)
+    fs = np.float32(s)
+
+    def work(s0, e0):
+        scratch = _philox_scratch()
+        ramp = scratch[6]
+        a = np.empty(L, np.float32)       # |v| -> r -> r - floor(r)
+        fl = np.empty(L, np.float32)      # floor(r) -> q
+        u = np.empty(L, np.float32)
+        lt = np.empty(L, np.bool_)
+        ci = np.empty(L, np.int32)
+        cu = np.empty(L, np.uint8)
+        sh = np.empty(L // per if per > 1 else 1, np.uint8)
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            for bs in range(s0, e0, L):
+                be = min(bs + L, e0)               # elements [bs, be): be - bs <= L
+                m = be - bs
+                R = -(-m // B)                     # buckets (the last may be partial)
+                mp = R * B
+                A = a[:mp]
+                np.abs(v[bs:be], out=A[:m])
+                if c < be:
+                    A[max(c - bs, 0):m] = 0.0      # slots >= count are 0
+                if mp > m:
+                    A[m:] = 0.0
+                A2 = A.reshape(R, B)
+                sc = scales[bs // B: bs // B + R]
+                np.max(A2, axis=1, out=sc)
+                # r = fp32(fp32(|v| * s) / scale); 0 where the scale is 0, Inf or NaN
+                np.multiply(A, fs, out=A)
+                ok = (sc > 0) & (sc < np.inf)      # Inf/NaN scale: q = 0 (design.md)
+                if ok.all():
+                    np.divide(A2, sc[:, None], out=A2)
+                else:
+                    np.divide(A2, np.where(ok, sc, np.float32(1))[:, None], out=A2)
+                    A2[~ok] = 0.0
+                A = A[:m]
+                # u = tl.rand(seed, j)
+                U = u[:m]
+                for ps in range(0, m, _PHILOX_CHUNK):
+                    pe = min(ps + _PHILOX_CHUNK, m)
+                    pm = pe - ps
+                    ctr = scratch[5][:pm]
+                    np.add(ramp[:pm], np.uint64(bs + ps), out=ctr)
+                    w = U[ps:pe].view(np.uint32)
+                    _philox_np_block(seed, ctr, w, scratch)
+                    _uint32_to_uniform_np(w, U[ps:pe], scratch[4][:pm].view(np.int32)[:pm])
+                # q = sign(v) * min(s, floor(r) + (u < r - floor(r)))
+                F = fl[:m]
+                np.floor(A, out=F)
+                np.subtract(A, F, out=A)
+                np.less(U, A, out=lt[:m])
+                np.add(F, lt[:m], out=F)
+                np.minimum(F, fs, out=F)
+                np.copysign(F, v[bs:be], out=F)    # v < 0 -> -q; q is 0 where v is -0.0
+                CI = ci[:m]
+                np.copyto(CI, F, casting="unsafe")  # exact: integer-valued (NaN -> INT_MIN
+                np.add(CI, half, out=CI)            # like the torch cast)
+                CU = cu[:m]
+                np.copyto(CU, CI, casting="unsafe")  # to uint8 (mod 256), like .to(uint8)
+                ob = bs // per
+                if per == 1:
+                    codes[ob: ob + m] = CU
+                    continue
+                nbytes = -(-m // per)
+                if nbytes * per != m:              # last block: pad codes with 0
+                    cu[m: nbytes * per] = 0
+                CU = cu[: nbytes * per].reshape(nbytes, per)
+                out = codes[ob: ob + nbytes]
+                np.copyto(out, CU[:, 0])
+                S = sh[:nbytes]
+                for k in range(1, per):
+                    np.left_shift(CU[:, k], np.uint8(k * bits), out=S)
+                    np.bitwise_or(out, S, out=out)
+
+    _philox_parallel(n, work, align=L, min_per=max(L, _PHILOX_PAR_MIN))
+
+
+def quantize_pack(values: torch.Tensor, bits: int, bucket_size: int, seed: int,
+                  count=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Stochastic rounding to ``bits`` in {8, 4, 2} with one fp32 scale per bucket.
+
+    ``s = 2**(bits-1) - 1``; for bucket ``b`` of ``bucket_size`` consecutive values,
+    ``scale[b] = max |v|`` over the bucket (slots ``j >= count`` count as 0 and get
+    code ``2**(bits-1)``, i.e. q = 0). With ``r = fp32(fp32(|v| * s) / scale)`` and
+    ``u = philox_uniform(seed)[j]``: ``q = sign(v) * min(s, floor(r) + (u < r - floor(r)))``
+    -- the same distribution as ``floor(|v| / scale * s + u)`` (so ``E[q * scale / s] = v``),
+    written so that every fp32 operation is exact or correctly rounded and no
+    multiply-add can be contracted (the kernels are bit-identical). ``scale == 0`` gives
+    q = 0. ``code = q + 2**(bits-1)`` (unsigned, ``bits`` wide), element j at byte
+    ``j*bits // 8``, bit ``(j*bits) % 8``; unused high bits of the last byte are 0.
+
+    Returns ``(codes uint8[ceil(n*bits/8)], scales fp32[ceil(n / bucket_size)])``.
+    On the CPU this runs in numpy, in cache-sized blocks of whole buckets (and threads).
+    """
+    _check_1d("values", values, _FLOAT_DTYPES)
+    bits = _check_bits(bits)
+    B = _check_pos_int("bucket_size", bucket_size)
+    seed = _check_seed(seed)
+    n = values.numel()
+    c = _count_value("count", count, n)
+    if values.device.type != "cpu" or not _USE_NUMPY:
+        return _quantize_pack_torch(values, bits, B, seed, c)
+    nb = -(-n // B)
+    codes = torch.empty(-(-n * bits // 8), dtype=torch.uint8)
+    scales = torch.empty(nb, dtype=torch.float32)
+    if n:
+        v = values.to(torch.float32).contiguous().numpy()
+        _quantize_pack_np(v, c, bits, B, seed, codes.numpy(), scales.numpy())
+    return codes, scales
+
+
+def _quantize_pack_torch(values: torch.Tensor, bits: int, B: int, seed: int,
+                         c: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Torch :func:`quantize_pack` (any device; arguments already checked)."""
+    n = values.numel()
+    s = (1 << (bits - 1)) - 1
+    nb = -(-n // B)
+    v = values.to(torch.float32)
+    if c < n:
+        v = v.clone()
+        v[c:] = 0.0
+    av = v.abs()
+    pad = nb * B - n
+    avp = torch.cat([av, av.new_zeros(pad)]) if pad else av
+    scales = avp.view(nb, B).amax(dim=1) if n else av.new_zeros(0)
+    scale_e = scales.repeat_interleave(B)[:n]
+    r = (av * float(s)) / scale_e
+    r = torch.where((scale_e > 0) & (scale_e < math.inf), r, torch.zeros_like(r))
+    fl = torch.floor(r)
+    u = philox_uniform(seed, n, device=values.device)
+    q = fl + (u < (r - fl)).to(torch.float32)
+    q = torch.clamp(q, max=float(s))
+    q = torch.where(v < 0, -q, q)
+    codes = (q.to(torch.int32) + (1 << (bits - 1))).to(torch.uint8)
+    return pack_bits(codes, bits), scales
+
+
+def _dequantize_unpack_np(codes: np.ndarray, scales: np.ndarray, bits: int, B: int, n: int,
+                          out: np.ndarray) -> None:
+    """numpy :func:`dequantize_unpack` into fp32 ``out[n]``, block by block."""
+    s = np.float32((1 << (bits - 1)) - 1)
+    half = np.float32(1 << (bits - 1))
+    per = 8 // bits
+    mask = np.uint8((1 << bits) - 1)
+    L = _q_block_len(B, bits)
+
+    def work(s0, e0):
+        cu = np.empty(L, np.uint8)
+        f = np.empty(L, np.float32)
+        for bs in range(s0, e0, L):
+            be = min(bs + L, e0)
+            m = be - bs
+            R = -(-m // B)
+            nbytes = -(-m // per)
+            src = codes[bs // per: bs // per + nbytes]
+            if per == 1:
+                CU = src
+            else:
+                C2 = cu[: nbytes * per].reshape(nbytes, per)
+                for k in range(per):
+                    if k:
+                        np.right_shift(src, np.uint8(k * bits), out=C2[:, k])
+                        if k < per - 1:
+                            np.bitwise_and(C2[:, k], mask, out=C2[:, k])
+                    else:
+                        np.bitwise_and(src, mask, out=C2[:, 0])
+                CU = cu[:m]
+            F = f[: R * B]
+            np.copyto(F[:m], CU[:m], casting="unsafe")
+            np.subtract(F[:m], half, out=F[:m])      # q, exact
+            if R * B > m:
+                F[m:] = 0.0
+            F2 = F.reshape(R, B)
+            with np.errstate(invalid="ignore"):          # 0 * Inf = NaN is the rule
+                np.multiply(F2, scales[bs // B: bs // B + R, None], out=F2)
+            np.divide(F[:m], s, out=out[bs:be])
+
+    _philox_parallel(n, work, align=L, min_per=max(L, _PHILOX_PAR_MIN))
+
+
+def dequantize_unpack(codes: torch.Tensor, scales: torch.Tensor, bits: int,
+                      bucket_size: int, n: int) -> torch.Tensor:
+    """Inverse map of :func:`quantize_pack`: fp32[n] with
+    ``v[j] = fp32(fp32(q_j * scale[j // bucket_size]) / s)``, ``q_j = code_j - 2**(bits-1)``.
+    """
+    _check_1d("codes", codes, (torch.uint8,))
+    _check_1d("scales", scales, (torch.float32,))
+    bits = _check_bits(bits)
+    B = _check_pos_int("bucket_size", bucket_size)
+    n = _check_pos_int("n", n, 0)
+    if codes.numel() < -(-n * bits // 8):
+        raise ValueError(f"codes has {codes.numel()} bytes, needs ceil(n*bits/8) = "
+                         f"{-(-n * bits // 8)} for n={n}, bits={bits}")
+    if scales.numel() < -(-n // B):
+        raise ValueError(f"scales has {scales.numel()} elements, needs ceil(n/bucket_size) = "
+                         f"{-(-n // B)}")
+    if codes.device.type == "cpu" and scales.device.type == "cpu" and _USE_NUMPY:
+        out = torch.empty(n, dtype=torch.float32)
+        if n:
+            _dequantize_unpack_np(codes.contiguous().numpy(), scales.contiguous().numpy(),
+                                  bits, B, n, out.numpy())
+        return out
+    s = (1 << (bits - 1)) - 1
+    q = (unpack_bits(codes[: -(-n * bits // 8)], bits, n) - (1 << (bits - 1))).to(torch.float32)
+    scale_e = scales[: -(-n // B)].repeat_interleave(B)[:n]
+    return (q * scale_e) / float(s)
+
+
+def sign_unpack(bits_u8: torch.Tensor, scale, n: int) -> torch.Tensor:
+    """fp32[n]: ``-scale`` where bit j (bit j%8 of byte j//8) is 1, ``+scale`` otherwise."""
+    _check_1d("bits_u8", bits_u8, (torch.uint8,))
+    n = _check_pos_int("n", n, 0)
+    if bits_u8.numel() < -(-n // 8):
+        raise ValueError(f"bits_u8 has {bits_u8.numel()} bytes, needs ceil(n/8) = {-(-n // 8)}")
+    sc = _scalar_tensor("scale", scale, bits_u8.device)
+    b = unpack_bits(bits_u8[: -(-n // 8)], 1, n)
+    return torch.where(b.bool(), -sc, sc)
+
+
+# --------------------------------------------------------------------------------------
+# 4. scatter-add decode
+# --------------------------------------------------------------------------------------
+
+
+def _as_2d(name: str, t: Optional[torch.Tensor], P: int, batched: bool):
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if not batched:
+        if t.dim() > 1:
+            raise ValueError(f"{name} must be 1-D when indices is 1-D, got shape {tuple(t.shape)}")
+        t = t.reshape(1, -1)
+    else:
+        if t.dim() == 1 and t.shape[0] == P:
+            t = t.reshape(P, 1)
+        if t.dim() != 2 or t.shape[0] != P:
+            raise ValueError(f"{name} must have shape [P={P}, ...], got {tuple(t.shape)}")
+    return t
+
+
+def _check_scatter_args(dense, indices, count, values, codes, scales, bits, bucket_size,
+                        signs, sign_scale):
+    _check_1d("dense", dense, (torch.float32,))
+    if not isinstance(indices, torch.Tensor) or indices.dim() not in (1, 2):
+        raise ValueError("indices must be a 1-D [cap] or 2-D [P, cap] tensor")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"indices must be int32 or int64, got {indices.dtype}")
+    batched = indices.dim() == 2
+    ind = indices if batched else indices.reshape(1, -1)
+    P, cap = ind.shape
+    cnt = _as_2d("count", count, P, batched)
+    if cnt is None or cnt.shape[1] < 1 or cnt.dtype not in (torch.int32, torch.int64):
+        raise ValueError("count must be an int32 tensor [P, >=1] ([>=1] for 1-D indices)")
+    modes = sum(x is not None for x in (values, codes, signs))
+    if modes != 1:
+        raise ValueError("exactly one of values, codes (+scales, bits), signs (+sign_scale) "
+                         "must be given")
+    vals = _as_2d("values", values, P, batched)
+    if vals is not None:
+        if vals.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"values must be fp32/fp16/bf16, got {vals.dtype}")
+        if vals.shape[1] < cap:
+            raise ValueError(f"values must have >= cap={cap} columns, got {vals.shape[1]}")
+    cds = _as_2d("codes", codes, P, batched)
+    scl = None
+    if cds is not None:
+        bits = _check_bits(bits)
+        bucket_size = _check_pos_int("bucket_size", bucket_size)
+        if cds.dtype != torch.uint8:
+            raise TypeError(f"codes must be uint8, got {cds.dtype}")
+        if cds.shape[1] < -(-cap * bits // 8):
+            raise ValueError(f"codes must have >= ceil(cap*bits/8) = {-(-cap * bits // 8)} "
+                             f"bytes per row, got {cds.shape[1]}")
+        if scales is None:
+            raise ValueError("scales is required with codes")
+        scl = _as_2d("scales", scales, P, batched)
+        if scl.dtype != torch.float32:
+            raise TypeError(f"scales must be fp32, got {scl.dtype}")
+        if scl.shape[1] < -(-cap // bucket_size):
+            raise ValueError(f"scales must have >= ceil(cap/bucket_size) = "
+                             f"{-(-cap // bucket_size)} per row, got {scl.shape[1]}")
+    sgn = _as_2d("signs", signs, P, batched)
+    ssc = None
+    if sgn is not None:
+        if sgn.dtype != torch.uint8:
+            raise TypeError(f"signs must be uint8, got {sgn.dtype}")
+        if sgn.shape[1] < -(-cap // 8):
+            raise ValueError(f"signs must have >= ceil(cap/8) = {-(-cap // 8)} bytes per row, "
+                             f"got {sgn.shape[1]}")
+        if sign_scale is None:
+            raise ValueError("sign_scale is required with signs")
+        if isinstance(sign_scale, torch.Tensor):
+            ssc = sign_scale.reshape(-1).to(torch.float32)
+            if ssc.numel() == 1 and P > 1:
+                ssc = ssc.expand(P)
+            if ssc.numel() != P:
+                raise ValueError(f"sign_scale must have 1 or P={P} elements, got {ssc.numel()}")
+        else:
+            ssc = torch.full((P,), float(sign_scale), dtype=torch.float32, device=dense.device)
+    return ind, P, cap, cnt, vals, cds, scl, bits, bucket_size, sgn, ssc
+
+
+def scatter_add_decode(dense: torch.Tensor, indices: torch.Tensor, count: torch.Tensor,
+                       values: Optional[torch.Tensor] = None, *,
+                       codes: Optional[torch.Tensor] = None,
+                       scales: Optional[torch.Tensor] = None, bits: int = 0,
+                       bucket_size: int = 512, signs: Optional[torch.Tensor] = None,
+                       sign_scale=None, error_flag: Optional[torch.Tensor] = None
+                       ) -> Optional[torch.Tensor]:
+    """``dense[indices[p, j]] += value(p, j)`` for every row p and ``j < count[p, 0]``.
+
+    Value of slot j: ``values[p, j]`` (float), ``dequantize_unpack(codes[p], scales[p],
+    bits, bucket_size)[j]``, or ``+-sign_scale[p]`` from the sign bits. 1-D inputs are a
+    batch of one row. Rows are added in row order (row 0 first), each element's addends
+    in that order: deterministic, and the same bits as the kernels. Repeated indices
+    inside one row (malformed) accumulate. Raises IndexError naming the row, slot
+    and index of the first index < 0 or >= dense.numel(), and ValueError for a count
+    outside [0, cap]; nothing is written in either case. Returns ``error_flag`` unchanged
+    (the reference never sets it; errors raise instead).
+    """
+    ind, P, cap, cnt, vals, cds, scl, bits, B, sgn, ssc = _check_scatter_args(
+        dense, indices, count, values, codes, scales, bits, bucket_size, signs, sign_scale)
+    N = dense.numel()
+    counts = cnt[:, 0].tolist()
+    rows_idx, rows_val = [], []
+    for p in range(P):
+        c = int(counts[p])
+        if c < 0 or c > cap:
+            raise ValueError(f"count[{p}] = {c} is outside [0, cap={cap}]")
+        if c == 0:
+            continue
+        ix = ind[p, :c].to(torch.int64)
+        bad = (ix < 0) | (ix >= N)
+        if bool(bad.any()):
+            j = int(torch.nonzero(bad)[0, 0])
+            raise IndexError(f"scatter_add_decode: index {int(ix[j])} at row {p}, slot {j} is "
+                             f"out of range for dense of {N} elements")
+        if vals is not None:
+            v = vals[p, :c].to(torch.float32)
+        elif cds is not None:
+            v = dequantize_unpack(cds[p].contiguous(), scl[p].contiguous(), bits, B, cap)[:c]
+        else:
+            b = unpack_bits(sgn[p, : -(-c // 8)].contiguous(), 1, c)
+            v = torch.where(b.bool(), -ssc[p], ssc[p])
+        rows_idx.append(ix)
+        rows_val.append(v)
+    # every row is checked before anything is written; then rows are added one after
+    # the other in row (rank) order, like the kernels' stream-ordered launches, so the
+    # fp32 sum at every element is the same on every rank and every run
+    for ix, v in zip(rows_idx, rows_val):
+        dense.index_add_(0, ix, v)
+    return error_flag

@@ -5,7 +5,11 @@ payload it just produced and the *device* tensors it already has (the ``count`` 
 segment, the ``selected`` count, the threshold). Nothing is copied to the host there;
 running sums are kept as device tensors (one tiny device add per step and layer).
 :meth:`StatsCollector.as_dict` converts everything to Python numbers, and that is where
-the (single) host synchronisation happens.
+the (single) host synchronisation happens: every device tensor of every layer is
+flattened into one float64 vector per device and copied to the host at once
+(:func:`host_values`), so ``stats()`` costs one device-to-host copy, not one per layer
+or per field. Integers up to 2^53 and fp32 values survive the float64 round trip
+exactly; integer and bool tensors come back as ``int`` / ``bool``.
 
 Byte accounting (what :func:`segment_nbytes` counts for one fixed-capacity segment):
 
@@ -33,7 +37,7 @@ from .payload import (FLOAT_BYTES, QUANT_BITS, IndexEncoding, LayerPayload, Segm
                       ValueEncoding)
 
 __all__ = ["segment_nbytes", "segment_slot_bytes", "segment_fixed_bytes",
-           "payload_nbytes", "LayerStats", "StatsCollector"]
+           "payload_nbytes", "LayerStats", "StatsCollector", "host_values"]
 
 _INDEX_SLOT_BYTES = {IndexEncoding.DENSE: 0.0, IndexEncoding.INT32: 4.0,
                      IndexEncoding.BIN_U8: 1.0, IndexEncoding.BIN_U16: 2.0,
@@ -88,6 +92,44 @@ def payload_nbytes(payload: LayerPayload) -> int:
     return sum(segment_nbytes(s) for s in payload.segments)
 
 
+def host_values(tensors) -> Dict[int, object]:
+    """``id(t) -> value`` for every tensor in ``tensors``: a Python number for a
+    one-element tensor, a (nested) list otherwise. One batched device-to-host copy per
+    device (the tensors are cast to float64 and concatenated on their device first)."""
+    out: Dict[int, object] = {}
+    by_dev: Dict[str, list] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and id(t) not in out:
+            out[id(t)] = None
+            by_dev.setdefault(str(t.device), []).append(t)
+    for ts in by_dev.values():
+        flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in ts])
+        host = flat.cpu().numpy()          # the one synchronisation for this device
+        pos = 0
+        for t in ts:
+            n = t.numel()
+            vals = host[pos:pos + n]
+            pos += n
+            if t.dtype == torch.bool:
+                conv = [bool(v) for v in vals]
+            elif not (t.dtype.is_floating_point or t.dtype.is_complex):
+                conv = [int(v) for v in vals]
+            else:
+                conv = [float(v) for v in vals]
+            if n == 1:
+                out[id(t)] = conv[0]
+            else:
+                out[id(t)] = _nest(conv, tuple(t.shape))
+    return out
+
+
+def _nest(vals: list, shape: tuple):
+    if len(shape) <= 1:
+        return vals
+    step = len(vals) // shape[0] if shape[0] else 0
+    return [_nest(vals[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
 class LayerStats:
     """Statistics of one layer: the latest step plus running sums (device tensors)."""
 
@@ -128,18 +170,22 @@ class LayerStats:
         if extra:
             self.last.update(extra)
 
+    def _tensors(self) -> list:
+        ts = [v for v in self.last.values() if isinstance(v, torch.Tensor)]
+        ts += [t for t in (self._total_effective, self._total_sent) if t is not None]
+        return ts
+
     @staticmethod
-    def _num(x):
+    def _num(x, host: Dict[int, object]):
         if isinstance(x, torch.Tensor):
-            if x.numel() == 1:
-                v = x.reshape(-1)[0].item()
-                return v
-            return x.detach().cpu().tolist()
+            return host[id(x)]
         return x
 
-    def as_dict(self) -> dict:
-        """Host copy of everything (synchronises with the device once per tensor)."""
-        d = {k: self._num(v) for k, v in self.last.items()}
+    def as_dict(self, _host: Optional[Dict[int, object]] = None) -> dict:
+        """Host copy of everything (one batched device-to-host copy, see
+        :func:`host_values`; ``StatsCollector.as_dict`` batches all layers at once)."""
+        host = host_values(self._tensors()) if _host is None else _host
+        d = {k: self._num(v, host) for k, v in self.last.items()}
         if "sent" in d and d["sent"] is not None:
             d["sent"] = int(d["sent"])
         if d.get("selected") is not None:
@@ -151,9 +197,11 @@ class LayerStats:
         d["steps"] = self.steps
         d["total_payload_bytes"] = self.total_payload_bytes
         d["total_dense_bytes"] = self.total_dense_bytes
-        te = self._num(self._total_effective) if self._total_effective is not None else 0.0
+        te = self._num(self._total_effective, host) if self._total_effective is not None \
+            else 0.0
         d["total_effective_bytes"] = te
-        d["total_sent"] = int(self._num(self._total_sent)) if self._total_sent is not None else 0
+        d["total_sent"] = int(self._num(self._total_sent, host)) \
+            if self._total_sent is not None else 0
         d["mean_compression_rate"] = (self.total_dense_bytes / self.total_payload_bytes
                                       if self.total_payload_bytes else math.inf)
         d["mean_effective_rate"] = self.total_dense_bytes / te if te else math.inf
@@ -194,16 +242,17 @@ class StatsCollector:
         st.record(step, payload, selected, threshold, density, extra)
 
     def as_dict(self) -> Dict[str, dict]:
-        return {name: st.as_dict() for name, st in self.layers.items()}
+        host = host_values([t for st in self.layers.values() for t in st._tensors()])
+        return {name: st.as_dict(host) for name, st in self.layers.items()}
 
     def totals(self) -> dict:
         """Whole-model sums over all layers and steps."""
         pb = sum(s.total_payload_bytes for s in self.layers.values())
         db = sum(s.total_dense_bytes for s in self.layers.values())
-        eb = 0.0
-        for s in self.layers.values():
-            if s._total_effective is not None:
-                eb += float(LayerStats._num(s._total_effective))
+        eff = [s._total_effective for s in self.layers.values()
+               if s._total_effective is not None]
+        host = host_values(eff)
+        eb = float(sum(host[id(t)] for t in eff))
         return dict(payload_bytes=pb, dense_bytes=db, effective_bytes=eb,
                     compression_rate=db / pb if pb else math.inf,
                     effective_rate=db / eb if eb else math.inf)

@@ -3,6 +3,8 @@ at P = 2 .. 1024; no Horovod needed. Expected regimes are derived by hand from t
 formulas in the module docstring."""
 import math
 
+import torch
+
 import pytest
 
 from hvdsparse.exchange import check_exchange
@@ -136,3 +138,70 @@ def test_check_exchange():
         assert check_exchange(name) == name
     with pytest.raises(ValueError, match="exchange must be one of"):
         check_exchange("ring")
+
+
+# ------------------------------------------------------- exchange plumbing (no Horovod)
+
+def test_split_message_length_identifies_mode_and_count():
+    """split's receivers take (mode, K_r) from the message length alone (Horovod's
+    received splits, on the host): for every range size, pair dtype and dense encoding,
+    every K the owner can send maps back to exactly that mode and K."""
+    from hvdsparse.exchange.split import (MODE_SPARSE, dense_msg_nbytes, parse_length,
+                                          range_mode, sparse_msg_nbytes)
+    for vb in (2, 4):
+        for bits, qb in ((0, 512), (8, 512), (4, 64), (2, 7)):
+            for n_r in list(range(0, 40)) + [511, 513, 1000]:
+                lengths = {}
+                for k in range(0, n_r + 1):
+                    mode = range_mode(k, n_r, vb, bits, qb)
+                    ln = sparse_msg_nbytes(k, vb) if mode == MODE_SPARSE else \
+                        dense_msg_nbytes(n_r, bits, qb)
+                    assert ln % 4 == 0
+                    assert parse_length(ln, n_r, vb, bits, qb) == \
+                        (mode, k if mode == MODE_SPARSE else None), (vb, bits, n_r, k)
+                    if mode == MODE_SPARSE:
+                        assert ln < dense_msg_nbytes(n_r, bits, qb)
+                        assert lengths.setdefault(ln, k) == k     # injective
+                # impossible lengths are rejected
+                assert parse_length(dense_msg_nbytes(n_r, bits, qb) + 4, n_r, vb, bits,
+                                    qb) is None
+                assert parse_length(2, n_r, vb, bits, qb) is None
+
+
+def test_host_readout_and_deferred_figures_cpu():
+    from hvdsparse.exchange import DeferredFigures, HostReadout
+    g = torch.Generator().manual_seed(3)
+    v = torch.randint(0, 10 ** 9, (3,), generator=g, dtype=torch.int64)
+    expect = v.tolist()
+    ro = HostReadout(v)
+    v.fill_(-1)                                 # the readout holds its own copy
+    assert ro.ready() and ro.get() == expect
+    d = DeferredFigures(HostReadout(torch.tensor([7, 9])), lambda x: dict(a=x[0] / 2, b=x[1]))
+    assert d.ready() and d.get() == dict(a=3.5, b=9)
+    d.get()["a"] = 0                            # callers get a copy
+    assert d.get() == dict(a=3.5, b=9)
+
+
+def test_buffer_pool_reuse_and_isolation():
+    from hvdsparse.exchange import BufferPool, ExchangeContext
+    pool = BufferPool()
+    a = pool.get("sum", 0, 10, torch.float32, "cpu")
+    assert pool.get("sum", 0, 10, torch.float32, "cpu") is a            # reused
+    others = [pool.get("msg", 0, 10, torch.float32, "cpu"),             # other kind
+              pool.get("sum", 1, 10, torch.float32, "cpu"),             # other bucket
+              pool.get("sum", 0, 10, torch.float16, "cpu")]             # other dtype
+    ptrs = {a.data_ptr()} | {t.data_ptr() for t in others}
+    assert len(ptrs) == 4
+    b = pool.get("sum", 0, 12, torch.float32, "cpu")                    # re-planned
+    assert b.numel() == 12 and pool.get("sum", 0, 10, torch.float32, "cpu") is not a
+    c1 = pool.const_index([3, 1, 2], "cpu")
+    assert c1 is pool.const_index((3, 1, 2), "cpu") and c1.tolist() == [3, 1, 2]
+    # contexts without a pool share one per optimizer prefix; the module keeps a few
+    ctx = ExchangeContext(rank=0, world_size=2, prefix="t.pool.a")
+    assert ctx.buffer("k", 0, 4, torch.int32, "cpu") is \
+        ExchangeContext(rank=1, world_size=2, prefix="t.pool.a").buffer("k", 0, 4, torch.int32,
+                                                                        "cpu")
+    for i in range(BufferPool._MAX_PREFIXES + 2):
+        BufferPool.default(f"t.pool.x{i}")
+    assert "t.pool.a" not in BufferPool._DEFAULT
+    assert len(BufferPool._DEFAULT) <= BufferPool._MAX_PREFIXES

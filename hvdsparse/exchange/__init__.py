@@ -15,7 +15,8 @@ returns the flat fp32 **sum** over ranks. See :mod:`.base`.
 from __future__ import annotations
 
 from . import allgather, cost_model, dense, split
-from .base import BucketSpec, ExchangeContext, Pending
+from .base import (BucketSpec, BufferPool, DeferredFigures, ExchangeContext, HostReadout,
+                   Pending)
 
 STRATEGIES = {"allgather": allgather, "split": split, "dense": dense}
 EXCHANGE_NAMES = ("auto",) + tuple(STRATEGIES)
@@ -39,4 +40,5 @@ def launch(strategy: str, spec: BucketSpec, payloads, ctx: ExchangeContext) -> P
 
 
 __all__ = ["STRATEGIES", "EXCHANGE_NAMES", "check_exchange", "launch", "BucketSpec",
-           "ExchangeContext", "Pending", "cost_model"]
+           "ExchangeContext", "Pending", "cost_model", "BufferPool", "DeferredFigures",
+           "HostReadout"]

@@ -11,11 +11,31 @@ happen in the scheduler.
 Collectives are named ``<prefix>.b<bucket>.<strategy>[.<phase>]``: Horovod matches
 operations by name, so buckets may complete in any order, and the names are stable
 from step to step (Horovod's response cache hits when names and shapes repeat).
+
+Host synchronisation (CUDA)
+---------------------------
+No strategy reads a device value with a blocking call (``.item()``, ``.tolist()``,
+``nonzero``, a H2D copy of a Python list). Figures that the host needs *later* (the
+cost model's pair counts) are computed on the device and handed to a
+:class:`HostReadout`: one non-blocking copy into pinned host memory plus a CUDA event.
+The host reads them once the event has completed; :class:`DeferredFigures` wraps this
+for the cost model. The one exception is ``split``, whose variable-size collectives need
+host integers (see :mod:`.split`): it reads them through the same readouts and waits on
+their event only when the next phase cannot start otherwise.
+
+Buffers
+-------
+Flat bucket vectors, encode buffers and small index tensors are reused from step to
+step (:class:`BufferPool`, keyed by optimizer prefix, kind, bucket id, numel, dtype and
+device). Consequence for the caller: **the tensor returned by ``Pending.finish()`` is
+valid until the next launch of the same bucket** (the scheduler copies it into
+``p.grad`` in the same step).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -63,10 +83,21 @@ class ExchangeContext:
     # this int32[1] device flag instead of raising; the scheduler checks it one step
     # later, when reading it no longer stalls the stream (see Scheduler.synchronize).
     error_flag: Optional[torch.Tensor] = None
+    # Reused buffers; None = the module-level pool (per prefix, see BufferPool.default).
+    # A scheduler may pass its own pool to tie the buffers' lifetime to the optimizer.
+    buffers: Optional["BufferPool"] = None
 
     def name(self, bucket_id: int, strategy: str, phase: str = "") -> str:
         n = f"{self.prefix}.b{bucket_id}.{strategy}"
         return f"{n}.{phase}" if phase else n
+
+    def pool(self) -> "BufferPool":
+        return self.buffers if self.buffers is not None else BufferPool.default(self.prefix)
+
+    def buffer(self, kind: str, bucket_id: int, numel: int, dtype: torch.dtype,
+               device) -> torch.Tensor:
+        """A reused 1-D buffer (contents unspecified) for ``kind`` of bucket ``bucket_id``."""
+        return self.pool().get(kind, bucket_id, numel, dtype, device)
 
 
 @dataclass
@@ -83,6 +114,10 @@ class Pending:
     wait_s: float = 0.0
     decode_s: float = 0.0
     result: Optional[torch.Tensor] = None
+    #: the device-computed figures (``pairs``, ``reduced``), readable later without a
+    #: stall; set by ``finish()`` when ``ctx.want_figures``. On CPU ``figures`` holds
+    #: them as well, at once (reading a CPU tensor is no synchronisation).
+    deferred_figures: Optional["DeferredFigures"] = None
 
     def advance(self) -> None:
         """Non-blocking progress (multi-phase strategies start their next phase when
@@ -90,6 +125,132 @@ class Pending:
 
     def finish(self) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _defer_figures(self, values: torch.Tensor,
+                       convert: Callable[[List[int]], Dict[str, float]]) -> None:
+        """Hand device integers ``values`` (1-D int64) to a :class:`DeferredFigures`;
+        on CPU also fill ``self.figures`` now."""
+        d = DeferredFigures(HostReadout(values), convert)
+        self.deferred_figures = d
+        if values.device.type == "cpu":
+            self.figures.update(d.get())
+
+
+class HostReadout:
+    """Device values the host needs later, copied without stalling the host.
+
+    CUDA: ``values`` (1-D) is copied with ``non_blocking=True`` into a pinned host
+    buffer (PyTorch's caching host allocator reuses those blocks) and a CUDA event is
+    recorded on the current stream right after the copy. :meth:`ready` queries the
+    event (never blocks); :meth:`get` waits on that event -- not on the device -- and
+    reads the pinned buffer through numpy (no tensor op, so nothing else is waited for).
+    CPU: the copy completes at once; ``ready()`` is always True.
+    """
+
+    __slots__ = ("device", "_host", "_event")
+
+    def __init__(self, values: torch.Tensor):
+        values = values.detach().reshape(-1)
+        self.device = values.device
+        if values.device.type == "cuda":
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(values.device))
+        else:
+            self._host = values.clone()
+            self._event = None
+
+    def ready(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+    def get(self) -> List:
+        """The values as Python numbers (waits on the event if not yet complete)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.numpy().tolist()
+
+
+def host_list(t: torch.Tensor) -> List[int]:
+    """Integers of a tensor that lives in host memory by contract (Horovod's alltoall
+    returns its received splits as a CPU tensor, whatever the data's device). Read
+    through numpy: no tensor op, and never a device synchronisation."""
+    if t.device.type != "cpu":
+        raise RuntimeError(f"hvdsparse: expected a host tensor, got one on {t.device}")
+    return [int(x) for x in t.numpy().tolist()]
+
+
+class DeferredFigures:
+    """Cost-model figures of one bucket exchange, computed on the device.
+
+    ``get()`` returns the same dict as ``Pending.figures`` (``pairs``: mean pairs sent
+    per rank, ``reduced``: non-zeros of the summed bucket or an upper bound). The
+    values come from bytes every rank received identically, so they are equal on all
+    ranks; *when* they become readable is not. A consumer that must decide identically
+    on every rank therefore reads a fixed older exchange (the scheduler: the figures of
+    step ``t-2`` at step ``t``, whose event completed before step ``t-1``'s collectives
+    could), never "whatever has arrived".
+    """
+
+    __slots__ = ("readout", "_convert", "_value")
+
+    def __init__(self, readout: HostReadout, convert: Callable[[List[int]], Dict[str, float]]):
+        self.readout, self._convert, self._value = readout, convert, None
+
+    def ready(self) -> bool:
+        return self._value is not None or self.readout.ready()
+
+    def get(self) -> Dict[str, float]:
+        if self._value is None:
+            self._value = self._convert(self.readout.get())
+        return dict(self._value)
+
+
+class BufferPool:
+    """Reused per-bucket buffers: ``(kind, bucket_id, numel, dtype, device) -> tensor``.
+
+    A buffer handed out for a key is handed out again for the same key at the next
+    step, so a caller must be done with it before it launches that bucket again (see
+    the module docstring). Different kinds never alias.
+    """
+
+    _DEFAULT: "OrderedDict[str, BufferPool]" = OrderedDict()
+    _MAX_PREFIXES = 8    # optimizers whose buffers the module-level pool keeps
+
+    def __init__(self):
+        self._bufs: Dict[Tuple, torch.Tensor] = {}
+        self._consts: Dict[Tuple, torch.Tensor] = {}
+
+    @classmethod
+    def default(cls, prefix: str) -> "BufferPool":
+        pool = cls._DEFAULT.get(prefix)
+        if pool is None:
+            pool = cls._DEFAULT[prefix] = cls()
+            while len(cls._DEFAULT) > cls._MAX_PREFIXES:
+                cls._DEFAULT.popitem(last=False)
+        else:
+            cls._DEFAULT.move_to_end(prefix)
+        return pool
+
+    def get(self, kind: str, bucket_id: int, numel: int, dtype: torch.dtype,
+            device) -> torch.Tensor:
+        key = (kind, int(bucket_id), int(numel), dtype, str(device))
+        buf = self._bufs.get(key)
+        if buf is None:
+            # drop a stale buffer of the same kind and bucket (numel changed: re-plan)
+            for k in [k for k in self._bufs if k[:2] == key[:2]]:
+                del self._bufs[k]
+            buf = self._bufs[key] = torch.empty(int(numel), dtype=dtype, device=device)
+        return buf
+
+    def const_index(self, values: Sequence[int], device) -> torch.Tensor:
+        """An int64 device tensor holding ``values``, built once (the H2D copy of a
+        Python list happens on first use only)."""
+        key = (tuple(int(v) for v in values), str(device))
+        t = self._consts.get(key)
+        if t is None:
+            t = self._consts[key] = torch.tensor(key[0], dtype=torch.int64, device=device)
+        return t
 
 
 def bucket_device(payloads: Sequence[LayerPayload]) -> torch.device:
@@ -100,10 +261,14 @@ def bucket_device(payloads: Sequence[LayerPayload]) -> torch.device:
 
 
 def own_dense(spec: BucketSpec, payloads: Sequence[LayerPayload],
-              device: torch.device) -> torch.Tensor:
-    """This rank's payloads expanded into the flat fp32 bucket vector."""
+              device: torch.device, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """This rank's payloads expanded into the flat fp32 bucket vector (written into
+    ``out``, fp32[spec.numel], when given; ``payload_to_dense`` overwrites each view)."""
     from .. import codec
-    flat = torch.zeros(spec.numel, dtype=torch.float32, device=device)
+    if out is None:
+        flat = torch.zeros(spec.numel, dtype=torch.float32, device=device)
+    else:
+        flat = out
     for view, p in zip(spec.views(flat), payloads):
         codec.payload_to_dense(p, out=view)
     return flat

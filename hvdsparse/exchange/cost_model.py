@@ -11,11 +11,12 @@ identical on all ranks:
   the same on every rank;
 * ``capacity``     -- slots per rank (sum of segment capacities): an upper bound on the
   number of (index, value) pairs one rank contributes;
-* ``prev_pairs``   -- average pairs per rank actually sent at the previous exchange of
-  this bucket, when every rank learned it (the allgather strategy decodes every rank's
+* ``prev_pairs``   -- average pairs per rank actually sent at an earlier exchange of
+  this bucket (the scheduler reads step ``t-2``'s: see :class:`.base.DeferredFigures`),
+  when every rank learned it (the allgather strategy decodes every rank's
   ``count`` fields; the split strategy's gathered range headers carry the pairs each
   owner received). ``None`` = unknown, use ``capacity``;
-* ``prev_reduced`` -- non-zeros of the previous step's *summed* bucket, ``K``, when every
+* ``prev_reduced`` -- non-zeros of that earlier step's *summed* bucket, ``K``, when every
   rank learned it (split headers carry each range's nnz; after a dense allreduce every
   rank holds the identical sum; after allgather the sum of the counts, an upper bound of
   the union). ``None`` = unknown, use the SparCML bound ``min(N, P*k)``.
@@ -29,8 +30,10 @@ Costs (bytes that cross one rank's link in a bandwidth-optimal ring/pairwise alg
   ``d`` = 4 (fp32) or 2 (fp16).
 * ``split``     (SparCML SSAR/DSAR_Split_allgather, section 5.3.2-5.3.3):
   ``(P-1)/P * k (c+v)`` for the split phase (each rank ships the pairs outside its own
-  range to their owners) plus ``(P-1)/P * min(K (c+v), N q)`` for the allgather of the
-  reduced ranges, which are sent sparse while ``K_r <= delta_r = N_r q / (c+v)`` and
+  range to their owners) plus ``(P-1)/P * min(K (c+v), N q)`` for the gather of the
+  reduced ranges (each owner's message goes to every rank: an alltoall, which moves the
+  same link bytes as a ring allgather), which are sent sparse while
+  ``K_r < delta_r = N_r q / (c+v)`` and
   dense otherwise (``q`` = 4 for fp32, ``bits/8 + 4/bucket`` when the dense phase is
   quantised). With ``k`` = ``prev_pairs`` or ``capacity`` and ``K`` = ``prev_reduced`` or
   ``min(N, P k)``.

@@ -8,6 +8,10 @@ The result equals the allgather strategy's sum up to float summation order (fp32
 fp16 rounding. With ``NoCompression`` it is a plain dense allreduce.
 
 Bytes per rank (ring allreduce): sent = received = ``2 (P-1)/P * N * d`` (d = 4 or 2).
+
+No host synchronisation: the flat vector (and its fp16 copy) are reused per bucket;
+the cost model's figure (non-zeros of the allreduced sum, identical on every rank)
+stays on the device (:class:`.base.DeferredFigures`).
 """
 from __future__ import annotations
 
@@ -28,10 +32,14 @@ class DensePending(Pending):
         t0 = time.perf_counter()
         hvd.synchronize(self._handle)
         t1 = time.perf_counter()
-        flat = self._tensor if self._tensor.dtype == torch.float32 else self._tensor.float()
+        if self._tensor.dtype == torch.float32:
+            flat = self._tensor
+        else:   # the fp32 launch buffer is free again: widen the fp16 sum into it
+            flat = self._flat.copy_(self._tensor)
         if self.ctx.want_figures:
             # every rank holds the identical allreduced bytes -> identical count
-            self.figures["reduced"] = int(torch.count_nonzero(flat).item())
+            nnz = torch.count_nonzero(flat).reshape(1).to(torch.int64)
+            self._defer_figures(nnz, lambda v: dict(reduced=int(v[0])))
         self.wait_s += t1 - t0
         self.decode_s += time.perf_counter() - t1
         self.result = flat
@@ -40,14 +48,20 @@ class DensePending(Pending):
 
 def launch(spec: BucketSpec, payloads, ctx: ExchangeContext) -> Pending:
     import horovod.torch as hvd
-    flat = own_dense(spec, payloads, bucket_device(payloads))
+    device = bucket_device(payloads)
+    # reused: the previous step's result of this bucket was consumed before this launch
+    flat = own_dense(spec, payloads, device,
+                     out=ctx.buffer("dense.flat", spec.bucket_id, spec.numel, torch.float32,
+                                    device))
     f = float(ctx.gradient_predivide_factor)
     if ctx.dense_dtype == torch.float32:
         t, pre, post = flat, 1.0, 1.0
     else:
-        t, pre, post = flat.to(ctx.dense_dtype), 1.0 / f, f
+        t = ctx.buffer("dense.wire", spec.bucket_id, spec.numel, ctx.dense_dtype,
+                       device).copy_(flat)
+        pre, post = 1.0 / f, f
     pend = DensePending(spec, NAME, list(payloads), ctx)
-    pend._tensor = t
+    pend._tensor, pend._flat = t, flat
     pend._handle = hvd.allreduce_async_(t, name=ctx.name(spec.bucket_id, NAME), op=hvd.Sum,
                                         prescale_factor=pre, postscale_factor=post)
     P = ctx.world_size

@@ -9,39 +9,60 @@ the flat vector ``S`` (this rank's error-fed selection), takes its non-zeros
 ``R_r`` to rank r as rows of ``[int32 index | value]`` bytes (value dtype fp16/bf16 when
 every segment of the bucket travels in that dtype, else fp32).
 
-Phase 2 (reduce + allgather): owner r sums what it received into ``T_r`` (length
-``N_r``), counts ``K_r = nnz(T_r)`` and sends one message through ``hvd.allgather``:
-a 16-byte header ``int32[mode, K_r, pairs_received, 0]`` and
+Phase 2 (reduce + gather of the reduced ranges): owner r sums what it received into
+``T_r`` (length ``N_r``), sender by sender in rank order (so the sum is bitwise
+reproducible: within one sender's rows the indices are unique), counts
+``K_r = nnz(T_r)`` and sends one message to every rank (one ``hvd.alltoall`` in which
+each rank sends the same message to all; per rank the same link bytes as a ring
+allgather, and the receivers learn every message's length from Horovod's received
+splits, on the host): a 16-byte header ``int32[mode, K_r, pairs_received, 0]`` and
 
-* sparse (mode 0): ``K_r`` int32 range-relative indices and ``K_r`` values, while
-  ``K_r (c + v) <= N_r q`` -- i.e. ``K_r <= delta_r = N_r q / (c + v)``, SparCML's switch
-  point (SSAR_Split_allgather);
+* sparse (mode 0): ``K_r`` int32 range-relative indices, then ``K_r`` values (the
+  pairs' dtype), while that message is strictly shorter than the dense one -- i.e.
+  ``K_r (c + v) < N_r q``, SparCML's switch point ``delta_r = N_r q / (c + v)``
+  (SSAR_Split_allgather);
 * dense (mode 1, fp32, q = 4) or dense quantised (mode 2, ``split_dense_bits`` in
   {8, 4, 2}: ``ops.quantize_pack`` codes + one fp32 scale per ``quant_bucket``, QSGD
   stochastic rounding, unbiased) otherwise (DSAR_Split_allgather).
 
-Every rank (the owner included) decodes all P ranges from the gathered bytes, so all
-ranks end with bit-identical sums even when the dense phase is quantised. Message
-lengths follow from the header and ``N_r`` (known to all), so no size exchange is needed.
+Message lengths (padded to 4 bytes): sparse ``pad4(16 + K (4 + v))``, dense
+``16 + 4 N_r``, quantised ``16 + pad4(ceil(N_r b / 8)) + 4 ceil(N_r / Q)``. Because a
+sparse message is sent only when strictly shorter than the dense one, the length alone
+tells the receiver the mode and ``K_r = (len - 16) // (4 + v)``; the header is checked
+against it on the validated (CPU) path.
 
-Host synchronisation: building the alltoall splits needs the number of non-zeros per
-range on the host (one ``nonzero``), and phase 2 needs ``K_r``: both unavoidable for a
-variable-size sparse collective; they happen at launch / completion of the bucket, not
-per element.
+Every rank (the owner included) decodes all P ranges from the same bytes, so all ranks
+end with bit-identical sums even when the dense phase is quantised.
+
+Precision of phase 2 (no error feedback): the reduced sums travel as the pairs' dtype
+(fp16/bf16 when every segment is fp16/bf16: one extra rounding of the *sum*) or, in
+mode 2, quantised (unbiased, variance ``<= scale^2 / (4 s^2)`` per element). That error
+is not fed back: the compressors' residuals hold each rank's own selection error only.
+BENCHMARKS.md ("Split phase 2 without error feedback") measures bytes vs accuracy.
+
+Host synchronisation: the alltoall needs, on the host, the number of pairs per owner
+(phase 1 splits) and ``K_r`` (the length of the phase-2 message). Both are computed on
+the device and copied with :class:`.base.HostReadout` (one non-blocking copy + event
+each); :meth:`SplitPending.advance` (called from the scheduler's hooks) starts the next
+phase only when that event has completed, and :meth:`SplitPending.finish` waits on the
+event otherwise. So a split bucket costs at most two event waits, in ``finish()``,
+and no blocking read elsewhere.
 
 Bytes per rank: phase 1 sent = pairs to other ranks x (4 + v), received = pairs from
-other ranks x (4 + v); phase 2 (ring allgather) sent = received = sum of the other
-ranks' range messages.
+other ranks x (4 + v); phase 2 sent = (P-1) x own message, received = the other ranks'
+messages.
 """
 from __future__ import annotations
 
 import time
+from typing import List
 
 import torch
 
 from .. import ops
 from ..payload import ValueEncoding
-from .base import BucketSpec, ExchangeContext, Pending, bucket_device, own_dense
+from .base import (BucketSpec, ExchangeContext, HostReadout, Pending, bucket_device,
+                   host_list, own_dense)
 
 NAME = "split"
 HEADER_BYTES = 16
@@ -76,158 +97,285 @@ def dense_range_nbytes(n: int, bits: int, quant_bucket: int) -> int:
     return _pad4(-(-n * bits // 8)) + 4 * (-(-n // quant_bucket))
 
 
+def sparse_msg_nbytes(k: int, vb: int) -> int:
+    return _pad4(HEADER_BYTES + k * (4 + vb))
+
+
+def dense_msg_nbytes(n_r: int, bits: int, quant_bucket: int) -> int:
+    return HEADER_BYTES + dense_range_nbytes(n_r, bits, quant_bucket)
+
+
+def range_mode(k: int, n_r: int, vb: int, bits: int, quant_bucket: int) -> int:
+    """The owner's choice: sparse iff its message is strictly shorter than the dense one
+    (an empty range is 'dense' with no body)."""
+    if n_r == 0:
+        return MODE_DENSE
+    if sparse_msg_nbytes(k, vb) < dense_msg_nbytes(n_r, bits, quant_bucket):
+        return MODE_SPARSE
+    return MODE_QUANT if bits else MODE_DENSE
+
+
+def parse_length(length: int, n_r: int, vb: int, bits: int, quant_bucket: int):
+    """(mode, K) of a phase-2 message from its length alone (see the module docstring);
+    None if no message of that length can exist."""
+    dense = dense_msg_nbytes(n_r, bits, quant_bucket)
+    if n_r == 0:
+        return (MODE_DENSE, None) if length == HEADER_BYTES else None
+    if length == dense:
+        return (MODE_QUANT if bits else MODE_DENSE), None
+    if HEADER_BYTES <= length < dense:
+        k = (length - HEADER_BYTES) // (4 + vb)
+        if sparse_msg_nbytes(k, vb) == length and k <= n_r:
+            return MODE_SPARSE, k
+    return None
+
+
 class SplitPending(Pending):
-    _phase = 1
+    """Phases: 0 = waiting for the per-owner counts on the host, 1 = alltoall of pairs
+    in flight, 2 = reduced, waiting for ``K_r`` on the host, 3 = range messages in
+    flight."""
+
+    _phase = 0
 
     def advance(self) -> None:
+        """Start whatever can start without waiting (called from the backward hooks)."""
         import horovod.torch as hvd
+        if self._phase == 0 and self._counts.ready():
+            self._start_phase1()
         if self._phase == 1 and hvd.poll(self._handle):
+            self._reduce()
+        if self._phase == 2 and self._k.ready():
             self._start_phase2()
 
-    def _start_phase2(self) -> None:
+    # -- phase 1: alltoall of (index, value) pairs to the owners
+    def _start_phase1(self) -> None:
+        import horovod.torch as hvd
+        counts: List[int] = [int(c) for c in self._counts.get()]
+        total = sum(counts)
+        flat, vb = self._own, self._vb
+        # nonzero_static: the size is known on the host, so no device->host sync
+        nz = torch.nonzero_static(flat, size=total).reshape(-1)
+        rows = torch.cat([nz.to(torch.int32).view(torch.uint8).reshape(-1, 4),
+                          flat[nz].to(self._vdtype).contiguous().view(torch.uint8)
+                          .reshape(-1, vb)], 1)
+        splits = torch.tensor(counts, dtype=torch.int32)      # host tensor, as Horovod wants
+        self._handle = hvd.alltoall_async(rows.contiguous(), splits=splits,
+                                          name=self.ctx.name(self.spec.bucket_id, NAME, "a2a"))
+        self.sent_bytes += (total - counts[self.ctx.rank]) * (4 + vb)
+        self._phase = 1
+
+    # -- phase 2a: the owner sums its range
+    def _reduce(self) -> None:
         import horovod.torch as hvd
         t0 = time.perf_counter()
         rows_in, recv_splits = hvd.synchronize(self._handle)
         t1 = time.perf_counter()
         ctx, P, r = self.ctx, self.ctx.world_size, self.ctx.rank
         lo, hi = self._bounds[r], self._bounds[r + 1]
-        n_r = hi - lo
-        vb = self._vb
+        n_r, vb = hi - lo, self._vb
+        recv = host_list(recv_splits)
         m = int(rows_in.shape[0])
-        self.recv_bytes += (m - int(recv_splits[r])) * (4 + vb)
-        reduced = torch.zeros(n_r, dtype=torch.float32, device=self._device)
+        if sum(recv) != m:
+            raise RuntimeError(f"hvdsparse split bucket {self.spec.bucket_id}: received "
+                               f"{m} pairs, splits say {sum(recv)}")
+        self.recv_bytes += (m - recv[r]) * (4 + vb)
+        # one spare slot at n_r absorbs out-of-range indices on the trusted path
+        red = ctx.buffer("split.reduced", self.spec.bucket_id, n_r + 1, torch.float32,
+                         self._device).zero_()
         if m:
             idx = rows_in[:, :4].contiguous().view(torch.int32).reshape(-1).to(torch.int64) - lo
-            if int(idx.min()) < 0 or int(idx.max()) >= n_r:
-                raise RuntimeError(
-                    f"hvdsparse split bucket {self.spec.bucket_id}: rank {r} received an "
-                    f"index outside its range [{lo}, {hi}) (ranks disagree on the layout)")
+            bad = (idx < 0) | (idx >= n_r)
+            if ctx.validate:
+                # host check (validated = CPU path, where reading values costs nothing)
+                if bool(bad.any()):
+                    raise RuntimeError(
+                        f"hvdsparse split bucket {self.spec.bucket_id}: rank {r} received "
+                        f"an index outside its range [{lo}, {hi}) (ranks disagree on the "
+                        f"layout)")
+            else:
+                idx = torch.where(bad, torch.full_like(idx, n_r), idx)
+                if ctx.error_flag is not None:
+                    torch.maximum(ctx.error_flag, bad.any().to(torch.int32).reshape(1),
+                                  out=ctx.error_flag)
             vals = rows_in[:, 4:].contiguous().view(self._vdtype).reshape(-1).float()
-            reduced.index_add_(0, idx.to(reduced.device), vals.to(reduced.device))
-        nz = torch.nonzero(reduced).reshape(-1)
-        k = int(nz.numel())
+            # sender by sender in rank order: indices are unique within one sender's
+            # rows, so every index_add_ is free of collisions and the sum is reproducible
+            a = 0
+            for c in recv:
+                if c:
+                    red.index_add_(0, idx[a:a + c], vals[a:a + c])
+                a += c
+        self._reduced = red[:n_r]
+        self._m = m
+        k = torch.count_nonzero(self._reduced).reshape(1)
+        self._k_dev = k.to(torch.int32)
+        self._k = HostReadout(k.to(torch.int64))
+        self._phase = 2
+        self.wait_s += t1 - t0
+        self.decode_s += time.perf_counter() - t1
+
+    # -- phase 2b: the owner sends its range to every rank
+    def _start_phase2(self) -> None:
+        import horovod.torch as hvd
+        ctx, P, r = self.ctx, self.ctx.world_size, self.ctx.rank
+        n_r, vb = self._reduced.numel(), self._vb
+        k = int(self._k.get()[0])
         bits, qb = ctx.split_dense_bits, ctx.quant_bucket
-        if k * (4 + vb) <= dense_range_nbytes(n_r, bits, qb):
-            mode = MODE_SPARSE
-            body = [_bytes(nz.to(torch.int32)), _bytes(reduced[nz].to(self._vdtype))]
-        elif not bits:
-            mode = MODE_DENSE
-            body = [_bytes(reduced)]
+        mode = range_mode(k, n_r, vb, bits, qb)
+        red = self._reduced
+        if mode == MODE_SPARSE:
+            nz = torch.nonzero_static(red, size=k).reshape(-1)
+            body = [_bytes(nz.to(torch.int32)), _bytes(red[nz].to(self._vdtype))]
+            length = sparse_msg_nbytes(k, vb)
+        elif mode == MODE_DENSE:
+            body = [_bytes(red)]
+            length = dense_msg_nbytes(n_r, 0, qb)
         else:
-            mode = MODE_QUANT
             seed = (ctx.step * 1_000_003 + self.spec.bucket_id * 7919 + r) % (1 << 62)
-            codes, scales = ops.quantize_pack(reduced, bits, qb, seed)
+            codes, scales = ops.quantize_pack(red, bits, qb, seed)
             body = [codes.reshape(-1)]
             pad = _pad4(codes.numel()) - codes.numel()
             if pad:
                 body.append(torch.zeros(pad, dtype=torch.uint8, device=codes.device))
             body.append(_bytes(scales))
-        header = torch.tensor([mode, k, m, 0], dtype=torch.int32, device=self._device)
-        parts = [_bytes(header)] + [b.to(self._device) for b in body]
+            length = dense_msg_nbytes(n_r, bits, qb)
+        # header built on the device: host scalars are kernel arguments (no H2D copy of a
+        # host buffer), K_r comes from the device count
+        header = torch.zeros(4, dtype=torch.int32, device=self._device)
+        header[0:1].fill_(mode)          # fill_ with a Python scalar: a kernel argument
+        header[2:3].fill_(self._m)
+        header[1:2].copy_(self._k_dev)
+        parts = [_bytes(header)] + body
+        used = HEADER_BYTES + sum(int(b.numel()) for b in body)
+        if used < length:
+            parts.append(torch.zeros(length - used, dtype=torch.uint8, device=self._device))
         msg = torch.cat(parts)
-        if msg.numel() % 4:
-            msg = torch.cat([msg, torch.zeros(4 - msg.numel() % 4, dtype=torch.uint8,
-                                              device=msg.device)])
-        self._msg_len = int(msg.numel())
-        self._handle2 = hvd.allgather_async(msg, name=ctx.name(self.spec.bucket_id, NAME, "ag"))
-        self._phase = 2
-        self.wait_s += t1 - t0
-        self.decode_s += time.perf_counter() - t1
-
-    def _msg_nbytes(self, mode: int, k: int, n_r: int) -> int:
-        if mode == MODE_SPARSE:
-            n = HEADER_BYTES + 4 * k + k * self._vb
-        elif mode == MODE_DENSE:
-            n = HEADER_BYTES + 4 * n_r
-        elif mode == MODE_QUANT:
-            n = HEADER_BYTES + dense_range_nbytes(n_r, self.ctx.split_dense_bits,
-                                                  self.ctx.quant_bucket)
-        else:
-            raise RuntimeError(f"hvdsparse split bucket {self.spec.bucket_id}: unknown "
-                               f"range mode {mode}")
-        return _pad4(n)
+        assert msg.numel() == length, (msg.numel(), length)
+        self._mode = mode
+        out = msg.unsqueeze(0).expand(P, length).reshape(-1)
+        splits = torch.full((P,), length, dtype=torch.int32)
+        self._handle2 = hvd.alltoall_async(out, splits=splits,
+                                           name=ctx.name(self.spec.bucket_id, NAME, "ranges"))
+        self.sent_bytes += (P - 1) * length
+        self._phase = 3
 
     def finish(self) -> torch.Tensor:
         import horovod.torch as hvd
         if self.result is not None:
             return self.result
-        if self._phase == 1:
-            self._start_phase2()
         t0 = time.perf_counter()
-        gathered = hvd.synchronize(self._handle2)
+        if self._phase == 0:
+            self._start_phase1()          # waits on the counts' event if needed
+        if self._phase == 1:
+            self._reduce()
+        if self._phase == 2:
+            self._start_phase2()          # waits on K_r's event if needed
+        t0b = time.perf_counter()
+        gathered, recv_splits = hvd.synchronize(self._handle2)
         t1 = time.perf_counter()
-        P, me, vb = self.ctx.world_size, self.ctx.rank, self._vb
-        flat = torch.zeros(self.spec.numel, dtype=torch.float32, device=self._device)
-        g = gathered.to(self._device)
-        off, total_k, total_pairs, others = 0, 0, 0, 0
+        ctx, P, me, vb = self.ctx, self.ctx.world_size, self.ctx.rank, self._vb
+        bits, qb = ctx.split_dense_bits, ctx.quant_bucket
+        lens = host_list(recv_splits)
+        N = self.spec.numel
+        # one spare slot at N absorbs out-of-range indices on the trusted path
+        buf = ctx.buffer("split.sum", self.spec.bucket_id, N + 1, torch.float32,
+                         self._device).zero_()
+        flat = buf[:N]
+        g = gathered                      # Horovod returns it on the input's device
+        if g.numel() != sum(lens):
+            raise RuntimeError(f"hvdsparse split bucket {self.spec.bucket_id}: received "
+                               f"{g.numel()} bytes, splits say {sum(lens)}")
+        off, total_k, others = 0, 0, 0
         modes = [0, 0, 0]
+        hdr_views = []
         for r in range(P):
             lo, hi = self._bounds[r], self._bounds[r + 1]
-            n_r = hi - lo
-            if off + HEADER_BYTES > g.numel():
-                raise RuntimeError(f"hvdsparse split bucket {self.spec.bucket_id}: gathered "
-                                   f"message truncated at range {r}")
-            mode, k, pairs, _ = (int(x) for x in g[off:off + HEADER_BYTES].clone()
-                                 .view(torch.int32).tolist())
-            ln = self._msg_nbytes(mode, k, n_r)
-            if k < 0 or k > n_r or off + ln > g.numel():
-                raise RuntimeError(f"hvdsparse split bucket {self.spec.bucket_id}: bad header "
-                                   f"from rank {r} (mode {mode}, nnz {k}, range {n_r})")
+            n_r, ln = hi - lo, lens[r]
+            parsed = parse_length(ln, n_r, vb, bits, qb)
+            if parsed is None:
+                raise RuntimeError(
+                    f"hvdsparse split bucket {self.spec.bucket_id}: range message of rank "
+                    f"{r} has {ln} bytes, which no message for a range of {n_r} elements "
+                    f"can have (ranks disagree on the layout or split settings)")
+            mode, k = parsed
+            hdr_views.append(g[off:off + HEADER_BYTES])
+            if ctx.validate:
+                h = [int(x) for x in g[off:off + HEADER_BYTES].view(torch.int32).tolist()]
+                if h[0] != mode or (k is not None and h[1] != k) or not 0 <= h[1] <= n_r:
+                    raise RuntimeError(
+                        f"hvdsparse split bucket {self.spec.bucket_id}: header of rank {r} "
+                        f"(mode {h[0]}, nnz {h[1]}) contradicts its length {ln} (mode {mode}, "
+                        f"nnz {k}) for a range of {n_r} elements")
             b = off + HEADER_BYTES
             if mode == MODE_SPARSE:
-                idx = g[b:b + 4 * k].clone().view(torch.int32).to(torch.int64) + lo
-                vals = g[b + 4 * k:b + 4 * k + k * vb].clone().view(self._vdtype).float()
-                flat.index_copy_(0, idx, vals)
+                idx = g[b:b + 4 * k].view(torch.int32).to(torch.int64)
+                vals = g[b + 4 * k:b + 4 * k + k * vb].view(self._vdtype).float()
+                bad = (idx < 0) | (idx >= n_r)
+                if ctx.validate:
+                    if bool(bad.any()):
+                        raise RuntimeError(f"hvdsparse split bucket {self.spec.bucket_id}: "
+                                           f"rank {r} sent an index outside its range")
+                    idx = idx + lo
+                else:
+                    idx = torch.where(bad, torch.full_like(idx, N), idx + lo)
+                    if ctx.error_flag is not None:
+                        torch.maximum(ctx.error_flag, bad.any().to(torch.int32).reshape(1),
+                                      out=ctx.error_flag)
+                buf.index_copy_(0, idx, vals)
+                total_k += k
             elif mode == MODE_DENSE:
-                flat[lo:hi] = g[b:b + 4 * n_r].clone().view(torch.float32)
+                flat[lo:hi].copy_(g[b:b + 4 * n_r].view(torch.float32))
             else:
-                bits, qb = self.ctx.split_dense_bits, self.ctx.quant_bucket
                 nc = -(-n_r * bits // 8)
-                codes = g[b:b + nc].clone()
+                codes = g[b:b + nc]
                 sb = b + _pad4(nc)
-                scales = g[sb:sb + 4 * (-(-n_r // qb))].clone().view(torch.float32)
-                flat[lo:hi] = ops.dequantize_unpack(codes, scales, bits, qb, n_r)
+                scales = g[sb:sb + 4 * (-(-n_r // qb))].view(torch.float32)
+                flat[lo:hi].copy_(ops.dequantize_unpack(codes, scales, bits, qb, n_r))
             modes[mode] += 1
             if r != me:
                 others += ln
-            total_k += k
-            total_pairs += pairs
             off += ln
-        self.sent_bytes += others
         self.recv_bytes += others
-        self.figures["pairs"] = total_pairs / P
-        self.figures["reduced"] = total_k
         self.figures["range_modes"] = dict(sparse=modes[0], dense=modes[1], quantised=modes[2])
-        self.wait_s += t1 - t0
-        self.decode_s += time.perf_counter() - t1
+        if ctx.want_figures:
+            # header int32[mode, K_r, pairs_received, 0] of every range, summed on the device
+            h = torch.stack([v.view(torch.int32)[1:3] for v in hdr_views]).to(torch.int64)
+            sums = h.sum(0)
+            self._defer_figures(sums, lambda v, P=P: dict(pairs=float(v[1]) / P,
+                                                          reduced=int(v[0])))
+        self.wait_s += t1 - t0b
+        self.decode_s += (t0b - t0) + time.perf_counter() - t1
         self.result = flat
         return flat
 
 
 def launch(spec: BucketSpec, payloads, ctx: ExchangeContext) -> Pending:
-    import horovod.torch as hvd
     device = bucket_device(payloads)
     P, N = ctx.world_size, spec.numel
-    if N >= 2 ** 31:
+    if N >= 2 ** 31 - 1:
         raise ValueError(f"hvdsparse split: bucket {spec.bucket_id} has {N} elements; "
-                         f"int32 indices need < 2**31 (lower fusion_threshold)")
-    flat = own_dense(spec, payloads, device)
+                         f"int32 indices need < 2**31 - 1 (lower fusion_threshold)")
+    # reused: phase 1 of the previous step's exchange of this bucket read it long ago
+    flat = own_dense(spec, payloads, device,
+                     out=ctx.buffer("split.own", spec.bucket_id, N, torch.float32, device))
     vdtype = pair_dtype(payloads)
-    vb = torch.tensor([], dtype=vdtype).element_size()
-    nz = torch.nonzero(flat).reshape(-1)
+    vb = torch.finfo(vdtype).bits // 8
     bounds = range_bounds(N, P)
-    if P > 1:
-        edges = torch.tensor(bounds[1:P], dtype=nz.dtype, device=nz.device)
-        dest = torch.bucketize(nz, edges, right=True)
-        counts = torch.bincount(dest, minlength=P).cpu()
+    # non-zeros per owner range, on the device: running count at each range end
+    if N:
+        cs = torch.cumsum(flat != 0, 0, dtype=torch.int32,
+                          out=ctx.buffer("split.cumsum", spec.bucket_id, N, torch.int32,
+                                         device))
+        pool = ctx.pool()
+        ends = pool.const_index([max(b - 1, 0) for b in bounds[1:]], device)
+        nonempty = pool.const_index([int(b > 0) for b in bounds[1:]], device)
+        upto = cs.index_select(0, ends).to(torch.int64) * nonempty
+        counts = torch.diff(upto, prepend=torch.zeros(1, dtype=torch.int64, device=device))
     else:
-        counts = torch.tensor([nz.numel()], dtype=torch.int64)
-    rows = torch.cat([nz.to(torch.int32).view(torch.uint8).reshape(-1, 4),
-                      flat[nz].to(vdtype).contiguous().view(torch.uint8).reshape(-1, vb)], 1)
+        counts = torch.zeros(P, dtype=torch.int64, device=device)
     pend = SplitPending(spec, NAME, list(payloads), ctx)
     pend._bounds, pend._vdtype, pend._vb, pend._device = bounds, vdtype, vb, device
-    splits = counts.to(torch.int32)
-    pend._handle = hvd.alltoall_async(rows.contiguous(), splits=splits,
-                                      name=ctx.name(spec.bucket_id, NAME, "a2a"))
-    pend.sent_bytes = (int(nz.numel()) - int(counts[ctx.rank])) * (4 + vb)
+    pend._own = flat
+    pend._counts = HostReadout(counts)
+    pend.advance()          # on CPU (or if the copy is already done) phase 1 starts now
     return pend

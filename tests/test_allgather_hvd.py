@@ -1,6 +1,8 @@
 """Real ``horovodrun -np 2`` (Gloo, localhost): allgather encoded messages (equal and
 unequal lengths), decode, accumulate, compare with a numpy reference of all ranks' raw
-data. All checks live in one worker run (tests/workers/allgather_worker.py, see its
+data; then every exchange strategy (allgather, split with fp32 / quantised / fp16
+ranges, dense fp32 / fp16) through ``exchange.launch`` + ``finish`` against the same
+reference, bitwise identical across ranks, with reused buffers and device-side figures. All checks live in one worker run (tests/workers/allgather_worker.py, see its
 docstring) because each launch costs ~9 s."""
 from pathlib import Path
 
@@ -18,4 +20,5 @@ def test_allgather_encode_decode_accumulate_np2():
     for r in range(2):
         assert f"rank {r}: message 1 ok" in out, out[-3000:]
         assert f"rank {r}: message 2 ok" in out, out[-3000:]
+        assert f"rank {r}: strategies ok" in out, out[-3000:]
     print(out[-2000:])

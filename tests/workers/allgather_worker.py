@@ -17,6 +17,15 @@ Worker checks (each rank):
    so encoded lengths differ: ``hvd.allgather`` with unequal first dims, split by the
    allgathered per-rank sizes, ``decode`` each part, check its layout signature, sum the
    ``payload_to_dense`` of every rank's decoded segments and compare to the reference.
+3. strategies: ``exchange.launch`` + ``finish`` of every strategy (allgather, split with
+   fp32 / 8-bit / 4-bit dense ranges, fp16 pairs, dense fp32 / fp16) on fresh random
+   payloads, three steps per case with densities from very sparse to full (so split
+   takes its sparse and its dense / quantised ranges), validate=True and False: the sum
+   equals the numpy reference (exactly up to fp32 summation; within the quantisation /
+   fp16 bound where the wire rounds), is bitwise identical on every rank, the
+   cost-model figures are identical on every rank and ``deferred_figures.get()``
+   equals ``figures``; reused buffers: a step's result is still intact after the next
+   step's launch of *another* bucket, and two buckets never share a buffer.
 """
 from __future__ import annotations
 
@@ -278,8 +287,106 @@ def main():
     for li, (o, rf) in enumerate(zip(total, ref2)):
         assert_close(o, rf, f"msg2 layer {li}")
     print(f"rank {rank}: message 2 ok (sizes {sizes})", flush=True)
+
+    strategies_check(hvd, rank, size, seed)
+    print(f"rank {rank}: strategies ok", flush=True)
     hvd.shutdown()
     print(f"HVDSPARSE-OK rank={rank}", flush=True)
+
+
+def _fill_dense_payloads(rng, layout, density):
+    """Payloads whose used slots cover about ``density`` of each layer (capacities from
+    the layout; counts drawn so that the union across ranks ranges sparse..dense)."""
+    payloads, truths = [], []
+    for name, shape, specs in layout:
+        numel = int(np.prod(shape))
+        segs, tr = [], []
+        for spec in specs:
+            maxc = spec["cap"] if spec["ienc"] in (IE.DENSE, IE.IMPLICIT) \
+                else min(spec["cap"], numel)
+            count = min(maxc, int(round(density * maxc)))
+            seg, t = fill_segment(rng, numel, spec, count=count)
+            segs.append(seg)
+            tr.append(t)
+        payloads.append(LayerPayload(name, torch.Size(shape), segs))
+        truths.append(tr)
+    return payloads, truths
+
+
+def strategies_check(hvd, rank, size, seed):
+    from hvdsparse import exchange
+    from hvdsparse.exchange import BucketSpec, ExchangeContext
+    cases = [("allgather", {}, [(IE.INT32, VE.FP32), (IE.BIN_U8, VE.INT8), (IE.DENSE, VE.FP16)]),
+             ("split", {}, [(IE.INT32, VE.FP32), (IE.BIN_U16, VE.SIGN1)]),
+             ("split", dict(split_dense_bits=8), [(IE.INT32, VE.FP32)]),
+             ("split", dict(split_dense_bits=4, quant_bucket=64), [(IE.INT32, VE.FP32)]),
+             ("split", {}, [(IE.INT32, VE.FP16)]),
+             ("dense", {}, [(IE.INT32, VE.FP32), (IE.BITMASK, VE.BF16)]),
+             ("dense", dict(dense_dtype=torch.float16, gradient_predivide_factor=2.0),
+              [(IE.INT32, VE.FP32)])]
+    for ci, (strategy, kw, pairs) in enumerate(cases):
+        for validate in (True, False):
+            shapes = [(int(n),) for n in np.random.default_rng([seed, 4, ci]).integers(50, 400, 3)]
+            lay_rng = np.random.default_rng([seed, 5, ci])
+            layout = random_layout(lay_rng, shapes=shapes, pairs=pairs)
+            spec = BucketSpec.build(ci, [n for n, _, _ in layout],
+                                    [int(np.prod(s)) for _, s, _ in layout])
+            other = BucketSpec.build(100 + ci, ["x"], [7])
+            prev = None
+            for step, density in enumerate((0.02, 0.5, 1.0)):
+                ctx = ExchangeContext(rank=rank, world_size=size, prefix=f"t3.{int(validate)}",
+                                      step=step, validate=validate, want_figures=True,
+                                      error_flag=None if validate else
+                                      torch.zeros(1, dtype=torch.int32), **kw)
+                data = [_fill_dense_payloads(np.random.default_rng([seed, 6, ci, step, r]),
+                                             layout, density) for r in range(size)]
+                pend = exchange.launch(strategy, spec, data[rank][0], ctx)
+                got = pend.finish()
+                assert got.numel() == spec.numel
+                ref = np.concatenate(dense_reference(layout, [t for _, t in data]))
+                what = f"strategy {strategy} {kw} validate={validate} step {step}"
+                g = got.double().numpy()
+                if strategy == "split" and kw.get("split_dense_bits"):
+                    bits = kw["split_dense_bits"]
+                    modes = pend.figures["range_modes"]
+                    # quantised ranges: |error| <= one level = max|range| / (2^(b-1)-1)
+                    tol = np.abs(ref).max() / (2 ** (bits - 1) - 1) + 1e-6
+                    assert np.abs(g - ref).max() <= tol, (what, np.abs(g - ref).max(), tol)
+                    if density == 1.0:
+                        assert modes["quantised"] == size, (what, modes)
+                elif strategy == "split" and pairs[0][1] == VE.FP16 or \
+                        kw.get("dense_dtype") == torch.float16:
+                    assert np.allclose(g, ref, rtol=2e-3, atol=2e-3), what
+                else:
+                    assert_close(got, ref, what)
+                if strategy == "split" and density == 0.02:
+                    assert pend.figures["range_modes"]["sparse"] == size, pend.figures
+                if not validate:
+                    assert int(ctx.error_flag[0]) == 0, what
+                # identical on every rank, bit for bit; figures identical too
+                allg = hvd.allgather(got.reshape(1, -1).clone(), name=f"t3.res.{ci}.{validate}.{step}")
+                assert all(torch.equal(allg[0], allg[r]) for r in range(size)), what
+                figs = {k: v for k, v in pend.figures.items() if k in ("pairs", "reduced")}
+                assert figs, (what, pend.figures)
+                assert pend.deferred_figures is not None and \
+                    pend.deferred_figures.get() == figs, (what, figs)
+                everyone = hvd.allgather_object(figs, name=f"t3.fig.{ci}.{validate}.{step}")
+                assert all(f == figs for f in everyone), (what, everyone)
+                # the previous step's result of this bucket was overwritten (reuse) but a
+                # launch of another bucket leaves this step's result alone
+                snap = got.clone()
+                op = exchange.launch(strategy, other, [_tiny_payload()], ctx)
+                op.finish()
+                assert torch.equal(got, snap), f"{what}: another bucket wrote into the result"
+                if prev is not None:
+                    assert prev.data_ptr() == got.data_ptr(), f"{what}: result buffer not reused"
+                prev = got
+
+
+def _tiny_payload():
+    seg = Segment(numel=7, capacity=7, index_encoding=IE.DENSE, value_encoding=VE.FP32,
+                  count=torch.tensor([7], dtype=torch.int32), values=torch.ones(7))
+    return LayerPayload("x", torch.Size([7]), [seg])
 
 
 if __name__ == "__main__":

@@ -522,3 +522,42 @@ def test_accumulate_through_triton_interpreter():
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "TRITON-CODEC-OK" in proc.stdout, proc.stdout[-4000:]
+
+
+def test_encode_and_trusted_accumulate_never_sync(monkeypatch):
+    """encode (first call per layout included: the header image upload) and
+    accumulate(validate=False) on the forced-Triton path issue no op that would block
+    the host on CUDA (HostSyncDetector: item/tolist/nonzero/masked_select/bool-mask
+    indexing/equal/cpu()), also on corrupt messages that set the flag; an unseen
+    layout is used so the cached-image path is exercised from empty."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 before triton is imported")
+    from tests.workers.sync_worker import HostSyncDetector
+    monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    pairs = [(i, VE.FP32) for i in ALL_IE] + [(IE.INT32, VE.INT4), (IE.BIN_U8, VE.SIGN1)]
+    layout = random_layout(rng, pairs=pairs, shapes=[(int(n) + 1000 * (seed % 7),) for n in
+                                                     rng.integers(1, 40, len(pairs))])
+    ranks = [fill_payloads(np.random.default_rng([seed, r]), layout) for r in range(2)]
+    template = ranks[0][0]
+    outs = [torch.zeros(p.numel) for p in template]
+    flag = torch.zeros(1, dtype=torch.int32)
+    segs = _offsets(template)
+    det = HostSyncDetector()
+    with det:
+        det.phase = "encode"
+        bufs = [codec.encode(p) for p, _ in ranks]
+        out = codec.new_message(template)
+        codec.encode(template, out=out)
+        det.phase = "accumulate"
+        bad = torch.stack(bufs)
+        bad[1, H + 16:H + 20] = 0xFF                         # count of segment 0 > capacity
+        bad[0, 8] ^= 1                                       # header layer count
+        codec.accumulate(bad, template, outs, validate=False, error_flag=flag)
+        det.phase = None
+    assert det.hvd_ops["accumulate"] > 0 and det.hvd_ops["encode"] > 0
+    assert not det.records, [(r["phase"], r["reason"], r["site"]) for r in det.records]
+    assert int(flag[0]) & codec.ERR_HEADER and int(flag[0]) & codec.ERR_COUNT, int(flag[0])
+    assert torch.equal(out, bufs[0]) and len(segs) == len(pairs)

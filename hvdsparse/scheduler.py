@@ -89,10 +89,6 @@ _HOROVOD_DELAY_MSG = ("Gradients were computed more than backward_passes_per_ste
                       "before call to step(). Increase backward_passes_per_step to "
                       "accumulate gradients locally.")
 
-#: error codes the decoders OR into the device error flag (codec / kernels)
-ERROR_CODES = {1: "an index outside its layer", 2: "a count above its capacity",
-               4: "bin counts that do not match the segment",
-               8: "a malformed segment"}
 
 
 def plan_buckets(order, sizes, fusion_threshold: int) -> List[List[str]]:
@@ -529,8 +525,7 @@ class LayerScheduler:
             if kind == "error":
                 code = int(reader.get().reshape(-1)[0])
                 if code:
-                    what = ", ".join(v for k, v in ERROR_CODES.items() if code & k) or \
-                        f"error code {code}"
+                    what = codec.describe_error(code)
                     raise RuntimeError(
                         f"hvdsparse: a message received at step {step} carried {what}; "
                         f"those entries were skipped. The ranks disagree on the bucket "

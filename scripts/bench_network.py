@@ -1,34 +1,55 @@
 #!/usr/bin/env python
 """Shaped-network benchmark: dense allreduce vs Horovod fp16 vs hvdsparse compressors.
 
-Every method runs ``scripts/train.py`` under ``horovodrun -np N -H localhost:N --gloo``
-inside a fresh network namespace whose only interface, the loopback, is rate-limited
-with ``tc qdisc add dev lo root tbf rate <RATE> burst 256kb latency 50ms``. All ranks'
-traffic crosses that one shaped loopback, so the rate is the *aggregate* bandwidth of
-the whole job (like N hosts behind one 1 Gbit/s uplink), not a per-host link: a per-host
-1 Gbit/s network would move up to N times more in total. The namespace is deleted at
-the end, also on errors and Ctrl-C.
+Every method runs ``scripts/train.py`` under ``horovodrun`` on an emulated network, back
+to back, so their figures are side by side. Two topologies:
 
-Methods run back to back in the same namespace, so their figures are side by side.
+``--topology per-node`` (default, the headline tables): ``scripts/netemu.py`` gives every
+emulated node its own network namespace and its own full-duplex link (tbf ``--rate`` on
+both ends of its veth), joined by a bridge; the job is launched with an unmodified
+``horovodrun -np P -H node1:s,...`` whose ``ssh`` is a shim running each command in
+that node's namespace under the node's hostname. This is a cluster of P hosts with one
+``--rate`` NIC each. Before the methods, the benchmark validates the emulation: a
+point-to-point transfer (one way, then both ways at once) and a dense Horovod allreduce
+against the ring model 2 (P-1)/P x size / rate, with and without the ``sched_yield``
+shim (see below).
+
+``--topology shared``: all ranks on localhost in one namespace whose loopback is shaped
+(``tc qdisc add dev lo root tbf rate RATE ...``): the rate is the *aggregate* bandwidth
+of the whole job (N hosts behind one uplink). Kept for comparison with older results;
+it favours compression by up to a factor P.
+
+Time dilation (``--dilation``): P ranks share this machine's C cores, so with P > C
+every CPU-side cost (compute, compression, decoding) is P/C times slower than on P
+nodes with a CPU each. Running the link at ``rate * C / P`` keeps the compute-to-network
+ratio of the real cluster. ``both`` (the default for per-node) runs every method at the
+raw and at the dilated rate; the headline is the dilated one.
+
+``sched_yield`` shim (``--yield-shim``, default on): Horovod's torch binding waits for a
+collective by spinning on ``sched_yield``; on an oversubscribed CPU the waiting ranks
+take CPU from the ranks still computing. The shim (an ``LD_PRELOAD`` library built with
+gcc at start) turns the spin into 50 us sleeps. The validation measures the dense
+allreduce with and without it.
+
 Wire bytes come from two sources: the optimizer's own accounting (train.py's
-``bytes_sent_per_rank_step``) and the loopback interface's byte counter
-(``/proc/net/dev`` in the namespace: everything that really crossed the link, including
-Horovod's control traffic and the evaluation collectives, divided by steps and ranks).
+``bytes_sent_per_rank_step``) and a kernel byte counter: rank 0's own ``eth0`` tx bytes
+(per-node) or the shaped loopback's tx bytes / ranks (shared), per step.
 
-Needs root plus ``ip`` and ``tc`` (iproute2) for shaping; ``--no-shape`` runs the same
-measurements on the host's unshaped loopback (then the loopback counter also sees other
-processes' traffic and is not reported).
+Needs root plus ``ip``, ``tc``, ``unshare`` (and gcc for the shim); ``--no-shape`` runs
+the same measurements on the host's unshaped loopback.
 
 Examples::
 
-    sudo python scripts/bench_network.py --np 4 --rate 1gbit            # full table
+    python scripts/bench_network.py --np 4 --rate 1gbit --methods dense,topk1,threshold99
+    python scripts/bench_network.py --np 4 --validate-only          # emulation check only
+    python scripts/bench_network.py --topology shared --np 4        # one shared loopback
     python scripts/bench_network.py --np 4 --methods dense,topk1 --no-shape
-    sudo python scripts/bench_network.py --sweep --sweep-np 2,4,8       # exchange sweep
+    python scripts/bench_network.py --sweep --sweep-np 2,4,8       # exchange sweep
 
-Outputs in ``--out`` (default results/bench_<rate>_np<N>): ``results.json`` (every
-figure, every run's full train.py JSON), ``table.md``, ``step_time.png``,
-``accuracy_vs_time.png``, ``logs/<method>.log``; with ``--sweep`` also ``sweep.json``,
-``sweep.md``, ``sweep.png``.
+Outputs in ``--out`` (default results/bench_<topology>_<rate>_np<N>): ``results.json``
+(every figure, every run's full train.py JSON, the validation), ``table.md``,
+``step_time.png``, ``accuracy_vs_time.png``, ``logs/<rate>/<method>.log``; with
+``--sweep`` also ``sweep.json``, ``sweep.md``, ``sweep.png``.
 """
 from __future__ import annotations
 
@@ -40,11 +61,14 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "scripts" / "train.py"
+sys.path.insert(0, str(ROOT / "scripts"))
+import netemu  # noqa: E402  (scripts/netemu.py: per-node emulation)
 
 # name -> (label, train.py arguments)
 METHODS = {
@@ -72,7 +96,26 @@ def parse_args(argv=None):
     p.add_argument("--rate", default="1gbit", help="tbf rate: 1gbit, 10gbit, 100mbit, ...")
     p.add_argument("--burst", default="256kb")
     p.add_argument("--latency", default="50ms")
-    p.add_argument("--np", type=int, default=4, help="ranks (all on localhost)")
+    p.add_argument("--np", type=int, default=4, help="ranks")
+    p.add_argument("--topology", choices=("per-node", "shared"), default="per-node",
+                   help="per-node: a namespace and a --rate link per emulated node; shared: "
+                        "all ranks behind one shaped loopback")
+    p.add_argument("--slots", type=int, default=1,
+                   help="per-node: ranks per emulated node (nodes = np / slots)")
+    p.add_argument("--dilation", choices=("raw", "dilated", "both"), default=None,
+                   help="link rate as given (raw), scaled by cores/np (dilated), or both; "
+                        "default both for per-node, raw for shared")
+    p.add_argument("--cores", type=int, default=None,
+                   help="cores for time dilation (default: the CPUs this process may use)")
+    p.add_argument("--yield-shim", choices=("on", "off"), default="on",
+                   help="LD_PRELOAD sched_yield -> 50 us nanosleep for every rank")
+    p.add_argument("--validate", choices=("on", "off"), default="on",
+                   help="per-node: point-to-point and dense allreduce vs the ring model first")
+    p.add_argument("--validate-only", action="store_true",
+                   help="per-node: only the validation, no training runs")
+    p.add_argument("--ar-mb", type=float, default=17.4,
+                   help="validation allreduce size in MB (17.4 = the wide MLP's gradient)")
+    p.add_argument("--p2p-mb", type=float, default=25.0)
     p.add_argument("--no-shape", action="store_true",
                    help="run on the host's unshaped loopback (no root / tc needed)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
@@ -99,10 +142,26 @@ def parse_args(argv=None):
     p.add_argument("--plot-only", action="store_true",
                    help="re-draw table and plots from an existing results.json in --out")
     a = p.parse_args(argv)
+    if a.dilation is None:
+        a.dilation = "both" if a.topology == "per-node" and not a.no_shape else "raw"
+    if a.cores is None:
+        a.cores = netemu.usable_cores()
+    if a.np % a.slots:
+        p.error(f"--np {a.np} is not a multiple of --slots {a.slots}")
     if a.out is None:
-        tag = "unshaped" if a.no_shape else a.rate
+        tag = "unshaped" if a.no_shape else f"{a.topology}_{a.rate}"
         a.out = str(ROOT / "results" / (f"sweep_{tag}" if a.sweep else f"bench_{tag}_np{a.np}"))
     return a
+
+
+def rates_for(a, ranks):
+    """[(tag, tc rate)] to run: the raw rate and/or the time-dilated one."""
+    out = []
+    if a.dilation in ("raw", "both"):
+        out.append(("raw", a.rate))
+    if a.dilation in ("dilated", "both"):
+        out.append(("dilated", netemu.dilated_rate(a.rate, ranks, a.cores)))
+    return out
 
 
 # ----------------------------------------------------------------------------- namespace
@@ -172,14 +231,27 @@ def horovodrun():
     return found
 
 
-def run_train(a, ns, np_, name, extra, json_path, log_path):
-    cmd = (ns.prefix() if ns else []) + [
-        horovodrun(), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
-        sys.executable, str(TRAIN), "--workload", a.workload, "--seed", str(a.seed),
-        "--no-progress", "--json", str(json_path)] + extra + a.train_args.split()
-    if ns:
-        cmd.append("--measure-lo")
-    env = dict(os.environ)
+def run_train(a, ns, np_, name, extra, json_path, log_path, shim=None):
+    """One train.py launch. ``ns``: a shared-loopback :class:`Namespace`, a
+    :class:`netemu.PerNodeNetwork`, or None (host loopback)."""
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    per_node = isinstance(ns, netemu.PerNodeNetwork)
+    hosts = ns.hosts_arg(a.slots) if per_node else f"localhost:{np_}"
+    if per_node and np_ != a.slots * ns.nodes:
+        hosts = ",".join(f"{h}:{a.slots}" for h in ns.hostnames[:np_ // a.slots])
+    train = [horovodrun(), "-np", str(np_), "-H", hosts, "--gloo",
+             sys.executable, str(TRAIN), "--workload", a.workload, "--seed", str(a.seed),
+             "--no-progress", "--profile", "--json", str(json_path)] + extra + a.train_args.split()
+    if per_node:
+        cmd = ns.launcher_cmd(train + ["--measure-iface", netemu.IFACE])
+        env = ns.env()
+    else:
+        cmd = (ns.prefix() if ns else []) + train + (["--measure-lo"] if ns else [])
+        env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    if shim:
+        env["LD_PRELOAD"] = shim
     env["OMP_NUM_THREADS"] = str(a.omp_threads)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.pop("TRITON_INTERPRET", None)
@@ -194,6 +266,8 @@ def run_train(a, ns, np_, name, extra, json_path, log_path):
         except subprocess.TimeoutExpired:
             rc = "timeout"
     wall = time.time() - t0
+    if rc != 0 and per_node:
+        ns.kill_all()               # workers left behind in the node namespaces
     if rc != 0 or not json_path.exists():
         tail = Path(log_path).read_text()[-2500:]
         print(f"  !! {name} failed (rc={rc}); log tail:\n{tail}", file=sys.stderr, flush=True)
@@ -226,10 +300,17 @@ def fmt(v, spec, none="-"):
     return none if v is None else format(v, spec)
 
 
+def wire_of(summary):
+    """Kernel-counted link bytes per rank per step (train.py's per-node eth0 tx or
+    shared loopback tx / ranks; older results only have the loopback figure)."""
+    v = summary.get("wire_bytes_per_rank_step")
+    return v if v is not None else summary.get("lo_bytes_per_rank_step")
+
+
 def make_table(results, base="dense"):
     s_base = results.get(base, {}).get("summary") if base in results else None
     rows = ["| method | median step (ms) | speed-up/step vs dense | MB sent/rank/step (optimizer) "
-            "| MB/rank/step on the wire (lo) | compression vs dense | time to target (s) "
+            "| MB/rank/step on the wire (kernel counter) | compression vs dense | time to target (s) "
             "| speed-up to target | steps to target | final acc (%) | acc diff vs dense (pp) |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, res in results.items():
@@ -242,9 +323,9 @@ def make_table(results, base="dense"):
         sp = (s_base["median_step_s_slowest_rank"] / step) if s_base else None
         ttt = s["time_to_target_s"]
         spt = (s_base["time_to_target_s"] / ttt) if (s_base and ttt and s_base["time_to_target_s"]) else None
-        lo = s.get("lo_bytes_per_rank_step")
+        lo = wire_of(s)
         sent = s.get("bytes_sent_per_rank_step")
-        comp = (s_base["lo_bytes_per_rank_step"] / lo) if (s_base and lo and s_base.get("lo_bytes_per_rank_step")) \
+        comp = (wire_of(s_base) / lo) if (s_base and lo and wire_of(s_base)) \
             else s.get("effective_compression")
         dacc = ((s["final_test_acc"] - s_base["final_test_acc"]) * 100) if s_base else None
         rows.append(
@@ -334,7 +415,7 @@ def predicted_costs(res, world):
     return (res.get("summary") or {}).get("cost_model_prediction")
 
 
-def sweep(a, ns, out):
+def sweep(a, ns, out, shim=None):
     nps = [int(x) for x in a.sweep_np.split(",")]
     exchanges = a.sweep_exchanges.split(",")
     label, margs = METHODS[a.sweep_method]
@@ -347,7 +428,8 @@ def sweep(a, ns, out):
                                                        "--max-steps", str(a.sweep_steps),
                                                        "--eval-every", "0",
                                                        "--record-cost-model"],
-                            out / "runs" / f"{name}.json", out / "logs" / f"{name}.log")
+                            out / "runs" / f"{name}.json", out / "logs" / f"{name}.log",
+                            shim=shim)
             row = {"np": np_, "exchange": ex}
             if "error" in res:
                 row["error"] = res["error"]
@@ -355,7 +437,7 @@ def sweep(a, ns, out):
                 s = res["summary"]
                 row.update(bytes_received=s.get("bytes_received_per_rank_step"),
                            bytes_sent=s.get("bytes_sent_per_rank_step"),
-                           lo_bytes=s.get("lo_bytes_per_rank_step"),
+                           lo_bytes=wire_of(s),
                            median_step_s=s["median_step_s_slowest_rank"],
                            strategy=s.get("strategy"), params=s["params"],
                            predicted=predicted_costs(res, np_),
@@ -368,7 +450,7 @@ def sweep(a, ns, out):
 
 def sweep_table(rows):
     md = ["| P | exchange | chosen strategy | MB received/rank/step (optimizer) | cost-model prediction (MB) "
-          "| MB/rank/step on the wire (lo) | median step (ms) |", "|---:|---|---|---:|---:|---:|---:|"]
+          "| MB/rank/step on the wire (kernel counter) | median step (ms) |", "|---:|---|---|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
             md.append(f"| {r['np']} | {r['exchange']} | failed ({r['error']}) | | | | |")
@@ -408,12 +490,54 @@ def sweep_plot(rows, out):
 
 # ----------------------------------------------------------------------------- main
 
+def run_methods(a, net, methods, out, tag, shim):
+    """Every method back to back on one network; returns {method: train.py result}."""
+    results = {}
+    for m in methods:
+        label, margs = METHODS[m]
+        print(f"[bench] {tag}: {label} ...", flush=True)
+        extra = margs + ["--exchange", a.exchange, "--epochs", str(a.epochs),
+                         "--target-acc", str(a.target_acc), "--eval-every", str(a.eval_every)]
+        if a.max_steps:
+            extra += ["--max-steps", str(a.max_steps)]
+        res = run_train(a, net, a.np, m, extra, out / "runs" / tag / f"{m}.json",
+                        out / "logs" / tag / f"{m}.log", shim=shim)
+        results[m] = res
+        if "error" not in res:
+            s = res["summary"]
+            w = wire_of(s)
+            print(f"  step {s['median_step_s_slowest_rank'] * 1e3:.1f} ms, "
+                  f"final acc {s['final_test_acc'] * 100:.2f}%, time to "
+                  f"{a.target_acc * 100:.0f}%: {fmt(s['time_to_target_s'], '.1f', 'not reached')} s"
+                  f", wire {fmt(w and w / 1e6, '.3f')} MB/rank/step", flush=True)
+    return results
+
+
+def uptime():
+    try:
+        return Path("/proc/loadavg").read_text().split()[:3]
+    except OSError:
+        return None
+
+
+def write_results(out, meta, validation, by_rate):
+    headline = "dilated" if "dilated" in by_rate else next(iter(by_rate), None)
+    with open(out / "results.json", "w") as f:
+        json.dump({"meta": meta, "validation": validation, "runs_by_rate": by_rate,
+                   "headline": headline, "runs": by_rate.get(headline, {})}, f, default=str)
+    return headline
+
+
 def main(argv=None):
     a = parse_args(argv)
     out = Path(a.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    title = f"{a.workload}, {a.np} ranks, " + ("unshaped loopback" if a.no_shape else f"loopback shaped to {a.rate}")
+    per_node = a.topology == "per-node" and not a.no_shape
+    where = ("unshaped loopback" if a.no_shape else
+             f"per-node links ({a.np // a.slots} nodes x {a.slots} rank(s))" if per_node else
+             "one shared shaped loopback")
+    title = f"{a.workload}, {a.np} ranks, {where}"
 
     if a.plot_only:
         with open(out / "results.json") as f:
@@ -428,67 +552,93 @@ def main(argv=None):
     if bad:
         raise SystemExit(f"unknown method(s) {bad}; choose from {list(METHODS)}")
 
-    ns = None
     if not a.no_shape:
-        problems = Namespace.check()
+        problems = (netemu.check_environment(need_gcc=a.yield_shim == "on") if per_node
+                    else Namespace.check())
         if problems:
             raise SystemExit("cannot shape the network: " + "; ".join(problems) +
                              ".\nRe-run as root with iproute2 installed, or pass --no-shape to "
                              "measure on the unshaped loopback (step-time ratios then reflect "
                              "loopback bandwidth, not a slow network).")
-        ns = Namespace(a.rate, a.burst, a.latency)
 
-    # make sure the namespace goes away on SIGTERM too
+    # networks go away on SIGTERM / SIGHUP too (KeyboardInterrupt unwinds the with blocks)
     def _term(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
     signal.signal(signal.SIGTERM, _term)
+    signal.signal(signal.SIGHUP, _term)
 
-    ctx = ns if ns is not None else _Null()
-    with ctx:
-        if ns is not None:
-            print(f"namespace {ns.name}: lo shaped with tbf rate {a.rate} burst {a.burst} "
-                  f"latency {a.latency}", flush=True)
-        if a.sweep:
-            rows = sweep(a, ns, out)
-            md = sweep_table(rows)
-            (out / "sweep.md").write_text(md + "\n")
-            sweep_plot(rows, out)
-            print(md)
-            return 0
-        results = {}
-        meta = {"args": vars(a), "title": title, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "cpu_count": os.cpu_count()}
-        for m in methods:
-            label, margs = METHODS[m]
-            print(f"[bench] {label} ...", flush=True)
-            extra = margs + ["--exchange", a.exchange, "--epochs", str(a.epochs),
-                             "--target-acc", str(a.target_acc), "--eval-every", str(a.eval_every)]
-            if a.max_steps:
-                extra += ["--max-steps", str(a.max_steps)]
-            res = run_train(a, ns, a.np, m, extra, out / "runs" / f"{m}.json",
-                            out / "logs" / f"{m}.log")
-            results[m] = res
-            if "error" not in res:
-                s = res["summary"]
-                print(f"  step {s['median_step_s_slowest_rank'] * 1e3:.1f} ms, "
-                      f"final acc {s['final_test_acc'] * 100:.2f}%, time to "
-                      f"{a.target_acc * 100:.0f}%: {fmt(s['time_to_target_s'], '.1f', 'not reached')} s"
-                      f", lo {fmt(s.get('lo_bytes_per_rank_step') and s['lo_bytes_per_rank_step'] / 1e6, '.3f')} MB/rank/step",
-                      flush=True)
-            with open(out / "results.json", "w") as f:
-                json.dump({"meta": meta, "runs": results}, f, default=str)
-        if ns is not None:
-            meta["qdisc_after"] = ns.qdisc()
+    ranks = max(int(x) for x in a.sweep_np.split(",")) if a.sweep else a.np
+    rates = [("unshaped", None)] if a.no_shape else rates_for(a, ranks)
+    meta = {"args": vars(a), "title": title, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "cpu_count": os.cpu_count(), "cores_for_dilation": a.cores,
+            "rates": dict(rates), "loadavg_start": uptime(),
+            "yield_shim": a.yield_shim, "topology": "unshaped" if a.no_shape else a.topology}
+    validation, by_rate = [], {}
+    if per_node:
+        netemu.cleanup_stale()
+    with tempfile.TemporaryDirectory(prefix="hvdbench") as td:
+        shim = netemu.build_yield_shim(td) if (a.yield_shim == "on" or (per_node and a.validate == "on")) \
+            and shutil.which("gcc") else None
+        if a.yield_shim == "on" and shim is None:
+            raise SystemExit("--yield-shim on needs gcc (or pass --yield-shim off)")
+        run_shim = shim if a.yield_shim == "on" else None
+        for tag, rate in rates:
+            if per_node:
+                ctx = netemu.PerNodeNetwork(ranks // a.slots, rate, a.burst, a.latency)
+            elif rate is not None:
+                ctx = Namespace(rate, a.burst, a.latency)
+            else:
+                ctx = _Null()
+            with ctx as net:
+                if per_node:
+                    print(f"[bench] {tag} ({rate}): {net.describe()}", flush=True)
+                elif net is not None:
+                    print(f"[bench] {tag}: namespace {net.name}: lo shaped with tbf rate {rate} "
+                          f"burst {a.burst} latency {a.latency}", flush=True)
+                if per_node and (a.validate == "on" or a.validate_only):
+                    shims = [None] + ([shim] if shim else [])
+                    rows = netemu.validate(net, ranks // a.slots if a.slots > 1 else ranks,
+                                           p2p_mb=a.p2p_mb, ar_mb=a.ar_mb, shims=shims,
+                                           logdir=out / "logs")
+                    for r in rows:
+                        r["tag"] = tag
+                    validation += rows
+                    print(netemu.validation_table(rows), flush=True)
+                    write_results(out, meta, validation, by_rate)
+                if a.validate_only:
+                    continue
+                if a.sweep:
+                    sub = out / tag if len(rates) > 1 else out
+                    (sub / "runs").mkdir(parents=True, exist_ok=True)
+                    (sub / "logs").mkdir(parents=True, exist_ok=True)
+                    rows = sweep(a, net, sub, shim=run_shim)
+                    md = sweep_table(rows)
+                    (sub / "sweep.md").write_text(md + "\n")
+                    sweep_plot(rows, sub)
+                    print(md)
+                    continue
+                by_rate[tag] = run_methods(a, net, methods, out, tag, run_shim)
+                if per_node:
+                    meta.setdefault("qdisc_after", {})[tag] = net.qdisc_stats()
+                elif net is not None:
+                    meta.setdefault("qdisc_after", {})[tag] = net.qdisc()
+                write_results(out, meta, validation, by_rate)
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    with open(out / "results.json", "w") as f:
-        json.dump({"meta": meta, "runs": results}, f, default=str)
-    table = make_table(results)
-    prof = make_profile_table(results)
-    (out / "table.md").write_text(f"{title}\n\n{table}\n\nPer-step profile (rank 0 medians)\n\n{prof}\n")
-    files = plots(results, out, title)
-    print(table)
-    print()
-    print(prof)
+    meta["loadavg_end"] = uptime()
+    headline = write_results(out, meta, validation, by_rate)
+    parts = [title, f"load average at start {meta['loadavg_start']}, at end {meta['loadavg_end']}"]
+    if validation:
+        parts += ["Emulation check (measured vs model)", netemu.validation_table(validation)]
+    for tag, results in by_rate.items():
+        rate = dict(rates)[tag]
+        parts += [f"{tag} link rate ({rate})" + (" -- headline" if tag == headline and len(by_rate) > 1 else ""),
+                  make_table(results), "Per-step profile (rank 0 medians)",
+                  make_profile_table(results)]
+    (out / "table.md").write_text("\n\n".join(parts) + "\n")
+    files = []
+    if headline:
+        files = plots(by_rate[headline], out, f"{title}, {headline} {dict(rates)[headline]}")
+    print("\n\n".join(parts[1:]))
     print(f"\nwrote {out / 'results.json'}, {out / 'table.md'}" +
           "".join(f", {f}" for f in files))
     return 0

@@ -1,0 +1,528 @@
+"""hvdsparse's compressors as a DDP communication hook (``torchrun`` +
+``DistributedDataParallel``)::
+
+    import hvdsparse, hvdsparse.ddp
+    model = DDP(net)
+    state = hvdsparse.ddp.State(hvdsparse.TopK(0.01), model.named_parameters())
+    model.register_comm_hook(state, hvdsparse.ddp.hook)
+
+named next to PyTorch's ``powerSGD_hook.PowerSGDState`` / ``powerSGD_hook``. The same
+compressors, codec and exchange strategies as :func:`hvdsparse.DistributedOptimizer`
+run here; only the transport differs (:class:`hvdsparse.transport.TorchDistTransport`:
+Gloo on CPU, NCCL on GPU).
+
+Per step (one synchronised backward)
+------------------------------------
+DDP calls :func:`hook` once per gradient bucket, in bucket order on every rank. The flat
+bucket ``B`` holds the bucket's parameters' local gradients end to end (in
+``bucket.parameters()`` order); the hook compresses each parameter's slice *by name*
+(``compress(name, grad, step, param)``), so per-layer policy, overrides, warm-up, error
+feedback and seeds are exactly those of the Horovod path, then launches the bucket's
+exchange (``allgather``, ``split``, ``dense``, or ``auto`` by the cost model) on the
+torch transport. The exchange returns the rank-order sum ``S`` of every rank's decoded
+payloads; the hook's future yields ``S / P`` (``average=True``) in ``B``'s layout and
+dtype, which DDP writes into ``p.grad``.
+
+Ordering and overlap: ``torch.distributed`` matches collectives by issue order, so every
+collective is issued from a hook call (same order on every rank) and none from a
+completion callback. Buckets' first collectives run in the background while backward
+continues; at the **last** bucket (``bucket.is_last()``) the hook finishes every bucket
+of the step in bucket order on the calling thread (wait, decode, split's second phase,
+``after_exchange`` -- Slim-DP's core broadcast), checks non-finite gradients across
+ranks (one small allgather), completes the futures and advances the step. DDP waits for
+the futures only after the last hook, so this costs no extra wait. (This is why
+PyTorch's ``powerSGD_hook``, which issues allreduces inside ``then`` callbacks, can
+mismatch collectives across ranks with several buckets on Gloo.)
+
+Identical replicas: the allgather strategy decodes the P messages in rank order, split's
+owners reduce in rank order and every rank decodes the same bytes, Gloo's / NCCL's
+allreduce gives every rank the same bytes -- so ``p.grad`` is bitwise identical on every
+rank, as under Horovod.
+
+Which parameters had a gradient: the state hooks every parameter's gradient accumulator
+(``register_post_accumulate_grad_hook``) and records which ones received a gradient
+since the last synchronised step. A parameter without one on this rank (unused with
+``find_unused_parameters=True``, or every parameter of a rank that has joined, see
+below) contributes an *absent* payload: its wire layout, nothing in it, its residual
+untouched (as the Horovod path does).
+
+DDP features
+------------
+* ``no_sync()``: DDP does not call the hook; gradients accumulate in ``p.grad`` and the
+  accumulated gradient is compressed at the next synchronised step (the step counter
+  counts synchronised steps only).
+* ``find_unused_parameters=True``: see above; a parameter unused on every rank gets
+  ``p.grad`` left alone by DDP, as without a hook.
+* ``static_graph=True`` and bucket rebuilding: DDP rebuilds its buckets after the first
+  iteration (index and membership change). Per-bucket state (bucket id for the reused
+  buffers, the cost model's history) is keyed by the bucket's parameter names, not its
+  index, so a new layout simply gets new state; compressor state is keyed by parameter
+  name and is unaffected.
+* ``Join``: a rank that ran out of inputs shadows the others' backward by calling the
+  hook on zero buckets; it has no gradients, so all its parameters are absent (nothing
+  of its residuals is flushed) and its step counter advances with the others (warm-up
+  capacities stay equal). Its contribution is zero, and the average still divides by
+  the full world size P (as DDP's default allreduce does under Join).
+
+First step: every rank allgathers (``all_gather_object``) its settings fingerprint
+(:func:`hvdsparse.settings.fingerprint`, the same as the Horovod path's) plus its
+parameter names and sizes; any difference from rank 0 raises the same ``ValueError`` on
+every rank naming the setting and the ranks.
+
+Checkpoints: :meth:`State.state_dict` holds this rank's compressor state (residuals are
+per rank: save one per rank), the step counter and the cost model's history;
+:meth:`State.load_state_dict` restores them, so a resumed run continues bitwise
+identically.
+
+Non-finite gradients: ``nonfinite="raise"`` only (every rank raises
+``FloatingPointError`` naming layers and ranks; on CUDA one step late, read without a
+stall). ``"skip"`` / ``"propagate"`` need control over the optimizer step, which a comm
+hook does not have; they are refused. Not supported here either (refused with an error):
+``backward_passes_per_step`` (use ``no_sync()``), ``local_gradient``, ``fusion_threshold``
+(DDP's ``bucket_cap_mb`` forms the buckets), sparse gradients, DGC momentum correction.
+
+Host synchronisation (CUDA): as in the Horovod path, except the split strategy, whose
+variable-size alltoalls need one small size exchange each on torch.distributed
+(:mod:`hvdsparse.transport`).
+"""
+import inspect
+import time
+import warnings
+from collections import OrderedDict, defaultdict
+from typing import Dict, List, Optional
+
+import torch
+
+from . import codec
+from .exchange import BucketSpec, BufferPool, ExchangeContext, cost_model
+from .exchange import launch as launch_exchange
+from .exchange.split import pair_dtype
+from .settings import DEFAULT_FUSION_THRESHOLD, ExchangeSettings, differences, fingerprint
+from .transport import Transport, TorchDistTransport
+
+__all__ = ["State", "hook"]
+
+_UNSUPPORTED = {
+    "backward_passes_per_step": "use DDP's no_sync() to accumulate gradients locally",
+    "local_gradient": "local-gradient modes need the optimizer step, which a comm hook "
+                      "does not control",
+    "sync_period": "local-gradient modes are not supported by the DDP hook",
+    "fusion_threshold": "DDP's bucket_cap_mb forms the buckets",
+}
+
+
+class _Layout:
+    """Per bucket layout (keyed by its parameter names): the spec and the cost model's
+    history."""
+
+    __slots__ = ("spec", "pairs", "reduced", "deferred")
+
+    def __init__(self, spec: BucketSpec):
+        self.spec = spec
+        self.pairs: Optional[float] = None
+        self.reduced: Optional[int] = None
+        self.deferred = None           # DeferredFigures of the previous exchange (CUDA)
+
+
+class _InFlight:
+    __slots__ = ("layout", "pend", "future", "names", "params", "buffer", "strategy",
+                 "payloads")
+
+
+class State:
+    """State of :func:`hook` (see the module docstring).
+
+    Arguments:
+        compression: an hvdsparse compressor instance (``hvdsparse.TopK(0.01)``, ...);
+            one instance per State.
+        named_parameters: ``model.named_parameters()`` (of the DDP model or the module
+            inside it): names the per-layer state, overrides and seeds. Every parameter
+            that DDP reduces must be named.
+        process_group: the group DDP reduces over (None = the default group).
+        exchange, dense_dtype, split_dense_bits, quant_bucket, validate, alpha_bytes,
+            average, gradient_predivide_factor, nonfinite: as for
+            :func:`hvdsparse.DistributedOptimizer` (validated by
+            :class:`hvdsparse.settings.ExchangeSettings`); or pass ``settings=``.
+        transport: a :class:`hvdsparse.transport.Transport` (default: torch.distributed
+            on ``process_group``).
+    """
+
+    def __init__(self, compression, named_parameters, *, process_group=None,
+                 settings: Optional[ExchangeSettings] = None,
+                 transport: Optional[Transport] = None, **kwargs):
+        from .compressors import Compressor
+        if isinstance(compression, type) and issubclass(compression, Compressor):
+            raise TypeError(f"compression must be an hvdsparse compressor instance, got the "
+                            f"class {compression.__name__}; write {compression.__name__}(...)")
+        if not isinstance(compression, Compressor):
+            raise TypeError(f"compression must be an hvdsparse compressor "
+                            f"(hvdsparse.TopK(...), ...), got {type(compression).__name__}")
+        for k in kwargs:
+            if k in _UNSUPPORTED:
+                raise ValueError(f"hvdsparse.ddp.State: {k}= is not supported: "
+                                 f"{_UNSUPPORTED[k]}")
+        if settings is None:
+            settings = ExchangeSettings.from_args(
+                fusion_threshold=DEFAULT_FUSION_THRESHOLD, **kwargs)
+        elif kwargs:
+            raise TypeError(f"pass settings or keyword settings, not both: {sorted(kwargs)}")
+        for k in ("backward_passes_per_step", "local_gradient"):
+            if getattr(settings, k) != getattr(ExchangeSettings(), k):
+                raise ValueError(f"hvdsparse.ddp.State: {k}= is not supported: "
+                                 f"{_UNSUPPORTED[k]}")
+        if settings.nonfinite != "raise":
+            raise ValueError(f"hvdsparse.ddp.State: nonfinite={settings.nonfinite!r} is not "
+                             f"supported (a comm hook cannot skip or steer the optimizer "
+                             f"step); only 'raise'")
+        if named_parameters is None:
+            raise ValueError("hvdsparse.ddp.State needs named_parameters "
+                             "(model.named_parameters()): DDP hands the hook tensors, "
+                             "not names")
+        named = list(named_parameters)
+        if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
+            raise ValueError("named_parameters should be a sequence of (name, parameter) "
+                             "tuples, usually model.named_parameters()")
+        seen, dups = set(), set()
+        for n, _ in named:
+            (dups if n in seen else seen).add(n)
+        if dups:
+            raise ValueError(f"parameter names in named_parameters must be unique; "
+                             f"duplicates: {', '.join(sorted(dups))}")
+        self.compressor = compression
+        self.settings = settings
+        self.process_group = process_group
+        self.transport = transport if transport is not None else \
+            TorchDistTransport(process_group)
+        self.rank, self.world_size = self.transport.rank(), self.transport.size()
+        self.params: "OrderedDict[str, torch.Tensor]" = OrderedDict(named)
+        self._name_of: Dict[int, str] = {id(p): n for n, p in named}
+        self.prefix = f"hvdsparse.ddp{id(self):x}"
+        self.fingerprint = fingerprint(settings, compression)
+        self.fingerprint["front door"] = "ddp"
+        self.step = 0
+        self._agreed = False
+        self._layouts: Dict[tuple, _Layout] = {}
+        self._pool = BufferPool()
+        self._inflight: List[_InFlight] = []
+        self._used: set = set()
+        self._step_open = False
+        self._pending_reads: List[tuple] = []
+        self._error_flag: Optional[torch.Tensor] = None
+        self.last_stats: dict = {}
+        self.totals: dict = dict(steps=0, bytes_sent_total=0, bytes_recv_total=0,
+                                 dense_allreduce_bytes=0, bytes_sent={}, strategy_counts={})
+        self._t_compress = 0.0
+        _bind(compression, self)
+        check_names = getattr(compression, "check_names", None)
+        if callable(check_names):
+            check_names(list(self.params))
+        try:
+            self._after_takes_param = "param" in inspect.signature(
+                compression.after_exchange).parameters
+        except (TypeError, ValueError):
+            self._after_takes_param = False
+        self._hooks = []
+        for n, p in self.params.items():
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda _p, _n=n: self._used.add(_n)))
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """This rank's compressor state (residuals: per rank), the step counter and the
+        cost model's history per bucket layout. Call between steps."""
+        if self._inflight:
+            raise RuntimeError("hvdsparse.ddp.State.state_dict() during a step")
+        return dict(compressor=self.compressor.state_dict(), step=self.step,
+                    rank=self.rank, world_size=self.world_size,
+                    fingerprint=self.fingerprint,
+                    history={"\x1f".join(k): (v.pairs, v.reduced)
+                             for k, v in self._layouts.items()
+                             if v.pairs is not None or v.reduced is not None})
+
+    def load_state_dict(self, sd: dict):
+        if not isinstance(sd, dict) or "compressor" not in sd:
+            raise ValueError("hvdsparse.ddp.State.load_state_dict: not a State.state_dict()")
+        if sd.get("world_size") not in (None, self.world_size):
+            warnings.warn(f"hvdsparse.ddp: state saved at world size {sd['world_size']}, "
+                          f"loaded at {self.world_size}")
+        self.compressor.load_state_dict(sd["compressor"])
+        self.step = int(sd["step"])
+        self._inflight.clear()
+        self._used.clear()
+        self._step_open = False
+        self._saved_history = {tuple(k.split("\x1f")): v
+                               for k, v in sd.get("history", {}).items()}
+        for key, lay in self._layouts.items():
+            lay.pairs, lay.reduced = self._saved_history.get(key, (None, None))
+            lay.deferred = None
+
+    def stats(self) -> dict:
+        comp = getattr(self.compressor, "stats_totals", None)
+        return dict(last=dict(self.last_stats), totals=dict(self.totals),
+                    compressor=comp() if callable(comp) else None)
+
+    def remove_hooks(self):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------------ per bucket
+    def _names(self, params) -> List[str]:
+        out = []
+        for p in params:
+            n = self._name_of.get(id(p))
+            if n is None:
+                raise ValueError(f"hvdsparse.ddp: DDP reduces a parameter of shape "
+                                 f"{tuple(p.shape)} that is not in the named_parameters "
+                                 f"given to State (pass model.named_parameters())")
+            out.append(n)
+        return out
+
+    def _layout(self, names, params, grads, buf) -> _Layout:
+        key = tuple(names)
+        lay = self._layouts.get(key)
+        if lay is None:
+            numels = [int(p.numel()) for p in params]
+            # the flat bucket is the parameters' gradients end to end, in this order:
+            # checked once per layout from pointers (no device read)
+            es, base, off = buf.element_size(), buf.data_ptr(), 0
+            for n, g, k in zip(names, grads, numels):
+                if g.numel() != k or (k and g.data_ptr() != base + off * es):
+                    raise RuntimeError(f"hvdsparse.ddp: gradient of {n!r} is not at offset "
+                                       f"{off} of its DDP bucket; unsupported bucket layout")
+                off += k
+            if off != buf.numel():
+                raise RuntimeError(f"hvdsparse.ddp: bucket of {buf.numel()} elements holds "
+                                   f"parameters of {off} elements")
+            lay = _Layout(BucketSpec.build(len(self._layouts), names, numels))
+            saved = getattr(self, "_saved_history", {}).get(key)
+            if saved is not None:
+                lay.pairs, lay.reduced = saved
+            self._layouts[key] = lay
+        return lay
+
+    def _agree(self):
+        """First hook call: compare settings and parameters with rank 0 (every rank
+        raises the same error)."""
+        mine = dict(fingerprint=self.fingerprint,
+                    numels={n: int(p.numel()) for n, p in self.params.items()})
+        everyone = self.transport.allgather_object(mine, name=f"{self.prefix}.agree")
+        ref = everyone[0]
+        problems, diff_ranks = [], defaultdict(list)
+        for r, d in enumerate(everyone):
+            for key, a, b in differences(d["fingerprint"], ref["fingerprint"]):
+                diff_ranks[(key, repr(a), repr(b))].append(r)
+        for (key, a, b), ranks in sorted(diff_ranks.items()):
+            problems.append(f"setting {key!r} is {a} on rank(s) {ranks} but {b} on rank 0")
+        for r, d in enumerate(everyone):
+            if d["numels"] != ref["numels"]:
+                n_r, n_0 = set(d["numels"]), set(ref["numels"])
+                diff = sorted(n for n in n_r & n_0 if d["numels"][n] != ref["numels"][n])
+                problems.append(f"rank {r} names parameters {sorted(n_r - n_0)} that rank 0 "
+                                f"lacks, lacks {sorted(n_0 - n_r)}, sizes differ for {diff}")
+        if problems:
+            raise ValueError("hvdsparse.ddp: ranks disagree at the first step: " +
+                             "; ".join(problems))
+        self._agreed = True
+
+    def _ctx(self, device, want_figures: bool) -> ExchangeContext:
+        st = self.settings
+        validate = st.validate if st.validate is not None else device.type == "cpu"
+        flag = None
+        if not validate:
+            if self._error_flag is None:
+                self._error_flag = torch.zeros(1, dtype=torch.int32, device=device)
+            flag = self._error_flag
+        return ExchangeContext(rank=self.rank, world_size=self.world_size, prefix=self.prefix,
+                               step=self.step, validate=validate, error_flag=flag,
+                               dense_dtype=st.dense_dtype,
+                               gradient_predivide_factor=st.gradient_predivide_factor,
+                               split_dense_bits=st.split_dense_bits,
+                               quant_bucket=st.quant_bucket, want_figures=want_figures,
+                               buffers=self._pool, transport=self.transport)
+
+    def _strategy(self, lay: _Layout, payloads) -> str:
+        st = self.settings
+        if st.exchange != "auto":
+            return st.exchange
+        if lay.deferred is not None:     # the previous exchange's figures (all ranks equal)
+            figs = lay.deferred.get()
+            lay.pairs = figs.get("pairs", lay.pairs)
+            lay.reduced = figs.get("reduced", lay.reduced)
+            lay.deferred = None
+        cap = sum(int(s.capacity) for p in payloads for s in p.segments)
+        vb = torch.tensor([], dtype=pair_dtype(payloads)).element_size()
+        figs = cost_model.BucketFigures(
+            world_size=self.world_size, numel=lay.spec.numel,
+            wire_nbytes=codec.encoded_nbytes(payloads), capacity=cap,
+            sparse_value_bytes=vb,
+            dense_value_bytes=torch.tensor([], dtype=st.dense_dtype).element_size(),
+            split_dense_bits=st.split_dense_bits, quant_bucket=st.quant_bucket,
+            prev_pairs=lay.pairs, prev_reduced=lay.reduced)
+        return cost_model.choose(figs, alpha_bytes=st.alpha_bytes)
+
+    def _check_deferred(self):
+        reads, self._pending_reads = self._pending_reads, []
+        for kind, step, reader, names in reads:
+            if kind == "error":
+                code = int(reader.get().reshape(-1)[0])
+                if code:
+                    raise RuntimeError(f"hvdsparse.ddp: a message received at step {step} "
+                                       f"carried error code {code}; ranks disagree on the "
+                                       f"layout or a message was corrupted (rerun with "
+                                       f"validate=True to find the rank)")
+            else:
+                _raise_nonfinite(reader.get(), names, step)
+
+    def on_bucket(self, bucket) -> torch.futures.Future:
+        """The hook body (see the module docstring)."""
+        buf = bucket.buffer()
+        params = list(bucket.parameters())
+        fut = torch.futures.Future()
+        if self.world_size == 1:          # nothing to exchange (as the Horovod path)
+            fut.set_result(buf)
+            return fut
+        if not self._step_open:
+            self._step_open = True
+            self._check_deferred()
+            if not self._agreed:
+                self._agree()
+            begin = getattr(self.compressor, "begin_step", None)
+            if callable(begin):
+                begin(self.step)
+        if buf.is_sparse or any(g.is_sparse for g in bucket.gradients()):
+            raise NotImplementedError("hvdsparse.ddp: sparse gradients are not supported")
+        names = self._names(params)
+        lay = self._layout(names, params, bucket.gradients(), buf)
+        spec = lay.spec
+        t0 = time.perf_counter()
+        payloads = []
+        with torch.no_grad():
+            for name, p, g in zip(names, params, spec.views(buf)):
+                if name in self._used:
+                    payloads.append(self.compressor.compress(
+                        name, g.view(p.shape), self.step, param=p.detach()))
+                else:
+                    payloads.append(self.compressor.compress_absent(
+                        name, p.detach(), self.step, param=p.detach()))
+        self._t_compress += time.perf_counter() - t0
+        strategy = self._strategy(lay, payloads)
+        pend = launch_exchange(strategy, spec, payloads,
+                               self._ctx(buf.device, self.settings.exchange == "auto"))
+        item = _InFlight()
+        item.layout, item.pend, item.future, item.names = lay, pend, fut, names
+        item.params, item.buffer, item.strategy, item.payloads = params, buf, strategy, payloads
+        self._inflight.append(item)
+        if bucket.is_last():
+            self._finish_step()
+        return fut
+
+    def _finish_step(self):
+        """Finish every bucket of the step in bucket order, on the hook's thread."""
+        P = self.world_size
+        scale = 1.0 / P if self.settings.average else 1.0
+        items, self._inflight = self._inflight, []
+        results, stats_b = [], []
+        sent, recv = defaultdict(int), defaultdict(int)
+        t_fin = time.perf_counter()
+        for it in items:
+            total = it.pend.finish()
+            total.mul_(scale)
+            pend = it.pend
+            if pend.deferred_figures is not None:
+                it.layout.deferred = pend.deferred_figures
+            sent[pend.strategy] += pend.sent_bytes
+            recv[pend.strategy] += pend.recv_bytes
+            stats_b.append(dict(layers=list(it.names), numel=it.layout.spec.numel,
+                                strategy=pend.strategy, sent_bytes=pend.sent_bytes,
+                                recv_bytes=pend.recv_bytes))
+            for name, p, view in zip(it.names, it.params, it.layout.spec.views(total)):
+                g = view.view(p.shape)
+                if self._after_takes_param:
+                    self.compressor.after_exchange(name, g, self.step, param=p.detach())
+                else:
+                    self.compressor.after_exchange(name, g, self.step)
+            results.append(total)
+        self._nonfinite(items)
+        for it, total in zip(items, results):
+            if it.buffer.dtype == total.dtype:
+                it.future.set_result(total)
+            else:
+                it.future.set_result(it.buffer.copy_(total))
+        commit = getattr(self.compressor, "commit", None)
+        if callable(commit):
+            commit()
+        if self._error_flag is not None:
+            from .scheduler import DeferredRead
+            self._pending_reads.append(("error", self.step, DeferredRead(self._error_flag),
+                                        None))
+            self._error_flag = None
+        n_total = sum(it.layout.spec.numel for it in items)
+        self.last_stats = dict(step=self.step, world_size=P, buckets=stats_b,
+                               bytes_sent=dict(sent), bytes_recv=dict(recv),
+                               bytes_sent_total=int(sum(sent.values())),
+                               bytes_recv_total=int(sum(recv.values())),
+                               dense_allreduce_bytes=int(cost_model.dense_allreduce_bytes(
+                                   P, n_total)),
+                               time_compress_s=self._t_compress,
+                               time_finish_s=time.perf_counter() - t_fin)
+        t = self.totals
+        t["steps"] += 1
+        for k in ("bytes_sent_total", "bytes_recv_total", "dense_allreduce_bytes"):
+            t[k] += self.last_stats[k]
+        for k, v in sent.items():
+            t["bytes_sent"][k] = t["bytes_sent"].get(k, 0) + v
+        for b in stats_b:
+            t["strategy_counts"][b["strategy"]] = t["strategy_counts"].get(b["strategy"], 0) + 1
+        self._t_compress = 0.0
+        self._used.clear()
+        self._step_open = False
+        self.step += 1
+
+    def _nonfinite(self, items):
+        """One small allgather of every rank's per-layer non-finite counts (same table
+        on every rank); CPU: act now, CUDA: read at the next step without a stall."""
+        names = [n for it in items for n in it.names]
+        counts = [pl.nonfinite for it in items for pl in it.payloads]
+        if not names:
+            return
+        dev = items[0].buffer.device
+        zero = torch.zeros((), dtype=torch.int32, device=dev)
+        mine = torch.stack([(c if c is not None else zero).reshape(()).to(torch.int32)
+                            for c in counts]).view(1, -1)
+        table = self.transport.synchronize(self.transport.allgather_async(
+            mine, name=f"{self.prefix}.nonfinite"))
+        if table.device.type == "cpu":
+            _raise_nonfinite(table.numpy(), names, self.step)
+        else:
+            from .scheduler import DeferredRead
+            self._pending_reads.append(("nonfinite", self.step, DeferredRead(table), names))
+
+
+def _raise_nonfinite(table, names, step):
+    hits = [(names[j], r, int(table[r, j])) for r in range(table.shape[0])
+            for j in range(table.shape[1]) if table[r, j]]
+    if hits:
+        desc = "; ".join(f"layer {n!r} on rank {r}: {c} element(s)" for n, r, c in hits[:8])
+        raise FloatingPointError(
+            f"hvdsparse.ddp: non-finite gradient (NaN/Inf) at step {step}: {desc}"
+            f"{' ...' if len(hits) > 8 else ''}. Nothing of it entered a residual.")
+
+
+def _bind(compression, state: State):
+    params = inspect.signature(compression.bind).parameters
+    kw = {}
+    if "broadcast" in params:
+        def broadcast(tensor, name):   # blocking, from rank 0 (Slim-DP cores)
+            return state.transport.broadcast(tensor, 0, name=f"{state.prefix}.bcast.{name}")
+        kw["broadcast"] = broadcast
+    if "owner" in params:
+        kw["owner"] = state
+    compression.bind(state.rank, state.world_size, **kw)
+
+
+def hook(state: State, bucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: ``model.register_comm_hook(state, hvdsparse.ddp.hook)``.
+    Returns a future holding the averaged bucket (see the module docstring)."""
+    return state.on_bucket(bucket)

@@ -6,7 +6,9 @@ Error feedback (all compressors with ``error_feedback=True``)
 Per layer ``name`` a fp32 residual ``r`` (same numel as the gradient, on the gradient's
 device, created lazily as zeros) is kept. At each step
 
-    acc   = r + grad                       (fp32; ``ops.residual_add_binmax`` in place)
+    d     = fp32(grad) * grad_scale        (grad_scale = 1 / loss scale, or 1)
+    acc   = r + where(isfinite(d), d, 0)   (fp32; ``ops.residual_add_binmax`` in place;
+                                            non-finite elements counted, never absorbed)
     sent  = deq(Q(acc[S]))                 on the selected set S, 0 elsewhere
     r_new = acc - sent
 
@@ -34,14 +36,23 @@ identically on all ranks).
 
 Host synchronisation
 --------------------
-``compress`` never calls ``.item()``, ``.tolist()`` or ``nonzero`` on gradient-derived
-tensors: counts, thresholds and scales stay device tensors. The only host work is
-integer arithmetic on sizes and seeds.
+``compress`` and ``compress_absent`` never call ``.item()``, ``.tolist()``, ``nonzero``,
+boolean-mask indexing, ``unique`` or ``equal`` on device tensors: counts (including the
+non-finite count), thresholds and scales stay device tensors. The only host work is
+integer arithmetic on sizes and seeds (tests/test_compressor_trust.py checks the aten
+ops with a ``TorchDispatchMode``). The one documented exception is Slim-DP's
+``after_exchange``: a blocking broadcast of the core, once per layer and re-selection.
+
+Buffers
+-------
+Full-size per-step temporaries (``|acc|``, comparison masks, the accumulator without
+error feedback) live in per-compressor scratch buffers (one per kind, dtype and device,
+sized to the largest layer), so a steady-state step allocates no full-size tensor for
+them; payload tensors never alias a scratch buffer.
 """
 from __future__ import annotations
 
 import fnmatch
-import inspect
 import math
 import weakref
 import zlib
@@ -220,45 +231,26 @@ def _check_grad_scale(name, grad_scale, device):
     return grad_scale.reshape(1)
 
 
-_EXT_RESIDUAL_ADD = None
-
-
-def _residual_add_ext() -> bool:
-    """True when ``ops.residual_add_binmax`` takes ``grad_scale=`` / ``nonfinite=`` (the
-    kernel contract that masks and counts non-finite gradient elements in the fused
-    pass)."""
-    global _EXT_RESIDUAL_ADD
-    if _EXT_RESIDUAL_ADD is None:
-        params = inspect.signature(ops.residual_add_binmax).parameters
-        _EXT_RESIDUAL_ADD = "nonfinite" in params and "grad_scale" in params
-    return _EXT_RESIDUAL_ADD
-
-
 def clean_grad(flat: torch.Tensor, grad_scale, nonfinite: Optional[torch.Tensor],
                count: bool = True) -> torch.Tensor:
-    """``where(isfinite(g), g, 0).float() * grad_scale`` (fp32, a new tensor) and, with
-    ``count``, ``nonfinite[0] += #non-finite`` -- torch ops on the device, no host sync.
-    The path for gradients that do not go through ``ops.residual_add_binmax``."""
-    fin = torch.isfinite(flat)
+    """``d = fp32(g) * grad_scale``, then ``where(isfinite(d), d, 0)`` (a new fp32
+    tensor) and, with ``count``, ``nonfinite[0] += #non-finite(d)`` -- the same rule as
+    ``ops.residual_add_binmax``, in torch ops on the device (no host sync), for the
+    paths whose gradient does not go through that kernel."""
+    d = flat.float() if grad_scale is None else flat.float() * grad_scale
+    fin = torch.isfinite(d)
     if count and nonfinite is not None:
         nonfinite.add_((~fin).sum(dtype=torch.int32).reshape(1))
-    g = torch.where(fin, flat, torch.zeros((), dtype=flat.dtype, device=flat.device)).float()
-    if grad_scale is not None:
-        g.mul_(grad_scale)
-    return g
+    return torch.where(fin, d, torch.zeros((), dtype=torch.float32, device=d.device))
 
 
 def residual_add(flat: torch.Tensor, residual: torch.Tensor, bin_size: int, grad_scale,
                  nonfinite: Optional[torch.Tensor]) -> torch.Tensor:
-    """``residual += where(isfinite(g), g, 0).float() * grad_scale`` in place,
-    ``nonfinite[0] += #non-finite(g)``; returns the per-bin max of ``|residual|``
-    (``ops.residual_add_binmax``). Without the extended kernel contract the gradient is
-    cleaned with torch ops first (one extra pass, still no host sync)."""
-    if _residual_add_ext():
-        return ops.residual_add_binmax(flat, residual, bin_size, grad_scale=grad_scale,
-                                       nonfinite=nonfinite)
-    g = clean_grad(flat, grad_scale, nonfinite)
-    return ops.residual_add_binmax(g, residual, bin_size)
+    """``residual += d`` with ``d = fp32(g) * grad_scale`` where ``d`` is finite,
+    ``nonfinite[0] += #non-finite(d)``; returns the per-bin max of ``|residual|``
+    (``ops.residual_add_binmax``: one fused pass, no host sync on the Triton path)."""
+    return ops.residual_add_binmax(flat, residual, bin_size, grad_scale=grad_scale,
+                                   nonfinite=nonfinite)
 
 
 class _Call:
@@ -420,7 +412,8 @@ class Compressor:
                             f"{broadcast!r}")
         if owner is not None:
             cur = self._owner() if self._owner is not None else None
-            if cur is not None and cur is not owner:
+            same = cur is owner or (isinstance(owner, (str, int)) and cur == owner)
+            if cur is not None and not same:
                 raise ValueError(f"{self!r} is already bound to another optimizer "
                                  f"({type(cur).__name__} at {id(cur):#x}); one compressor "
                                  f"instance per optimizer (its residuals are keyed by "

@@ -288,7 +288,12 @@ class TopK(Compressor):
             return (self._dense_from_acc(name, acc, shape, enc, qseed, qb, ef),
                     dict(density=d))
         acc, _ = self._acc(name, flat, None, ef)
-        gidx, rel, vmask, count, bin_counts, _ = binned_topc(self._abs_buf(acc), B, kb, TINY)
+        # |acc| zero-padded to whole buckets in the scratch buffer (binned_topc would
+        # otherwise concatenate a padded copy every step)
+        a = self._scratch_buf("abs", nb * B, torch.float32, acc.device)
+        torch.abs(acc, out=a[:n])
+        a[n:].zero_()
+        gidx, rel, vmask, count, bin_counts, _ = binned_topc(a, B, kb, TINY)
         values, scales = self._take(acc, gidx, vmask, count, enc, qseed, qb, ef)
         seg = Segment(numel=n, capacity=cap, index_encoding=ienc, value_encoding=enc,
                       count=count, values=values, indices=rel, scales=scales,

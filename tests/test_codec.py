@@ -8,6 +8,7 @@ Random data: seeds come from hypothesis (shown on failure) or are printed.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 
@@ -127,7 +128,7 @@ def test_every_encoding_pair_round_trip(ie):
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     for ve in ALL_VE:
-        for numel in (1, 37, 200):
+        for numel in (0, 1, 37, 200):
             spec = seg_spec(rng, numel, ie, ve)
             maxc = spec["cap"] if ie in (IE.DENSE, IE.IMPLICIT) else min(spec["cap"], numel)
             for count in sorted({0, maxc, int(rng.integers(0, maxc + 1))}):
@@ -561,3 +562,80 @@ def test_encode_and_trusted_accumulate_never_sync(monkeypatch):
     assert not det.records, [(r["phase"], r["reason"], r["site"]) for r in det.records]
     assert int(flag[0]) & codec.ERR_HEADER and int(flag[0]) & codec.ERR_COUNT, int(flag[0])
     assert torch.equal(out, bufs[0]) and len(segs) == len(pairs)
+
+
+def test_wire_defect_regressions():
+    """The decode defects found by the first mutation run (trust issue item 10), one by
+    one: each now decodes correctly or is reported (CodecError / error flag)."""
+    rng = np.random.default_rng(fresh_seed())
+    # a valid message with a 0-element layer and bin-relative indices, both paths
+    specs = [dict(ienc=IE.BIN_U8, venc=VE.FP32, cap=0, bin_size=7, qb=512, implicit=None),
+             dict(ienc=IE.BIN_U16, venc=VE.INT4, cap=0, bin_size=3, qb=8, implicit=None)]
+    spec_b = dict(ienc=IE.BITMASK, venc=VE.SIGN1, cap=5, bin_size=0, qb=512, implicit=None)
+    layout = [("empty", (0,), specs), ("b", (13,), [spec_b]),
+              ("c", (9,), [dict(ienc=IE.INT32, venc=VE.FP32, cap=0, bin_size=0, qb=512,
+                                implicit=None)])]
+    (payloads, truths) = fill_payloads(rng, layout)
+    buf = encode(payloads)
+    ref = dense_reference(layout, [truths, truths])
+    for validate in (True, False):
+        outs = [torch.zeros(p.numel) for p in payloads]
+        accumulate(torch.stack([buf, buf]), payloads, outs, validate=validate)
+        for o, r in zip(outs, ref):
+            assert_close(o, r, f"0-element layer validate={validate}")
+    # unaligned views (a slice of a larger buffer at offset 3) decode like aligned ones
+    n = buf.numel()
+    big = torch.zeros(3 + 2 * n, dtype=torch.uint8)
+    big[3:].view(2, n).copy_(torch.stack([buf, buf]))
+    decode(big[3:3 + n])
+    for bufs_arg in (big[3:].view(2, n), [big[3:3 + n], big[3 + n:]]):
+        for validate in (True, False):
+            outs = [torch.zeros(p.numel) for p in payloads]
+            accumulate(bufs_arg, payloads, outs, validate=validate)
+            for o, r in zip(outs, ref):
+                assert_close(o, r, f"unaligned validate={validate}")
+    # count > capacity on a capacity-0 segment: CodecError / flag 2 on the trusted path
+    bad = _patch(buf, H + 3 * R + 16, "<I", 1)            # segment 3: INT32, capacity 0
+    outs = [torch.zeros(p.numel) for p in payloads]
+    with pytest.raises(CodecError, match=r"message of rank 1: segment 3 .*count 1 > "
+                                         r"capacity 0"):
+        accumulate(torch.stack([buf, bad]), payloads, outs)
+    flag = torch.zeros(1, dtype=torch.int32)
+    accumulate(torch.stack([bad, buf]), payloads, outs, validate=False, error_flag=flag)
+    assert int(flag[0]) == codec.ERR_COUNT
+    # bin counts on the trusted path: a (sum-preserving) move beyond a bin's size
+    spec = dict(ienc=IE.BIN_U8, venc=VE.FP32, cap=6, bin_size=4, qb=512, implicit=None)
+    (p2, _) = fill_payloads(rng, [("x", (10,), [spec])])
+    p2[0].segments[0].count.fill_(4)
+    p2[0].segments[0].bin_counts.copy_(torch.tensor([2, 1, 1], dtype=torch.int32))
+    p2[0].segments[0].indices[:4] = torch.tensor([0, 1, 2, 0], dtype=torch.uint8)
+    b2 = encode(p2)
+    off = _offsets(p2)[0].offsets[1]
+    flag.zero_()
+    o = torch.zeros(10)
+    accumulate(b2.unsqueeze(0), p2, [o], validate=False, error_flag=flag)
+    assert int(flag[0]) == 0
+    for bcs in ((4, 0, 0), (0, 0, 4), (3, 0, 1), (-1, 4, 1)):   # last bin holds only 2
+        moved = _patch(_patch(_patch(b2, off, "<i", bcs[0]), off + 4, "<i", bcs[1]),
+                       off + 8, "<i", bcs[2])
+        flag.zero_()
+        o = torch.zeros(10)
+        accumulate(moved.unsqueeze(0), p2, [o], validate=False, error_flag=flag)
+        ok = bcs[0] <= 4 and bcs[2] <= 2 and min(bcs) >= 0
+        assert bool(int(flag[0])) != ok, (bcs, int(flag[0]))
+        if not ok:
+            assert int(flag[0]) == codec.ERR_BIN_COUNTS and not o.any()
+        with pytest.raises(CodecError) if not ok else contextlib.nullcontext():
+            accumulate(moved.unsqueeze(0), p2, [torch.zeros(10)])
+    # non-tensor rows, bool rows, zero rows (with a BITMASK segment): CodecError, both paths
+    outs = [torch.zeros(p.numel) for p in payloads]
+    for arg, msg in (([buf, None], r"buffer of rank 1 is a NoneType"),
+                     ([buf, bytes(n)], r"buffer of rank 1 is a bytes"),
+                     (42, r"got int"),
+                     ([buf, buf.bool()], r"buffer of rank 1 has dtype torch.bool"),
+                     (torch.stack([buf, buf]).bool(), r"buffers dtype torch.bool"),
+                     (torch.empty(0, n, dtype=torch.uint8), r"no messages \(0 rows\)"),
+                     ([], r"no buffers")):
+        for validate in (True, False):
+            with pytest.raises(CodecError, match=msg):
+                accumulate(arg, payloads, outs, validate=validate)

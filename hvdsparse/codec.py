@@ -446,11 +446,16 @@ def encoded_nbytes(payloads: Sequence[LayerPayload]) -> int:
 # ------------------------------------------------------------------ cached temporaries
 
 _ARANGES: dict = {}
+#: largest cached temporaries (elements): beyond this they are allocated per call, so a
+#: huge DENSE layer does not pin an index vector of its size on the device for good
+_CACHE_ELEMS = 1 << 22
 
 
 def _arange(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``arange(n)`` as a slice of a cached, geometrically grown tensor (one per device
     and dtype): slot numbers and DENSE indices without a per-step allocation."""
+    if n > _CACHE_ELEMS:
+        return torch.arange(n, dtype=dtype, device=device)
     key = (str(device), dtype)
     t = _ARANGES.get(key)
     if t is None or t.numel() < n:
@@ -477,6 +482,8 @@ _SLOTS = _LRU(64)
 def _slots(P: int, C: int, dtype: torch.dtype, device, start: int = 0) -> torch.Tensor:
     """Contiguous [P, C] rows ``start .. start+C-1`` (cached: searchsorted wants a
     contiguous input and would copy an expanded one at every call)."""
+    if P * C > _CACHE_ELEMS:
+        return _arange(start + C, dtype, device)[start:].expand(P, C).contiguous()
     key = (P, C, dtype, str(device), start)
     t = _SLOTS.get_lru(key)
     if t is None:

@@ -639,3 +639,28 @@ def test_wire_defect_regressions():
         for validate in (True, False):
             with pytest.raises(CodecError, match=msg):
                 accumulate(arg, payloads, outs, validate=validate)
+
+
+def test_uncached_temporaries_decode_alike(monkeypatch):
+    """Above codec._CACHE_ELEMS the slot / index temporaries are allocated per call
+    instead of cached: same sums either way (all encodings, both paths)."""
+    seed = fresh_seed()
+    layout = random_layout(np.random.default_rng(seed), pairs=[(i, VE.FP32) for i in ALL_IE],
+                           shapes=[(60,)] * 6)
+    ranks = [fill_payloads(np.random.default_rng([seed, r]), layout) for r in range(3)]
+    rows = torch.stack([encode(p) for p, _ in ranks])
+    template = ranks[0][0]
+    sums = {}
+    for limit in (codec._CACHE_ELEMS, 4):
+        monkeypatch.setattr(codec, "_CACHE_ELEMS", limit)
+        for validate in (True, False):
+            outs = [torch.zeros(p.numel) for p in template]
+            flag = torch.zeros(1, dtype=torch.int32)
+            accumulate(rows, template, outs, validate=validate,
+                       error_flag=None if validate else flag)
+            assert int(flag[0]) == 0
+            sums[(limit, validate)] = torch.cat(outs)
+    first = next(iter(sums.values()))
+    assert all(torch.equal(v, first) for v in sums.values())
+    assert_close(first, np.concatenate(dense_reference(layout, [t for _, t in ranks])),
+                 "uncached")

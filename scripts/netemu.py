@@ -86,8 +86,12 @@ def parse_rate(rate: str) -> float:
 
 
 def format_rate(bits_per_s: float) -> str:
-    """bits per second -> a tc rate string, in whole kbit so tc accepts it."""
-    return f"{int(round(bits_per_s / 1e3))}kbit"
+    """bits per second -> a tc rate string (whole gbit / mbit / kbit, which tc accepts)."""
+    kbit = int(round(bits_per_s / 1e3))
+    for unit, scale in (("gbit", 10**6), ("mbit", 10**3)):
+        if kbit % scale == 0:
+            return f"{kbit // scale}{unit}"
+    return f"{kbit}kbit"
 
 
 def usable_cores() -> int:

@@ -25,7 +25,8 @@ def test_rates_dilation_and_ring_model():
     with pytest.raises(ValueError, match="rate"):
         netemu.parse_rate("fast")
     # 4 ranks on 2 cores see half the link; never faster than the raw link
-    assert netemu.parse_rate(netemu.dilated_rate("1gbit", 4, cores=2)) == 5e8
+    assert netemu.dilated_rate("1gbit", 4, cores=2) == "500mbit"
+    assert netemu.dilated_rate("1gbit", 3, cores=2) == "666667kbit"
     assert netemu.parse_rate(netemu.dilated_rate("1gbit", 16, cores=2)) == 1.25e8
     assert netemu.parse_rate(netemu.dilated_rate("1gbit", 2, cores=8)) == 1e9
     # ring allreduce: 2 (P-1)/P x size / rate

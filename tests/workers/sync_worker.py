@@ -303,6 +303,18 @@ def compressors():
     }
 
 
+def control_compressor():
+    """Positive control: TopK whose compress() reads a device value (``.item()``), so the
+    test can check that a sync inside the optimizer's hooks is caught end to end."""
+    import hvdsparse as hs
+
+    class SyncingTopK(hs.TopK):
+        def compress(self, name, grad, step, **kw):
+            grad.abs().max().item()                         # [control-sync]
+            return super().compress(name, grad, step, **kw)
+    return SyncingTopK(0.05)
+
+
 def make_model():
     """Two weights of 1024 elements (compressed: min_numel=1024) and two biases (dense
     by policy): the smallest model with both kinds of layer."""
@@ -323,8 +335,10 @@ def main():
     only = set(sys.argv[1].split(",")) if len(sys.argv) > 1 and sys.argv[1] else None
     det = HostSyncDetector()
     readouts = ReadoutRecorder(det)
-    for cname, make in compressors().items():
-        for ex in EXCHANGES:
+    runs = [(c, m, ex) for c, m in compressors().items() for ex in EXCHANGES]
+    runs.append(("control", control_compressor, "allgather"))
+    for cname, make, ex in runs:
+        if True:
             combo = f"{cname}/{ex}"
             if only and cname not in only and combo not in only:
                 continue

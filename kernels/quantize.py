@@ -49,9 +49,9 @@ def _quantize_pack_kernel(v_ptr, count_ptr, codes_ptr, scales_ptr, n, nbuckets, 
         nv = tl.minimum(tl.maximum(tl.load(count_ptr), 0), n).to(tl.int64)
     # phase A: per-bucket max |v| as an integer max of the bit patterns (exact, and NaN
     # propagates: every NaN pattern lies above +Inf; stored as the canonical NaN)
-    rows = pid * ROWS + tl.arange(0, ROWS)
+    rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < nbuckets
-    rstart = rows.to(tl.int64) * B
+    rstart = rows * B
     cols = tl.arange(0, BPAD)
     m = tl.zeros([ROWS], dtype=tl.int32)
     for c0 in range(0, B, BPAD):
@@ -124,7 +124,7 @@ def quantize_pack(values, bits, bucket_size, seed, count=None, *, block=2048,
     grid = (triton.cdiv(nb, rows),)
     _quantize_pack_kernel[grid](values, count if count is not None else scales, codes, scales,
                                 n, nb, B, int(seed), HAS_COUNT=count is not None, BITS=bits,
-                                ROWS=rows, BPAD=bpad, NBYTES=nbytes)
+                                ROWS=rows, BPAD=bpad, NBYTES=nbytes, num_warps=8)
     return codes, scales
 
 
@@ -160,7 +160,7 @@ def dequantize_unpack(codes, scales, bits, bucket_size, n, *, block=4096):
     nbytes = triton.next_power_of_2(max(1, block // per))
     grid = (triton.cdiv(-(-n // per), nbytes),)
     _unpack_kernel[grid](codes, scales, out, n, int(bucket_size), BITS=int(bits), SIGN=False,
-                         NBYTES=nbytes)
+                         NBYTES=nbytes, num_warps=8)
     return out
 
 
@@ -172,7 +172,7 @@ def sign_unpack(bits_u8, scale, n, *, block=4096):
     nbytes = triton.next_power_of_2(max(1, block // 8))
     grid = (triton.cdiv(-(-n // 8), nbytes),)
     _unpack_kernel[grid](bits_u8, scale.reshape(1), out, n, 1, BITS=1, SIGN=True,
-                         NBYTES=nbytes)
+                         NBYTES=nbytes, num_warps=8)
     return out
 
 
@@ -182,10 +182,10 @@ def _philox_uniform_kernel(out_ptr, n, offset, seed, BLOCK: tl.constexpr):
     tl.store(out_ptr + i, tl.rand(seed, i + offset), mask=i < n)
 
 
-def philox_uniform(seed, n, offset=0, device=None, *, block=4096):
+def philox_uniform(seed, n, offset=0, device=None, *, block=2048):
     """fp32[n]: element i = ``tl.rand(seed, offset + i)`` (int64 counter)."""
     out = torch.empty(n, dtype=torch.float32, device=device)
     if n:
         _philox_uniform_kernel[(triton.cdiv(n, block),)](out, n, int(offset), int(seed),
-                                                          BLOCK=block)
+                                                          BLOCK=block, num_warps=8)
     return out

@@ -112,7 +112,8 @@ def _residual_flat_kernel(grad_ptr, res_ptr, binmax_i32_ptr, scale_ptr, nf_ptr, 
 
 
 def residual_add_binmax(grad, residual, bin_size, *, out=None, grad_scale=None,
-                        nonfinite=None, block=4096, max_chunk=1024, flat_min=None):
+                        nonfinite=None, block=4096, max_chunk=1024, flat_min=None,
+                        num_warps=8):
     """Triton version of ``hvdsparse.cpu.residual_add_binmax`` (same contract; arguments
     validated by ``hvdsparse.ops``). ``grad_scale``: None or an fp32 1-element device
     tensor; ``nonfinite``: None or an int32[>=1] device tensor (``[0]`` is added to).
@@ -140,7 +141,8 @@ def residual_add_binmax(grad, residual, bin_size, *, out=None, grad_scale=None,
         out.zero_()
         _residual_flat_kernel[(triton.cdiv(n, blk),)](
             grad, residual, out.view(torch.int32), sc, nf, n, L,
-            HAS_SCALE=has_scale, HAS_NF=has_nf, BLOCK=blk, enable_fp_fusion=False)
+            HAS_SCALE=has_scale, HAS_NF=has_nf, BLOCK=blk, num_warps=num_warps,
+            enable_fp_fusion=False)
         return out
     chunk = min(triton.next_power_of_2(L), max_chunk)
     rows = triton.next_power_of_2(max(1, block // chunk))
@@ -148,5 +150,5 @@ def residual_add_binmax(grad, residual, bin_size, *, out=None, grad_scale=None,
     grid = (triton.cdiv(nbins, rows),)
     _residual_tile_kernel[grid](grad, residual, out, sc, nf, n, nbins, L,
                                 HAS_SCALE=has_scale, HAS_NF=has_nf, ROWS=rows, CHUNK=chunk,
-                                enable_fp_fusion=False)
+                                num_warps=num_warps, enable_fp_fusion=False)
     return out

@@ -34,7 +34,7 @@ MAX_D = 8192
 def _row_threshold_kernel(x_ptr, cols_ptr, vals_ptr, mask_ptr, d, k,
                           BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_D)
+    offs = tl.arange(0, BLOCK_D).to(tl.int64)   # int64 offsets throughout
     inb = offs < d
     x = tl.load(x_ptr + row * d + offs, mask=inb, other=0.0)
     a = tl.abs(x.to(tl.float32))

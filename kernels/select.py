@@ -60,14 +60,14 @@ def _select_compact_kernel(acc_ptr, grad_ptr, thr_ptr, idx_ptr, val_ptr, sign_pt
     k = tl.sum(seli, axis=0)
     rank = tl.cumsum(seli, axis=0) - seli
     base = tl.atomic_add(count_ptr + 1, k, mask=k > 0, sem="relaxed")
-    slot = base + rank
+    slot = (base + rank).to(tl.int64)
     w = sel & (slot < capacity)
     tl.store(idx_ptr + slot, offs.to(tl.int32), mask=w)
     if VE == 6:  # SIGN1
         ss = tl.load(sscale_ptr)
         neg = a < 0
         newa = a - tl.where(neg, -ss, ss)
-        bit = tl.full([BLOCK], 1, tl.int32) << (slot & 31)
+        bit = tl.full([BLOCK], 1, tl.int32) << (slot & 31).to(tl.int32)
         tl.atomic_or(sign_ptr + (slot >> 5), bit, mask=w & neg, sem="relaxed")
     elif VE == 0:
         tl.store(val_ptr + slot, a, mask=w)
@@ -81,7 +81,7 @@ def _select_compact_kernel(acc_ptr, grad_ptr, thr_ptr, idx_ptr, val_ptr, sign_pt
 
 def select_compact(acc, threshold, capacity, *, bin_size=0, grad=None, h_scale=1.0,
                    value_encoding=VE_FP32, sign_scale=None, out=None, grad_scale=None,
-                   block=4096):
+                   block=4096, num_warps=8):
     """Triton version of ``hvdsparse.cpu.select_compact`` (arguments already
     validated by ``hvdsparse.ops``: ``threshold`` an fp32 tensor, 0-d or [nbins] with
     ``bin_size > 0``; ``sign_scale`` an fp32 1-element tensor for SIGN1; ``grad_scale``
@@ -124,7 +124,7 @@ def select_compact(acc, threshold, capacity, *, bin_size=0, grad=None, h_scale=1
             grad_scale.reshape(1) if has_gs else dummy,
             n, capacity, max(int(bin_size), 1), hm1,
             HAS_GRAD=has_grad, HAS_GSCALE=has_gs, PER_BIN=per_bin, VE=ve, BLOCK=block,
-            enable_fp_fusion=False)
+            num_warps=num_warps, enable_fp_fusion=False)
         # sent = min(selected, capacity): a one-element device op, no host sync
         torch.clamp_max(count[1:2], capacity, out=count[0:1])
     if ve == VE_SIGN1 and values.data_ptr() != sign_bytes.data_ptr():

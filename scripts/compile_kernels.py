@@ -1,0 +1,348 @@
+"""Offline compile check of hvdsparse's Triton kernels for sm_80 and sm_90 (no GPU).
+
+What it does (the engine of ``tests/test_compile_offline.py``):
+
+1. Replaces every ``@triton.jit`` launch kernel in ``hvdsparse.kernels`` with a
+   recorder, sets ``HVDSPARSE_FORCE_TRITON=1`` and drives the public API with CPU
+   tensors (compressors' ``compress`` on a 25M-element layer, ``codec.accumulate`` with
+   ``validate=False``, DCT-MP's row threshold) and ``hvdsparse.ops`` with meta tensors
+   for layers of more than 2**31 elements. Every launch is recorded with its grid,
+   arguments and options; nothing runs.
+2. Binds each recorded launch exactly as a real launch would (Triton's own binder,
+   ``create_function_from_signature`` + ``JITFunction._pack_args``: argument types,
+   16-byte alignment / divisibility specialisation, constexprs, options such as
+   ``enable_fp_fusion``), de-duplicates the specialisations and compiles each one with
+   ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` for cc 80 and
+   90. ``ptxas -v`` (the one shipped in the Triton wheel) reports registers and spills.
+3. Inspects the result and writes a JSON report: compile errors, registers, spill bytes,
+   grid sizes, 128-bit global loads (``ld.global.v4``) in the PTX, atomic semantics
+   (every ``atom``/``red`` relaxed, no ``fence``), FMA instructions where a product
+   feeds a sum (``fma.rn.f32`` must not appear in the no-contraction kernels), and the
+   integer width of every tensor pointer offset in the Triton IR (``tt.addptr`` with
+   ``i32`` offsets would overflow past 2**31 bytes/elements).
+
+Run (must NOT run under TRITON_INTERPRET=1; the test starts it in a subprocess)::
+
+    PYTHONPATH=. python scripts/compile_kernels.py --out report.json [--full]
+
+``--full`` (or ``HVDSPARSE_COMPILE_FULL=1``): every compressor x encoding x bucket;
+default: a representative subset that stays within about a minute with a warm cache.
+The Triton cache defaults to ``~/.cache/hvdsparse/triton`` (``TRITON_CACHE_DIR``).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import OrderedDict
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("compile_kernels.py must run without TRITON_INTERPRET (it compiles for real)")
+os.environ["HVDSPARSE_FORCE_TRITON"] = "1"
+os.environ.setdefault("TRITON_CACHE_DIR",
+                      os.path.join(os.path.expanduser("~"), ".cache", "hvdsparse", "triton"))
+
+import torch  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from hvdsparse import ops  # noqa: E402
+
+K = ops._kernels()
+#: (submodule, kernel attribute) of every launch kernel
+KERNELS = [("residual", "_residual_tile_kernel"), ("residual", "_residual_flat_kernel"),
+           ("select", "_select_compact_kernel"), ("quantize", "_quantize_pack_kernel"),
+           ("quantize", "_unpack_kernel"), ("quantize", "_philox_uniform_kernel"),
+           ("scatter", "_scatter_row_kernel"), ("rowthreshold", "_row_threshold_kernel")]
+#: kernels that stream over a whole layer: grid >= 1000 programs at 25M elements, and
+#: 128-bit loads of aligned fp32 inputs
+STREAMING = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
+             "_quantize_pack_kernel", "_unpack_kernel", "_philox_uniform_kernel"}
+VECTOR_LOADS = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
+                "_quantize_pack_kernel"}
+#: kernels where a product feeds a sum and the math says two roundings
+NO_FMA = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel"}
+BIG = 25_000_000
+
+RECORDS: list = []
+_SCENARIO = ["?"]
+
+
+class Recorder:
+    """Stands in for a JITFunction: ``rec[grid](*args, **kw)`` records, runs nothing."""
+
+    def __init__(self, name, fn):
+        self.name, self.fn = name, fn
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            g = tuple(int(x) for x in (grid(kwargs) if callable(grid) else grid))
+            names = list(self.fn.signature.parameters)
+            n = args[names.index("n")] if "n" in names and names.index("n") < len(args) \
+                else kwargs.get("n")
+            RECORDS.append(dict(kernel=self.name, fn=self.fn, grid=g, args=args,
+                                kwargs=kwargs, scenario=_SCENARIO[0],
+                                n=int(n) if isinstance(n, int) else None))
+        return launch
+
+
+def install_recorders():
+    for mod, attr in KERNELS:
+        m = getattr(K, mod)
+        fn = getattr(m, attr)
+        setattr(m, attr, Recorder(attr, fn))
+
+
+class scenario:
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        _SCENARIO[0] = self.name
+
+    def __exit__(self, *exc):
+        _SCENARIO[0] = "?"
+
+
+# ------------------------------------------------------------------------ scenarios
+def drive(full: bool, errors: list):
+    import hvdsparse
+    from hvdsparse import codec
+
+    def run(name, f):
+        with scenario(name):
+            try:
+                f()
+            except Exception as e:  # reported, and the test fails on it
+                errors.append(f"scenario {name}: {type(e).__name__}: {e}\n"
+                              f"{traceback.format_exc(limit=6)}")
+
+    # a 2-D layer (1-D layers stay dense by policy); values are irrelevant: nothing runs
+    g_big = torch.zeros(5000, BIG // 5000)
+    comps = [("TopK-fp32", lambda: hvdsparse.TopK(0.01)),
+             ("TopK-int4", lambda: hvdsparse.TopK(0.01, values="int4")),
+             ("AdaComp", lambda: hvdsparse.AdaComp()),
+             ("QSGD-4", lambda: hvdsparse.QSGD(4)),
+             ("RandomK", lambda: hvdsparse.RandomK(0.01))]
+    if full:
+        comps += [("TopK-fp16", lambda: hvdsparse.TopK(0.01, values="fp16")),
+                  ("TopK-bf16", lambda: hvdsparse.TopK(0.01, values="bf16")),
+                  ("TopK-int8", lambda: hvdsparse.TopK(0.01, values="int8")),
+                  ("TopK-int2", lambda: hvdsparse.TopK(0.01, values="int2")),
+                  ("Threshold", lambda: hvdsparse.Threshold(0.99)),
+                  ("AdaComp-500", lambda: hvdsparse.AdaComp(bin_size=500)),
+                  ("QSGD-8", lambda: hvdsparse.QSGD(8)),
+                  ("QSGD-2-b1024", lambda: hvdsparse.QSGD(2, bucket_size=1024)),
+                  ("QSGD-8-ef", lambda: hvdsparse.QSGD(8, error_feedback=True)),
+                  ("SlimDP", lambda: hvdsparse.SlimDP(0.2, 0.1))]
+    for name, make in comps:
+        def f(make=make):
+            c = make()
+            for step in range(2 if full else 1):
+                c.compress("layer25M", g_big, step)
+        run(f"{name}@25M", f)
+    dtypes = [torch.float16, torch.bfloat16] if full else [torch.bfloat16]
+    for dt in dtypes:
+        run(f"TopK-grad-{dt}@25M",
+            lambda dt=dt: hvdsparse.TopK(0.01).compress(
+                "w", torch.zeros(5000, BIG // 5000, dtype=dt), 0))
+    # the decoder: real messages made on the CPU path, decoded through the kernels
+    for name, make in comps[:4]:
+        def f(make=make):
+            g = torch.Generator().manual_seed(1)
+            os.environ["HVDSPARSE_FORCE_TRITON"] = "0"
+            try:
+                c = make()
+                pay = [c.compress("a", torch.randn(3000, generator=g), 0),
+                       c.compress("b", torch.randn(700, 40, generator=g), 0)]
+                bufs = torch.stack([codec.encode(pay) for _ in range(3)])
+            finally:
+                os.environ["HVDSPARSE_FORCE_TRITON"] = "1"
+            outs = [torch.zeros(p.numel) for p in pay]
+            flag = torch.zeros(1, dtype=torch.int32)
+            codec.accumulate(bufs, pay, outs, validate=False, error_flag=flag)
+        run(f"accumulate-{name}", f)
+    # DCT-MP row threshold
+    for d in ((256, 4096) if full else (256,)):
+        run(f"rowthreshold-d{d}",
+            lambda d=d: hvdsparse.mp.row_threshold(torch.zeros(64, d), max(1, d // 10)))
+    # ops directly: meta tensors past 2**31 elements and i32 products near the limit
+    meta = torch.device("meta")
+    huge = (1 << 31) + 5
+    near = (1 << 31) - 64                       # i32 argument, n * bits overflows i32
+    run("residual-meta-2^31+5-L512", lambda: ops.residual_add_binmax(
+        torch.empty(huge, device=meta), torch.empty(huge, device=meta), 512))
+    run("residual-meta-2^31+5-Ln", lambda: ops.residual_add_binmax(
+        torch.empty(huge, device=meta), torch.empty(huge, device=meta), huge))
+    run("quantize-meta-near-2^31", lambda: ops.quantize_pack(
+        torch.empty(near, device=meta), 8, 512, 7))
+    run("quantize-meta-2^31+5", lambda: ops.quantize_pack(
+        torch.empty(huge, device=meta), 4, 512, 7))
+    run("dequantize-meta-near-2^31", lambda: ops.dequantize_unpack(
+        torch.empty(near, dtype=torch.uint8, device=meta),
+        torch.empty(-(-near // 512), device=meta), 8, 512, near))
+    run("scatter-int8-meta-cap-near-2^31", lambda: ops.scatter_add_decode(
+        torch.empty(near, device=meta), torch.empty(1, near, dtype=torch.int32, device=meta),
+        torch.empty(1, 1, dtype=torch.int32, device=meta),
+        codes=torch.empty(1, near, dtype=torch.uint8, device=meta),
+        scales=torch.empty(1, -(-near // 512), device=meta), bits=8, bucket_size=512,
+        error_flag=torch.empty(1, dtype=torch.int32, device=meta)))
+    run("philox-meta-2^31+5", lambda: ops.philox_uniform(3, huge, device=meta))
+
+    def select_guard():
+        try:
+            ops.select_compact(torch.empty(huge, device=meta), 0.5, 1000)
+        except ValueError as e:
+            if "acc" not in str(e):
+                raise AssertionError(f"select guard does not name acc: {e}")
+            return
+        raise AssertionError("select_compact accepted 2**31+5 elements (int32 indices)")
+    run("select-guard-2^31+5", select_guard)
+
+
+# ---------------------------------------------------------------------- compiling
+def _bind(rec, target):
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+    fn = rec["fn"]
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = dict(rec["kwargs"])
+    bound, spec, opts = binder(*rec["args"], **kwargs)
+    kwargs.setdefault("debug", False)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
+    return fn, options, signature, constexprs, attrs
+
+
+def _ptxas_report(ptx: str, cc: int, fmad: bool, cache_dir: str):
+    """(registers, spill store bytes, spill load bytes) from ``ptxas -v`` (cached)."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+    arch = sm_arch_from_capability(cc)
+    key = hashlib.sha256((ptx + arch + str(fmad)).encode()).hexdigest()
+    path = os.path.join(cache_dir, "ptxas-v", key + ".json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return tuple(json.load(f))
+    with tempfile.TemporaryDirectory() as td:
+        src = os.path.join(td, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [get_ptxas(cc).path, "-lineinfo", *([] if fmad else ["--fmad=false"]), "-v",
+               "--regAllocOptLevel=2", f"--gpu-name={arch}", src, "-o", src + ".o"]
+        log = subprocess.run(cmd, check=True, capture_output=True, text=True).stderr
+    regs = max([int(x) for x in re.findall(r"Used (\d+) registers", log)] or [0])
+    st = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", log))
+    ld = sum(int(x) for x in re.findall(r"(\d+) bytes spill loads", log))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump([regs, st, ld], f)
+    return regs, st, ld
+
+
+def _inspect(ptx: str, ttir: str) -> dict:
+    atoms = re.findall(r"\b((?:atom|red)\.[\w.]+)", ptx)
+    return dict(
+        v4_loads=len(re.findall(r"\bld\.global(?:\.[\w]+)*\.v4\.", ptx)),
+        scalar_loads=len(re.findall(r"\bld\.global(?:\.(?!v[24])[\w]+)*\s", ptx)),
+        atomics=sorted(set(atoms)),
+        nonrelaxed_atomics=sorted({a for a in atoms if ".relaxed" not in a}),
+        fences=sorted(set(re.findall(r"\b(fence\.[\w.]+|membar\.[\w.]+)", ptx))),
+        fma_f32=len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
+        i32_tensor_offsets=sorted(set(re.findall(
+            r"tt\.addptr [^:]*: tensor<[0-9x]+x!tt\.ptr<\w+>>, tensor<[0-9x]+xi32>", ttir))),
+    )
+
+
+def compile_all(full: bool, ccs=(80, 90)) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    errors: list = []
+    t0 = time.time()
+    install_recorders()
+    drive(full, errors)
+    t_drive = time.time() - t0
+    specs: "OrderedDict[tuple, dict]" = OrderedDict()
+    launches = []
+    for rec in RECORDS:
+        launches.append(dict(kernel=rec["kernel"], scenario=rec["scenario"], grid=rec["grid"],
+                             n=rec["n"]))
+        for cc in ccs:
+            target = GPUTarget("cuda", cc, 32)
+            try:
+                fn, options, signature, constexprs, attrs = _bind(rec, target)
+            except Exception as e:
+                errors.append(f"bind {rec['kernel']} ({rec['scenario']}): {e}")
+                continue
+            key = (rec["kernel"], cc, repr(sorted(signature.items())),
+                   repr(sorted(constexprs.items())), repr(sorted(attrs.items())),
+                   repr(sorted((k, v) for k, v in options.__dict__.items()
+                               if isinstance(v, (int, float, str, bool, type(None))))))
+            if key in specs:
+                specs[key]["scenarios"].add(rec["scenario"])
+                continue
+            specs[key] = dict(kernel=rec["kernel"], cc=cc, signature=signature,
+                              constexprs={str(k): v for k, v in constexprs.items()},
+                              scenarios={rec["scenario"]}, fn=fn, options=options,
+                              raw=(signature, constexprs, attrs))
+    cache = os.environ["TRITON_CACHE_DIR"]
+    out = []
+    for key, s in specs.items():
+        signature, constexprs, attrs = s["raw"]
+        row = dict(kernel=s["kernel"], cc=s["cc"], scenarios=sorted(s["scenarios"]),
+                   signature=s["signature"], constexprs=s["constexprs"],
+                   enable_fp_fusion=s["options"].enable_fp_fusion,
+                   num_warps=s["options"].num_warps)
+        t = time.time()
+        try:
+            k = triton.compile(ASTSource(s["fn"], signature, constexprs, attrs),
+                               target=GPUTarget("cuda", s["cc"], 32),
+                               options=s["options"].__dict__)
+            row.update(ok=True, **_inspect(k.asm["ptx"], k.asm["ttir"]))
+            regs, st, ld = _ptxas_report(k.asm["ptx"], s["cc"], s["options"].enable_fp_fusion,
+                                         cache)
+            row.update(registers=regs, spill_store_bytes=st, spill_load_bytes=ld)
+        except Exception as e:
+            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:2000]}")
+        row["seconds"] = round(time.time() - t, 2)
+        out.append(row)
+    return dict(full=full, triton=triton.__version__, torch=torch.__version__,
+                drive_seconds=round(t_drive, 1), total_seconds=round(time.time() - t0, 1),
+                errors=errors, launches=launches, specializations=out,
+                streaming=sorted(STREAMING), vector_loads=sorted(VECTOR_LOADS),
+                no_fma=sorted(NO_FMA), big=BIG)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--full", action="store_true",
+                    default=os.environ.get("HVDSPARSE_COMPILE_FULL", "") == "1")
+    a = ap.parse_args()
+    rep = compile_all(a.full)
+    with open(a.out, "w") as f:
+        json.dump(rep, f, indent=1, default=str)
+    bad = [r for r in rep["specializations"] if not r["ok"]]
+    print(f"{len(rep['launches'])} launches, {len(rep['specializations'])} specialisations "
+          f"compiled ({len(bad)} failed) in {rep['total_seconds']} s; "
+          f"{len(rep['errors'])} scenario errors")
+    for r in rep["specializations"]:
+        print(f"  {r['kernel']:<24} sm_{r['cc']} ok={r['ok']} regs={r.get('registers')} "
+              f"spills={r.get('spill_store_bytes')}/{r.get('spill_load_bytes')} "
+              f"v4={r.get('v4_loads')} fma={r.get('fma_f32')} {r['seconds']}s "
+              f"{','.join(r['scenarios'])[:60]}")
+    for e in rep["errors"]:
+        print("ERROR", e)
+
+
+if __name__ == "__main__":
+    main()

@@ -811,14 +811,16 @@ def test_stats_fields():
 
 def test_no_host_sync_helpers_in_compress(monkeypatch):
     """compress() / after_exchange() must not pull tensor values to the host themselves
-    (.item, .tolist, int/float/bool of a tensor, nonzero); the CPU reference ops may."""
+    (.item, .tolist, int/float/bool of a tensor, nonzero); the CPU reference ops may.
+    (Quick Tensor-method spy; the aten-level check is in test_compressor_trust.py.)"""
     calls = []
 
     def spy(orig):
         def f(self, *a, **k):
             import traceback
             stack = "".join(traceback.format_stack(limit=6))
-            if "compressors" in stack and "reference.py" not in stack and "codec" not in stack:
+            if "compressors" in stack and "reference.py" not in stack and "cpu.py" not in stack \
+                    and "codec" not in stack:
                 calls.append(stack)
             return orig(self, *a, **k)
         return f

@@ -79,7 +79,14 @@ Non-finite gradients: ``nonfinite="raise"`` only (every rank raises
 stall). ``"skip"`` / ``"propagate"`` need control over the optimizer step, which a comm
 hook does not have; they are refused. Not supported here either (refused with an error):
 ``backward_passes_per_step`` (use ``no_sync()``), ``local_gradient``, ``fusion_threshold``
-(DDP's ``bucket_cap_mb`` forms the buckets), sparse gradients, DGC momentum correction.
+(DDP's ``bucket_cap_mb`` forms the buckets), sparse gradients.
+
+DGC momentum correction / masking and local clipping (``momentum_correction=True``,
+``clip_grad_norm=``, with ``optimizer=`` the ``torch.optim.SGD`` that steps the model):
+the velocity is accumulated and compressed in the hook, exactly as in the Horovod path
+(:mod:`hvdsparse.momentum`); the optimizer's momentum and weight decay are 0 during its
+``step()`` (step pre/post hooks), layers sent dense get ordinary momentum on the
+exchanged average inside the hook.
 
 Host synchronisation (CUDA): as in the Horovod path, except the split strategy, whose
 variable-size alltoalls need one small size exchange each on torch.distributed
@@ -145,11 +152,19 @@ class State:
             :class:`hvdsparse.settings.ExchangeSettings`); or pass ``settings=``.
         transport: a :class:`hvdsparse.transport.Transport` (default: torch.distributed
             on ``process_group``).
+        optimizer, momentum_correction, clip_grad_norm: DGC's momentum correction /
+            masking and local clipping (:mod:`hvdsparse.momentum`), as for
+            :func:`hvdsparse.DistributedOptimizer`; they need the ``torch.optim.SGD``
+            that steps the model (``optimizer=``): its momentum and weight decay are
+            applied in the hook and set to 0 for the duration of its ``step()``
+            (optimizer step pre/post hooks; ``param_groups`` and checkpoints keep the
+            user's values).
     """
 
     def __init__(self, compression, named_parameters, *, process_group=None,
                  settings: Optional[ExchangeSettings] = None,
-                 transport: Optional[Transport] = None, **kwargs):
+                 transport: Optional[Transport] = None, optimizer=None,
+                 momentum_correction: bool = False, clip_grad_norm=None, **kwargs):
         from .compressors import Compressor
         if isinstance(compression, type) and issubclass(compression, Compressor):
             raise TypeError(f"compression must be an hvdsparse compressor instance, got the "
@@ -221,11 +236,60 @@ class State:
                 compression.after_exchange).parameters
         except (TypeError, ValueError):
             self._after_takes_param = False
+        self.local_update = None
+        if momentum_correction not in (True, False):
+            raise ValueError(f"momentum_correction must be True or False, got "
+                             f"{momentum_correction!r}")
+        if clip_grad_norm is not None and (not isinstance(clip_grad_norm, (int, float)) or
+                                           isinstance(clip_grad_norm, bool) or
+                                           not clip_grad_norm > 0):
+            raise ValueError(f"clip_grad_norm must be None or a number > 0, got "
+                             f"{clip_grad_norm!r}")
+        if momentum_correction or clip_grad_norm is not None:
+            self._setup_local_update(optimizer, momentum_correction, clip_grad_norm)
+        elif optimizer is not None:
+            raise ValueError("optimizer= is only used with momentum_correction=True or "
+                             "clip_grad_norm=...")
+        self.fingerprint["momentum_correction"] = bool(momentum_correction)
+        self.fingerprint["clip_grad_norm"] = clip_grad_norm
         self._hooks = []
         for n, p in self.params.items():
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     lambda _p, _n=n: self._used.add(_n)))
+
+    def _setup_local_update(self, optimizer, momentum_correction, clip_grad_norm):
+        from .momentum import LocalUpdate
+        if optimizer is None:
+            raise ValueError("momentum_correction / clip_grad_norm need optimizer= (the "
+                             "torch.optim.SGD that steps the DDP model)")
+        if momentum_correction and not isinstance(optimizer, torch.optim.SGD):
+            raise ValueError(f"momentum_correction=True needs torch.optim.SGD (with "
+                             f"momentum), got {type(optimizer).__name__}")
+        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        missing = [n for n, p in self.params.items() if p.requires_grad and
+                   id(p) not in group_of]
+        if missing:
+            raise ValueError(f"momentum_correction: parameters {missing[:5]} are not "
+                             f"optimised by the given optimizer")
+        lu = LocalUpdate({n: group_of[id(p)] for n, p in self.params.items()
+                          if id(p) in group_of}, self.world_size,
+                         momentum_correction=momentum_correction,
+                         clip_grad_norm=clip_grad_norm)
+        self.local_update = lu
+        if self.world_size > 1 and momentum_correction:
+            ctx = {}
+
+            def pre(_opt, _args, _kw):     # momentum / wd were applied in the hook
+                ctx["n"] = lu.neutralised()
+                ctx["n"].__enter__()
+
+            def post(_opt, _args, _kw):
+                n = ctx.pop("n", None)
+                if n is not None:
+                    n.__exit__(None, None, None)
+            self._opt_hooks = [optimizer.register_step_pre_hook(pre),
+                               optimizer.register_step_post_hook(post)]
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
@@ -233,7 +297,9 @@ class State:
         cost model's history per bucket layout. Call between steps."""
         if self._inflight:
             raise RuntimeError("hvdsparse.ddp.State.state_dict() during a step")
-        return dict(compressor=self.compressor.state_dict(), step=self.step,
+        extra = {} if self.local_update is None else \
+            dict(momentum_correction=self.local_update.state_dict())
+        return dict(compressor=self.compressor.state_dict(), step=self.step, **extra,
                     rank=self.rank, world_size=self.world_size,
                     fingerprint=self.fingerprint,
                     history={"\x1f".join(k): (v.pairs, v.reduced)
@@ -247,6 +313,8 @@ class State:
             warnings.warn(f"hvdsparse.ddp: state saved at world size {sd['world_size']}, "
                           f"loaded at {self.world_size}")
         self.compressor.load_state_dict(sd["compressor"])
+        if self.local_update is not None and "momentum_correction" in sd:
+            self.local_update.load_state_dict(sd["momentum_correction"])
         self.step = int(sd["step"])
         self._inflight.clear()
         self._used.clear()
@@ -391,6 +459,8 @@ class State:
             begin = getattr(self.compressor, "begin_step", None)
             if callable(begin):
                 begin(self.step)
+            if self.local_update is not None:
+                self.local_update.begin_step()
         if buf.is_sparse or any(g.is_sparse for g in bucket.gradients()):
             raise NotImplementedError("hvdsparse.ddp: sparse gradients are not supported")
         names = self._names(params)
@@ -399,8 +469,19 @@ class State:
         t0 = time.perf_counter()
         payloads = []
         with torch.no_grad():
+            lu = self.local_update
             for name, p, g in zip(names, params, spec.views(buf)):
-                if name in self._used:
+                if name in self._used and lu is not None and lu.wants(name):
+                    # DGC: clip, fold in weight decay, accumulate the velocity locally
+                    dense = self.compressor.policy.is_dense(name, p.shape)
+                    x, nonfinite = lu.corrected(name, g.view(p.shape), p, dense, None)
+                    pl = self.compressor.compress(name, x, self.step, param=p.detach())
+                    pl.nonfinite = nonfinite if pl.nonfinite is None \
+                        else pl.nonfinite + nonfinite
+                    if name in lu.u:
+                        lu.mask(name, codec.payload_to_dense(pl))   # momentum masking
+                    payloads.append(pl)
+                elif name in self._used:
                     payloads.append(self.compressor.compress(
                         name, g.view(p.shape), self.step, param=p.detach()))
                 else:
@@ -443,6 +524,10 @@ class State:
                     self.compressor.after_exchange(name, g, self.step, param=p.detach())
                 else:
                     self.compressor.after_exchange(name, g, self.step)
+                lu = self.local_update
+                if lu is not None and lu.momentum_correction and \
+                        self.compressor.policy.is_dense(name, p.shape):
+                    view.copy_(lu.dense_momentum(name, g, p).reshape(-1))  # sent dense
             results.append(total)
         self._nonfinite(items)
         for it, total in zip(items, results):
@@ -453,6 +538,8 @@ class State:
         commit = getattr(self.compressor, "commit", None)
         if callable(commit):
             commit()
+        if self.local_update is not None:
+            self.local_update.commit()
         if self._error_flag is not None:
             from .scheduler import DeferredRead
             self._pending_reads.append(("error", self.step, DeferredRead(self._error_flag),

@@ -24,6 +24,7 @@ Prints ``HVDSPARSE-OK rank=<r>``.
 """
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -110,7 +111,7 @@ def train_step(model, opt, step, **fw):
     loss = F.cross_entropy(model(x, **fw), y)
     loss.backward()
     opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 SMALL = dict(bucket_cap_mb=0.01)   # ~10 KB buckets: several buckets, rebuilt after iter 0
@@ -118,34 +119,34 @@ SMALL = dict(bucket_cap_mb=0.01)   # ~10 KB buckets: several buckets, rebuilt af
 
 # ------------------------------------------------------------------ 1. TopK(1.0) == DDP
 def check_equivalence():
-    for opt_kind in ("sgd", "adam"):
-        exchanges = ("allgather", "split", "dense", "auto") if opt_kind == "sgd" \
-            else ("allgather", "split")
-        for exchange in exchanges:
-            for ddp_kw in (SMALL, dict(static_graph=True)):
-                ref = make(0, **ddp_kw)
-                ref_opt = make_opt(ref, opt_kind)
-                model, state = hooked(hvdsparse.TopK(1.0, exact=True, min_numel=0),
-                                      exchange=exchange, ddp_kw=ddp_kw)
-                opt = make_opt(model, opt_kind)
-                check(torch.equal(flat_params(ref), flat_params(model)), "same init")
-                for step in range(5):
-                    train_step(ref, ref_opt, step)
-                    train_step(model, opt, step)
-                a, b = flat_params(ref), flat_params(model)
-                check(torch.allclose(a, b, rtol=1e-5, atol=1e-6),
-                      f"TopK(1.0) {opt_kind} {exchange} {ddp_kw}: max diff "
-                      f"{float((a - b).abs().max())} vs DDP allreduce")
-                check(float((a - flat_params(make(0))).abs().max()) > 1e-3,
-                      "training moved the parameters")
-                identical_across_ranks(model, f"TopK(1.0) {opt_kind} {exchange}")
-                check(state.step == 5, f"state.step {state.step} != 5")
-                strategies = set(state.totals["strategy_counts"])
-                if exchange != "auto":
-                    check(strategies == {exchange}, f"strategies {strategies} != {exchange}")
-                if ddp_kw is SMALL:
-                    check(len(state.last_stats["buckets"]) >= 2,
-                          f"expected several buckets, got {state.last_stats['buckets']}")
+    static = dict(static_graph=True)
+    for opt_kind, exchange, ddp_kw in (("sgd", "allgather", SMALL), ("sgd", "split", SMALL),
+                                       ("sgd", "dense", static), ("sgd", "auto", SMALL),
+                                       ("adam", "allgather", static), ("adam", "split", SMALL)):
+        ref = make(0, **ddp_kw)
+        ref_opt = make_opt(ref, opt_kind)
+        model, state = hooked(hvdsparse.TopK(1.0, exact=True, min_numel=0),
+                              exchange=exchange, ddp_kw=ddp_kw)
+        opt = make_opt(model, opt_kind)
+        init = flat_params(ref).clone()
+        check(torch.equal(init, flat_params(model)), "same init")
+        for step in range(5):
+            train_step(ref, ref_opt, step)
+            train_step(model, opt, step)
+        a, b = flat_params(ref), flat_params(model)
+        check(torch.allclose(a, b, rtol=1e-5, atol=1e-6),
+              f"TopK(1.0) {opt_kind} {exchange} {ddp_kw}: max diff "
+              f"{float((a - b).abs().max())} vs DDP allreduce")
+        check(float((a - init).abs().max()) > 1e-3,
+              "training moved the parameters")
+        identical_across_ranks(model, f"TopK(1.0) {opt_kind} {exchange}")
+        check(state.step == 5, f"state.step {state.step} != 5")
+        strategies = set(state.totals["strategy_counts"])
+        if exchange != "auto":
+            check(strategies == {exchange}, f"strategies {strategies} != {exchange}")
+        if ddp_kw is SMALL:
+            check(len(state.last_stats["buckets"]) >= 2,
+                  f"expected several buckets, got {state.last_stats['buckets']}")
 
 
 # ------------------------------------------------------------------ 2. every compressor
@@ -314,18 +315,89 @@ def check_disagreement():
         raise AssertionError(f"rank {R}: mismatched settings were not detected")
 
 
+# ------------------------------------------------------------------ 8. momentum correction
+def check_momentum_correction():
+    """DGC's momentum correction + masking (+ local clipping) in the hook against an
+    independent plain-torch replay of DGC's rule from every rank's raw local gradient
+    (the rule as in tests/workers/momentum_worker.py)."""
+    import copy
+    import math
+    lr, m, wd, ratio = 0.1, 0.9, 1e-3, 0.05
+    for nesterov, clip in ((False, None), (True, 0.5)):
+        torch.manual_seed(8)
+        net = Net()
+        model = DDP(net)
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=m, nesterov=nesterov,
+                              weight_decay=wd)
+        state = hvdsparse.ddp.State(hvdsparse.TopK(ratio, exact=True),
+                                    net.named_parameters(), optimizer=opt,
+                                    momentum_correction=True, clip_grad_norm=clip)
+        model.register_comm_hook(state, hvdsparse.ddp.hook)
+        names = [n for n, _ in net.named_parameters()]
+        W = {n: p.detach().clone() for n, p in net.named_parameters()}
+        u = [{n: torch.zeros_like(W[n]) for n in names} for _ in range(P)]
+        v = [{n: torch.zeros_like(W[n]) for n in names} for _ in range(P)]
+        buf = {}
+        for step in range(5):
+            x, y = batch(step)
+            plain = copy.deepcopy(net)
+            F.cross_entropy(plain(x), y).backward()
+            raw = {n: q.grad.detach().clone() for n, q in plain.named_parameters()}
+            everyone = [None] * P
+            dist.all_gather_object(everyone, raw)
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+            def clipped(g):
+                if clip is None:
+                    return g
+                c = clip / math.sqrt(P)
+                return g * torch.clamp(c / (torch.linalg.vector_norm(g) + 1e-6), max=1.0)
+            for n in names:
+                if W[n].numel() < 1024:       # dense by the compressor's size policy
+                    G = sum(clipped(everyone[r][n].float()) for r in range(P)) * (1.0 / P)
+                    d = G + wd * W[n]
+                    buf[n] = d.clone() if n not in buf else buf[n] * m + d
+                    W[n] = W[n] - lr * (d + m * buf[n] if nesterov else buf[n])
+                    continue
+                sent_sum = torch.zeros_like(W[n])
+                for r in range(P):
+                    g = clipped(everyone[r][n].float()) + wd * W[n]
+                    u[r][n] = u[r][n] * m + g
+                    xx = g + m * u[r][n] if nesterov else u[r][n]
+                    v[r][n] = v[r][n] + xx
+                    k = max(1, math.ceil(ratio * W[n].numel() - 1e-9))
+                    S = torch.topk(v[r][n].abs().reshape(-1), k).indices
+                    sent = torch.zeros(W[n].numel())
+                    sent[S] = v[r][n].reshape(-1)[S]
+                    v[r][n].view(-1)[S] = 0
+                    u[r][n].view(-1)[S] = 0
+                    sent_sum = sent_sum + sent.view_as(W[n])
+                W[n] = W[n] - lr * (sent_sum * (1.0 / P))
+            for n, q in net.named_parameters():
+                check(torch.allclose(q.detach(), W[n], rtol=1e-5, atol=1e-6),
+                      f"momentum nesterov={nesterov} clip={clip} step {step}: {n} differs "
+                      f"from the DGC replay by {float((q.detach() - W[n]).abs().max()):.3g}")
+            identical_across_ranks(model, "momentum correction")
+        g0 = opt.param_groups[0]
+        check(g0["momentum"] == m and g0["weight_decay"] == wd and g0["nesterov"] == nesterov,
+              f"param_groups changed: {g0}")
+
+
 CHECKS = [check_equivalence, check_every_compressor, check_no_sync, check_unused,
-          check_checkpoint, check_join, check_disagreement]
+          check_checkpoint, check_join, check_momentum_correction, check_disagreement]
 
 if __name__ == "__main__":
     only = sys.argv[1:]
     for fn in CHECKS:
         if only and fn.__name__ not in only:
             continue
+        t0 = time.perf_counter()
         fn()
         dist.barrier()
         if R == 0:
-            print(f"passed {fn.__name__}", flush=True)
+            print(f"passed {fn.__name__} ({time.perf_counter() - t0:.1f} s)", flush=True)
     print(f"HVDSPARSE-OK rank={R}", flush=True)
     dist.destroy_process_group()
     os._exit(0)

@@ -32,9 +32,10 @@
   exchange: same parameters as with it, step counter +1 per step); sparse embeddings
   (p.grad = average of the ranks' sparse gradients); checkpoint (state_dict carries
   step counters + fingerprint, loading without the compression state warns about
-  residuals, a resumed run equals the uninterrupted one bitwise); mismatched
-  fusion_threshold / compressor ratio / exchange on one rank (ValueError on every rank
-  naming the setting and the rank, no hang).
+  residuals, a resumed run -- through torch.save and torch.load's defaults -- equals the
+  uninterrupted one bitwise); mismatched fusion_threshold (keyword, or the
+  HVDSPARSE_FUSION_THRESHOLD environment default) / compressor ratio / exchange on one
+  rank (ValueError on every rank naming the setting and the rank, no hang).
 * ``-np 3`` killed rank: rank 2 SIGKILLs itself mid-training; the job must end non-zero
   within 60 s, saying which process died, and no other rank may finish.
 * world size 1 (plain ``python``, ``hvd.init()`` without horovodrun): p.grad untouched,
@@ -62,7 +63,7 @@ COMPRESSORS = ["topk", "threshold", "adacomp", "slimdp", "randomk", "qsgd4", "to
 EXCHANGES = ["allgather", "split", "dense", "auto"]
 SCENARIOS = ["nan/raise", "nan/skip", "frozen/sgd", "frozen/sgd-momentum", "sync-then-step",
              "sparse-embeddings", "checkpoint", "mismatch/fusion_threshold", "mismatch/ratio",
-             "mismatch/exchange"]
+             "mismatch/exchange", "mismatch/env-fusion-threshold"]
 
 
 def _env():

@@ -31,6 +31,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -935,10 +936,14 @@ def mismatch(tag, setting, odd_rank, **per_rank):
     model = make_model(6)
     kw = dict(exchange="allgather", fusion_threshold=2000)
     comp = hvdsparse.TopK(0.05)
+    env_old = os.environ.get("HVDSPARSE_FUSION_THRESHOLD")
     for key, (odd, other) in per_rank.items():
         v = odd if R == odd_rank else other
         if key == "ratio":
             comp = hvdsparse.TopK(v)
+        elif key == "env_fusion_threshold":     # the environment default, no keyword
+            kw.pop("fusion_threshold")
+            os.environ["HVDSPARSE_FUSION_THRESHOLD"] = str(v)
         else:
             kw[key] = v
     t0 = time.time()
@@ -960,6 +965,10 @@ def mismatch(tag, setting, odd_rank, **per_rank):
         opt.scheduler.remove_hooks()
     except Exception as e:  # noqa: BLE001
         case.fail(f"{type(e).__name__}: {e}")
+    if env_old is None:
+        os.environ.pop("HVDSPARSE_FUSION_THRESHOLD", None)
+    else:
+        os.environ["HVDSPARSE_FUSION_THRESHOLD"] = env_old
     case.finish()
 
 
@@ -989,9 +998,23 @@ def checkpoint():
         mB, oB = build()
         opts.append(oB)
         train(mB, oB, range(N))
-        sd = copy.deepcopy(oB.state_dict())
-        csd = copy.deepcopy(oB.compression_state_dict())
-        msd = copy.deepcopy(mB.state_dict())
+        # the README recipe: optimizer + model state (any rank) and every rank's
+        # compression state, through torch.save and torch.load's defaults (weights_only)
+        with tempfile.TemporaryDirectory() as tmp:
+            torch.save(dict(model=mB.state_dict(), optimizer=oB.state_dict()),
+                       os.path.join(tmp, "ckpt.pt"))
+            torch.save(oB.compression_state_dict(), os.path.join(tmp, f"ckpt.pt.rank{R}"))
+            try:
+                ck = torch.load(os.path.join(tmp, "ckpt.pt"))
+                csd = torch.load(os.path.join(tmp, f"ckpt.pt.rank{R}"))
+            except Exception as e:  # noqa: BLE001
+                msg = str(e)
+                msg = msg[max(0, msg.find("Unsupported global")):][:200]
+                case.fail(f"torch.load (weights_only=True, torch's default) cannot read the "
+                          f"checkpoint: {type(e).__name__}: {msg}")
+                ck = torch.load(os.path.join(tmp, "ckpt.pt"), weights_only=False)
+                csd = torch.load(os.path.join(tmp, f"ckpt.pt.rank{R}"), weights_only=False)
+        sd, msd = ck["optimizer"], ck["model"]
         extra = sd.get("hvdsparse")
         if case.check(isinstance(extra, dict), f"optimizer.state_dict() has no 'hvdsparse' "
                       f"entry (keys {sorted(sd)})"):
@@ -1052,6 +1075,8 @@ def run_scenarios():
     mismatch("fusion_threshold", "fusion_threshold", 1, fusion_threshold=(100_000, 2000))
     mismatch("ratio", "ratio", 2, ratio=(0.1, 0.05))
     mismatch("exchange", "exchange", 1, exchange=("split", "allgather"))
+    mismatch("env-fusion-threshold", "fusion_threshold", 1,
+             env_fusion_threshold=(65536, 2000))
 
 
 # ------------------------------------------------------------------------------ kill

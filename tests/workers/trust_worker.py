@@ -71,7 +71,7 @@ class Case:
     """Collects this rank's failures for one case; ``finish()`` gathers every rank's and
     prints one line (rank 0). A watchdog ends the job if the case hangs."""
 
-    def __init__(self, name, timeout=90.0):
+    def __init__(self, name, timeout=180.0):
         self.name = name
         self.fails = []
         self.notes = []
@@ -932,7 +932,7 @@ def names_rank(msg, r):
 
 def mismatch(tag, setting, odd_rank, **per_rank):
     """``per_rank``: keyword -> (value for odd_rank, value for the others)."""
-    case = Case(f"mismatch/{tag}", timeout=45)
+    case = Case(f"mismatch/{tag}", timeout=90)
     model = make_model(6)
     kw = dict(exchange="allgather", fusion_threshold=2000)
     comp = hvdsparse.TopK(0.05)

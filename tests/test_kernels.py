@@ -631,3 +631,16 @@ def test_reference_threaded_ranges_match_naive(monkeypatch, seed, ve, cap_frac):
         assert a1.tolist() == nres
     finally:
         torch.set_num_threads(threads)
+
+
+def test_cuda_without_triton_raises_instead_of_falling_back(monkeypatch):
+    """ops never silently runs the CPU path for CUDA tensors: a failing ``import triton``
+    raises ImportError with an install hint (checked through the helper that
+    ``use_triton`` calls for every CUDA tensor; no GPU needed)."""
+    import sys
+    monkeypatch.setattr(ops, "_TRITON_OK", False)
+    monkeypatch.setitem(sys.modules, "triton", None)      # makes `import triton` fail
+    with pytest.raises(ImportError, match="Triton kernels"):
+        ops._triton_or_raise()
+    monkeypatch.delenv("HVDSPARSE_FORCE_TRITON", raising=False)
+    assert ops.use_triton(torch.zeros(1)) is False        # CPU tensors: CPU path, no import

@@ -48,6 +48,10 @@ phase only when that event has completed, and :meth:`SplitPending.finish` waits 
 event otherwise. So a split bucket costs at most two event waits, in ``finish()``,
 and no blocking read elsewhere.
 
+Allocations: the own flat vector, the owner's reduced range and the flat sum are reused
+per bucket (:class:`.base.BufferPool`); the pair rows and range messages change size
+every step and are allocated per step.
+
 Bytes per rank: phase 1 sent = pairs to other ranks x (4 + v), received = pairs from
 other ranks x (4 + v); phase 2 sent = (P-1) x own message, received = the other ranks'
 messages.
@@ -59,12 +63,13 @@ from typing import List
 
 import torch
 
-from .. import ops
+from .. import codec, ops
 from ..payload import ValueEncoding
 from .base import (BucketSpec, ExchangeContext, HostReadout, Pending, bucket_device,
                    host_list, own_dense)
 
 NAME = "split"
+_ERR_INDEX = getattr(codec, "ERR_INDEX", 1)
 HEADER_BYTES = 16
 MODE_SPARSE, MODE_DENSE, MODE_QUANT = 0, 1, 2
 
@@ -128,6 +133,13 @@ def parse_length(length: int, n_r: int, vb: int, bits: int, quant_bucket: int):
         if sparse_msg_nbytes(k, vb) == length and k <= n_r:
             return MODE_SPARSE, k
     return None
+
+
+def _flag_index_error(ctx: ExchangeContext, bad: torch.Tensor) -> None:
+    """Trusted path: OR the codec's 'index outside its layer' bit into the device error
+    flag when any of ``bad`` is set (device-side; the scheduler reads it a step later)."""
+    if ctx.error_flag is not None:
+        ctx.error_flag.bitwise_or_(bad.any().to(torch.int32).reshape(1) * _ERR_INDEX)
 
 
 class SplitPending(Pending):
@@ -194,9 +206,7 @@ class SplitPending(Pending):
                         f"layout)")
             else:
                 idx = torch.where(bad, torch.full_like(idx, n_r), idx)
-                if ctx.error_flag is not None:
-                    torch.maximum(ctx.error_flag, bad.any().to(torch.int32).reshape(1),
-                                  out=ctx.error_flag)
+                _flag_index_error(ctx, bad)
             vals = rows_in[:, 4:].contiguous().view(self._vdtype).reshape(-1).float()
             # sender by sender in rank order: indices are unique within one sender's
             # rows, so every index_add_ is free of collisions and the sum is reproducible
@@ -318,9 +328,7 @@ class SplitPending(Pending):
                     idx = idx + lo
                 else:
                     idx = torch.where(bad, torch.full_like(idx, N), idx + lo)
-                    if ctx.error_flag is not None:
-                        torch.maximum(ctx.error_flag, bad.any().to(torch.int32).reshape(1),
-                                      out=ctx.error_flag)
+                    _flag_index_error(ctx, bad)
                 buf.index_copy_(0, idx, vals)
                 total_k += k
             elif mode == MODE_DENSE:

@@ -107,8 +107,9 @@ def parse_args(argv=None):
                         "default both for per-node, raw for shared")
     p.add_argument("--cores", type=int, default=None,
                    help="cores for time dilation (default: the CPUs this process may use)")
-    p.add_argument("--yield-shim", choices=("on", "off"), default="on",
-                   help="LD_PRELOAD sched_yield -> 50 us nanosleep for every rank")
+    p.add_argument("--yield-shim", choices=("on", "off", "both"), default="on",
+                   help="LD_PRELOAD sched_yield -> 50 us nanosleep for every rank; both: "
+                        "every method with and without it, side by side")
     p.add_argument("--validate", choices=("on", "off"), default="on",
                    help="per-node: point-to-point and dense allreduce vs the ring model first")
     p.add_argument("--validate-only", action="store_true",
@@ -553,7 +554,7 @@ def main(argv=None):
         raise SystemExit(f"unknown method(s) {bad}; choose from {list(METHODS)}")
 
     if not a.no_shape:
-        problems = (netemu.check_environment(need_gcc=a.yield_shim == "on") if per_node
+        problems = (netemu.check_environment(need_gcc=a.yield_shim != "off") if per_node
                     else Namespace.check())
         if problems:
             raise SystemExit("cannot shape the network: " + "; ".join(problems) +
@@ -577,11 +578,11 @@ def main(argv=None):
     if per_node:
         netemu.cleanup_stale()
     with tempfile.TemporaryDirectory(prefix="hvdbench") as td:
-        shim = netemu.build_yield_shim(td) if (a.yield_shim == "on" or (per_node and a.validate == "on")) \
+        shim = netemu.build_yield_shim(td) if (a.yield_shim != "off" or (per_node and a.validate == "on")) \
             and shutil.which("gcc") else None
-        if a.yield_shim == "on" and shim is None:
-            raise SystemExit("--yield-shim on needs gcc (or pass --yield-shim off)")
-        run_shim = shim if a.yield_shim == "on" else None
+        if a.yield_shim != "off" and shim is None:
+            raise SystemExit(f"--yield-shim {a.yield_shim} needs gcc (or pass --yield-shim off)")
+        run_shim = shim if a.yield_shim != "off" else None
         for tag, rate in rates:
             if per_node:
                 ctx = netemu.PerNodeNetwork(ranks // a.slots, rate, a.burst, a.latency)
@@ -618,6 +619,9 @@ def main(argv=None):
                     print(md)
                     continue
                 by_rate[tag] = run_methods(a, net, methods, out, tag, run_shim)
+                if a.yield_shim == "both":
+                    by_rate[tag + "-noshim"] = run_methods(a, net, methods, out,
+                                                           tag + "-noshim", None)
                 if per_node:
                     meta.setdefault("qdisc_after", {})[tag] = net.qdisc_stats()
                 elif net is not None:
@@ -630,8 +634,12 @@ def main(argv=None):
     if validation:
         parts += ["Emulation check (measured vs model)", netemu.validation_table(validation)]
     for tag, results in by_rate.items():
-        rate = dict(rates)[tag]
-        parts += [f"{tag} link rate ({rate})" + (" -- headline" if tag == headline and len(by_rate) > 1 else ""),
+        base_tag, noshim = tag.split("-noshim")[0], tag.endswith("-noshim")
+        rate = dict(rates)[base_tag]
+        shim_note = (", without the sched_yield shim" if noshim else
+                     ", with the sched_yield shim" if run_shim else "")
+        parts += [f"{base_tag} link rate ({rate}){shim_note}" +
+                  (" -- headline" if tag == headline and len(by_rate) > 1 else ""),
                   make_table(results), "Per-step profile (rank 0 medians)",
                   make_profile_table(results)]
     (out / "table.md").write_text("\n\n".join(parts) + "\n")

@@ -374,7 +374,7 @@ class _Plan:
 
 
 _PLANS = _LRU(1024)          # layout signature -> _Plan
-_DEVICE_BYTES = _LRU(512)    # (signature, device, kind) -> (tensor, pinned source)
+_DEVICE_BYTES = _LRU(512)    # (signature, device, kind) -> _DeviceBytes
 
 
 def _plan(payloads: Sequence[LayerPayload]) -> _Plan:
@@ -393,22 +393,44 @@ def _plan(payloads: Sequence[LayerPayload]) -> _Plan:
                                  bytes(raw)))
 
 
-def _to_device(raw: bytes, device: torch.device):
-    """(device tensor, pinned host source or None) holding ``raw``; never blocks the
-    host: on CUDA the bytes go through pinned memory with a non-blocking copy, ordered
-    on the current stream before every later use of the tensor on that stream. The
-    pinned source is kept alive with the cache entry."""
-    if not raw:
-        return torch.empty(0, dtype=torch.uint8, device=device), None
-    host = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    if device.type == "cpu":
-        return host, None
-    if device.type == "cuda":
-        pinned = host.pin_memory()
-        dev = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-        dev.copy_(pinned, non_blocking=True)
-        return dev, pinned
-    return host.to(device), None
+class _DeviceBytes:
+    """A cached device tensor uploaded without blocking the host: on CUDA through
+    pinned memory with a non-blocking copy on the current stream. ``event`` marks the
+    copy's end; a use from another stream waits for it on the device (never on the
+    host) until a non-blocking query shows it complete. The pinned source lives as
+    long as the entry (the caching host allocator also tracks the copy)."""
+
+    __slots__ = ("tensor", "pinned", "event")
+
+    def __init__(self, raw: bytes, device: torch.device):
+        self.pinned = self.event = None
+        if not raw:
+            self.tensor = torch.empty(0, dtype=torch.uint8, device=device)
+            return
+        host = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        if device.type == "cpu":
+            self.tensor = host
+        elif device.type == "cuda":
+            self.pinned = host.pin_memory()
+            self.tensor = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+            self.tensor.copy_(self.pinned, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(device))
+        else:
+            self.tensor = host.to(device)
+
+    def get(self) -> torch.Tensor:
+        ev = self.event
+        if ev is not None:
+            if ev.query():                                 # host-side poll, no sync
+                self.event = None
+            else:
+                torch.cuda.current_stream(self.tensor.device).wait_event(ev)
+        return self.tensor
+
+
+def _to_device(raw: bytes, device: torch.device) -> _DeviceBytes:
+    return _DeviceBytes(raw, device)
 
 
 def _plan_bytes(plan: _Plan, device: torch.device, kind: str) -> torch.Tensor:
@@ -426,7 +448,7 @@ def _plan_bytes(plan: _Plan, device: torch.device, kind: str) -> torch.Tensor:
                 m[rec:rec + 4] = b"\0\0\0\0"
             raw = bytes(m)
         ent = _DEVICE_BYTES.put(key, _to_device(raw, device))
-    return ent[0]
+    return ent.get()
 
 
 def layout_signature(payloads: Sequence[LayerPayload]) -> tuple:
@@ -473,7 +495,7 @@ def _bin_limits(plan: _Plan, s: int, sl: _SegLayout, device) -> torch.Tensor:
         k = torch.arange(sl.nbins, dtype=torch.int64)
         lim = (sl.numel - k * sl.bin_size).clamp(max=sl.bin_size).to(torch.int32)
         ent = _DEVICE_BYTES.put(key, _to_device(lim.numpy().tobytes(), device))
-    return ent[0].view(torch.int32)
+    return ent.get().view(torch.int32)
 
 
 _SLOTS = _LRU(64)
@@ -1076,10 +1098,7 @@ def _validate_rows(b2: torch.Tensor, plan: _Plan, template, flat_segs) -> None:
     # the template's own IMPLICIT indices (they never travel) must lie in their layer
     for s, (sl, tseg) in enumerate(zip(segs, flat_segs)):
         if sl.ienc == IndexEncoding.IMPLICIT and sl.capacity:
-            imp = tseg.implicit_indices
-            if imp is None or imp.numel() != sl.capacity:
-                continue                      # reported by _slot_indices
-            a = imp.detach().reshape(-1).to("cpu", torch.int64)
+            a = tseg.implicit_indices.detach().reshape(-1).to("cpu", torch.int64)
             if bool(((a < 0) | (a >= sl.numel)).any()):
                 raise CodecError(f"template segment {s} (layer {sl.layer}): implicit_indices "
                                  f"outside [0, {sl.numel})")
@@ -1119,10 +1138,13 @@ def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
     segs, total = plan.segs, plan.total
     b2 = _rows(buffers, total)
     P, device = b2.shape[0], b2.device
-    if isinstance(outs, torch.Tensor) or len(outs) != len(template):
+    if isinstance(outs, torch.Tensor):
         raise CodecError(f"accumulate: outs must be a sequence of {len(template)} tensors "
-                         f"(one per layer), got "
-                         f"{len(outs) if not isinstance(outs, torch.Tensor) else 'a tensor'}")
+                         f"(one per layer), got a tensor")
+    outs = list(outs)
+    if len(outs) != len(template):
+        raise CodecError(f"accumulate: outs must be a sequence of {len(template)} tensors "
+                         f"(one per layer), got {len(outs)}")
     flat_outs = [_check_out(o, p.numel, f"accumulate outs[{i}] ({p.name!r})", device)
                  for i, (o, p) in enumerate(zip(outs, template))]
     if error_flag is not None:
@@ -1132,6 +1154,14 @@ def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
             raise CodecError(f"accumulate: error_flag must be a contiguous int32 tensor with "
                              f">= 1 element on {device}")
     flat_segs = [seg for p in template for seg in p.segments]
+    for s, (sl, tseg) in enumerate(zip(segs, flat_segs)):
+        # host-known template fields, checked before anything is written
+        if sl.ienc == IndexEncoding.IMPLICIT:
+            imp = tseg.implicit_indices
+            if not isinstance(imp, torch.Tensor) or imp.numel() != sl.capacity:
+                raise CodecError(f"template segment {s} (layer {sl.layer}): IMPLICIT needs "
+                                 f"implicit_indices with capacity {sl.capacity} elements, "
+                                 f"got {None if imp is None else tuple(imp.shape)}")
     own_flag = False
     if validate:
         _validate_rows(b2, plan, template, flat_segs)

@@ -2,7 +2,7 @@
 the in-flight handle.
 
 A *bucket* is an ordered list of layers whose payloads travel in one collective (or,
-for ``split``, one alltoall followed by one allgather). Its layers are laid end to end
+for ``split``, two alltoalls: pairs to their owners, reduced ranges to everyone). Its layers are laid end to end
 in a flat fp32 vector of ``numel`` elements (layer ``j`` at ``offsets[j]``); every
 strategy returns the **sum over all ranks** of the ranks' decoded payloads in that
 flat layout. Averaging (``op=Average``), ``after_exchange`` and writing ``p.grad``
@@ -14,8 +14,9 @@ from step to step (Horovod's response cache hits when names and shapes repeat).
 
 Host synchronisation (CUDA)
 ---------------------------
-No strategy reads a device value with a blocking call (``.item()``, ``.tolist()``,
-``nonzero``, a H2D copy of a Python list). Figures that the host needs *later* (the
+With ``validate=False`` (the CUDA default) no strategy reads a device value with a
+blocking call (``.item()``, ``.tolist()``, ``nonzero``, a H2D copy of a Python list);
+``validate=True`` checks received messages on the host, by design. Figures that the host needs *later* (the
 cost model's pair counts) are computed on the device and handed to a
 :class:`HostReadout`: one non-blocking copy into pinned host memory plus a CUDA event.
 The host reads them once the event has completed; :class:`DeferredFigures` wraps this

@@ -104,6 +104,7 @@ from . import codec
 from .exchange import BucketSpec, BufferPool, ExchangeContext, cost_model
 from .exchange import launch as launch_exchange
 from .exchange.split import pair_dtype
+from .scheduler import DeferredRead, _add_totals, _empty_totals
 from .settings import DEFAULT_FUSION_THRESHOLD, ExchangeSettings, differences, fingerprint
 from .transport import Transport, TorchDistTransport
 
@@ -224,8 +225,7 @@ class State:
         self._pending_reads: List[tuple] = []
         self._error_flag: Optional[torch.Tensor] = None
         self.last_stats: dict = {}
-        self.totals: dict = dict(steps=0, bytes_sent_total=0, bytes_recv_total=0,
-                                 dense_allreduce_bytes=0, bytes_sent={}, strategy_counts={})
+        self.totals: dict = _empty_totals()
         self._t_compress = 0.0
         _bind(compression, self)
         check_names = getattr(compression, "check_names", None)
@@ -326,6 +326,10 @@ class State:
             lay.deferred = None
 
     def stats(self) -> dict:
+        """As ``hvdsparse.DistributedOptimizer.stats()``: ``last`` (the last step's bytes
+        sent / received per strategy -- per-rank ring link bytes --, strategy and bytes
+        per bucket, compress / wait / decode seconds), ``totals`` (summed over steps),
+        ``compressor`` (the compressor's totals)."""
         comp = getattr(self.compressor, "stats_totals", None)
         return dict(last=dict(self.last_stats), totals=dict(self.totals),
                     compressor=comp() if callable(comp) else None)
@@ -506,7 +510,6 @@ class State:
         items, self._inflight = self._inflight, []
         results, stats_b = [], []
         sent, recv = defaultdict(int), defaultdict(int)
-        t_fin = time.perf_counter()
         for it in items:
             total = it.pend.finish()
             total.mul_(scale)
@@ -541,27 +544,22 @@ class State:
         if self.local_update is not None:
             self.local_update.commit()
         if self._error_flag is not None:
-            from .scheduler import DeferredRead
             self._pending_reads.append(("error", self.step, DeferredRead(self._error_flag),
                                         None))
             self._error_flag = None
         n_total = sum(it.layout.spec.numel for it in items)
         self.last_stats = dict(step=self.step, world_size=P, buckets=stats_b,
+                               strategies=[b["strategy"] for b in stats_b],
                                bytes_sent=dict(sent), bytes_recv=dict(recv),
                                bytes_sent_total=int(sum(sent.values())),
                                bytes_recv_total=int(sum(recv.values())),
                                dense_allreduce_bytes=int(cost_model.dense_allreduce_bytes(
                                    P, n_total)),
                                time_compress_s=self._t_compress,
-                               time_finish_s=time.perf_counter() - t_fin)
-        t = self.totals
-        t["steps"] += 1
-        for k in ("bytes_sent_total", "bytes_recv_total", "dense_allreduce_bytes"):
-            t[k] += self.last_stats[k]
-        for k, v in sent.items():
-            t["bytes_sent"][k] = t["bytes_sent"].get(k, 0) + v
-        for b in stats_b:
-            t["strategy_counts"][b["strategy"]] = t["strategy_counts"].get(b["strategy"], 0) + 1
+                               time_wait_s=sum(it.pend.wait_s for it in items),
+                               time_decode_s=sum(it.pend.decode_s for it in items),
+                               skipped=False)
+        _add_totals(self.totals, self.last_stats)
         self._t_compress = 0.0
         self._used.clear()
         self._step_open = False
@@ -583,7 +581,6 @@ class State:
         if table.device.type == "cpu":
             _raise_nonfinite(table.numpy(), names, self.step)
         else:
-            from .scheduler import DeferredRead
             self._pending_reads.append(("nonfinite", self.step, DeferredRead(table), names))
 
 

@@ -251,18 +251,23 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
                     b0 = st // L
                     nfull = m // L
                     r = rn[st:e]
-                    d = tn[:m]
                     if s32 is not None:
+                        d = tn[:m]
                         np.multiply(gn[st:e], s32, out=d, dtype=np.float32)
                     else:
-                        np.copyto(d, gn[st:e], casting="unsafe")     # exact widening
-                    fin = np.isfinite(d, out=mn[:m])
-                    if fin.all():
-                        np.add(r, d, out=r)
+                        d = gn[st:e]              # fp32 or fp16 (widened exactly in add)
+                    # one reduction decides the common case: a NaN/Inf element makes the
+                    # fp32 sum non-finite (an overflowing sum of finite values only
+                    # sends the chunk to the exact per-element path below)
+                    with np.errstate(invalid="ignore", over="ignore"):
+                        total = np.add.reduce(d, dtype=np.float32)
+                    if np.isfinite(total):
+                        np.add(r, d, out=r, dtype=np.float32)
                     else:
-                        np.add(r, d, out=r, where=fin)
+                        fin = np.isfinite(d, out=mn[:m])
+                        np.add(r, d, out=r, where=fin, dtype=np.float32)
                         nb += m - int(np.count_nonzero(fin))
-                    a = np.abs(r, out=d)
+                    a = np.abs(r, out=tn[:m])
                     if nfull:
                         np.max(a[: nfull * L].reshape(nfull, L), axis=1, out=on[b0:b0 + nfull])
                     if nfull * L < m:

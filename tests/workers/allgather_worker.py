@@ -290,6 +290,8 @@ def main():
 
     strategies_check(hvd, rank, size, seed)
     print(f"rank {rank}: strategies ok", flush=True)
+    split_trusted_flag_check(hvd, rank, size, seed)
+    print(f"rank {rank}: split trusted flag ok", flush=True)
     hvd.shutdown()
     print(f"HVDSPARSE-OK rank={rank}", flush=True)
 
@@ -332,7 +334,7 @@ def strategies_check(hvd, rank, size, seed):
             spec = BucketSpec.build(ci, [n for n, _, _ in layout],
                                     [int(np.prod(s)) for _, s, _ in layout])
             other = BucketSpec.build(100 + ci, ["x"], [7])
-            prev = None
+            prev, quantised = None, 0
             for step, density in enumerate((0.02, 0.5, 1.0)):
                 ctx = ExchangeContext(rank=rank, world_size=size, prefix=f"t3.{int(validate)}",
                                       step=step, validate=validate, want_figures=True,
@@ -352,8 +354,7 @@ def strategies_check(hvd, rank, size, seed):
                     # quantised ranges: |error| <= one level = max|range| / (2^(b-1)-1)
                     tol = np.abs(ref).max() / (2 ** (bits - 1) - 1) + 1e-6
                     assert np.abs(g - ref).max() <= tol, (what, np.abs(g - ref).max(), tol)
-                    if density == 1.0:
-                        assert modes["quantised"] == size, (what, modes)
+                    quantised += modes["quantised"]
                 elif strategy == "split" and pairs[0][1] == VE.FP16 or \
                         kw.get("dense_dtype") == torch.float16:
                     assert np.allclose(g, ref, rtol=2e-3, atol=2e-3), what
@@ -381,6 +382,51 @@ def strategies_check(hvd, rank, size, seed):
                 if prev is not None:
                     assert prev.data_ptr() == got.data_ptr(), f"{what}: result buffer not reused"
                 prev = got
+            if strategy == "split" and kw.get("split_dense_bits"):
+                # the dense steps (union of caps >> switch point) took the quantised mode
+                assert quantised >= 1, f"split {kw}: no range travelled quantised"
+
+
+def split_trusted_flag_check(hvd, rank, size, seed):
+    """Trusted path (validate=False): rank 1 corrupts the first pair it sends to owner 0
+    (index moved into owner 1's range, as when ranks disagree on the layout). Owner 0
+    must drop exactly that pair and set the codec's index bit in its device flag; every
+    other element is summed as usual, and all ranks end with the same sum (owner 0's
+    range, as it sent it). Nothing else is flagged."""
+    from hvdsparse import exchange
+    from hvdsparse.exchange import BucketSpec, ExchangeContext
+    N = 64
+    vals = [torch.from_numpy(np.random.default_rng([seed, 7, r]).standard_normal(N)
+                             .astype(np.float32)) + 3.0 for r in range(size)]   # no zeros
+
+    def payload(r):
+        seg = Segment(numel=N, capacity=N, index_encoding=IE.DENSE, value_encoding=VE.FP32,
+                      count=torch.tensor([N], dtype=torch.int32), values=vals[r].clone())
+        return LayerPayload("w", torch.Size([N]), [seg])
+    orig = hvd.alltoall_async
+
+    def corrupting(tensor, splits=None, name=None, **kw):
+        if rank == 1 and name is not None and name.endswith(".a2a") and int(splits[0]) > 0:
+            tensor = tensor.clone()
+            tensor[0, :4] = torch.tensor([N - 1], dtype=torch.int32).view(torch.uint8)
+        return orig(tensor, splits=splits, name=name, **kw)
+    hvd.alltoall_async = corrupting
+    try:
+        flag = torch.zeros(1, dtype=torch.int32)
+        ctx = ExchangeContext(rank=rank, world_size=size, prefix="t4", step=0, validate=False,
+                              error_flag=flag)
+        got = exchange.launch("split", BucketSpec.build(0, ["w"], [N]), [payload(rank)],
+                              ctx).finish()
+    finally:
+        hvd.alltoall_async = orig
+    ref = sum(v.double() for v in vals)
+    ref[0] -= vals[1][0].double()            # rank 1's pair (0, v) never reached owner 0
+    assert np.allclose(got.double().numpy(), ref.numpy(), rtol=1e-6, atol=1e-6), \
+        (got[:4], ref[:4])
+    expect_flag = 1 if rank == 0 else 0
+    assert int(flag[0]) == expect_flag, (rank, int(flag[0]))
+    allg = hvd.allgather(got.reshape(1, -1).clone(), name="t4.res")
+    assert all(torch.equal(allg[0], allg[r]) for r in range(size))
 
 
 def _tiny_payload():

@@ -327,6 +327,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         alpha_bytes: per-message latency charge of the auto cost model (bytes).
         nonfinite: ``"raise"`` (default), ``"skip"`` or ``"propagate"``: what a step
             does when a gradient holds NaN/Inf on some rank (:mod:`hvdsparse.settings`).
+        sparse_as_dense: as Horovod: sparse gradients are made dense and compressed like
+            any other layer (default: they go through Horovod's sparse allreduce).
         grad_scaler: a ``torch.amp.GradScaler``: residuals are kept in unscaled units
             and a step the scaler skips is rolled back (README: mixed precision).
         momentum_correction: DGC's momentum correction and momentum-factor masking for
@@ -359,10 +361,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     if num_groups != 0 or groups is not None:
         raise ValueError("groups / num_groups are not supported with hvdsparse compressors: "
                          "buckets are formed by fusion_threshold (bytes of encoded payload)")
-    if sparse_as_dense:
-        raise ValueError("sparse_as_dense is not supported with hvdsparse compressors: "
-                         "sparse gradients go through Horovod's sparse allreduce, dense "
-                         "ones are compressed")
     if process_set is not None and process_set is not hvd.global_process_set:
         raise NotImplementedError("hvdsparse supports only the global process set")
     if op == hvd.Adasum:
@@ -393,7 +391,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         backward_passes_per_step=backward_passes_per_step, dense_dtype=dense_dtype,
         split_dense_bits=split_dense_bits, quant_bucket=quant_bucket, validate=validate,
         alpha_bytes=alpha_bytes, local_gradient=local_gradient, sync_period=sync_period,
-        nonfinite=nonfinite)
+        nonfinite=nonfinite, sparse_as_dense=sparse_as_dense)
 
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))

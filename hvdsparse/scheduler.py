@@ -17,7 +17,7 @@ Per step
    layout of its compressed form with nothing in it -- so its residual is neither
    flushed nor changed (it stays for when the layer trains again); unlaunched buckets
    are launched; every bucket is waited for, decoded and summed **in rank order**
-   (bitwise identical on every rank), averaged (``op=Average``: ``G = sum / P``;
+   (bitwise identical on every rank), averaged (``op=Average``: ``G = sum * fp32(1/P)``;
    ``gradient_predivide_factor`` f splits this into ``/f`` before and ``*f/P`` after the
    sum), optionally combined with the local gradient (:mod:`hvdsparse.local`), written
    to ``p.grad`` and passed to ``compressor.after_exchange``. A parameter that is frozen
@@ -188,6 +188,7 @@ class LayerScheduler:
         self._payloads: Dict[str, object] = {}
         self._sparse_handles: Dict[str, object] = {}
         self._frozen: set = set()
+        self._was_sparse: set = set()
         self._ready_order: List[str] = []
         self._ready_count: List[int] = []
         self._inflight: Dict[int, object] = {}
@@ -322,8 +323,10 @@ class LayerScheduler:
         if self._delay[name] > 0:
             return
         if p.grad.is_sparse:
-            self._launch_sparse(name, p.grad)
-            return
+            if not self.settings.sparse_as_dense:
+                self._launch_sparse(name, p.grad)
+                return
+            self._densify(name, p)
         self._compress(name)
         if self.plan is not None:
             b = self._bucket_of[name]
@@ -368,6 +371,12 @@ class LayerScheduler:
         self._payloads[name] = payload
         self._ready_order.append(name)
         self.events.append(("ready", name))
+
+    def _densify(self, name: str, p):
+        """``sparse_as_dense``: the sparse gradient becomes dense and is compressed like any
+        other layer; the exchanged gradient goes back to sparse (as Horovod does)."""
+        p.grad = p.grad.to_dense()
+        self._was_sparse.add(name)
 
     def _compress_absent(self, name: str):
         """Payload of a layer without a gradient this step: its wire layout, contributing
@@ -573,6 +582,8 @@ class LayerScheduler:
             if p.requires_grad and name not in self._hook_handles:
                 self._hook(name, p)            # unfrozen after construction
             if p.requires_grad and p.grad is not None:
+                if p.grad.is_sparse and self.settings.sparse_as_dense:
+                    self._densify(name, p)
                 if p.grad.is_sparse:
                     self._launch_sparse(name, p.grad)
                 else:
@@ -641,6 +652,7 @@ class LayerScheduler:
         self._step_open = False
         self._payloads.clear()
         self._frozen.clear()
+        self._was_sparse.clear()
         self._ready_order.clear()
         self._inflight.clear()
         self._ready_count = [0] * len(self._specs)
@@ -740,7 +752,9 @@ class LayerScheduler:
                     self.compressor.policy.is_dense(name, p.shape):
                 c = lu.dense_momentum(name, c, p)     # sent dense: ordinary momentum
             with torch.no_grad():
-                if p.grad is not None and p.grad.shape == p.shape and not p.grad.is_sparse:
+                if name in self._was_sparse:
+                    p.grad = c.to(p.dtype).to_sparse()
+                elif p.grad is not None and p.grad.shape == p.shape and not p.grad.is_sparse:
                     p.grad.copy_(c)
                 else:
                     p.grad = c.to(p.dtype).clone()

@@ -25,6 +25,7 @@ are never absorbed into a residual and never sent, see :mod:`hvdsparse.compresso
 """
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -61,13 +62,14 @@ class ExchangeSettings:
     local_gradient: Optional[str] = None
     sync_period: int = 500
     nonfinite: str = "raise"
+    sparse_as_dense: bool = False
 
     @classmethod
     def from_args(cls, *, exchange="auto", fusion_threshold=None, average=True,
                   gradient_predivide_factor=1.0, backward_passes_per_step=1,
                   dense_dtype="fp32", split_dense_bits=0, quant_bucket=512, validate=None,
                   alpha_bytes=0.0, local_gradient=None, sync_period=500,
-                  nonfinite="raise") -> "ExchangeSettings":
+                  nonfinite="raise", sparse_as_dense=False) -> "ExchangeSettings":
         """Validate user arguments (clear errors naming the argument) and normalise."""
         if not isinstance(exchange, str) or exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {', '.join(map(repr, EXCHANGES))}, "
@@ -108,6 +110,8 @@ class ExchangeSettings:
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of "
                              f"{', '.join(map(repr, NONFINITE_POLICIES))}, got {nonfinite!r}")
+        if sparse_as_dense not in (True, False):
+            raise ValueError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
         return cls(exchange=exchange, fusion_threshold=int(fusion_threshold),
                    average=bool(average),
                    gradient_predivide_factor=float(gradient_predivide_factor),
@@ -115,7 +119,8 @@ class ExchangeSettings:
                    dense_dtype=_DTYPES[dense_dtype], split_dense_bits=int(split_dense_bits),
                    quant_bucket=int(quant_bucket), validate=validate,
                    alpha_bytes=float(alpha_bytes), local_gradient=local_gradient,
-                   sync_period=int(sync_period), nonfinite=nonfinite)
+                   sync_period=int(sync_period), nonfinite=nonfinite,
+                   sparse_as_dense=bool(sparse_as_dense))
 
     def plain(self) -> dict:
         d = asdict(self)
@@ -126,6 +131,8 @@ class ExchangeSettings:
 def plain(x):
     """Nested plain data (dicts, lists, numbers, strings) for cross-rank comparison:
     anything else becomes its type name plus its ``config()`` or ``repr``."""
+    if isinstance(x, enum.Enum):          # e.g. ValueEncoding: a name, loadable anywhere
+        return x.name.lower()
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     if isinstance(x, dict):

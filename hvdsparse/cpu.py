@@ -434,7 +434,7 @@ def _select_compact_chunks(acc, thr, capacity, L, ch, grad, use_h, hm1, ve, ssca
 def _select_compact_np(acc, thr, capacity, L, ch, grad, use_h, hm1, ve, sscale,
                        indices, values) -> Tuple[int, int]:
     """(2) on the CPU: numpy passes over chunks, contiguous ranges of whole chunks split
-    across up to torch.get_num_threads() threads, in two phases that keep the reference
+    across up to torch.get_num_threads() threads, in two phases that keep the ascending
     order. Phase 1: each range computes its chunks' masks and keeps its selected
     positions (at most ``capacity`` of them: a range cannot send more) and its count.
     An exclusive prefix over the ranges' counts gives each range its output offset and
@@ -965,7 +965,7 @@ def scatter_add_decode(dense: torch.Tensor, indices: torch.Tensor, count: torch.
     inside one row (malformed) accumulate. Raises IndexError naming the row, slot
     and index of the first index < 0 or >= dense.numel(), and ValueError for a count
     outside [0, cap]; nothing is written in either case. Returns ``error_flag`` unchanged
-    (the reference never sets it; errors raise instead).
+    (the CPU path never sets it; errors raise instead).
     """
     ind, P, cap, cnt, vals, cds, scl, bits, B, sgn, ssc = _check_scatter_args(
         dense, indices, count, values, codes, scales, bits, bucket_size, signs, sign_scale)

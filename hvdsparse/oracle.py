@@ -69,10 +69,15 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
         d = d * grad_scale.reshape(()).to(torch.float32)
     fin = torch.isfinite(d)
     new = torch.where(fin, residual + d, residual)
-    binmax = torch.stack([new[b:b + bin_size].abs().amax()
-                          for b in range(0, new.numel(), bin_size)]) \
-        if new.numel() else torch.zeros(0)
-    return new, binmax, int((~fin).sum())
+    return new, _bin_absmax(new, bin_size), int((~fin).sum())
+
+
+def _bin_absmax(x: torch.Tensor, L: int) -> torch.Tensor:
+    """``max |x[b*L:(b+1)*L]|`` per bin (last bin partial): zero-padded to whole bins
+    (0 never exceeds an absolute value), then ``torch.amax`` per row (NaN propagates)."""
+    nb = -(-x.numel() // L)
+    return torch.nn.functional.pad(x.abs(), (0, nb * L - x.numel())).view(nb, L).amax(1) \
+        if nb else torch.zeros(0)
 
 
 def select_compact(acc: torch.Tensor, threshold: torch.Tensor, capacity: int, *,
@@ -131,8 +136,7 @@ def quantize(values: torch.Tensor, bits: int, bucket_size: int, seed: int,
     if count is not None:
         v[max(0, count):] = 0.0
     n, s, B = v.numel(), (1 << (bits - 1)) - 1, bucket_size
-    scales = torch.stack([v[b:b + B].abs().amax() for b in range(0, n, B)]) \
-        if n else torch.zeros(0)
+    scales = _bin_absmax(v, B)
     sc = scales.repeat_interleave(B)[:n]
     ok = (sc > 0) & (sc < float("inf"))
     r = torch.where(ok, (v.abs() * s) / torch.where(ok, sc, 1.0), 0.0)

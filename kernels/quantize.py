@@ -5,7 +5,7 @@ RNG: ``u = tl.rand(seed, e)`` with the int64 element index ``e`` as counter (Phi
 4x32-10, Triton's own implementation); ``hvdsparse.cpu.philox_uniform`` is
 bit-identical.
 
-Quantiser math (bit-identical to the reference in the interpreter): ``s = 2**(bits-1)-1``,
+Quantiser math (bit-identical to hvdsparse.cpu and hvdsparse.oracle): ``s = 2**(bits-1)-1``,
 ``scale = max |v|`` per bucket, ``r = (|v| * s) / scale`` (correctly rounded division,
 ``tl.math.div_rn``), ``q = min(s, floor(r) + (u < r - floor(r)))`` with the sign of v:
 ``E[q] = r``, unbiased; ``r - floor(r)`` is exact and there is no multiply feeding an add,

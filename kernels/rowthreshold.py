@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-#: widest row the register-resident kernel handles; wider rows use the torch reference
+#: widest row the register-resident kernel handles; wider rows use mp.row_threshold_reference
 MAX_D = 8192
 
 

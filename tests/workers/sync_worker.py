@@ -35,6 +35,12 @@ recorded separately by wrapping ``HostReadout.get``), and H2D copies of host dat
 (``torch.tensor(list, device=cuda)`` is a CPU tensor creation here; the mode lists
 ``lift_fresh`` sites in hvdsparse as *informational* so they can be reviewed).
 
+Nor code that branches on the device type (``t.is_cuda``, ``device.type == "cuda"``):
+a CPU run takes the CPU branch. At the time of writing that is
+``scheduler._apply_nonfinite_policy`` (with ``nonfinite="skip"`` a CUDA run reads the
+non-finite table with ``.cpu()`` every step), ``compressors.base.uniform`` (the Philox
+kernel on CUDA) and the codec's pinned upload of cached layout images.
+
 Ops dispatched while Triton's interpreter emulates a kernel are ignored (on a GPU that
 is one asynchronous launch).
 

@@ -23,7 +23,8 @@ Two launch layouts, both with a grid proportional to ``n`` whatever the bin size
   ``[ROWS, CHUNK]`` tile (``CHUNK = min(next_pow2(L), max_chunk)``, looping over the
   bin when ``L > CHUNK``) and stores their maxima: no atomics.
 * ``L >= flat_min`` (large bins, e.g. ``bin_size = n``): program ``p`` streams the
-  contiguous elements ``[p*BLOCK, (p+1)*BLOCK)`` (128-bit loads when aligned); since
+  contiguous elements ``[p*BLOCK, (p+1)*BLOCK)`` (every block but the last unmasked, so
+  128-bit loads for any ``n`` when the tensors are 16-byte aligned); since
   ``BLOCK <= L`` they touch at most two bins, whose partial maxima go to ``binmax`` with
   ``tl.atomic_max`` on the int32 view (relaxed; ``binmax`` is zeroed first, and +0.0 is
   the identity of a max of non-negative floats). An integer max is commutative and
@@ -41,10 +42,31 @@ _INF_BITS = 0x7F800000
 
 
 @triton.jit
-def _add_scaled(g_ptr, r_ptr, offs, mask, s, HAS_SCALE: tl.constexpr):
+def _ld(ptr, offs, mask, FULL: tl.constexpr):
+    """Load; unmasked for a full block, so the compiler can prove 16-byte contiguity and
+    emit 128-bit loads whatever ``n`` is (a mask ``offs < n`` only allows that when the
+    specialisation knows 16 | n)."""
+    if FULL:
+        x = tl.load(ptr + offs)
+    else:
+        x = tl.load(ptr + offs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _st(ptr, offs, x, mask, FULL: tl.constexpr):
+    if FULL:
+        tl.store(ptr + offs, x)
+    else:
+        tl.store(ptr + offs, x, mask=mask)
+
+
+@triton.jit
+def _add_scaled(g_ptr, r_ptr, offs, mask, s, HAS_SCALE: tl.constexpr,
+                FULL: tl.constexpr = False):
     """(new residual, non-finite mask) for the elements ``offs`` (see module doc)."""
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(r_ptr + offs, mask=mask, other=0.0)
+    g = _ld(g_ptr, offs, mask, FULL).to(tl.float32)
+    r = _ld(r_ptr, offs, mask, FULL)
     if HAS_SCALE:
         d = g * s
     else:
@@ -85,17 +107,13 @@ def _residual_tile_kernel(grad_ptr, res_ptr, binmax_ptr, scale_ptr, nf_ptr, n, n
 
 
 @triton.jit
-def _residual_flat_kernel(grad_ptr, res_ptr, binmax_i32_ptr, scale_ptr, nf_ptr, n, L,
-                          HAS_SCALE: tl.constexpr, HAS_NF: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * BLOCK
+def _residual_flat_block(grad_ptr, res_ptr, binmax_i32_ptr, nf_ptr, start, n, L, s,
+                         HAS_SCALE: tl.constexpr, HAS_NF: tl.constexpr,
+                         BLOCK: tl.constexpr, FULL: tl.constexpr):
     offs = start + tl.arange(0, BLOCK)
     mask = offs < n
-    s = 1.0
-    if HAS_SCALE:
-        s = tl.load(scale_ptr)
-    a, bad = _add_scaled(grad_ptr, res_ptr, offs, mask, s, HAS_SCALE)
-    tl.store(res_ptr + offs, a, mask=mask)
+    a, bad = _add_scaled(grad_ptr, res_ptr, offs, mask, s, HAS_SCALE, FULL)
+    _st(res_ptr, offs, a, mask, FULL)
     bits = tl.where(mask, a.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
     bits = tl.where(bits > 0x7F800000, 0x7FC00000, bits)
     # BLOCK <= L: the block meets bin b0 and possibly b0 + 1
@@ -109,6 +127,22 @@ def _residual_flat_kernel(grad_ptr, res_ptr, binmax_i32_ptr, scale_ptr, nf_ptr, 
     if HAS_NF:
         tot = tl.sum(bad.to(tl.int32), axis=0)
         tl.atomic_add(nf_ptr, tot, mask=tot > 0, sem="relaxed")
+
+
+@triton.jit
+def _residual_flat_kernel(grad_ptr, res_ptr, binmax_i32_ptr, scale_ptr, nf_ptr, n, L,
+                          HAS_SCALE: tl.constexpr, HAS_NF: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    s = 1.0
+    if HAS_SCALE:
+        s = tl.load(scale_ptr)
+    if start + BLOCK <= n:       # every block but the last: unmasked, 128-bit loads
+        _residual_flat_block(grad_ptr, res_ptr, binmax_i32_ptr, nf_ptr, start, n, L, s,
+                             HAS_SCALE, HAS_NF, BLOCK, True)
+    else:
+        _residual_flat_block(grad_ptr, res_ptr, binmax_i32_ptr, nf_ptr, start, n, L, s,
+                             HAS_SCALE, HAS_NF, BLOCK, False)
 
 
 def residual_add_binmax(grad, residual, bin_size, *, out=None, grad_scale=None,

@@ -1,6 +1,7 @@
 """Threshold selection + compaction + residual update (operation 2 of docs/design.md).
 
-One launch; program ``p`` owns elements ``[p*BLOCK, (p+1)*BLOCK)`` (int64 offsets):
+One launch; program ``p`` owns elements ``[p*BLOCK, (p+1)*BLOCK)`` (int64 offsets; every
+block but the last reads acc/grad unmasked, so 128-bit loads for any ``n``):
 
 1. criterion ``|h| >= thr`` with ``h = acc + fp32(fp32(grad) * grad_scale) * (h_scale-1)``
    (or ``h = acc``; scalar threshold, or ``thr[i // bin_size]``), from one read of acc
@@ -36,16 +37,25 @@ _VE_DTYPE = {VE_FP32: torch.float32, VE_FP16: torch.float16, VE_BF16: torch.bflo
 
 
 @triton.jit
-def _select_compact_kernel(acc_ptr, grad_ptr, thr_ptr, idx_ptr, val_ptr, sign_ptr,
-                           count_ptr, sscale_ptr, gscale_ptr, n, capacity, L, hm1,
-                           HAS_GRAD: tl.constexpr, HAS_GSCALE: tl.constexpr,
-                           PER_BIN: tl.constexpr, VE: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _ld(ptr, offs, mask, FULL: tl.constexpr):
+    """Unmasked for a full block (provable 16-byte contiguity: 128-bit loads for any n)."""
+    if FULL:
+        x = tl.load(ptr + offs)
+    else:
+        x = tl.load(ptr + offs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _select_block(acc_ptr, grad_ptr, thr_ptr, idx_ptr, val_ptr, sign_ptr, count_ptr,
+                  sscale_ptr, gscale_ptr, start, n, capacity, L, hm1,
+                  HAS_GRAD: tl.constexpr, HAS_GSCALE: tl.constexpr, PER_BIN: tl.constexpr,
+                  VE: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.constexpr):
+    offs = start + tl.arange(0, BLOCK)
     inb = offs < n
-    a = tl.load(acc_ptr + offs, mask=inb, other=0.0)
+    a = _ld(acc_ptr, offs, inb, FULL)
     if HAS_GRAD:
-        g = tl.load(grad_ptr + offs, mask=inb, other=0.0).to(tl.float32)
+        g = _ld(grad_ptr, offs, inb, FULL).to(tl.float32)
         if HAS_GSCALE:
             g = g * tl.load(gscale_ptr)
         h = a + g * hm1          # two roundings: compiled with enable_fp_fusion=False
@@ -77,6 +87,22 @@ def _select_compact_kernel(acc_ptr, grad_ptr, thr_ptr, idx_ptr, val_ptr, sign_pt
         tl.store(val_ptr + slot, vc, mask=w)
         newa = a - vc.to(tl.float32)
     tl.store(acc_ptr + offs, newa, mask=w)
+
+
+@triton.jit
+def _select_compact_kernel(acc_ptr, grad_ptr, thr_ptr, idx_ptr, val_ptr, sign_ptr,
+                           count_ptr, sscale_ptr, gscale_ptr, n, capacity, L, hm1,
+                           HAS_GRAD: tl.constexpr, HAS_GSCALE: tl.constexpr,
+                           PER_BIN: tl.constexpr, VE: tl.constexpr, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    if start + BLOCK <= n:       # every block but the last: unmasked, 128-bit loads
+        _select_block(acc_ptr, grad_ptr, thr_ptr, idx_ptr, val_ptr, sign_ptr, count_ptr,
+                      sscale_ptr, gscale_ptr, start, n, capacity, L, hm1, HAS_GRAD,
+                      HAS_GSCALE, PER_BIN, VE, BLOCK, True)
+    else:
+        _select_block(acc_ptr, grad_ptr, thr_ptr, idx_ptr, val_ptr, sign_ptr, count_ptr,
+                      sscale_ptr, gscale_ptr, start, n, capacity, L, hm1, HAS_GRAD,
+                      HAS_GSCALE, PER_BIN, VE, BLOCK, False)
 
 
 def select_compact(acc, threshold, capacity, *, bin_size=0, grad=None, h_scale=1.0,

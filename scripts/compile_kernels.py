@@ -150,6 +150,10 @@ def drive(full: bool, errors: list):
             for step in range(2 if full else 1):
                 c.compress("layer25M", g_big, step)
         run(f"{name}@25M", f)
+    # an odd-sized layer (24,999,999 elements: 16 does not divide n, so a mask
+    # ``offs < n`` alone would forbid 128-bit loads)
+    run("TopK-fp32@odd25M", lambda: hvdsparse.TopK(0.01).compress(
+        "odd", torch.zeros(4999, 5001), 0))
     dtypes = [torch.float16, torch.bfloat16] if full else [torch.bfloat16]
     for dt in dtypes:
         run(f"TopK-grad-{dt}@25M",

@@ -84,12 +84,15 @@ def test_grids(report):
 
 
 def test_vector_loads_on_aligned_fp32(report):
-    """The aligned 25M-element layer (5000 x 5000, 16 | n): residual add (fp32 grad),
-    select and the dense quantiser (QSGD) read their fp32 inputs with ld.global.v4."""
+    """On the 25M-element layer (5000 x 5000) residual add (fp32 grad), select and the
+    dense quantiser (QSGD) read their fp32 inputs with ld.global.v4; residual add and
+    select also on an odd-sized layer (4999 x 5001: full blocks are unmasked)."""
     def specs(kernel, scen):
         return [s for s in _specs(report, {kernel}) if scen in s["scenarios"]]
     for kernel, scen in (("_residual_flat_kernel", "TopK-fp32@25M"),
                          ("_select_compact_kernel", "TopK-fp32@25M"),
+                         ("_residual_flat_kernel", "TopK-fp32@odd25M"),   # 16 does not
+                         ("_select_compact_kernel", "TopK-fp32@odd25M"),  # divide n
                          ("_quantize_pack_kernel", "QSGD-4@25M")):
         got = specs(kernel, scen)
         assert len(got) == 2, (kernel, scen)                       # sm_80 and sm_90

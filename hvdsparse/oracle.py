@@ -183,6 +183,19 @@ def scatter_add_decode(dense: torch.Tensor,
     return out
 
 
+def row_threshold(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """DCT-MP row threshold of a [B, d] tensor: ``(cols int64[B, k] ascending, mask
+    bool[B, d])``. Every row keeps its ``k`` largest ``|x|``; ties keep the lowest
+    columns; NaN counts as larger than any number. Written as: order the columns by
+    the int32 bit pattern of ``|x|`` (monotone in the value, NaN above +Inf), largest
+    first, ties by column (a stable sort), keep the first ``k``."""
+    bits = x.abs().float().view(torch.int32)
+    order = torch.sort(bits, dim=1, descending=True, stable=True).indices[:, :k]
+    cols = order.sort(dim=1).values
+    mask = torch.zeros(x.shape, dtype=torch.bool).scatter_(1, cols, True)
+    return cols, mask
+
+
 __all__: List[str] = ["philox_uint32", "philox_uniform", "residual_add_binmax",
                       "select_compact", "quantize", "pack", "unpack", "dequantize",
-                      "scatter_add_decode"]
+                      "scatter_add_decode", "row_threshold"]

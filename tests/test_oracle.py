@@ -349,3 +349,27 @@ def test_scatter_add_decode_errors(K, seed):
     K.scatter_add_decode(d, ind.to(DEV), cnt.to(DEV), vals.to(DEV), error_flag=flag)
     assert int(flag) == 3
     assert _bits_equal(d, want)
+
+
+# ------------------------------------------------------------- DCT-MP row threshold
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_row_threshold(K, seed, dtype):
+    from hvdsparse import mp
+    g = torch.Generator().manual_seed(seed)
+    for B, d in ((5, 7), (4, 100), (3, 300), (2, 1000)):
+        # few distinct values: many ties at the threshold; a NaN and an Inf per row
+        x = (torch.randint(-6, 7, (B, d), generator=g).float() / 4).to(dtype)
+        x[:, 0] = float("nan")
+        x[:, d // 2] = -float("inf")
+        for k in (1, max(1, d // 3), d):
+            want_cols, want_mask = oracle.row_threshold(x, k)
+            c, v, m = mp.row_threshold_reference(x, k)
+            assert torch.equal(c.long(), want_cols) and torch.equal(m.bool(), want_mask)
+            xd = _dev(x)
+            cols = torch.full((B, k), -7, dtype=torch.int32, device=DEV)
+            vals = torch.full((B, k), float("nan"), dtype=dtype, device=DEV)
+            mask = torch.full((B, d), 0xAB, dtype=torch.uint8, device=DEV)
+            K.rowthreshold.row_threshold(xd, k, cols, vals, mask)
+            assert torch.equal(cols.cpu().long(), want_cols), (B, d, k, seed)
+            assert torch.equal(mask.cpu(), want_mask.to(torch.uint8)), (B, d, k, seed)
+            assert _bits_equal(vals, torch.gather(x, 1, want_cols)), (B, d, k, seed)

@@ -74,6 +74,10 @@ TINY = float(torch.finfo(torch.float32).tiny)
 
 _MASK64 = (1 << 64) - 1
 
+#: bin size passed to ``ops.residual_add_binmax`` by callers that do not use the bin
+#: maxima (see ``Compressor._acc``)
+NO_BIN_SIZE = 1 << 14
+
 #: purpose codes mixed into seeds
 PURPOSE_QUANT = 1
 PURPOSE_SAMPLE = 2
@@ -677,7 +681,11 @@ class Compressor:
         cleaned gradient in a reused scratch buffer (nothing remembered)."""
         n = flat.numel()
         if bin_size is None:
-            bin_size = n
+            # the caller ignores the bin maxima: a moderate bin keeps the CPU path in
+            # its chunked numpy loop (bins larger than its 2^18-element chunk take a
+            # ~4x slower torch loop: 13.8 vs 2.9 ms on 4M elements) and costs nothing
+            # on the GPU, whose grid scales with n for any bin size
+            bin_size = min(n, NO_BIN_SIZE)
         c = self._call
         if error_feedback:
             r = self._residual_for(name, flat)

@@ -228,7 +228,7 @@ class TopK(Compressor):
             acc, _ = self._acc(name, flat, None, ef)
             return (self._dense_from_acc(name, acc, shape, enc, qseed, qb, ef),
                     dict(density=d))
-        acc, binmax = self._acc(name, flat, None, ef)
+        acc, _ = self._acc(name, flat, None, ef)
         if cfg["exact"]:
             tv, ti = torch.topk(self._abs_buf(acc), k, sorted=True)
             valid = tv >= TINY                       # a prefix: sorted descending

@@ -204,6 +204,18 @@ def _deep_clone(x):
 _MISSING = object()
 
 
+def _plain(x):
+    """Plain data for configs: value encodings by name ("int4"), containers rebuilt, so
+    a config compares across ranks and loads with ``torch.load(weights_only=True)``."""
+    if isinstance(x, ValueEncoding):
+        return value_name(x)
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_plain(v) for v in x)
+    return x
+
+
 def _snap_state(x):
     """Snapshot of a layer's algorithm state for :meth:`Compressor.rollback`: containers
     are copied, tensors are shared. Valid because compressors never modify a layer-state
@@ -615,10 +627,10 @@ class Compressor:
         constructor argument (per-layer settings, policy with its overrides, warm-up,
         seed, other behaviour switches). Ranks must agree on it."""
         w = getattr(self, "warmup", None)
-        return dict(type=type(self).__name__, settings=self._base_cfg(),
-                    policy=self.policy.config(), seed=self.seed,
-                    warmup=None if w is None else w.config(),
-                    args={k: getattr(self, k) for k in self._extra_args})
+        return _plain(dict(type=type(self).__name__, settings=self._base_cfg(),
+                           policy=self.policy.config(), seed=self.seed,
+                           warmup=None if w is None else w.config(),
+                           args={k: getattr(self, k) for k in self._extra_args}))
 
     def state_dict(self) -> dict:
         """Everything needed to continue identically: residuals, per-layer algorithm
@@ -635,7 +647,8 @@ class Compressor:
             raise ValueError(f"state_dict: saved by {sd['type']}, cannot load into "
                              f"{type(self).__name__}")
         mine = self.config()
-        if sd["config"]["settings"] != mine["settings"] or sd["config"]["seed"] != mine["seed"]:
+        saved = _plain(sd["config"])
+        if saved["settings"] != mine["settings"] or saved["seed"] != mine["seed"]:
             raise ValueError(f"state_dict: settings differ (saved {sd['config']}, "
                              f"this compressor {mine})")
 

@@ -63,7 +63,18 @@ def train(make_compressor, data):
     Xtr, ytr, Xte, yte = data
     model = _model()
     params = dict(model.named_parameters())
-    comps = [make_compressor().bind(r, WORKERS) for r in range(WORKERS)]
+    # simulated ranks call after_exchange in rank order: rank 0's broadcast tensor (the
+    # Slim-DP core) is handed to the others, as hvd.broadcast would
+    sent = {}
+
+    def broadcast(rank):
+        def f(t, name):
+            if rank == 0:
+                sent[name] = t.clone()
+            return sent[name].clone()
+        return f
+    comps = [make_compressor().bind(r, WORKERS, broadcast=broadcast(r))
+             for r in range(WORKERS)]
     shards = [torch.arange(r, Xtr.shape[0], WORKERS) for r in range(WORKERS)]
     per_epoch = min(len(s) for s in shards) // BATCH
     total = EPOCHS * per_epoch

@@ -138,13 +138,9 @@ def value_name(enc: ValueEncoding) -> str:
 
 
 def pack_signs(negative: torch.Tensor) -> torch.Tensor:
-    """bool[n] -> uint8[ceil(n/8)], bit j%8 of byte j//8 set when element j is negative."""
-    n = negative.numel()
-    nbytes = (n + 7) // 8
-    b = torch.zeros(nbytes * 8, dtype=torch.uint8, device=negative.device)
-    b[:n] = negative.to(torch.uint8)
-    shifts = torch.arange(8, dtype=torch.uint8, device=negative.device)
-    return (b.view(nbytes, 8) << shifts).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+    """bool[n] -> uint8[ceil(n/8)], bit j%8 of byte j//8 set when element j is negative
+    (the project's one bit packer, ``ops.pack_bits``, at 1 bit)."""
+    return ops.pack_bits(negative.to(torch.uint8), 1)
 
 
 def _is_int(x) -> bool:

@@ -10,7 +10,10 @@
 =============  ===================================================================
 
 Each strategy module exposes ``launch(spec, payloads, ctx) -> Pending``; ``Pending.finish``
-returns the flat fp32 **sum** over ranks. See :mod:`.base`.
+returns the flat fp32 **sum** over ranks (valid until that bucket's next launch: buffers
+are reused). Collectives go through ``ctx.comm()`` (:mod:`hvdsparse.transport`; Horovod
+by default). No blocking device read on the trusted (``validate=False``) path; the cost
+model's figures come back through ``Pending.deferred_figures``. See :mod:`.base`.
 """
 from __future__ import annotations
 

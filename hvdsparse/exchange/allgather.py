@@ -1,4 +1,4 @@
-"""``allgather``: every rank's encoded bucket through one ``hvd.allgather``.
+"""``allgather``: every rank's encoded bucket through one allgather (``hvd.allgather``).
 
 Each rank encodes its bucket (:func:`codec.encode`, fixed length for the bucket at a
 given step on every rank), Horovod concatenates the P messages (``[P * nbytes]``) and
@@ -32,11 +32,10 @@ def _count_byte_offsets(nseg: int):
 
 class AllgatherPending(Pending):
     def finish(self) -> torch.Tensor:
-        import horovod.torch as hvd
         if self.result is not None:
             return self.result
         t0 = time.perf_counter()
-        gathered = hvd.synchronize(self._handle)
+        gathered = self.ctx.comm().synchronize(self._handle)
         t1 = time.perf_counter()
         P, nbytes = self.ctx.world_size, self._nbytes
         if gathered.numel() != P * nbytes:
@@ -66,7 +65,6 @@ class AllgatherPending(Pending):
 
 
 def launch(spec: BucketSpec, payloads, ctx: ExchangeContext) -> Pending:
-    import horovod.torch as hvd
     nbytes = codec.encoded_nbytes(payloads)
     device = None
     for p in payloads:
@@ -81,7 +79,7 @@ def launch(spec: BucketSpec, payloads, ctx: ExchangeContext) -> Pending:
     buf = codec.encode(payloads, out=out)
     pend = AllgatherPending(spec, NAME, list(payloads), ctx)
     pend._nbytes = nbytes
-    pend._handle = hvd.allgather_async(buf, name=ctx.name(spec.bucket_id, NAME))
+    pend._handle = ctx.comm().allgather_async(buf, name=ctx.name(spec.bucket_id, NAME))
     pend.sent_bytes = pend.recv_bytes = (ctx.world_size - 1) * nbytes
     pend.figures["wire_nbytes"] = nbytes
     return pend

@@ -8,9 +8,13 @@ strategy returns the **sum over all ranks** of the ranks' decoded payloads in th
 flat layout. Averaging (``op=Average``), ``after_exchange`` and writing ``p.grad``
 happen in the scheduler.
 
-Collectives are named ``<prefix>.b<bucket>.<strategy>[.<phase>]``: Horovod matches
-operations by name, so buckets may complete in any order, and the names are stable
-from step to step (Horovod's response cache hits when names and shapes repeat).
+Collectives go through ``ctx.comm()`` (:mod:`hvdsparse.transport`: Horovod by default,
+``torch.distributed`` for the DDP hook) and are named
+``<prefix>.b<bucket>.<strategy>[.<phase>]``: Horovod matches operations by name, so
+buckets may complete in any order, and the names are stable from step to step
+(Horovod's response cache hits when names and shapes repeat). An ordered transport
+matches by issue order instead; the strategies then issue collectives only from
+``launch()`` and ``finish()``, which callers reach in bucket order on every rank.
 
 Host synchronisation (CUDA)
 ---------------------------
@@ -36,7 +40,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -87,10 +91,21 @@ class ExchangeContext:
     # Reused buffers; None = the module-level pool (per prefix, see BufferPool.default).
     # A scheduler may pass its own pool to tie the buffers' lifetime to the optimizer.
     buffers: Optional["BufferPool"] = None
+    # Who moves the bytes (hvdsparse.transport.Transport); None = Horovod. An *ordered*
+    # transport (torch.distributed) matches collectives by issue order, so strategies
+    # then issue them only at launch() / finish(), never from a timing-dependent poll.
+    transport: Optional[Any] = None
 
     def name(self, bucket_id: int, strategy: str, phase: str = "") -> str:
         n = f"{self.prefix}.b{bucket_id}.{strategy}"
         return f"{n}.{phase}" if phase else n
+
+    def comm(self):
+        """The transport: ``transport`` or the process-wide Horovod one."""
+        if self.transport is None:
+            from ..transport import horovod
+            self.transport = horovod()
+        return self.transport
 
     def pool(self) -> "BufferPool":
         return self.buffers if self.buffers is not None else BufferPool.default(self.prefix)

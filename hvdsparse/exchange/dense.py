@@ -26,11 +26,10 @@ NAME = "dense"
 
 class DensePending(Pending):
     def finish(self) -> torch.Tensor:
-        import horovod.torch as hvd
         if self.result is not None:
             return self.result
         t0 = time.perf_counter()
-        hvd.synchronize(self._handle)
+        self.ctx.comm().synchronize(self._handle)
         t1 = time.perf_counter()
         if self._tensor.dtype == torch.float32:
             flat = self._tensor
@@ -47,7 +46,6 @@ class DensePending(Pending):
 
 
 def launch(spec: BucketSpec, payloads, ctx: ExchangeContext) -> Pending:
-    import horovod.torch as hvd
     device = bucket_device(payloads)
     # reused: the previous step's result of this bucket was consumed before this launch
     flat = own_dense(spec, payloads, device,
@@ -62,8 +60,8 @@ def launch(spec: BucketSpec, payloads, ctx: ExchangeContext) -> Pending:
         pre, post = 1.0 / f, f
     pend = DensePending(spec, NAME, list(payloads), ctx)
     pend._tensor, pend._flat = t, flat
-    pend._handle = hvd.allreduce_async_(t, name=ctx.name(spec.bucket_id, NAME), op=hvd.Sum,
-                                        prescale_factor=pre, postscale_factor=post)
+    pend._handle = ctx.comm().allreduce_async_(t, name=ctx.name(spec.bucket_id, NAME),
+                                               prescale_factor=pre, postscale_factor=post)
     P = ctx.world_size
     vb = t.element_size()
     pend.sent_bytes = pend.recv_bytes = int(round(2 * (P - 1) / P * spec.numel * vb))

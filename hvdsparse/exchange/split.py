@@ -150,18 +150,22 @@ class SplitPending(Pending):
     _phase = 0
 
     def advance(self) -> None:
-        """Start whatever can start without waiting (called from the backward hooks)."""
-        import horovod.torch as hvd
+        """Start whatever can start without waiting (called from the backward hooks).
+        Nothing with an ordered transport: there a collective may only be issued where
+        every rank issues it in the same order (launch / finish), not when a timing-
+        dependent poll says so."""
+        comm = self.ctx.comm()
+        if comm.ordered:
+            return
         if self._phase == 0 and self._counts.ready():
             self._start_phase1()
-        if self._phase == 1 and hvd.poll(self._handle):
+        if self._phase == 1 and comm.poll(self._handle):
             self._reduce()
         if self._phase == 2 and self._k.ready():
             self._start_phase2()
 
     # -- phase 1: alltoall of (index, value) pairs to the owners
     def _start_phase1(self) -> None:
-        import horovod.torch as hvd
         counts: List[int] = [int(c) for c in self._counts.get()]
         total = sum(counts)
         flat, vb = self._own, self._vb
@@ -171,16 +175,15 @@ class SplitPending(Pending):
                           flat[nz].to(self._vdtype).contiguous().view(torch.uint8)
                           .reshape(-1, vb)], 1)
         splits = torch.tensor(counts, dtype=torch.int32)      # host tensor, as Horovod wants
-        self._handle = hvd.alltoall_async(rows.contiguous(), splits=splits,
-                                          name=self.ctx.name(self.spec.bucket_id, NAME, "a2a"))
+        self._handle = self.ctx.comm().alltoall_async(
+            rows.contiguous(), splits, name=self.ctx.name(self.spec.bucket_id, NAME, "a2a"))
         self.sent_bytes += (total - counts[self.ctx.rank]) * (4 + vb)
         self._phase = 1
 
     # -- phase 2a: the owner sums its range
     def _reduce(self) -> None:
-        import horovod.torch as hvd
         t0 = time.perf_counter()
-        rows_in, recv_splits = hvd.synchronize(self._handle)
+        rows_in, recv_splits = self.ctx.comm().synchronize(self._handle)
         t1 = time.perf_counter()
         ctx, P, r = self.ctx, self.ctx.world_size, self.ctx.rank
         lo, hi = self._bounds[r], self._bounds[r + 1]
@@ -226,7 +229,6 @@ class SplitPending(Pending):
 
     # -- phase 2b: the owner sends its range to every rank
     def _start_phase2(self) -> None:
-        import horovod.torch as hvd
         ctx, P, r = self.ctx, self.ctx.world_size, self.ctx.rank
         n_r, vb = self._reduced.numel(), self._vb
         k = int(self._k.get()[0])
@@ -264,13 +266,12 @@ class SplitPending(Pending):
         self._mode = mode
         out = msg.unsqueeze(0).expand(P, length).reshape(-1)
         splits = torch.full((P,), length, dtype=torch.int32)
-        self._handle2 = hvd.alltoall_async(out, splits=splits,
-                                           name=ctx.name(self.spec.bucket_id, NAME, "ranges"))
+        self._handle2 = ctx.comm().alltoall_async(
+            out, splits, name=ctx.name(self.spec.bucket_id, NAME, "ranges"))
         self.sent_bytes += (P - 1) * length
         self._phase = 3
 
     def finish(self) -> torch.Tensor:
-        import horovod.torch as hvd
         if self.result is not None:
             return self.result
         t0 = time.perf_counter()
@@ -281,7 +282,7 @@ class SplitPending(Pending):
         if self._phase == 2:
             self._start_phase2()          # waits on K_r's event if needed
         t0b = time.perf_counter()
-        gathered, recv_splits = hvd.synchronize(self._handle2)
+        gathered, recv_splits = self.ctx.comm().synchronize(self._handle2)
         t1 = time.perf_counter()
         ctx, P, me, vb = self.ctx, self.ctx.world_size, self.ctx.rank, self._vb
         bits, qb = ctx.split_dense_bits, ctx.quant_bucket
@@ -385,5 +386,8 @@ def launch(spec: BucketSpec, payloads, ctx: ExchangeContext) -> Pending:
     pend._bounds, pend._vdtype, pend._vb, pend._device = bounds, vdtype, vb, device
     pend._own = flat
     pend._counts = HostReadout(counts)
-    pend.advance()          # on CPU (or if the copy is already done) phase 1 starts now
+    if ctx.comm().ordered:
+        pend._start_phase1()    # issue order must not depend on timing: start it here
+    else:
+        pend.advance()          # on CPU (or if the copy is already done) phase 1 starts now
     return pend

@@ -163,9 +163,9 @@ class _TorchHandle:
     def __init__(self, work, finish: Callable[[], Any]):
         self.work, self._finish, self._value, self._done = work, finish, None, False
 
-    def value(self):
+    def value(self, wait: bool = True):
         if not self._done:
-            if self.work is not None:
+            if wait and self.work is not None:
                 self.work.wait()
             self._value = self._finish()
             self._done = True
@@ -270,7 +270,9 @@ class TorchDistTransport(Transport):
             fut = torch.futures.Future()
             fut.set_result(handle.value())
             return fut
-        return handle.work.get_future().then(lambda _f: handle.value())
+        # no work.wait() inside the callback: the work may not count as finished until
+        # its future's callbacks have run (Gloo), so waiting there would deadlock
+        return handle.work.get_future().then(lambda _f: handle.value(wait=False))
 
 
 def check_transport(t) -> Transport:

@@ -117,6 +117,46 @@ def train_step(model, opt, step, **fw):
 SMALL = dict(bucket_cap_mb=0.01)   # ~10 KB buckets: several buckets, rebuilt after iter 0
 
 
+# ------------------------------------------------------------------ 0. the transport
+def check_transport():
+    """Every TorchDistTransport operation against what each rank's (seeded) input makes
+    it: uint8 rows, alltoall with empty splits and an empty rank, pre/post scaling,
+    poll/synchronize, futures, broadcast, allgather_object."""
+    from hvdsparse.transport import TorchDistTransport
+    t = TorchDistTransport()
+    check(t.rank() == R and t.size() == P and t.ordered, "rank / size / ordered")
+
+    def rows_of(r, n):
+        g = torch.Generator().manual_seed(50 + r)
+        return torch.randint(0, 256, (n, 6), generator=g, dtype=torch.uint8)
+    h = t.allgather_async(rows_of(R, 3), name="t.ag")
+    got = t.synchronize(h)
+    check(torch.equal(got, torch.cat([rows_of(r, 3) for r in range(P)])), "allgather rows")
+    check(t.poll(h), "poll after synchronize")
+
+    def splits_of(r):      # rank r sends splits_of(r)[q] rows to rank q; last rank none
+        return [0 if r == P - 1 else (r + 2 * q) % 3 for q in range(P)]
+    mine = rows_of(R, sum(splits_of(R)))
+    h = t.alltoall_async(mine, splits_of(R), name="t.a2a")
+    out, recv = t.synchronize(h)
+    expect = []
+    for r in range(P):
+        sp = splits_of(r)
+        src = rows_of(r, sum(sp))
+        expect.append(src[sum(sp[:R]):sum(sp[:R]) + sp[R]])
+    check(recv.dtype == torch.int32 and recv.tolist() == [splits_of(r)[R] for r in range(P)],
+          f"alltoall recv splits {recv.tolist()}")
+    check(torch.equal(out, torch.cat(expect)), "alltoall rows")
+    x = torch.full((5,), float(R + 1))
+    h = t.allreduce_async_(x, name="t.ar", prescale_factor=0.5, postscale_factor=4.0)
+    val = t.future(h).wait()
+    want = 2.0 * sum(range(1, P + 1))
+    check(torch.equal(val, torch.full((5,), want)) and torch.equal(x, val), "allreduce scale")
+    b = torch.full((3,), float(R))
+    check(torch.equal(t.broadcast(b, P - 1), torch.full((3,), float(P - 1))), "broadcast")
+    check(t.allgather_object({"r": R}) == [{"r": r} for r in range(P)], "allgather_object")
+
+
 # ------------------------------------------------------------------ 1. TopK(1.0) == DDP
 def check_equivalence():
     static = dict(static_graph=True)
@@ -388,7 +428,7 @@ def check_momentum_correction():
               f"param_groups changed: {g0}")
 
 
-CHECKS = [check_equivalence, check_every_compressor, check_no_sync, check_unused,
+CHECKS = [check_transport, check_equivalence, check_every_compressor, check_no_sync, check_unused,
           check_checkpoint, check_join, check_momentum_correction, check_disagreement]
 
 if __name__ == "__main__":

@@ -224,3 +224,29 @@ def test_whole_steps_np2():
     print("torch.tensor(<host data>) in hvdsparse (H2D copies if created on a GPU; "
           "review):\n" + "\n".join(f"  [{p}] {s}" for p, s in fresh))
     assert not problems, "host syncs on the (simulated) CUDA path:\n" + "\n".join(problems)
+
+
+def test_stats_is_one_batched_copy():
+    """``stats()`` turns every layer's device figures into Python numbers with one
+    device-to-host copy (``hvdsparse.stats.host_values``), not one ``.item()`` per
+    layer and field; the numbers keep their types (ints for counts)."""
+    import hvdsparse
+    g = torch.Generator().manual_seed(11)
+    comp = hvdsparse.TopK(0.05)
+    for step in range(3):
+        for name, shape in (("a", (40, 40)), ("b", (64, 32)), ("c", (30,))):
+            comp.compress(name, torch.randn(*shape, generator=g), step)
+    det = HostSyncDetector()
+    with det:
+        det.phase = "stats"
+        st = comp.stats()
+        tot = comp.stats_totals()
+        det.phase = None
+    sites = [(r["op"], _site_key(r["site"])) for r in det.records]
+    assert sites == [("Tensor.cpu", ("hvdsparse/stats.py", "host_values"))] * 2, det.records
+    for name, n in (("a", 1600), ("b", 2048)):
+        d = st[name]
+        assert isinstance(d["sent"], int) and isinstance(d["total_sent"], int)
+        assert 0 < d["sent"] <= d["capacity"]
+        assert d["numel"] == n and d["steps"] == 3 and d["total_sent"] >= d["sent"]
+    assert tot["effective_bytes"] > 0 and isinstance(tot["effective_bytes"], float)

@@ -46,7 +46,9 @@ the device and copied with :class:`.base.HostReadout` (one non-blocking copy + e
 each); :meth:`SplitPending.advance` (called from the scheduler's hooks) starts the next
 phase only when that event has completed, and :meth:`SplitPending.finish` waits on the
 event otherwise. So a split bucket costs at most two event waits, in ``finish()``,
-and no blocking read elsewhere.
+and no blocking read elsewhere. With an ordered transport (torch.distributed, which
+matches collectives by issue order) phase 1 starts in ``launch()`` -- waiting on the
+counts' event there -- and phase 2 in ``finish()``, never from a poll.
 
 Allocations: the own flat vector, the owner's reduced range and the flat sum are reused
 per bucket (:class:`.base.BufferPool`); the pair rows and range messages change size

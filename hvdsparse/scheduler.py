@@ -72,14 +72,16 @@ import inspect
 import logging
 import time
 import warnings
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Dict, List, Optional
 
+import numpy as np
 import torch
 
 from . import codec
 from .exchange import ExchangeContext, BucketSpec, launch as launch_exchange
 from .exchange import cost_model
+from .exchange.base import BufferPool, HostReadout
 from .exchange.split import pair_dtype
 from .settings import ExchangeSettings, differences
 
@@ -107,33 +109,18 @@ def plan_buckets(order, sizes, fusion_threshold: int) -> List[List[str]]:
     return buckets
 
 
-class DeferredRead:
-    """A small device tensor whose value the host needs later, read without stalling:
-    on CUDA one non-blocking copy into pinned memory plus an event (``get`` waits on the
-    event, which is long done by the next step); on CPU the tensor itself. Values are
-    read through numpy, which is no tensor op."""
-
-    def __init__(self, t: torch.Tensor):
-        if t.is_cuda:
-            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self._host.copy_(t, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host, self._event = t, None
-
-    def get(self):
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host.detach().numpy()
-
-
 class _BucketHistory:
-    __slots__ = ("pairs", "reduced")
+    """The cost model's figures of a bucket's last two exchanges (``DeferredFigures``).
+    ``auto`` at step t reads those of step t-2: their copy to the host completed before
+    step t-1's collectives could, so reading never stalls and every rank reads the same
+    values (never "whatever has arrived"), on CPU and CUDA alike."""
+    __slots__ = ("later",)
 
     def __init__(self):
-        self.pairs: Optional[float] = None
-        self.reduced: Optional[int] = None
+        self.later = deque(maxlen=2)
+
+    def figures(self) -> dict:
+        return self.later[0].get() if len(self.later) == 2 else {}
 
 
 class LayerScheduler:
@@ -184,6 +171,8 @@ class LayerScheduler:
         self._bucket_of: Dict[str, int] = {}
         self._dense_order: List[str] = []
         self._history: List[_BucketHistory] = []
+        self._buffers = BufferPool()     # exchange buffers reused step to step
+        self._nan_index: List[torch.Tensor] = []   # per bucket: its layers' first elements
         self._delay = {n: self.backward_passes_per_step for n in self.params}
         self._payloads: Dict[str, object] = {}
         self._sparse_handles: Dict[str, object] = {}
@@ -201,7 +190,7 @@ class LayerScheduler:
         self.skipped_steps = 0
         # Unvalidated (CUDA) decode: the kernels flag bad messages in a device int32[1]
         # instead of raising; the flag (and, on CUDA, the non-finite table) is read at
-        # the next synchronize() through a DeferredRead, when reading it no longer
+        # the next synchronize() through a HostReadout, when reading it no longer
         # stalls the stream.
         self._error_flag: Optional[torch.Tensor] = None
         self._pending_reads: List[tuple] = []
@@ -425,24 +414,24 @@ class LayerScheduler:
                                dense_dtype=st.dense_dtype,
                                gradient_predivide_factor=st.gradient_predivide_factor,
                                split_dense_bits=st.split_dense_bits,
-                               quant_bucket=st.quant_bucket, want_figures=want_figures)
+                               quant_bucket=st.quant_bucket, want_figures=want_figures,
+                               buffers=self._buffers)
 
     def _device(self):
         return next(iter(self.params.values())).device if self.params else None
 
     def figures(self, b: int, payloads) -> cost_model.BucketFigures:
         """The rank-independent figures the auto cost model reads for bucket ``b``."""
-        spec, hist = self._specs[b], self._history[b]
+        spec, prev = self._specs[b], self._history[b].figures()
         cap = sum(int(s.capacity) for p in payloads for s in p.segments)
-        vb = torch.tensor([], dtype=pair_dtype(payloads)).element_size()
         st = self.settings
         return cost_model.BucketFigures(
             world_size=self.world_size, numel=spec.numel,
             wire_nbytes=codec.encoded_nbytes(payloads), capacity=cap,
-            sparse_value_bytes=vb,
-            dense_value_bytes=torch.tensor([], dtype=st.dense_dtype).element_size(),
+            sparse_value_bytes=torch.finfo(pair_dtype(payloads)).bits // 8,
+            dense_value_bytes=torch.finfo(st.dense_dtype).bits // 8,
             split_dense_bits=st.split_dense_bits, quant_bucket=st.quant_bucket,
-            prev_pairs=hist.pairs, prev_reduced=hist.reduced)
+            prev_pairs=prev.get("pairs"), prev_reduced=prev.get("reduced"))
 
     def strategy_for(self, b: int, payloads) -> str:
         if self.exchange != "auto":
@@ -520,6 +509,9 @@ class LayerScheduler:
         self._bucket_of = {n: b for b, names in enumerate(self.plan) for n in names}
         self._dense_order = order
         self._history = [_BucketHistory() for _ in self.plan]
+        dev = self._device()
+        self._nan_index = [torch.tensor(spec.offsets, dtype=torch.long, device=dev)
+                           for spec in self._specs]
         self._ready_count = [0] * len(self.plan)
 
     # ------------------------------------------------------------------ step
@@ -530,9 +522,10 @@ class LayerScheduler:
     def _check_deferred(self):
         """Act on last step's device flags (CUDA: read now, without stalling)."""
         reads, self._pending_reads = self._pending_reads, []
-        for kind, step, reader in reads:
+        for kind, step, shape, reader in reads:
+            values = np.asarray(reader.get(), dtype=np.int64).reshape(shape)
             if kind == "error":
-                code = int(reader.get().reshape(-1)[0])
+                code = int(values[0])
                 if code:
                     what = codec.describe_error(code)
                     raise RuntimeError(
@@ -541,12 +534,12 @@ class LayerScheduler:
                         f"layout or a message was corrupted (rerun with validate=True to "
                         f"find the rank and segment)")
             elif kind == "nonfinite":
-                self._raise_nonfinite(reader.get(), step)
+                self._raise_nonfinite(values, step)
 
     def _retire_error_flag(self):
         """This step's decode flag is read at the next synchronize()."""
         if self._error_flag is not None:
-            self._pending_reads.append(("error", self.step, DeferredRead(self._error_flag)))
+            self._pending_reads.append(("error", self.step, (1,), HostReadout(self._error_flag)))
             self._error_flag = None
 
     def _raise_nonfinite(self, table, step: int):
@@ -614,11 +607,8 @@ class LayerScheduler:
             totals.append(total)
             t_dec += pend.decode_s + time.perf_counter() - t0
             t_wait += pend.wait_s
-            hist = self._history[b]
-            if "pairs" in pend.figures:
-                hist.pairs = pend.figures["pairs"]
-            if "reduced" in pend.figures:
-                hist.reduced = pend.figures["reduced"]
+            if pend.deferred_figures is not None:
+                self._history[b].later.append(pend.deferred_figures)
             sent[pend.strategy] += pend.sent_bytes
             recv[pend.strategy] += pend.recv_bytes
             buckets.append(dict(id=b, layers=list(spec.names), numel=spec.numel,
@@ -713,15 +703,15 @@ class LayerScheduler:
         # CUDA, raise / propagate: mark on the device, decide next step (raise)
         self._mark_nan(totals, table.sum(0) > 0)
         if self.nonfinite == "raise":
-            self._pending_reads.append(("nonfinite", self.step, DeferredRead(table)))
+            self._pending_reads.append(("nonfinite", self.step, tuple(table.shape),
+                                        HostReadout(table)))
         return False
 
     def _mark_nan(self, totals, flagged: torch.Tensor):
         """Put a NaN into element 0 of every flagged layer's exchanged gradient (on every
         rank, as a dense allreduce of a NaN would), device-side."""
         j = 0
-        for spec, total in zip(self._specs, totals):
-            idx = torch.tensor(spec.offsets, dtype=torch.long, device=total.device)
+        for spec, total, idx in zip(self._specs, totals, self._nan_index):
             f = flagged[j:j + len(spec.names)].to(total.device)
             j += len(spec.names)
             total.index_copy_(0, idx, torch.where(

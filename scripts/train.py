@@ -128,6 +128,10 @@ def parse_args(argv=None):
                    help="hvdsparse local-gradient mode (sum | partial | error)")
     g.add_argument("--sync-period", type=int, default=None,
                    help="hvdsparse: parameter averaging period with --local-gradient")
+    g.add_argument("--momentum-correction", action="store_true",
+                   help="hvdsparse: DGC momentum correction + masking (SGD momentum)")
+    g.add_argument("--clip-grad-norm", type=float, default=None,
+                   help="hvdsparse: DGC local gradient clipping threshold")
 
     g = p.add_argument_group("output")
     g.add_argument("--json", default=None, help="write every metric to this JSON file (rank 0)")
@@ -224,6 +228,10 @@ def build_optimizer(args, model, hvd):
         kwargs["local_gradient"] = args.local_gradient
     if args.sync_period is not None:
         kwargs["sync_period"] = args.sync_period
+    if args.momentum_correction:
+        kwargs["momentum_correction"] = True
+    if args.clip_grad_norm is not None:
+        kwargs["clip_grad_norm"] = args.clip_grad_norm
     # The user's own line: `import hvdsparse` routes hvd.DistributedOptimizer calls whose
     # compression is an hvdsparse compressor to hvdsparse.DistributedOptimizer.
     opt = hvd.DistributedOptimizer(base, **kwargs)

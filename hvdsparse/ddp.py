@@ -101,10 +101,10 @@ from typing import Dict, List, Optional
 import torch
 
 from . import codec
-from .exchange import BucketSpec, BufferPool, ExchangeContext, cost_model
+from .exchange import BucketSpec, BufferPool, ExchangeContext, HostReadout, cost_model
 from .exchange import launch as launch_exchange
 from .exchange.split import pair_dtype
-from .scheduler import DeferredRead, _add_totals, _empty_totals
+from .scheduler import _add_totals, _empty_totals
 from .settings import DEFAULT_FUSION_THRESHOLD, ExchangeSettings, differences, fingerprint
 from .transport import Transport, TorchDistTransport
 
@@ -438,14 +438,17 @@ class State:
         reads, self._pending_reads = self._pending_reads, []
         for kind, step, reader, names in reads:
             if kind == "error":
-                code = int(reader.get().reshape(-1)[0])
+                code = int(reader.get()[0])
                 if code:
                     raise RuntimeError(f"hvdsparse.ddp: a message received at step {step} "
                                        f"carried error code {code}; ranks disagree on the "
                                        f"layout or a message was corrupted (rerun with "
                                        f"validate=True to find the rank)")
             else:
-                _raise_nonfinite(reader.get(), names, step)
+                shape = (self.world_size, len(names))
+                vals = reader.get()
+                _raise_nonfinite([vals[r * shape[1]:(r + 1) * shape[1]]
+                                  for r in range(shape[0])], names, step)
 
     def on_bucket(self, bucket) -> torch.futures.Future:
         """The hook body (see the module docstring)."""
@@ -544,7 +547,7 @@ class State:
         if self.local_update is not None:
             self.local_update.commit()
         if self._error_flag is not None:
-            self._pending_reads.append(("error", self.step, DeferredRead(self._error_flag),
+            self._pending_reads.append(("error", self.step, HostReadout(self._error_flag),
                                         None))
             self._error_flag = None
         n_total = sum(it.layout.spec.numel for it in items)
@@ -579,14 +582,14 @@ class State:
         table = self.transport.synchronize(self.transport.allgather_async(
             mine, name=f"{self.prefix}.nonfinite"))
         if table.device.type == "cpu":
-            _raise_nonfinite(table.numpy(), names, self.step)
+            _raise_nonfinite(table.numpy().tolist(), names, self.step)
         else:
-            self._pending_reads.append(("nonfinite", self.step, DeferredRead(table), names))
+            self._pending_reads.append(("nonfinite", self.step, HostReadout(table), names))
 
 
 def _raise_nonfinite(table, names, step):
-    hits = [(names[j], r, int(table[r, j])) for r in range(table.shape[0])
-            for j in range(table.shape[1]) if table[r, j]]
+    hits = [(names[j], r, int(row[j])) for r, row in enumerate(table)
+            for j in range(len(names)) if row[j]]
     if hits:
         desc = "; ".join(f"layer {n!r} on rank {r}: {c} element(s)" for n, r, c in hits[:8])
         raise FloatingPointError(

@@ -6,6 +6,13 @@ Run it under horovodrun, for example::
     horovodrun -np 4 -H localhost:4 --gloo python scripts/train.py \
         --workload wide --compression topk --ratio 0.01 --exchange auto --epochs 8
 
+Or under torchrun, with DistributedDataParallel and hvdsparse's DDP communication hook
+(``hvdsparse.ddp``; ``--compression none`` is DDP's allreduce, ``fp16`` its
+``fp16_compress_hook``)::
+
+    torchrun --nproc-per-node 4 scripts/train.py --launcher torchrun \
+        --workload wide --compression topk --ratio 0.01 --exchange auto --epochs 8
+
 Workloads (data ships with scikit-learn, nothing is downloaded):
 
 * ``digits``: MLP 64-256-256-10 (~85 K parameters) on scikit-learn's 8x8 digits.
@@ -84,6 +91,11 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("workload")
     g.add_argument("--workload", choices=("digits", "wide"), default="digits")
+    g.add_argument("--launcher", choices=("horovod", "torchrun"), default="horovod",
+                   help="horovod: run under horovodrun (hvd.DistributedOptimizer); "
+                        "torchrun: run under torchrun --nproc-per-node N with "
+                        "DistributedDataParallel and hvdsparse's DDP comm hook "
+                        "(scripts/torchrun_support.py)")
     g.add_argument("--width", type=int, default=None,
                    help="hidden width (default 256 for digits, 2048 for wide)")
     g.add_argument("--epochs", type=int, default=10)
@@ -214,6 +226,9 @@ def build_compressor(args):
 def build_optimizer(args, model, hvd):
     base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                            weight_decay=args.weight_decay)
+    if args.launcher == "torchrun":    # DDP + comm hook: see main() / torchrun_support
+        return base, (None if args.compression in ("none", "fp16") else
+                      build_compressor(args))
     named = list(model.named_parameters())
     if args.compression in ("none", "fp16"):
         comp = hvd.Compression.fp16 if args.compression == "fp16" else hvd.Compression.none
@@ -411,7 +426,12 @@ def setup_logging(rank):
 
 def main(argv=None):
     args = parse_args(argv)
-    import horovod.torch as hvd
+    if args.launcher == "torchrun":
+        from torchrun_support import TorchrunHvd, check_args
+        check_args(args)
+        hvd = TorchrunHvd(args.device)
+    else:
+        import horovod.torch as hvd
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
     logger = setup_logging(rank)
@@ -452,6 +472,10 @@ def main(argv=None):
     model = build_model(args.width).to(device)
     numel = sum(p.numel() for p in model.parameters())
     opt, compressor = build_optimizer(args, model, hvd)
+    if args.launcher == "torchrun":
+        from torchrun_support import adapt_optimizer, wrap_model
+        model, ddp_state = wrap_model(args, model, compressor, device)
+        opt = adapt_optimizer(opt, ddp_state)
 
     steps_per_epoch = len(xtr) // (world * args.batch_size)
     if steps_per_epoch == 0:

@@ -15,7 +15,7 @@ WORKER = Path(__file__).parent / "workers" / "ddp_worker.py"
 
 def test_ddp_hook_p2():
     out = run_torchrun(WORKER, nproc=2, timeout=300)
-    assert out.count("passed check_") == 9, out[-3000:]
+    assert out.count("passed check_") == 10, out[-3000:]
 
 
 def test_ddp_hook_p3():
@@ -51,3 +51,12 @@ def test_state_refuses_unsupported_settings():
     with pytest.raises(TypeError, match="instance"):
         State(hvdsparse.TopK, net.named_parameters(), transport=One())
     assert not dist.is_initialized()
+
+
+def test_train_script_under_torchrun():
+    """scripts/train.py --launcher torchrun: DDP + hvdsparse.ddp.hook, one epoch."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
+    out = run_torchrun(script, nproc=2, timeout=300,
+                       args=["--launcher", "torchrun", "--compression", "topk",
+                             "--ratio", "0.05", "--epochs", "1"])
+    assert "epoch   1" in out and "vs dense fp32 allreduce" in out, out[-3000:]

@@ -428,8 +428,27 @@ def check_momentum_correction():
               f"param_groups changed: {g0}")
 
 
+# ------------------------------------------------------------------ 9. non-finite
+def check_nonfinite():
+    """A NaN in rank P-1's gradient: every rank raises FloatingPointError naming the
+    layer and the rank (no hang, nothing absorbed)."""
+    model, state = hooked(hvdsparse.TopK(0.05, min_numel=256), seed=9)
+    x, y = batch(0)
+    if R == P - 1:
+        x = x.clone()
+        x[0, 0] = float("nan")
+    try:
+        F.cross_entropy(model(x), y).backward()
+    except Exception as e:     # noqa: BLE001 - DDP may wrap it
+        msg = str(e)
+        check("non-finite" in msg and f"rank {P - 1}" in msg, f"unexpected error: {msg[:300]}")
+    else:
+        raise AssertionError(f"rank {R}: NaN gradient not reported")
+
+
 CHECKS = [check_transport, check_equivalence, check_every_compressor, check_no_sync, check_unused,
-          check_checkpoint, check_join, check_momentum_correction, check_disagreement]
+          check_checkpoint, check_join, check_momentum_correction, check_nonfinite,
+          check_disagreement]
 
 if __name__ == "__main__":
     only = sys.argv[1:]

@@ -2,8 +2,9 @@
 
 Public names: the compressors (``TopK``, ``Threshold``, ``AdaComp``, ``SlimDP``,
 ``RandomK``, ``QSGD``, ``NoCompression``, warm-up schedules), :func:`DistributedOptimizer`
-the routing hook, and
-:mod:`hvdsparse.mp` (DCT-MP thresholding at model-parallel splits).
+the routing hook, :mod:`hvdsparse.ddp` (the same compressors as a DDP communication
+hook for torchrun users) and :mod:`hvdsparse.mp` (DCT-MP thresholding at model-parallel
+splits).
 
 Importing this package installs the routing hook (:func:`install_routing`): the
 attribute ``horovod.torch.DistributedOptimizer`` is replaced at runtime by a wrapper
@@ -12,7 +13,7 @@ that sends calls whose ``compression`` is an hvdsparse compressor to
 function unchanged. Horovod's installed files are never edited;
 :func:`uninstall_routing` restores the original attribute.
 """
-from . import compressors, mp
+from . import compressors, ddp, mp
 from .compressors import (AdaComp, Compressor, ExponentialWarmup, LayerPolicy, NoCompression,
                           QSGD, RandomK, RtWarmup, SlimDP, Threshold, TopK, WarmupSchedule)
 from .optimizer import (DistributedOptimizer, horovod_original, install_routing,
@@ -22,7 +23,7 @@ __version__ = "0.1.0"
 
 install_routing()
 
-__all__ = ["compressors", "mp", "Compressor", "TopK", "Threshold", "AdaComp", "SlimDP", "RandomK",
+__all__ = ["compressors", "ddp", "mp", "Compressor", "TopK", "Threshold", "AdaComp", "SlimDP", "RandomK",
            "QSGD", "NoCompression", "LayerPolicy", "WarmupSchedule", "RtWarmup",
            "ExponentialWarmup", "DistributedOptimizer", "install_routing",
            "uninstall_routing", "routed_distributed_optimizer", "horovod_original"]

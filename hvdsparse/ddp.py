@@ -104,7 +104,7 @@ from . import codec
 from .exchange import BucketSpec, BufferPool, ExchangeContext, HostReadout, cost_model
 from .exchange import launch as launch_exchange
 from .exchange.split import pair_dtype
-from .scheduler import _add_totals, _empty_totals
+from .stats import add_totals, empty_totals
 from .settings import DEFAULT_FUSION_THRESHOLD, ExchangeSettings, differences, fingerprint
 from .transport import Transport, TorchDistTransport
 
@@ -225,7 +225,7 @@ class State:
         self._pending_reads: List[tuple] = []
         self._error_flag: Optional[torch.Tensor] = None
         self.last_stats: dict = {}
-        self.totals: dict = _empty_totals()
+        self.totals: dict = empty_totals()
         self._t_compress = 0.0
         _bind(compression, self)
         check_names = getattr(compression, "check_names", None)
@@ -398,21 +398,16 @@ class State:
                              "; ".join(problems))
         self._agreed = True
 
+    def _flag_for(self, device) -> torch.Tensor:
+        if self._error_flag is None:
+            self._error_flag = torch.zeros(1, dtype=torch.int32, device=device)
+        return self._error_flag
+
     def _ctx(self, device, want_figures: bool) -> ExchangeContext:
-        st = self.settings
-        validate = st.validate if st.validate is not None else device.type == "cpu"
-        flag = None
-        if not validate:
-            if self._error_flag is None:
-                self._error_flag = torch.zeros(1, dtype=torch.int32, device=device)
-            flag = self._error_flag
-        return ExchangeContext(rank=self.rank, world_size=self.world_size, prefix=self.prefix,
-                               step=self.step, validate=validate, error_flag=flag,
-                               dense_dtype=st.dense_dtype,
-                               gradient_predivide_factor=st.gradient_predivide_factor,
-                               split_dense_bits=st.split_dense_bits,
-                               quant_bucket=st.quant_bucket, want_figures=want_figures,
-                               buffers=self._pool, transport=self.transport)
+        return ExchangeContext.from_settings(
+            self.settings, device=device, rank=self.rank, world_size=self.world_size,
+            prefix=self.prefix, step=self.step, error_flag_for=self._flag_for,
+            want_figures=want_figures, buffers=self._pool, transport=self.transport)
 
     def _strategy(self, lay: _Layout, payloads) -> str:
         st = self.settings
@@ -562,7 +557,7 @@ class State:
                                time_wait_s=sum(it.pend.wait_s for it in items),
                                time_decode_s=sum(it.pend.decode_s for it in items),
                                skipped=False)
-        _add_totals(self.totals, self.last_stats)
+        add_totals(self.totals, self.last_stats)
         self._t_compress = 0.0
         self._used.clear()
         self._step_open = False

@@ -84,6 +84,7 @@ from .exchange import cost_model
 from .exchange.base import BufferPool, HostReadout
 from .exchange.split import pair_dtype
 from .settings import ExchangeSettings, differences
+from .stats import add_totals, empty_totals
 
 log = logging.getLogger("hvdsparse")
 
@@ -198,7 +199,7 @@ class LayerScheduler:
         self._clear_events = False
         self.events: List[tuple] = []
         self.last_stats: dict = {}
-        self.totals: dict = _empty_totals()
+        self.totals: dict = empty_totals()
         self._t_compress = 0.0
         self._hook_handles: Dict[str, object] = {}
         try:
@@ -398,24 +399,17 @@ class LayerScheduler:
         self.events.append(("sparse", name))
 
     # ------------------------------------------------------------------ buckets
+    def _flag_for(self, device) -> torch.Tensor:
+        if self._error_flag is None:
+            self._error_flag = torch.zeros(1, dtype=torch.int32, device=device)
+        return self._error_flag
+
     def _ctx(self, want_figures: bool) -> ExchangeContext:
-        validate = self.validate
-        if validate is None:
-            dev = self._device()
-            validate = dev is None or dev.type == "cpu"
-        flag = None
-        if not validate:
-            if self._error_flag is None:
-                self._error_flag = torch.zeros(1, dtype=torch.int32, device=self._device())
-            flag = self._error_flag
-        st = self.settings
-        return ExchangeContext(rank=self.rank, world_size=self.world_size, prefix=self.prefix,
-                               step=self.step, validate=validate, error_flag=flag,
-                               dense_dtype=st.dense_dtype,
-                               gradient_predivide_factor=st.gradient_predivide_factor,
-                               split_dense_bits=st.split_dense_bits,
-                               quant_bucket=st.quant_bucket, want_figures=want_figures,
-                               buffers=self._buffers)
+        dev = self._device() or torch.device("cpu")
+        return ExchangeContext.from_settings(
+            self.settings, device=dev, rank=self.rank, world_size=self.world_size,
+            prefix=self.prefix, step=self.step, error_flag_for=self._flag_for,
+            want_figures=want_figures, buffers=self._buffers)
 
     def _device(self):
         return next(iter(self.params.values())).device if self.params else None
@@ -634,7 +628,7 @@ class LayerScheduler:
             dense_allreduce_bytes=int(cost_model.dense_allreduce_bytes(P, n_total)),
             time_compress_s=self._t_compress, time_wait_s=t_wait, time_decode_s=t_dec,
             skipped=skip)
-        _add_totals(self.totals, self.last_stats)
+        add_totals(self.totals, self.last_stats)
         # reset for the next step
         self.step += 1
         self._await_step = not skip
@@ -782,22 +776,3 @@ def _empty_sparse_like(p: torch.Tensor) -> torch.Tensor:
                                    torch.zeros((0,) + dense_dims, dtype=p.dtype,
                                                device=p.device),
                                    tuple(p.shape))
-
-
-def _empty_totals() -> dict:
-    return dict(steps=0, bytes_sent={}, bytes_recv={}, bytes_sent_total=0,
-                bytes_recv_total=0, dense_allreduce_bytes=0, strategy_counts={},
-                time_compress_s=0.0, time_wait_s=0.0, time_decode_s=0.0, skipped_steps=0)
-
-
-def _add_totals(t: dict, s: dict):
-    t["steps"] += 1
-    for key in ("bytes_sent", "bytes_recv"):
-        for k, v in s[key].items():
-            t[key][k] = t[key].get(k, 0) + v
-    for key in ("bytes_sent_total", "bytes_recv_total", "dense_allreduce_bytes",
-                "time_compress_s", "time_wait_s", "time_decode_s"):
-        t[key] += s[key]
-    t["skipped_steps"] += int(bool(s.get("skipped")))
-    for st in s["strategies"]:
-        t["strategy_counts"][st] = t["strategy_counts"].get(st, 0) + 1

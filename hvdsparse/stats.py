@@ -36,7 +36,7 @@ import torch
 from .payload import (FLOAT_BYTES, QUANT_BITS, IndexEncoding, LayerPayload, Segment,
                       ValueEncoding)
 
-__all__ = ["segment_nbytes", "segment_slot_bytes", "segment_fixed_bytes",
+__all__ = ["empty_totals", "add_totals", "segment_nbytes", "segment_slot_bytes", "segment_fixed_bytes",
            "payload_nbytes", "LayerStats", "StatsCollector", "host_values"]
 
 _INDEX_SLOT_BYTES = {IndexEncoding.DENSE: 0.0, IndexEncoding.INT32: 4.0,
@@ -262,3 +262,24 @@ class StatsCollector:
 
     def load_state_dict(self, sd: dict):
         self.layers = {n: LayerStats.from_state(st) for n, st in sd.items()}
+
+
+def empty_totals() -> dict:
+    """Running totals of the per-step exchange statistics (both front doors)."""
+    return dict(steps=0, bytes_sent={}, bytes_recv={}, bytes_sent_total=0,
+                bytes_recv_total=0, dense_allreduce_bytes=0, strategy_counts={},
+                time_compress_s=0.0, time_wait_s=0.0, time_decode_s=0.0, skipped_steps=0)
+
+
+def add_totals(t: dict, s: dict):
+    """Add one step's ``last_stats`` to the running totals."""
+    t["steps"] += 1
+    for key in ("bytes_sent", "bytes_recv"):
+        for k, v in s[key].items():
+            t[key][k] = t[key].get(k, 0) + v
+    for key in ("bytes_sent_total", "bytes_recv_total", "dense_allreduce_bytes",
+                "time_compress_s", "time_wait_s", "time_decode_s"):
+        t[key] += s[key]
+    t["skipped_steps"] += int(bool(s.get("skipped")))
+    for st in s["strategies"]:
+        t["strategy_counts"][st] = t["strategy_counts"].get(st, 0) + 1

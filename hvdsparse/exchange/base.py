@@ -96,6 +96,23 @@ class ExchangeContext:
     # then issue them only at launch() / finish(), never from a timing-dependent poll.
     transport: Optional[Any] = None
 
+    @classmethod
+    def from_settings(cls, settings, *, device, rank: int, world_size: int, prefix: str,
+                      step: int, error_flag_for, want_figures: bool, buffers=None,
+                      transport=None) -> "ExchangeContext":
+        """The context both front doors build from their :class:`ExchangeSettings`:
+        ``validate=None`` means host validation on CPU, the device flag on CUDA;
+        ``error_flag_for(device)`` supplies that flag when it is needed."""
+        validate = settings.validate if settings.validate is not None else \
+            device.type == "cpu"
+        return cls(rank=rank, world_size=world_size, prefix=prefix, step=step,
+                   validate=validate, error_flag=None if validate else error_flag_for(device),
+                   dense_dtype=settings.dense_dtype,
+                   gradient_predivide_factor=settings.gradient_predivide_factor,
+                   split_dense_bits=settings.split_dense_bits,
+                   quant_bucket=settings.quant_bucket, want_figures=want_figures,
+                   buffers=buffers, transport=transport)
+
     def name(self, bucket_id: int, strategy: str, phase: str = "") -> str:
         n = f"{self.prefix}.b{bucket_id}.{strategy}"
         return f"{n}.{phase}" if phase else n

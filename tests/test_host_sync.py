@@ -50,7 +50,10 @@ ALLOWED = {}
 ALLOWED_STEP0 = {("hvdsparse/scheduler.py", "_build_plan"): "plan (allgather_object)"}
 READOUT_SITES = {("hvdsparse/exchange/split.py", "_start_phase1"),
                  ("hvdsparse/exchange/split.py", "_start_phase2"),
-                 ("hvdsparse/exchange/base.py", "get")}      # DeferredFigures.get
+                 ("hvdsparse/exchange/base.py", "get"),      # DeferredFigures.get
+                 # last step's decode error flag / non-finite table, copied to pinned
+                 # memory with an event one step earlier (scheduler docstring)
+                 ("hvdsparse/scheduler.py", "_check_deferred")}
 
 
 def _site_key(site: str):

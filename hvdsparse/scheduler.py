@@ -752,6 +752,9 @@ class LayerScheduler:
 
     def reset(self):
         """Drop everything in flight-free state (load_state_dict, as Horovod)."""
+        if (self._await_step or self._step_open) and \
+                getattr(self.compressor, "transactional", False):
+            self._rollback()          # close the compressor's open step
         self._payloads.clear()
         self._sparse_handles.clear()
         self._frozen.clear()

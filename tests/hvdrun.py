@@ -17,38 +17,50 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def horovodrun_path() -> str:
-    exe = Path(sys.executable).with_name("horovodrun")
+def launcher_path(name: str, hint: str) -> str:
+    """``name`` next to this Python (the venv's launcher), else on PATH."""
+    exe = Path(sys.executable).with_name(name)
     if exe.exists():
         return str(exe)
-    found = shutil.which("horovodrun")
+    found = shutil.which(name)
     if found is None:
-        pytest.fail("horovodrun not found: run scripts/setup_env.sh (the README test command does)")
+        pytest.fail(f"{name} not found: {hint}")
     return found
 
 
-def run_horovod(script, np: int, args=(), timeout: float = 300, env=None) -> str:
-    """Run ``horovodrun -np <np> -H localhost:<np> --gloo python <script> <args>``.
+def horovodrun_path() -> str:
+    return launcher_path("horovodrun", "run scripts/setup_env.sh (the README test command "
+                                       "does)")
 
-    Returns the combined output; fails the test (with the output) when the job fails,
-    times out, or a rank did not report success.
-    """
-    cmd = [horovodrun_path(), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
-           sys.executable, str(script), *map(str, args)]
+
+def run_job(cmd, np: int, timeout: float, env=None, omp_threads: str = "1") -> str:
+    """Run a multi-process launcher command; returns the combined output, fails the test
+    (with the output) when the job fails, times out, or a rank did not print
+    ``HVDSPARSE-OK rank=<r>``."""
     full_env = dict(os.environ)
-    full_env.pop("TRITON_INTERPRET", None)  # workers run the torch reference path
-    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.pop("TRITON_INTERPRET", None)  # workers run the CPU path unless told otherwise
+    full_env.setdefault("OMP_NUM_THREADS", omp_threads)
     full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")])
     if env:
         full_env.update(env)
+    what = Path(cmd[0]).name
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, timeout=timeout, env=full_env, cwd=str(ROOT))
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"horovodrun timed out after {timeout}s: {' '.join(cmd)}\n{exc.output}")
+        out = exc.output.decode() if isinstance(exc.output, bytes) else exc.output
+        pytest.fail(f"{what} timed out after {timeout}s: {' '.join(cmd)}\n{out}")
     out = proc.stdout
     missing = [r for r in range(np) if f"HVDSPARSE-OK rank={r}" not in out]
     if proc.returncode != 0 or missing:
-        pytest.fail(f"horovodrun failed (rc={proc.returncode}, ranks without OK: {missing}):\n"
+        pytest.fail(f"{what} failed (rc={proc.returncode}, ranks without OK: {missing}):\n"
                     f"{' '.join(cmd)}\n{out[-6000:]}")
     return out
+
+
+def run_horovod(script, np: int, args=(), timeout: float = 300, env=None) -> str:
+    """Run ``horovodrun -np <np> -H localhost:<np> --gloo python <script> <args>``
+    (see :func:`run_job`)."""
+    cmd = [horovodrun_path(), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
+           sys.executable, str(script), *map(str, args)]
+    return run_job(cmd, np, timeout, env)

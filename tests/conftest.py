@@ -9,3 +9,16 @@ path, which hvdsparse.ops picks for CPU tensors anyway.
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import random  # noqa: E402  (after TRITON_INTERPRET, which must come first)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def seed():
+    """A fresh random seed per test, printed (``HVDSPARSE_TEST_SEED`` replays one)."""
+    s = int(os.environ.get("HVDSPARSE_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"HVDSPARSE_TEST_SEED={s}")
+    return s

@@ -17,13 +17,6 @@ from hvdsparse import ops
 from hvdsparse import cpu as R
 
 
-@pytest.fixture
-def seed():
-    s = int(os.environ.get("HVDSPARSE_TEST_SEED", random.SystemRandom().randrange(2**31)))
-    print(f"HVDSPARSE_TEST_SEED={s}")
-    return s
-
-
 @pytest.fixture(scope="module")
 def K():
     assert os.environ.get("TRITON_INTERPRET") == "1", "conftest must set TRITON_INTERPRET"

@@ -23,13 +23,6 @@ if GPU and not torch.cuda.is_available():
 SIZE = (300_000, 1_200_000) if GPU else (2000, 6000)
 
 
-@pytest.fixture
-def seed():
-    s = int(os.environ.get("HVDSPARSE_TEST_SEED", random.SystemRandom().randrange(2**31)))
-    print(f"HVDSPARSE_TEST_SEED={s}")
-    return s
-
-
 @pytest.fixture(scope="module")
 def K():
     if not GPU:

@@ -362,9 +362,9 @@ def check_disagreement():
 def check_momentum_correction():
     """DGC's momentum correction + masking (+ local clipping) in the hook against an
     independent plain-torch replay of DGC's rule from every rank's raw local gradient
-    (the rule as in tests/workers/momentum_worker.py)."""
+    (tests/workers/dgc_replay.py)."""
     import copy
-    import math
+    from tests.workers.dgc_replay import DGCReplay
     lr, m, wd, ratio = 0.1, 0.9, 1e-3, 0.05
     for nesterov, clip in ((False, None), (True, 0.5)):
         torch.manual_seed(8)
@@ -376,11 +376,8 @@ def check_momentum_correction():
                                     net.named_parameters(), optimizer=opt,
                                     momentum_correction=True, clip_grad_norm=clip)
         model.register_comm_hook(state, hvdsparse.ddp.hook)
-        names = [n for n, _ in net.named_parameters()]
-        W = {n: p.detach().clone() for n, p in net.named_parameters()}
-        u = [{n: torch.zeros_like(W[n]) for n in names} for _ in range(P)]
-        v = [{n: torch.zeros_like(W[n]) for n in names} for _ in range(P)]
-        buf = {}
+        replay = DGCReplay(dict(net.named_parameters()), P, lr=lr, m=m, wd=wd,
+                           nesterov=nesterov, clip=clip, ratio=ratio)
         for step in range(5):
             x, y = batch(step)
             plain = copy.deepcopy(net)
@@ -392,32 +389,8 @@ def check_momentum_correction():
             F.cross_entropy(model(x), y).backward()
             opt.step()
 
-            def clipped(g):
-                if clip is None:
-                    return g
-                c = clip / math.sqrt(P)
-                return g * torch.clamp(c / (torch.linalg.vector_norm(g) + 1e-6), max=1.0)
-            for n in names:
-                if W[n].numel() < 1024:       # dense by the compressor's size policy
-                    G = sum(clipped(everyone[r][n].float()) for r in range(P)) * (1.0 / P)
-                    d = G + wd * W[n]
-                    buf[n] = d.clone() if n not in buf else buf[n] * m + d
-                    W[n] = W[n] - lr * (d + m * buf[n] if nesterov else buf[n])
-                    continue
-                sent_sum = torch.zeros_like(W[n])
-                for r in range(P):
-                    g = clipped(everyone[r][n].float()) + wd * W[n]
-                    u[r][n] = u[r][n] * m + g
-                    xx = g + m * u[r][n] if nesterov else u[r][n]
-                    v[r][n] = v[r][n] + xx
-                    k = max(1, math.ceil(ratio * W[n].numel() - 1e-9))
-                    S = torch.topk(v[r][n].abs().reshape(-1), k).indices
-                    sent = torch.zeros(W[n].numel())
-                    sent[S] = v[r][n].reshape(-1)[S]
-                    v[r][n].view(-1)[S] = 0
-                    u[r][n].view(-1)[S] = 0
-                    sent_sum = sent_sum + sent.view_as(W[n])
-                W[n] = W[n] - lr * (sent_sum * (1.0 / P))
+            replay.step(everyone)
+            W = replay.W
             for n, q in net.named_parameters():
                 check(torch.allclose(q.detach(), W[n], rtol=1e-5, atol=1e-6),
                       f"momentum nesterov={nesterov} clip={clip} step {step}: {n} differs "

@@ -10,14 +10,13 @@ momentum on G. The
 parameters must match the replay (and be bitwise identical across ranks) at every step.
 Prints ``HVDSPARSE-OK rank=<r>``.
 """
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import horovod.torch as hvd
 import hvdsparse
+from tests.workers.dgc_replay import DGCReplay
 
 hvd.init()
 R, P = hvd.rank(), hvd.size()
@@ -43,17 +42,14 @@ class Net(nn.Module):
 def run(nesterov, clip, ratio=0.05, lr=0.1, m=0.9, wd=1e-3, steps=8, tag=""):
     torch.manual_seed(7)
     model = Net()
-    names = [n for n, _ in model.named_parameters()]
-    W = {n: p.detach().clone() for n, p in model.named_parameters()}     # replay weights
+    replay = DGCReplay({n: p for n, p in model.named_parameters()}, P, lr=lr, m=m, wd=wd,
+                       nesterov=nesterov, clip=clip, ratio=ratio)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=m, nesterov=nesterov,
                           weight_decay=wd)
     comp = hvdsparse.TopK(ratio, exact=True)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                    compression=comp, momentum_correction=True,
                                    clip_grad_norm=clip, fusion_threshold=2048)
-    u = [{n: torch.zeros_like(W[n]) for n in names} for _ in range(P)]
-    v = [{n: torch.zeros_like(W[n]) for n in names} for _ in range(P)]
-    buf = {}
     for step in range(steps):
         gen = torch.Generator().manual_seed(100 * step + R)
         x = torch.randn(16, 40, generator=gen)
@@ -63,40 +59,8 @@ def run(nesterov, clip, ratio=0.05, lr=0.1, m=0.9, wd=1e-3, steps=8, tag=""):
         raw = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         everyone = hvd.allgather_object(raw, name=f"mc.{tag}.{step}")
         opt.step()
-        # ---- replay
-        def clipped(g):
-            if clip is None:
-                return g
-            c = clip / math.sqrt(P)
-            return g * torch.clamp(c / (torch.linalg.vector_norm(g) + 1e-6), max=1.0)
-
-        for n in names:
-            dense = W[n].numel() < 1024
-            if dense:
-                G = (sum(clipped(everyone[r][n].float()) for r in range(P))) * (1.0 / P)
-                d = G + wd * W[n]
-                buf[n] = d.clone() if n not in buf else buf[n] * m + d
-                upd = d + m * buf[n] if nesterov else buf[n]
-                W[n] = W[n] - lr * upd
-                continue
-            sent_sum = torch.zeros_like(W[n])
-            for r in range(P):
-                g = clipped(everyone[r][n].float()) + wd * W[n]
-                if nesterov:
-                    u[r][n] = u[r][n] * m + g
-                    xx = g + m * u[r][n]
-                else:
-                    u[r][n] = u[r][n] * m + g
-                    xx = u[r][n]
-                v[r][n] = v[r][n] + xx
-                k = max(1, math.ceil(ratio * W[n].numel() - 1e-9))
-                S = torch.topk(v[r][n].abs().reshape(-1), k).indices
-                sent = torch.zeros(W[n].numel())
-                sent[S] = v[r][n].reshape(-1)[S]
-                v[r][n].view(-1)[S] = 0
-                u[r][n].view(-1)[S] = 0
-                sent_sum = sent_sum + sent.view_as(W[n])
-            W[n] = W[n] - lr * (sent_sum * (1.0 / P))
+        replay.step(everyone)
+        W = replay.W
         for n, p in model.named_parameters():
             err = (p.detach() - W[n]).abs().max().item()
             check(torch.allclose(p.detach(), W[n], rtol=1e-5, atol=1e-6),

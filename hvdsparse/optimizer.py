@@ -100,9 +100,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         rank, size = hvd.rank(), hvd.size()
         prefix = f"hvdsparse.o{next(_instance_counter)}"
         _bind(compression, rank, size, prefix)
-        check_names = getattr(compression, "check_names", None)
-        if callable(check_names):
-            check_names([k for k, _ in optimised])
+        compression.check_names([k for k, _ in optimised])
         self._local_update = None
         if momentum_correction or clip_grad_norm is not None:
             group_of = {id(p): g for g in self.param_groups for p in g['params']}
@@ -272,24 +270,14 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, torch.float32: torch
 
 
 def _bind(compression, rank, size, owner):
-    """Bind the compressor to this rank; a compressor keeps per-layer residuals keyed
-    by name, so one instance cannot serve two optimizers (refused with an error)."""
-    import inspect
+    """Bind the compressor to this rank and this optimizer (a second optimizer raises:
+    residuals are keyed by layer name) with a blocking broadcast from rank 0 (Slim-DP's
+    core)."""
     import horovod.torch as hvd
-    params = inspect.signature(compression.bind).parameters
-    kw = {}
-    if "broadcast" in params:
-        def broadcast(tensor, name):   # blocking, from rank 0 (Slim-DP cores)
-            return hvd.broadcast(tensor, root_rank=0, name=f"{owner}.bcast.{name}")
-        kw["broadcast"] = broadcast
-    if "owner" in params:
-        kw["owner"] = owner
-    elif getattr(compression, "_hvdsparse_owner", None) not in (None, owner):
-        raise ValueError(f"compressor {compression!r} is already used by another "
-                         f"DistributedOptimizer; residuals are kept per layer name, so "
-                         f"create one compressor per optimizer")
-    compression.bind(rank, size, **kw)
-    compression._hvdsparse_owner = owner
+
+    def broadcast(tensor, name):
+        return hvd.broadcast(tensor, root_rank=0, name=f"{owner}.bcast.{name}")
+    compression.bind(rank, size, broadcast=broadcast, owner=owner)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
@@ -298,7 +286,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          sync_period=500, dense_dtype="fp32", split_dense_bits=0,
                          quant_bucket=512, validate=None, alpha_bytes=0.0,
                          nonfinite="raise", grad_scaler=None, momentum_correction=False,
-                         clip_grad_norm=None, num_groups=0, groups=None, sparse_as_dense=False, process_set=None):
+                         clip_grad_norm=None, num_groups=0, groups=None, sparse_as_dense=False,
+                         process_set=None):
     """Wrap ``optimizer`` so that gradients are compressed and exchanged sparsely.
 
     Arguments (Horovod's meaning where the name is Horovod's):

@@ -156,8 +156,7 @@ class LayerScheduler:
             # overflow steps are expected with a scaler: it sees the NaN and skips
             self.nonfinite = "propagate"
         transactional = self.nonfinite == "skip" or grad_scaler is not None
-        if hasattr(compressor, "transactional"):
-            compressor.transactional = transactional
+        compressor.transactional = transactional
         if local_update is not None:
             local_update.transactional = transactional
 
@@ -274,7 +273,7 @@ class LayerScheduler:
             self._clear_events = False
         if self._await_step:
             self._await_step = False
-            if getattr(self.compressor, "transactional", False):
+            if self.compressor.transactional:
                 self._rollback()
                 self.events.append(("rollback", self.step - 1))
             elif not self._warned_lost_step:
@@ -283,9 +282,7 @@ class LayerScheduler:
                               "optimizer.step(); the residuals already gave up what that "
                               "step sent. Pass grad_scaler=... (or nonfinite='skip') to "
                               "DistributedOptimizer so skipped steps are rolled back.")
-        begin = getattr(self.compressor, "begin_step", None)
-        if callable(begin):
-            begin(self.step)
+        self.compressor.begin_step(self.step)
         if self.local_update is not None:
             self.local_update.begin_step()
 
@@ -374,13 +371,9 @@ class LayerScheduler:
         p = self.params[name]
         if not p.requires_grad:
             self._frozen.add(name)
-        absent = getattr(self.compressor, "compress_absent", None)
         with torch.no_grad():
-            if callable(absent):
-                payload = absent(name, p.detach(), self.step, param=p.detach())
-            else:  # compressor without absent payloads: Horovod's zero fill
-                payload = self.compressor.compress(name, torch.zeros_like(p.detach()),
-                                                   self.step, param=p.detach())
+            payload = self.compressor.compress_absent(name, p.detach(), self.step,
+                                                      param=p.detach())
         self._payloads[name] = payload
         self._ready_order.append(name)
         self.events.append(("absent", name))
@@ -443,15 +436,12 @@ class LayerScheduler:
     def _steady_size(self, name: str) -> int:
         """Encoded bytes of a layer's payload once warm-up is over (the plan is made for
         the steady state, not for a dense warm-up step)."""
-        steady = getattr(self.compressor, "steady_state_step", None)
-        absent = getattr(self.compressor, "compress_absent", None)
-        if callable(steady) and callable(absent):
-            p = self.params[name]
-            with torch.no_grad():
-                payload = absent(name, p.detach(), max(int(steady()), self.step),
-                                 param=p.detach())
-            return codec.encoded_nbytes([payload])
-        return codec.encoded_nbytes([self._payloads[name]])
+        p = self.params[name]
+        with torch.no_grad():
+            payload = self.compressor.compress_absent(
+                name, p.detach(), max(int(self.compressor.steady_state_step()), self.step),
+                param=p.detach())
+        return codec.encoded_nbytes([payload])
 
     def _build_plan(self):
         import horovod.torch as hvd
@@ -649,9 +639,7 @@ class LayerScheduler:
         """The optimizer applied the exchanged gradients: commit the compressor's step."""
         if self._await_step:
             self._await_step = False
-            commit = getattr(self.compressor, "commit", None)
-            if callable(commit):
-                commit()
+            self.compressor.commit()
             if self.local_update is not None:
                 self.local_update.commit()
 
@@ -686,7 +674,7 @@ class LayerScheduler:
                 self._raise_nonfinite(host, self.step)
             if self.nonfinite == "skip":
                 self.skipped_steps += 1
-                if getattr(self.compressor, "transactional", False):
+                if self.compressor.transactional:
                     self._rollback()
                 log.warning("hvdsparse: step %d skipped: non-finite gradient in %s",
                             self.step, sorted({self._dense_order[j] for j in
@@ -752,8 +740,7 @@ class LayerScheduler:
 
     def reset(self):
         """Drop everything in flight-free state (load_state_dict, as Horovod)."""
-        if (self._await_step or self._step_open) and \
-                getattr(self.compressor, "transactional", False):
+        if (self._await_step or self._step_open) and self.compressor.transactional:
             self._rollback()          # close the compressor's open step
         self._payloads.clear()
         self._sparse_handles.clear()

@@ -46,7 +46,9 @@ From the second step on buckets are launched from the hooks.
 World size 1
 ------------
 As in Horovod, nothing is exchanged: no hooks, no compression, ``p.grad`` is left as
-backward made it, so a step equals the wrapped optimizer's step.
+backward made it, so a step equals the wrapped optimizer's step. The benchmark-only
+setting ``compress_at_size_one`` (:mod:`hvdsparse.settings`) runs the whole path anyway,
+exchanging through Horovod's size-1 collectives, to measure compression overhead.
 
 Host synchronisation
 --------------------
@@ -145,7 +147,8 @@ class LayerScheduler:
         self.settings = settings
         self.compressor = compressor
         self.rank, self.world_size = int(rank), int(world_size)
-        self.active = self.world_size > 1
+        # world size 1: nothing to exchange (as Horovod), unless a benchmark asks
+        self.active = self.world_size > 1 or settings.compress_at_size_one
         self.prefix = prefix
         self.local = local
         self.fingerprint = fingerprint if fingerprint is not None else {}

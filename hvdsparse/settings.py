@@ -22,6 +22,12 @@ are never absorbed into a residual and never sent, see :mod:`hvdsparse.compresso
 * ``"propagate"``: the affected layers' gradients carry a NaN on every rank and the
   caller decides (default when a ``grad_scaler`` is given: the scaler sees the overflow
   and skips the step; residuals are then rolled back).
+
+``compress_at_size_one`` -- benchmark-only (default off; environment variable
+``HVDSPARSE_COMPRESS_AT_SIZE_ONE=1``): at world size 1 the scheduler normally skips
+compression, as Horovod skips its allreduce; with this set it runs the full path
+(compress, exchange with itself through Horovod's size-1 collectives, decode), so the
+compression overhead can be measured without a network (``scripts/bench_overhead.py``).
 """
 from __future__ import annotations
 
@@ -63,13 +69,15 @@ class ExchangeSettings:
     sync_period: int = 500
     nonfinite: str = "raise"
     sparse_as_dense: bool = False
+    compress_at_size_one: bool = False
 
     @classmethod
     def from_args(cls, *, exchange="auto", fusion_threshold=None, average=True,
                   gradient_predivide_factor=1.0, backward_passes_per_step=1,
                   dense_dtype="fp32", split_dense_bits=0, quant_bucket=512, validate=None,
                   alpha_bytes=0.0, local_gradient=None, sync_period=500,
-                  nonfinite="raise", sparse_as_dense=False) -> "ExchangeSettings":
+                  nonfinite="raise", sparse_as_dense=False,
+                  compress_at_size_one=None) -> "ExchangeSettings":
         """Validate user arguments (clear errors naming the argument) and normalise."""
         if not isinstance(exchange, str) or exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {', '.join(map(repr, EXCHANGES))}, "
@@ -112,6 +120,11 @@ class ExchangeSettings:
                              f"{', '.join(map(repr, NONFINITE_POLICIES))}, got {nonfinite!r}")
         if sparse_as_dense not in (True, False):
             raise ValueError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
+        if compress_at_size_one is None:
+            compress_at_size_one = os.environ.get("HVDSPARSE_COMPRESS_AT_SIZE_ONE", "0") == "1"
+        if compress_at_size_one not in (True, False):
+            raise ValueError(f"compress_at_size_one must be True or False, got "
+                             f"{compress_at_size_one!r}")
         return cls(exchange=exchange, fusion_threshold=int(fusion_threshold),
                    average=bool(average),
                    gradient_predivide_factor=float(gradient_predivide_factor),
@@ -120,7 +133,8 @@ class ExchangeSettings:
                    quant_bucket=int(quant_bucket), validate=validate,
                    alpha_bytes=float(alpha_bytes), local_gradient=local_gradient,
                    sync_period=int(sync_period), nonfinite=nonfinite,
-                   sparse_as_dense=bool(sparse_as_dense))
+                   sparse_as_dense=bool(sparse_as_dense),
+                   compress_at_size_one=bool(compress_at_size_one))
 
     def plain(self) -> dict:
         d = asdict(self)
@@ -153,8 +167,9 @@ def fingerprint(settings: ExchangeSettings, compressor) -> dict:
     return {"hvdsparse version": __version__, "wire format version": int(codec.VERSION),
             "compressor": plain(compressor.config()), **{
                 k: v for k, v in settings.plain().items()
-                # validate changes only how a rank checks what it receives
-                if k not in ("validate",)}}
+                # validate changes only how a rank checks what it receives;
+                # compress_at_size_one only acts at world size 1
+                if k not in ("validate", "compress_at_size_one")}}
 
 
 def differences(mine: dict, ref: dict, prefix: str = ""):

@@ -34,6 +34,14 @@ more ranks than cores the waiting ranks steal CPU from the ones still working.
 :func:`build_yield_shim` compiles (gcc) an ``LD_PRELOAD`` library that turns
 ``sched_yield`` into a short ``nanosleep`` (``HVDNET_YIELD_SLEEP_US``, default 50 us).
 
+torchrun jobs: :meth:`PerNodeNetwork.torchrun_cmds` / :func:`run_torchrun` start one
+``torchrun --nnodes N --node-rank k-1 --master-addr <node1> ...`` agent per node, each
+in its node's namespace under its hostname, Gloo on ``eth0`` (``GLOO_SOCKET_IFNAME``);
+:func:`torch_allreduce_check` validates that path against the ring model. Gloo's
+collectives in torch wait on a condition variable, not a ``sched_yield`` spin, so the
+shim below is not needed there (scripts/bench_ddp.py reports each rank's CPU time per
+step, which shows it).
+
 Time dilation: P ranks on C < P cores run C/P as fast as P nodes with a CPU each, so a
 link of ``rate * C / P`` keeps the compute-to-network ratio of the real cluster
 (:func:`dilated_rate`).
@@ -43,6 +51,7 @@ Command line::
     python scripts/netemu.py run --nodes 4 --rate 1gbit -- \\
         horovodrun -np 4 -H node1:1,node2:1,node3:1,node4:1 python train.py
     python scripts/netemu.py validate --nodes 4 --rate 500mbit   # p2p + allreduce vs model
+    python scripts/netemu.py validate --nodes 4 --rate 500mbit --launchers both
     python scripts/netemu.py cleanup                              # stale namespaces
 
 Needs root, ``ip``/``tc`` (iproute2), ``unshare`` (util-linux); gcc for the yield shim.
@@ -371,6 +380,26 @@ class PerNodeNetwork:
         return ["ip", "netns", "exec", self.node_ns[k - 1], "unshare", "--uts", "--", "sh",
                 "-c", f'hostname {self.hostnames[k - 1]} && exec "$@"', "sh", *cmd]
 
+    def torchrun_cmds(self, script, nodes=None, nproc_per_node=1, master_port=29400,
+                      torchrun=None) -> list[list[str]]:
+        """One ``torchrun --nnodes N --nproc-per-node S --node-rank k-1 --master-addr
+        <node1> --master-port PORT script...`` per emulated node k, each run inside node
+        k's namespace under its hostname (:meth:`node_cmd`): a multi-node torchrun job,
+        static rendezvous on node 1's ``eth0`` address. ``script``: the script path and
+        its arguments (torchrun runs it with this python). Run them together with
+        :func:`run_torchrun`; set ``GLOO_SOCKET_IFNAME=eth0`` (it does) so Gloo's pairs
+        use the shaped link."""
+        nodes = self.nodes if nodes is None else nodes
+        if not 1 <= nodes <= self.nodes:
+            raise ValueError(f"torchrun over {nodes} nodes: the network has {self.nodes}")
+        exe = torchrun or torchrun_exe()
+        return [self.node_cmd(k, [exe, "--nnodes", str(nodes), "--nproc-per-node",
+                                  str(nproc_per_node), "--node-rank", str(k - 1),
+                                  "--rdzv-backend", "static", "--master-addr", self.address(1),
+                                  "--master-port", str(master_port), "--max-restarts", "0",
+                                  *[str(x) for x in script]])
+                for k in range(1, nodes + 1)]
+
     def port_counters(self) -> dict:
         """Bridge-side (rx, tx) byte counters per node: rx = what node k sent,
         tx = what node k received."""
@@ -518,6 +547,118 @@ def horovodrun_exe() -> str:
     return found
 
 
+def torchrun_exe() -> str:
+    exe = Path(sys.executable).with_name("torchrun")
+    if exe.exists():
+        return str(exe)
+    found = shutil.which("torchrun")
+    if not found:
+        raise SystemExit("torchrun not found next to this python nor on PATH")
+    return found
+
+
+def run_torchrun(net: PerNodeNetwork, script, nodes=None, nproc_per_node=1, env=None,
+                 master_port=None, timeout=900, log=None) -> int:
+    """Launch ``script`` (path + arguments) as one torchrun job over ``nodes`` emulated
+    nodes (default all), one torchrun agent per node started in that node's namespace;
+    waits for all of them. Returns 0 when every agent exited 0, else the first non-zero
+    return code (or 124 on timeout); on failure every process left in the nodes is
+    killed, so a dead rank never leaves the others hanging in a collective. ``env``: the
+    agents' environment (default os.environ) plus ``GLOO_SOCKET_IFNAME=eth0`` and
+    ``OMP_NUM_THREADS=1`` unless set; ``log``: a file collecting every agent's output,
+    prefixed per node."""
+    nodes = net.nodes if nodes is None else nodes
+    env = dict(os.environ if env is None else env)
+    env.setdefault("GLOO_SOCKET_IFNAME", IFACE)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if master_port is None:
+        master_port = 29400 + os.getpid() % 1000      # private namespaces: any port is free
+    cmds = net.torchrun_cmds(script, nodes, nproc_per_node, master_port)
+    logf = open(log, "w") if log else None
+    procs, rc = [], None
+    try:
+        if logf:
+            logf.write("".join("$ " + shlex.join(c) + "\n" for c in cmds))
+            logf.flush()
+        for c in cmds:
+            procs.append(subprocess.Popen(c, env=env, cwd=str(ROOT), stdout=logf or None,
+                                          stderr=subprocess.STDOUT if logf else None))
+        deadline = time.time() + timeout
+        while rc is None:
+            codes = [p.poll() for p in procs]
+            bad = [c for c in codes if c not in (None, 0)]
+            if bad:
+                rc = bad[0]                     # one agent failed: stop the others
+            elif all(c == 0 for c in codes):
+                rc = 0
+            elif time.time() > deadline:
+                rc = 124
+            else:
+                time.sleep(0.2)
+    finally:
+        if rc != 0:
+            net.kill_all()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        if logf:
+            logf.close()
+    return rc
+
+
+def _torch_allreduce_worker(mb: float, reps: int, out: str):
+    """Run under torchrun: dense fp32 ``torch.distributed.all_reduce`` (Gloo) of ``mb``
+    MB, ``reps`` timed reps, slowest rank per rep."""
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    n = int(mb * 1e6 / 4)
+    x = torch.ones(n)
+    dist.all_reduce(x)
+    times = []
+    for _ in range(reps):
+        dist.barrier()                                       # start together
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t0)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    # the sum of ones over P ranks, reps + 1 times: P ** (reps + 1) exactly
+    ok = bool((x == float(dist.get_world_size()) ** (reps + 1)).all())
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump({"ranks": dist.get_world_size(), "bytes": n * 4,
+                       "times_s": slowest.tolist(), "sum_ok": ok,
+                       "hostname": socket.gethostname()}, f)
+    dist.destroy_process_group()
+    if not ok:
+        raise SystemExit("torch allreduce: wrong sum")
+
+
+def torch_allreduce_check(net: PerNodeNetwork, ranks: int, mb: float, reps=5, timeout=300,
+                          log=None) -> dict:
+    """Dense Gloo allreduce under torchrun over ``ranks`` emulated nodes (one rank per
+    node, :func:`run_torchrun`) vs the ring model 2 (P-1)/P x size / rate."""
+    if ranks > net.nodes:
+        raise ValueError(f"{ranks} ranks need {ranks} nodes, the network has {net.nodes}")
+    with tempfile.TemporaryDirectory(prefix="hvdnet-tar") as td:
+        out = Path(td) / "ar.json"
+        logf = log or Path(td) / "torchrun.log"
+        rc = run_torchrun(net, [__file__, "_torch_allreduce", mb, reps, out], nodes=ranks,
+                          timeout=timeout, log=logf)
+        if rc != 0 or not out.exists():
+            raise RuntimeError(f"torchrun allreduce check failed (rc={rc}):\n"
+                               f"{Path(logf).read_text()[-3000:]}")
+        res = json.loads(out.read_text())
+    model = ring_allreduce_seconds(res["bytes"], ranks, net.rate)
+    med = statistics.median(res["times_s"])
+    res.update(rate=net.rate, model_s=model, median_s=med, measured_over_model=med / model,
+               yield_shim=False, launcher="torchrun")
+    return res
+
+
 def allreduce_check(net: PerNodeNetwork, ranks: int, mb: float, reps=5, yield_shim=None,
                     timeout=300, log=None) -> dict:
     """Dense allreduce under horovodrun on the emulated nodes (one rank per node) vs the
@@ -561,7 +702,8 @@ def validation_table(rows) -> str:
                           f"| {r['bytes'] / 1e6:.0f} MB | - | {d['seconds']:.3f} "
                           f"| {r['model_s']:.3f} | {d['measured_over_model']:.2f} |")
         else:
-            md.append(f"| dense allreduce, P={r['ranks']} (median of {len(r['times_s'])}) "
+            who = "torchrun (Gloo)" if r.get("launcher") == "torchrun" else "horovodrun"
+            md.append(f"| dense allreduce, {who}, P={r['ranks']} (median of {len(r['times_s'])}) "
                       f"| {r['rate']} | {r['bytes'] / 1e6:.1f} MB "
                       f"| {'on' if r['yield_shim'] else 'off'} | {r['median_s']:.3f} "
                       f"| {r['model_s']:.3f} | {r['measured_over_model']:.2f} |")
@@ -569,9 +711,18 @@ def validation_table(rows) -> str:
 
 
 def validate(net: PerNodeNetwork, ranks: int, p2p_mb=25.0, ar_mb=16.0, reps=5,
-             shims=(None,), logdir=None) -> list[dict]:
-    """Point-to-point (one way, then both ways at once) and dense allreduce vs model."""
+             shims=(None,), logdir=None, horovod=True, torchrun=False) -> list[dict]:
+    """Point-to-point (one way, then both ways at once) and dense allreduce vs model:
+    under horovodrun (``horovod``: once per entry of ``shims``) and/or under torchrun
+    (``torchrun``: Gloo via torch.distributed, :func:`torch_allreduce_check`)."""
     rows = []
+    if torchrun:
+        log = Path(logdir) / f"torch_allreduce_{net.rate}.log" if logdir else None
+        r = torch_allreduce_check(net, ranks, ar_mb, reps=reps, log=log)
+        r["kind"] = "allreduce"
+        rows.append(r)
+    if not horovod:
+        shims = ()
     if net.nodes >= 2:
         for duplex in (False, True):
             r = point_to_point(net, int(p2p_mb * 1e6), duplex=duplex)
@@ -604,6 +755,8 @@ def main(argv=None):
         return _source(argv[1], int(argv[2]), int(argv[3]), float(argv[4]))
     if argv and argv[0] == "_allreduce":
         return _allreduce_worker(float(argv[1]), int(argv[2]), argv[3])
+    if argv and argv[0] == "_torch_allreduce":
+        return _torch_allreduce_worker(float(argv[1]), int(argv[2]), argv[3])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("run", "validate"):
@@ -619,6 +772,8 @@ def main(argv=None):
     sub.choices["validate"].add_argument("--ranks", type=int, default=None)
     sub.choices["validate"].add_argument("--ar-mb", type=float, default=16.0)
     sub.choices["validate"].add_argument("--p2p-mb", type=float, default=25.0)
+    sub.choices["validate"].add_argument("--launchers", default="horovodrun",
+                                         help="horovodrun, torchrun or both")
     sub.add_parser("cleanup")
     a = p.parse_args(argv)
     if a.cmd == "cleanup":
@@ -636,7 +791,9 @@ def main(argv=None):
         if shims is None:
             shims = [None, build_yield_shim(net.workdir)]
         if a.cmd == "validate":
-            rows = validate(net, a.ranks or a.nodes, a.p2p_mb, a.ar_mb, shims=shims)
+            rows = validate(net, a.ranks or a.nodes, a.p2p_mb, a.ar_mb, shims=shims,
+                            horovod=a.launchers in ("horovodrun", "both"),
+                            torchrun=a.launchers in ("torchrun", "both"))
             print(validation_table(rows))
             return 0
         cmd = a.command[1:] if a.command[:1] == ["--"] else a.command

@@ -84,3 +84,17 @@ def test_yield_shim_replaces_sched_yield(tmp_path):
                                 stdout=subprocess.PIPE, check=True).stdout)
     # 200 yields turned into >= 1 ms sleeps each: at least 0.2 s
     assert slow >= 0.2, slow
+
+
+@needs_root
+def test_torchrun_launcher_across_emulated_nodes():
+    """One torchrun agent per node, Gloo over the shaped eth0: the allreduce sums
+    correctly (checked in the worker against P ** (reps + 1)) and cannot beat the link."""
+    with netemu.PerNodeNetwork(2, "100mbit") as net:
+        cmds = net.torchrun_cmds(["x.py"], master_port=29555)
+        assert [c[c.index("--node-rank") + 1] for c in cmds] == ["0", "1"]
+        assert all(c[c.index("--master-addr") + 1] == net.address(1) for c in cmds)
+        r = netemu.torch_allreduce_check(net, 2, 1.0, reps=2)
+        assert r["sum_ok"] and r["ranks"] == 2, r
+        # 1 MB ring allreduce at 100 Mbit/s: >= 0.08 s unless the link is not shaped
+        assert 0.9 <= r["measured_over_model"] < 20, r

@@ -132,6 +132,12 @@ class LocalUpdate:
             self.u[name] = torch.where(sent_dense.view(u.shape) != 0,
                                        torch.zeros((), dtype=u.dtype, device=u.device), u)
 
+    #: the scheduler's local-update interface, used by the Adam recipe (hvdsparse.adam)
+    zero_fills_absent = False
+
+    def sends_dense(self, name: str) -> bool:
+        return False
+
     def wants(self, name: str) -> bool:
         h = self._hyper[name]
         return (self.momentum_correction and h.momentum != 0.0) or self.clip is not None

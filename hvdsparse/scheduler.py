@@ -351,7 +351,11 @@ class LayerScheduler:
                 grad, nonfinite = lu.corrected(name, p.grad, p, dense, inv)
             elif inv is not None:
                 kw["grad_scale"] = inv
-            payload = self.compressor.compress(name, grad, self.step, param=p.detach(), **kw)
+            if lu is not None and lu.sends_dense(name):   # Adam recipe warm-up: exact
+                payload = lu.dense_payload(name, grad)
+            else:
+                payload = self.compressor.compress(name, grad, self.step, param=p.detach(),
+                                                   **kw)
             if nonfinite is not None:
                 payload.nonfinite = nonfinite if payload.nonfinite is None \
                     else payload.nonfinite + nonfinite
@@ -372,6 +376,10 @@ class LayerScheduler:
         """Payload of a layer without a gradient this step: its wire layout, contributing
         zero, residual and compressor state untouched."""
         p = self.params[name]
+        if p.requires_grad and self.local_update is not None and \
+                self.local_update.zero_fills_absent:
+            p.grad = torch.zeros_like(p)   # Adam recipe: a zero gradient, as Horovod's fill
+            return self._compress(name)
         if not p.requires_grad:
             self._frozen.add(name)
         with torch.no_grad():

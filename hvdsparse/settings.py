@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 DEFAULT_FUSION_THRESHOLD = 1 << 20     # bytes of encoded payload per bucket
-EXCHANGES = ("auto", "allgather", "split", "dense")
+EXCHANGES = ("auto", "allgather", "split", "dense", "balanced")
 LOCAL_MODES = ("sum", "partial", "error")
 NONFINITE_POLICIES = ("raise", "skip", "propagate")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, torch.float32: torch.float32,

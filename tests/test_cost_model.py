@@ -8,8 +8,16 @@ import torch
 import pytest
 
 from hvdsparse.exchange import check_exchange
-from hvdsparse.exchange.cost_model import (BucketFigures, choose, costs, dense_allreduce_bytes,
-                                           sparcml_delta, split_dense_value_bytes)
+from hvdsparse.exchange.cost_model import (EXACT_STRATEGIES, BucketFigures, costs,
+                                           dense_allreduce_bytes, sparcml_delta,
+                                           split_dense_value_bytes)
+from hvdsparse.exchange.cost_model import choose as _choose
+
+
+def choose(f, allowed=EXACT_STRATEGIES, alpha_bytes=0.0):
+    """The regimes below are among the exact strategies; the lossy ``balanced`` and its
+    margin are tested in tests/test_balanced.py."""
+    return _choose(f, allowed, alpha_bytes)
 
 PS = [2 ** i for i in range(1, 11)]          # 2 .. 1024
 N = 1_000_000
@@ -108,7 +116,7 @@ def test_monotone_in_P_and_ties():
         prev = c
     # P = 1: nothing moves, allgather (a local copy) is chosen
     f = BucketFigures(world_size=1, numel=10, capacity=1, wire_nbytes=100)
-    assert costs(f) == {"allgather": 0.0, "split": 0.0, "dense": 0.0}
+    assert costs(f) == {"allgather": 0.0, "split": 0.0, "dense": 0.0, "balanced": 0.0}
     assert choose(f) == "allgather"
     assert choose(fig(1024, 0.01), allowed=("allgather", "dense")) == "dense"
     with pytest.raises(ValueError, match="no allowed strategy"):

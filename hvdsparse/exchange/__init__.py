@@ -6,7 +6,10 @@
                owner reduces, allgather of the reduced ranges (sparse, or dense /
                quantised once denser than SparCML's delta)
 ``dense``      allreduce of the flat error-fed selection (fp32 or fp16)
-``auto``       per bucket, the cheapest of the three by :mod:`.cost_model`
+``balanced``   Ok-Topk: split with regions balanced to where the selections fall,
+               each owner keeps its share of the global top-k, fixed-size allgather
+               (bytes nearly flat in P; phase-2 truncation reported, not fed back)
+``auto``       per bucket, the cheapest of the four by :mod:`.cost_model`
 =============  ===================================================================
 
 Each strategy module exposes ``launch(spec, payloads, ctx) -> Pending``; ``Pending.finish``
@@ -17,11 +20,11 @@ model's figures come back through ``Pending.deferred_figures``. See :mod:`.base`
 """
 from __future__ import annotations
 
-from . import allgather, cost_model, dense, split
+from . import allgather, balanced, cost_model, dense, split
 from .base import (BucketSpec, BufferPool, DeferredFigures, ExchangeContext, HostReadout,
                    Pending)
 
-STRATEGIES = {"allgather": allgather, "split": split, "dense": dense}
+STRATEGIES = {"allgather": allgather, "split": split, "dense": dense, "balanced": balanced}
 EXCHANGE_NAMES = ("auto",) + tuple(STRATEGIES)
 
 

@@ -253,6 +253,7 @@ class BufferPool:
     def __init__(self):
         self._bufs: Dict[Tuple, torch.Tensor] = {}
         self._consts: Dict[Tuple, torch.Tensor] = {}
+        self._states: Dict[Tuple, Tuple[Any, Any]] = {}
 
     @classmethod
     def default(cls, prefix: str) -> "BufferPool":
@@ -275,6 +276,16 @@ class BufferPool:
                 del self._bufs[k]
             buf = self._bufs[key] = torch.empty(int(numel), dtype=dtype, device=device)
         return buf
+
+    def state(self, kind: str, bucket_id: int, key, factory: Callable[[], Any]):
+        """A per-bucket object that lives from step to step (e.g. the ``balanced``
+        strategy's boundaries): ``factory()`` builds it on first use and again whenever
+        ``key`` (numel, world size, device ...) changes, i.e. after a re-plan."""
+        k = (kind, int(bucket_id))
+        held = self._states.get(k)
+        if held is None or held[0] != key:
+            held = self._states[k] = (key, factory())
+        return held[1]
 
     def const_index(self, values: Sequence[int], device) -> torch.Tensor:
         """An int64 device tensor holding ``values``, built once (the H2D copy of a

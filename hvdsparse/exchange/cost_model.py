@@ -38,10 +38,19 @@ Costs (bytes that cross one rank's link in a bandwidth-optimal ring/pairwise alg
   quantised). With ``k`` = ``prev_pairs`` or ``capacity`` and ``K`` = ``prev_reduced`` or
   ``min(N, P k)``.
 
+* ``balanced``  (Ok-Topk, :mod:`.balanced`): phase 1 as ``split`` with regions balanced
+  to the selected coordinates, ``(P-1)/P * k (c+v)``; phase 2 an allgather of P
+  fixed-length messages of ``c = phase2_capacity(P, N, capacity)`` pairs plus a
+  ``32 + 4 H``-byte header and histogram: ``(P-1) * (32 + 4H + 4c + pad4(c v))``.
+  With ``c = ceil(k/P)`` that is ``~ 2 (P-1)/P k (c+v)``, nearly flat in P -- the
+  price is that phase 2 keeps only the global top-k of the sum (see :mod:`.balanced`).
+  The model takes ``c`` for the widest region as if regions were ``N/P`` wide.
+
 An optional latency term ``alpha_bytes * messages`` (messages per rank: allgather
-``P-1``, dense ``2(P-1)``, split ``2(P-1)``) charges for per-message overhead; it is 0
+``P-1``, dense ``2(P-1)``, split and balanced ``2(P-1)``) charges for per-message overhead; it is 0
 by default (pure bytes, as in the paper's bandwidth terms). Ties resolve in the order
-allgather, split, dense (fewest collectives first).
+allgather, split, dense (fewest collectives first); the lossy ``balanced`` is chosen only
+when it costs less than ``LOSSY_MARGIN`` (0.8) times the cheapest exact strategy.
 
 Consequences (unit-tested in tests/test_cost_model.py): with fp32 pairs (c+v = 8) and
 fp32 dense ranges (q = 4), split costs more than allgather while the union stays
@@ -56,7 +65,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-STRATEGIES = ("allgather", "split", "dense")
+#: every strategy the model prices, in tie order (fewest collectives / exact first)
+STRATEGIES = ("allgather", "split", "dense", "balanced")
+#: the strategies whose result is the exact sum of what the ranks sent (``balanced``
+#: keeps a global top-k of the sum when the union of the selections overflows it)
+EXACT_STRATEGIES = ("allgather", "split", "dense")
+
+#: ``balanced`` is chosen only below this fraction of the best exact strategy's bytes
+LOSSY_MARGIN = 0.8
 
 #: bytes of one int32 index in split / SparCML sparse streams
 INDEX_BYTES = 4
@@ -94,6 +110,27 @@ def sparcml_delta(numel: int, sparse_pair_bytes: float, dense_value_bytes: float
     return numel * dense_value_bytes / sparse_pair_bytes
 
 
+def phase2_capacity(world_size: int, numel: int, capacity: int,
+                    widest_region: Optional[int] = None) -> int:
+    """Pairs each owner keeps in ``balanced``'s phase 2: ``ceil(capacity / P)`` (the
+    global budget ``k`` = one rank's slots, shared by the P owners, as Ok-Topk's global
+    top-k), at most the widest region; all of the widest region when a rank may send
+    every element (``capacity >= numel``: dense payloads stay exact)."""
+    P, N = max(1, int(world_size)), int(numel)
+    w = N if widest_region is None else int(widest_region)
+    if int(capacity) >= N:
+        return w
+    return min(w, -(-int(capacity) // P))
+
+
+def balanced_phase2_nbytes(world_size: int, numel: int, capacity: int, value_bytes: int,
+                           widest_region: Optional[int] = None) -> int:
+    """Length of one owner's phase-2 message in ``balanced`` (see :mod:`.balanced`)."""
+    from .balanced import message_nbytes
+    c = phase2_capacity(world_size, numel, capacity, widest_region)
+    return message_nbytes(c, int(value_bytes))
+
+
 def costs(f: BucketFigures, alpha_bytes: float = 0.0) -> Dict[str, float]:
     """Per-rank link bytes of each strategy for one bucket (see the module docstring)."""
     P, N = int(f.world_size), int(f.numel)
@@ -110,6 +147,9 @@ def costs(f: BucketFigures, alpha_bytes: float = 0.0) -> Dict[str, float]:
         "split": frac * (k * pair) + frac * (min(K * pair, N * q) + P * SPLIT_HEADER_BYTES)
         + alpha_bytes * 2 * (P - 1),
         "dense": 2.0 * frac * N * f.dense_value_bytes + alpha_bytes * 2 * (P - 1),
+        "balanced": frac * (k * pair) + (P - 1) * float(balanced_phase2_nbytes(
+            P, N, f.capacity, f.sparse_value_bytes, -(-N // P)))
+        + alpha_bytes * 2 * (P - 1),
     }
     if P == 1:
         out = {s: 0.0 for s in STRATEGIES}
@@ -118,12 +158,17 @@ def costs(f: BucketFigures, alpha_bytes: float = 0.0) -> Dict[str, float]:
 
 def choose(f: BucketFigures, allowed: Tuple[str, ...] = STRATEGIES,
            alpha_bytes: float = 0.0) -> str:
-    """The cheapest allowed strategy (ties: allgather, split, dense)."""
+    """The cheapest allowed strategy (ties: allgather, split, dense, balanced). The lossy
+    ``balanced`` must beat the cheapest allowed exact strategy by the factor
+    ``LOSSY_MARGIN``: a truncating exchange is worth it only for a clear saving (at
+    P = 2 it moves about what allgather moves, and drops part of the sum)."""
     c = costs(f, alpha_bytes)
     best = None
-    for s in STRATEGIES:
+    for s in EXACT_STRATEGIES:
         if s in allowed and (best is None or c[s] < c[best]):
             best = s
+    if "balanced" in allowed and (best is None or c["balanced"] < LOSSY_MARGIN * c[best]):
+        best = "balanced"
     if best is None:
         raise ValueError(f"cost model: no allowed strategy among {allowed!r}; "
                          f"choose from {STRATEGIES}")
@@ -137,5 +182,6 @@ def dense_allreduce_bytes(world_size: int, numel: int, value_bytes: int = 4) -> 
     return 0.0 if P <= 1 else 2.0 * (P - 1) / P * numel * value_bytes
 
 
-__all__ = ["STRATEGIES", "BucketFigures", "costs", "choose", "sparcml_delta",
+__all__ = ["STRATEGIES", "EXACT_STRATEGIES", "phase2_capacity", "balanced_phase2_nbytes",
+           "BucketFigures", "costs", "choose", "sparcml_delta",
            "split_dense_value_bytes", "dense_allreduce_bytes", "INDEX_BYTES"]

@@ -1,0 +1,399 @@
+"""``balanced``: Ok-Topk's balanced split sparse allreduce (Li & Hoefler, PPoPP'22).
+
+Regions
+-------
+The bucket's flat index space ``[0, N)`` is cut at boundaries ``0 = b_0 <= b_1 <= ...
+<= b_P = N``; rank r *owns* ``R_r = [b_r, b_{r+1})``. Unlike ``split`` (equal widths)
+the boundaries follow where the selected coordinates fall, so every owner receives
+about the same number of pairs (:class:`Balance`, below). They start equal-width and are
+reused from step to step.
+
+Phase 1 (alltoall with splits, as ``split``): every rank expands its payloads into the
+flat vector ``S`` (its error-fed selection) and sends the non-zeros of ``R_r`` to rank r
+as rows ``[int32 index | value]`` (value dtype fp16/bf16 when every segment of the
+bucket travels in it, else fp32). The per-owner pair counts are computed on the device
+and read on the host once (:class:`.base.HostReadout`): **the one host synchronisation
+of a bucket** (Horovod's alltoall needs its splits on the host).
+
+Phase 2a (owner r): ``T_r`` = the received pairs summed sender by sender in rank order
+(indices are unique within one sender, so every ``index_add_`` is collision-free and the
+sum is reproducible); then Ok-Topk's global top-k, owner by owner: r keeps the ``c``
+entries of largest ``|T_r|`` (ties: ``torch.topk``'s choice, made by the owner alone),
+``c = phase2_capacity(P, N, capacity, n_max)`` (:mod:`.cost_model`): ``ceil(k / P)``
+for a selection of ``k`` slots per rank, so the P owners together keep the global budget
+``k`` -- or everything (``c = max_r |R_r|``, exact) when the payloads may be dense
+(``k >= N``). With balanced regions each owner's share of the global top-k is about
+``k / P``, which is what makes a fixed per-owner share a good approximation of one
+global top-k.
+
+Phase 2b (one allgather of equal-length messages: no size exchange, no host read):
+owner r's message, ``L = 32 + 4 H + 4 c + pad4(c v)`` bytes::
+
+    int32[8]  header: kept (non-zeros among the c values), nnz(T_r), pairs received,
+              r, then fp32 sum(T_r^2), fp32 sum(kept^2), 0, 0
+    int32[H]  histogram of the received pairs' positions over H equal sub-bins of R_r
+    int32[c]  range-relative indices; padding slots (when |R_r| < c) hold |R_r|
+    v[c]      values in the pairs' dtype (padding 0), zero-padded to 4 bytes
+
+Every rank (the owner included) decodes all P messages from the same gathered bytes, so
+all replicas end with bit-identical sums.
+
+Truncation error (not fed back; reported)
+-----------------------------------------
+Phase 2 sends ``top_c(T_r)``, not ``T_r``: the dropped part ``T_r - top_c(T_r)`` is
+*lost* for this step (as Ok-Topk's global top-k drops it; Ok-Topk returns it to the local
+residuals, which needs the compressor, see docs/design.md). The compressors' residuals
+hold each rank's own selection error only. The error is reported per bucket in
+``Pending.figures`` (on CPU at once, on CUDA through ``deferred_figures``):
+``p2_kept`` / ``reduced`` (entries kept / non-zeros of the sum) and
+``p2_dropped_energy`` = ``1 - sum kept^2 / sum T^2`` (share of the sum's squared norm
+not delivered). Values in fp16/bf16 round the *sum* once more, as in ``split``. When the
+union of the ranks' selections fits (``nnz(T_r) <= c`` for every owner) nothing is
+dropped and the result is the exact sum (up to float order).
+
+Balancing (identical on every rank, no extra collective)
+---------------------------------------------------------
+The gathered headers give every rank the same P x H histogram of where phase-1 pairs
+fell. From it every exchange computes, on the device, *candidate* boundaries: the
+positions where the cumulative pair count crosses ``j M / P`` (``j = 1..P-1``, linear
+within a sub-bin; integer arithmetic) and the imbalance ``max_r m_r / (M / P)``
+(``m_r`` = pairs received by owner r). Both reach the host through a
+:class:`.base.HostReadout`; the exchange ``n`` of a bucket reads those of exchange
+``n - 2`` (whose copy completed before exchange ``n - 1``'s collectives could, so the
+read never stalls and every rank reads the same values) and adopts the candidate when
+they were computed under the current boundaries and either the imbalance exceeds
+``IMBALANCE_BOUND`` or ``REBALANCE_EVERY`` exchanges have passed since the last change.
+The decision depends only on values every rank holds, so all ranks switch at the same
+exchange.
+
+Bytes per rank: phase 1 sent = pairs to other owners x (4 + v), received = pairs from
+other ranks x (4 + v); phase 2 sent = received = ``(P - 1) L`` (ring allgather).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import List
+
+import torch
+
+from . import cost_model
+from .base import (BucketSpec, DeferredFigures, ExchangeContext, HostReadout, Pending,
+                   bucket_device, host_list, own_dense)
+from .split import _bytes, _flag_index_error, _pad4, pair_dtype
+
+NAME = "balanced"
+HEADER_BYTES = 32
+#: sub-bins per owner region in the phase-2 histogram (the rebalancing resolution)
+HIST_BINS = 32
+#: re-balance at least this often (exchanges of the bucket) ...
+REBALANCE_EVERY = 16
+#: ... or as soon as the most loaded owner receives this many times the mean
+IMBALANCE_BOUND = 1.25
+
+
+def message_nbytes(c: int, vb: int, hist_bins: int = HIST_BINS) -> int:
+    """Length of one owner's phase-2 message (see the module docstring)."""
+    return HEADER_BYTES + 4 * hist_bins + 4 * c + _pad4(c * vb)
+
+
+def equal_bounds(numel: int, world_size: int) -> List[int]:
+    return [r * numel // world_size for r in range(world_size + 1)]
+
+
+def sub_bin_edges(bounds: List[int], hist_bins: int = HIST_BINS) -> List[int]:
+    """Edges of the P x H histogram: owner r's region cut into H equal sub-bins
+    (``b_r + j |R_r| // H``); P H + 1 non-decreasing integers from 0 to N."""
+    edges = []
+    for r in range(len(bounds) - 1):
+        lo, n = bounds[r], bounds[r + 1] - bounds[r]
+        edges.extend(lo + (j * n) // hist_bins for j in range(hist_bins))
+    edges.append(bounds[-1])
+    return edges
+
+
+def candidate_bounds(hist: torch.Tensor, edges: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Boundaries that split the pairs counted in ``hist`` (int64, P H sub-bins with
+    ``edges``, int64[P H + 1]) into P equal shares: ``b_j`` = where the cumulative count
+    reaches ``ceil(j M / P)``, interpolated linearly inside that sub-bin (integer
+    arithmetic, so every rank computes the same numbers). Returns int64[P + 1] (the
+    current edges' own boundaries when ``M = 0``). Device ops only."""
+    P = int(world_size)
+    C = hist.reshape(-1).to(torch.int64)
+    cum = torch.cumsum(C, 0)
+    M = cum[-1:]
+    j = torch.arange(1, P, device=C.device, dtype=torch.int64)
+    t = (j * M + (P - 1)) // P                       # ceil(j M / P), >= 1 when M > 0
+    i = torch.searchsorted(cum, t).clamp_(max=C.numel() - 1)
+    before = cum[i] - C[i]
+    width = edges[i + 1] - edges[i]
+    pos = edges[i] + ((t - before) * width) // C[i].clamp(min=1)
+    H = C.numel() // P
+    current = edges[H * j]                           # the edges at the owners' starts
+    inner = torch.where(M > 0, pos, current)
+    inner = torch.cummax(inner, 0).values
+    return torch.cat([edges[:1], inner, edges[-1:]])
+
+
+class Balance:
+    """Per-bucket boundaries and their re-balancing history (kept in the optimizer's
+    :class:`.base.BufferPool`, one per bucket, numel and world size)."""
+
+    def __init__(self, numel: int, world_size: int, device):
+        self.numel, self.world_size, self.device = int(numel), int(world_size), device
+        self.version = 0
+        self.since = 0                   # exchanges since the boundaries last changed
+        self.changes = 0
+        self.history = deque(maxlen=2)  # (version, HostReadout) of the last two exchanges
+        self._set(equal_bounds(self.numel, self.world_size))
+
+    def _set(self, bounds: List[int]) -> None:
+        self.bounds = [int(b) for b in bounds]
+        dev, P = self.device, self.world_size
+        lo = torch.tensor(self.bounds[:-1], dtype=torch.int64, device=dev)
+        n = torch.tensor([b - a for a, b in zip(self.bounds, self.bounds[1:])],
+                         dtype=torch.int64, device=dev)
+        self.lo_t, self.n_t = lo.view(P, 1), n.view(P, 1)
+        self.ends = torch.tensor([max(b - 1, 0) for b in self.bounds[1:]],
+                                 dtype=torch.int64, device=dev)
+        self.nonempty = torch.tensor([int(b > 0) for b in self.bounds[1:]],
+                                     dtype=torch.int64, device=dev)
+        self.edges = torch.tensor(sub_bin_edges(self.bounds), dtype=torch.int64, device=dev)
+
+    def before_launch(self) -> None:
+        """Adopt the candidate of the exchange two back when the rule says so (module
+        docstring); every rank reaches the same decision."""
+        if len(self.history) == 2:
+            version, readout = self.history[0]
+            if version == self.version:
+                v = readout.get()
+                P = self.world_size
+                M, maxm = v[0], v[3]
+                imbalance = maxm * P / M if M > 0 else 1.0
+                cand = [int(x) for x in v[6:6 + P + 1]]
+                if (imbalance > IMBALANCE_BOUND or self.since >= REBALANCE_EVERY) \
+                        and M > 0:
+                    self.since = 0
+                    if cand != self.bounds:
+                        self._set(cand)
+                        self.version += 1
+                        self.changes += 1
+        self.since += 1
+
+    def record(self, readout: HostReadout) -> None:
+        self.history.append((self.version, readout))
+
+
+def _figures(v, P: int) -> dict:
+    M, nnz, kept, maxm, ss_red, ss_kept = v[:6]
+    return dict(pairs=float(M) / P, reduced=int(nnz), p2_kept=int(kept),
+                p2_dropped_energy=float(max(0.0, 1.0 - ss_kept / ss_red)) if ss_red > 0
+                else 0.0,
+                imbalance=float(maxm * P / M) if M > 0 else 1.0)
+
+
+class BalancedPending(Pending):
+    """Phases: 0 = waiting for the per-owner counts on the host, 1 = alltoall of pairs
+    in flight, 2 = allgather of the owners' selections in flight."""
+
+    _phase = 0
+
+    def advance(self) -> None:
+        comm = self.ctx.comm()
+        if comm.ordered:      # issue collectives only from launch() / finish()
+            return
+        if self._phase == 0 and self._counts.ready():
+            self._start_phase1()
+        if self._phase == 1 and comm.poll(self._handle):
+            self._reduce_and_gather()
+
+    def _start_phase1(self) -> None:
+        counts: List[int] = [int(c) for c in self._counts.get()]
+        total = sum(counts)
+        flat, vb = self._own, self._vb
+        nz = torch.nonzero_static(flat, size=total).reshape(-1)   # size known: no sync
+        rows = torch.cat([nz.to(torch.int32).view(torch.uint8).reshape(-1, 4),
+                          flat[nz].to(self._vdtype).contiguous().view(torch.uint8)
+                          .reshape(-1, vb)], 1)
+        splits = torch.tensor(counts, dtype=torch.int32)       # host tensor, as Horovod wants
+        self._handle = self.ctx.comm().alltoall_async(
+            rows.contiguous(), splits, name=self.ctx.name(self.spec.bucket_id, NAME, "a2a"))
+        self.sent_bytes += (total - counts[self.ctx.rank]) * (4 + vb)
+        self._phase = 1
+
+    def _reduce_and_gather(self) -> None:
+        t0 = time.perf_counter()
+        rows_in, recv_splits = self.ctx.comm().synchronize(self._handle)
+        t1 = time.perf_counter()
+        ctx, P, r = self.ctx, self.ctx.world_size, self.ctx.rank
+        bounds, c, vb, H = self._bounds, self._c, self._vb, HIST_BINS
+        lo, hi = bounds[r], bounds[r + 1]
+        n_r = hi - lo
+        dev = self._device
+        recv = host_list(recv_splits)
+        m = int(rows_in.shape[0])
+        if sum(recv) != m:
+            raise RuntimeError(f"hvdsparse balanced bucket {self.spec.bucket_id}: received "
+                               f"{m} pairs, splits say {sum(recv)}")
+        self.recv_bytes += (m - recv[r]) * (4 + vb)
+        red = ctx.buffer("balanced.reduced", self.spec.bucket_id, n_r + 1, torch.float32,
+                         dev).zero_()
+        hist = torch.zeros(H + 1, dtype=torch.int32, device=dev)
+        if m:
+            idx = rows_in[:, :4].contiguous().view(torch.int32).reshape(-1).to(torch.int64) - lo
+            bad = (idx < 0) | (idx >= n_r)
+            if ctx.validate:
+                if bool(bad.any()):
+                    raise RuntimeError(
+                        f"hvdsparse balanced bucket {self.spec.bucket_id}: rank {r} received "
+                        f"an index outside its region [{lo}, {hi}) (ranks disagree on the "
+                        f"layout or the boundaries)")
+            else:
+                idx = torch.where(bad, torch.full_like(idx, n_r), idx)
+                _flag_index_error(ctx, bad)
+            vals = rows_in[:, 4:].contiguous().view(self._vdtype).reshape(-1).float()
+            a = 0
+            for cnt in recv:          # sender by sender, rank order: reproducible sum
+                if cnt:
+                    red.index_add_(0, idx[a:a + cnt], vals[a:a + cnt])
+                a += cnt
+            # sub-bin of every pair (bad ones land in the spare bin H); scatter_add_
+            # rather than bincount, whose output size would need a host read
+            sb = torch.where(idx < n_r, (idx * H) // max(n_r, 1), torch.full_like(idx, H))
+            hist.scatter_add_(0, sb, torch.ones_like(sb, dtype=torch.int32))
+        T = red[:n_r]
+        if c < n_r:
+            _, sel = torch.topk(T.abs(), c, sorted=False)
+            sel_vals = T[sel]
+        else:                         # everything fits: exact, padded with |R_r|
+            sel = torch.arange(n_r, device=dev, dtype=torch.int64)
+            sel_vals = T
+            if c > n_r:
+                sel = torch.cat([sel, torch.full((c - n_r,), n_r, dtype=torch.int64,
+                                                 device=dev)])
+                sel_vals = torch.cat([sel_vals, sel_vals.new_zeros(c - n_r)])
+        wire_vals = sel_vals.to(self._vdtype)
+        hdr_i = torch.stack([torch.count_nonzero(wire_vals), torch.count_nonzero(T),
+                             torch.zeros((), dtype=torch.int64, device=dev) + m,
+                             torch.zeros((), dtype=torch.int64, device=dev) + r]
+                            ).to(torch.int32)
+        hdr_f = torch.stack([T.square().sum(), wire_vals.float().square().sum(),
+                             T.new_zeros(()), T.new_zeros(())])
+        parts = [_bytes(hdr_i), _bytes(hdr_f), _bytes(hist[:H]), _bytes(sel.to(torch.int32)),
+                 _bytes(wire_vals)]
+        used = sum(int(p.numel()) for p in parts)
+        if used < self._L:
+            parts.append(torch.zeros(self._L - used, dtype=torch.uint8, device=dev))
+        msg = torch.cat(parts)
+        assert msg.numel() == self._L, (msg.numel(), self._L)
+        self._handle2 = ctx.comm().allgather_async(
+            msg, name=ctx.name(self.spec.bucket_id, NAME, "gather"))
+        self.sent_bytes += (P - 1) * self._L
+        self.recv_bytes += (P - 1) * self._L
+        self._phase = 2
+        self.wait_s += t1 - t0
+        self.decode_s += time.perf_counter() - t1
+
+    def finish(self) -> torch.Tensor:
+        if self.result is not None:
+            return self.result
+        t0 = time.perf_counter()
+        if self._phase == 0:
+            self._start_phase1()          # waits on the counts' event if needed
+        if self._phase == 1:
+            self._reduce_and_gather()
+        t0b = time.perf_counter()
+        gathered = self.ctx.comm().synchronize(self._handle2)
+        t1 = time.perf_counter()
+        ctx, P, N, c, L, H = (self.ctx, self.ctx.world_size, self.spec.numel, self._c,
+                              self._L, HIST_BINS)
+        if gathered.numel() != P * L:
+            raise RuntimeError(f"hvdsparse balanced bucket {self.spec.bucket_id}: received "
+                               f"{gathered.numel()} bytes, expected {P} x {L} (ranks "
+                               f"disagree on the layout or the boundaries)")
+        g = gathered.view(P, L)
+        hdr_i = g[:, :16].contiguous().view(torch.int32)                       # [P, 4]
+        hdr_f = g[:, 16:32].contiguous().view(torch.float32)                   # [P, 4]
+        hist = g[:, 32:32 + 4 * H].contiguous().view(torch.int32)              # [P, H]
+        ib = 32 + 4 * H
+        rel = g[:, ib:ib + 4 * c].contiguous().view(torch.int32).to(torch.int64)  # [P, c]
+        vals = g[:, ib + 4 * c:ib + 4 * c + c * self._vb].contiguous().view(self._vdtype)
+        bal = self._balance
+        bad = (rel < 0) | (rel > bal.n_t)
+        pad = rel == bal.n_t
+        if ctx.validate:
+            if bool(bad.any()) or bool((vals[pad] != 0).any()):
+                who = sorted({int(x) for x in torch.nonzero(bad.any(1) | (pad & (vals != 0))
+                                                            .any(1)).reshape(-1)})
+                raise RuntimeError(f"hvdsparse balanced bucket {self.spec.bucket_id}: "
+                                   f"owner(s) {who} sent an index outside their region")
+            if not torch.equal(hdr_i[:, 3], torch.arange(P, dtype=torch.int32)):
+                raise RuntimeError(f"hvdsparse balanced bucket {self.spec.bucket_id}: the "
+                                   f"gathered messages are not in owner order")
+        else:
+            _flag_index_error(ctx, bad)
+        # one spare slot at N takes padding (and, unvalidated, bad indices)
+        buf = ctx.buffer("balanced.sum", self.spec.bucket_id, N + 1, torch.float32,
+                         self._device).zero_()
+        target = torch.where(bad | pad, torch.full_like(rel, N), rel + bal.lo_t)
+        buf.index_copy_(0, target.reshape(-1), vals.reshape(-1).float())
+        flat = buf[:N]
+        # figures + candidate boundaries, from bytes every rank holds identically
+        m = hdr_i[:, 2].to(torch.int64)
+        cand = candidate_bounds(hist.to(torch.int64), bal.edges, P)
+        v = torch.cat([torch.stack([m.sum(), hdr_i[:, 1].to(torch.int64).sum(),
+                                    hdr_i[:, 0].to(torch.int64).sum(), m.max()]).double(),
+                       hdr_f[:, :2].double().sum(0), cand.double()])
+        readout = HostReadout(v)
+        bal.record(readout)
+        d = DeferredFigures(readout, lambda vv, P=P: _figures(vv, P))
+        self.deferred_figures = d
+        if v.device.type == "cpu":
+            self.figures.update(d.get())
+        self.wait_s += t1 - t0b
+        self.decode_s += (t0b - t0) + time.perf_counter() - t1
+        self.result = flat
+        return flat
+
+
+def launch(spec: BucketSpec, payloads, ctx: ExchangeContext) -> Pending:
+    device = bucket_device(payloads)
+    P, N = ctx.world_size, spec.numel
+    if N >= 2 ** 31 - 1:
+        raise ValueError(f"hvdsparse balanced: bucket {spec.bucket_id} has {N} elements; "
+                         f"int32 indices need < 2**31 - 1 (lower fusion_threshold)")
+    bal = ctx.pool().state("balanced.bounds", spec.bucket_id,
+                           (N, P, str(device)), lambda: Balance(N, P, device))
+    bal.before_launch()
+    bounds = list(bal.bounds)
+    flat = own_dense(spec, payloads, device,
+                     out=ctx.buffer("balanced.own", spec.bucket_id, N, torch.float32, device))
+    vdtype = pair_dtype(payloads)
+    vb = torch.finfo(vdtype).bits // 8
+    cap = sum(int(s.capacity) for p in payloads for s in p.segments)
+    n_max = max(b - a for a, b in zip(bounds, bounds[1:])) if P else 0
+    c = cost_model.phase2_capacity(P, N, cap, n_max)
+    if N:
+        cs = torch.cumsum(flat != 0, 0, dtype=torch.int32,
+                          out=ctx.buffer("balanced.cumsum", spec.bucket_id, N, torch.int32,
+                                         device))
+        upto = cs.index_select(0, bal.ends).to(torch.int64) * bal.nonempty
+        counts = torch.diff(upto, prepend=torch.zeros(1, dtype=torch.int64, device=device))
+    else:
+        counts = torch.zeros(P, dtype=torch.int64, device=device)
+    pend = BalancedPending(spec, NAME, list(payloads), ctx)
+    pend._bounds, pend._vdtype, pend._vb, pend._device = bounds, vdtype, vb, device
+    pend._own, pend._c, pend._balance = flat, c, bal
+    pend._L = message_nbytes(c, vb)
+    pend._counts = HostReadout(counts)
+    pend.figures.update(bounds=bounds, bounds_version=bal.version, p2_capacity=c)
+    if ctx.comm().ordered:
+        pend._start_phase1()
+    else:
+        pend.advance()
+    return pend
+
+
+__all__ = ["NAME", "launch", "Balance", "candidate_bounds", "sub_bin_edges",
+           "equal_bounds", "message_nbytes", "HIST_BINS", "REBALANCE_EVERY",
+           "IMBALANCE_BOUND"]

@@ -4,7 +4,7 @@
 * ``-np 3`` matrix (one launch): every compressor (TopK(0.05), Threshold(0.95),
   AdaComp(), SlimDP(0.3, 0.15, core_period=5), RandomK(0.05), QSGD(4), TopK with int8 /
   int4 / int2 values, TopK per-bucket 512) x every exchange (allgather, split, dense,
-  auto), 10 steps each through ``hvd.DistributedOptimizer(..., compression=...)``, a
+  auto, balanced), 10 steps each through ``hvd.DistributedOptimizer(..., compression=...)``, a
   small 4-layer model with mixed sizes and ``fusion_threshold=2000`` (buckets of several
   layers). After every step, against a plain-torch replay built in the worker from the
   raw gradients (captured by a hook registered before the optimizer) and every rank's
@@ -60,7 +60,7 @@ WORKER = Path(__file__).resolve().parent / "workers" / "trust_worker.py"
 
 COMPRESSORS = ["topk", "threshold", "adacomp", "slimdp", "randomk", "qsgd4", "topk-int8",
                "topk-int4", "topk-int2", "topk-perbucket"]
-EXCHANGES = ["allgather", "split", "dense", "auto"]
+EXCHANGES = ["allgather", "split", "dense", "auto", "balanced"]
 SCENARIOS = ["nan/raise", "nan/skip", "frozen/sgd", "frozen/sgd-momentum", "sync-then-step",
              "sparse-embeddings", "checkpoint", "mismatch/fusion_threshold", "mismatch/ratio",
              "mismatch/exchange", "mismatch/env-fusion-threshold"]

@@ -513,8 +513,52 @@ COMPRESSORS = {
     "topk-perbucket": ("topk_pb", dict(ratio=0.05, B=512),
                        lambda: hvdsparse.TopK(0.05, per_bucket=512)),
 }
-EXCHANGES = ("allgather", "split", "dense", "auto")
+EXCHANGES = ("allgather", "split", "dense", "auto", "balanced")
 MATRIX_STEPS = int(os.environ.get("TRUST_MATRIX_STEPS", "10"))
+
+
+def check_balanced_bucket(case, step, bucket, rows, offsets, model):
+    """A ``balanced`` bucket (Ok-Topk): in the bucket's flat layout, with the regions
+    and per-owner capacity c the exchange reports, the delivered sum must be, region by
+    region, the sum over ranks (rank order, fp32) of what they sent restricted to its
+    min(c, nnz) entries of largest magnitude, divided by P; nothing else delivered."""
+    params = dict(model.named_parameters())
+    T = torch.zeros(bucket["numel"])
+    absum = torch.zeros(bucket["numel"], dtype=torch.float64)
+    for r in range(P):
+        s_r = torch.cat([rows[r, offsets[n][0]:offsets[n][0] + offsets[n][1]]
+                         for n in bucket["layers"]])
+        T = T + s_r
+        absum += s_r.double().abs()
+    got = torch.cat([params[n].grad.detach().reshape(-1) for n in bucket["layers"]])
+    f = bucket["figures"]
+    bounds, c = f["bounds"], f["p2_capacity"]
+    case.check(bounds[0] == 0 and bounds[-1] == bucket["numel"] and len(bounds) == P + 1
+               and all(a <= b for a, b in zip(bounds, bounds[1:])),
+               f"step {step} bucket {bucket['id']}: bad regions {bounds}")
+    worst = 0.0
+    for r in range(P):
+        a, e = bounds[r], bounds[r + 1]
+        Tr, d = T[a:e], got[a:e] != 0
+        nz = Tr != 0
+        case.check(not bool((d & ~nz).any()),
+                   f"step {step} bucket {bucket['id']} region {r}: delivered where the sum is 0")
+        case.check(int(d.sum()) == min(c, int(nz.sum())),
+                   f"step {step} bucket {bucket['id']} region {r}: {int(d.sum())} entries "
+                   f"delivered, want min(c={c}, nnz={int(nz.sum())})")
+        dropped = nz & ~d
+        if bool(d.any()) and bool(dropped.any()):
+            case.check(float(Tr[d].abs().min()) >= float(Tr[dropped].abs().max()),
+                       f"step {step} bucket {bucket['id']} region {r}: a dropped |sum| "
+                       f"exceeds a delivered one (not the top-{c})")
+    want = torch.where(got != 0, T / float(P), torch.zeros(()))
+    bound = (2 * (P - 1) * U * absum / P + 2 * U * want.double().abs()) * 1.01 + 1e-38
+    err = (got.double() - want.double()).abs()
+    worst = max(worst, float((err / bound).max()))
+    case.check(bool((err <= bound).all()),
+               f"step {step} bucket {bucket['id']} (balanced): delivered values off the "
+               f"rank sum / P by {float(err.max())}")
+    return worst
 
 
 def matrix_case(cname, exchange):
@@ -573,10 +617,23 @@ def matrix_case(cname, exchange):
                     if cs[0] is not None:
                         case.check(all(c is not None and torch.equal(c, cs[0]) for c in cs),
                                    f"step {step} {n}: Slim-DP cores differ across ranks")
+            # (c') balanced buckets: the Ok-Topk truncation replayed (then skipped below)
+            offsets, o = {}, 0
+            for name, p in model.named_parameters():
+                offsets[name] = (o, p.numel())
+                o += p.numel()
+            for bk in last["buckets"]:
+                if bk["strategy"] == "balanced":
+                    worst = max(worst, check_balanced_bucket(case, step, bk, rows, offsets,
+                                                             model))
+                    bitwise_all = False
             # (c) p.grad == (sum over ranks, in rank order, of sent_r) / P
             off = 0
             for name, p in model.named_parameters():
                 k = p.numel()
+                if layer_strategy.get(name) == "balanced":
+                    off += k
+                    continue
                 tot = torch.zeros(k)
                 absum = torch.zeros(k, dtype=torch.float64)
                 for r in range(P):
@@ -618,7 +675,7 @@ def matrix_case(cname, exchange):
     case.notes.append(f"strategies {sorted(strategies)}")
     if avg_forms:
         case.notes.append(f"allgather average bitwise = {'/'.join(sorted(avg_forms))}")
-    if exchange in ("split", "dense") or strategies - {"allgather"}:
+    if exchange in ("split", "dense", "balanced") or strategies - {"allgather"}:
         case.notes.append(f"non-allgather buckets bitwise={bitwise_all} worst err/bound "
                           f"{worst:.3f}")
     opt.scheduler.remove_hooks()

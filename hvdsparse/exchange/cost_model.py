@@ -50,7 +50,7 @@ An optional latency term ``alpha_bytes * messages`` (messages per rank: allgathe
 ``P-1``, dense ``2(P-1)``, split and balanced ``2(P-1)``) charges for per-message overhead; it is 0
 by default (pure bytes, as in the paper's bandwidth terms). Ties resolve in the order
 allgather, split, dense (fewest collectives first); the lossy ``balanced`` is chosen only
-when it costs less than ``LOSSY_MARGIN`` (0.8) times the cheapest exact strategy.
+when it costs less than ``LOSSY_MARGIN`` (0.5) times the cheapest exact strategy.
 
 Consequences (unit-tested in tests/test_cost_model.py): with fp32 pairs (c+v = 8) and
 fp32 dense ranges (q = 4), split costs more than allgather while the union stays
@@ -71,8 +71,11 @@ STRATEGIES = ("allgather", "split", "dense", "balanced")
 #: keeps a global top-k of the sum when the union of the selections overflows it)
 EXACT_STRATEGIES = ("allgather", "split", "dense")
 
-#: ``balanced`` is chosen only below this fraction of the best exact strategy's bytes
-LOSSY_MARGIN = 0.8
+#: ``balanced`` is chosen only below this fraction of the best exact strategy's bytes:
+#: its phase 2 drops the part of the sum beyond the global top-k, which is worth it for a
+#: clear saving only (with k pairs per rank it moves ~2k/P of allgather's bytes, so
+#: auto takes it from P >= 4 or 5 on, and exact strategies at P = 2, 3)
+LOSSY_MARGIN = 0.5
 
 #: bytes of one int32 index in split / SparCML sparse streams
 INDEX_BYTES = 4
@@ -161,7 +164,8 @@ def choose(f: BucketFigures, allowed: Tuple[str, ...] = STRATEGIES,
     """The cheapest allowed strategy (ties: allgather, split, dense, balanced). The lossy
     ``balanced`` must beat the cheapest allowed exact strategy by the factor
     ``LOSSY_MARGIN``: a truncating exchange is worth it only for a clear saving (at
-    P = 2 it moves about what allgather moves, and drops part of the sum)."""
+    P = 2 it moves about what allgather moves, and drops part of the sum; at P = 3 two
+    thirds)."""
     c = costs(f, alpha_bytes)
     best = None
     for s in EXACT_STRATEGIES:

@@ -13,7 +13,7 @@ that sends calls whose ``compression`` is an hvdsparse compressor to
 function unchanged. Horovod's installed files are never edited;
 :func:`uninstall_routing` restores the original attribute.
 """
-from . import compressors, ddp, mp
+from . import adam, compressors, ddp, mp
 from .compressors import (AdaComp, Compressor, ExponentialWarmup, LayerPolicy, NoCompression,
                           QSGD, RandomK, RtWarmup, SlimDP, Threshold, TopK, WarmupSchedule)
 from .optimizer import (DistributedOptimizer, horovod_original, install_routing,
@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 
 install_routing()
 
-__all__ = ["compressors", "ddp", "mp", "Compressor", "TopK", "Threshold", "AdaComp", "SlimDP", "RandomK",
+__all__ = ["adam", "compressors", "ddp", "mp", "Compressor", "TopK", "Threshold", "AdaComp", "SlimDP", "RandomK",
            "QSGD", "NoCompression", "LayerPolicy", "WarmupSchedule", "RtWarmup",
            "ExponentialWarmup", "DistributedOptimizer", "install_routing",
            "uninstall_routing", "routed_distributed_optimizer", "horovod_original"]

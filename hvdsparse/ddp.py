@@ -88,6 +88,11 @@ the velocity is accumulated and compressed in the hook, exactly as in the Horovo
 ``step()`` (step pre/post hooks), layers sent dense get ordinary momentum on the
 exchanged average inside the hook.
 
+The Adam recipe (``optimizer=`` a ``torch.optim.Adam`` / ``AdamW``; on by default
+then, ``adam_recipe=False`` turns it off): the same :class:`hvdsparse.adam.AdamRecipe`
+as the Horovod path -- dense exact warm-up, then each rank's momentum compressed in the
+hook and the frozen-variance update applied around the optimizer's ``step()``.
+
 Host synchronisation (CUDA): as in the Horovod path, except the split strategy, whose
 variable-size alltoalls need one small size exchange each on torch.distributed
 (:mod:`hvdsparse.transport`).
@@ -160,12 +165,20 @@ class State:
             applied in the hook and set to 0 for the duration of its ``step()``
             (optimizer step pre/post hooks; ``param_groups`` and checkpoints keep the
             user's values).
+        adam_recipe, adam_warmup: the Adam / AdamW recipe (:mod:`hvdsparse.adam`), as
+            for :func:`hvdsparse.DistributedOptimizer`: on by default when
+            ``optimizer=`` is a ``torch.optim.Adam`` / ``AdamW`` (the hook cannot see
+            the optimizer otherwise: without ``optimizer=`` it is off); the momentum is
+            compressed in the hook after the dense warm-up, and the recipe's update
+            replaces Adam's for those parameters around the optimizer's ``step()``
+            (step pre/post hooks).
     """
 
     def __init__(self, compression, named_parameters, *, process_group=None,
                  settings: Optional[ExchangeSettings] = None,
                  transport: Optional[Transport] = None, optimizer=None,
-                 momentum_correction: bool = False, clip_grad_norm=None, **kwargs):
+                 momentum_correction: bool = False, clip_grad_norm=None, adam_recipe=None,
+                 adam_warmup=None, **kwargs):
         from .compressors import Compressor
         if isinstance(compression, type) and issubclass(compression, Compressor):
             raise TypeError(f"compression must be an hvdsparse compressor instance, got the "
@@ -245,13 +258,24 @@ class State:
                                            not clip_grad_norm > 0):
             raise ValueError(f"clip_grad_norm must be None or a number > 0, got "
                              f"{clip_grad_norm!r}")
-        if momentum_correction or clip_grad_norm is not None:
+        from .adam import adam_setup
+        if optimizer is None and (adam_recipe or adam_warmup is not None):
+            raise ValueError("adam_recipe / adam_warmup need optimizer= (the "
+                             "torch.optim.Adam / AdamW that steps the DDP model)")
+        adam_warmup = adam_setup(optimizer, compression, adam_recipe, adam_warmup,
+                                 momentum_correction=momentum_correction) \
+            if optimizer is not None else None
+        if adam_warmup is not None:
+            self._setup_adam(optimizer, adam_warmup, clip_grad_norm)
+        elif momentum_correction or clip_grad_norm is not None:
             self._setup_local_update(optimizer, momentum_correction, clip_grad_norm)
         elif optimizer is not None:
-            raise ValueError("optimizer= is only used with momentum_correction=True or "
-                             "clip_grad_norm=...")
+            raise ValueError("optimizer= is only used with momentum_correction=True, "
+                             "clip_grad_norm=... or the Adam recipe (torch.optim.Adam / "
+                             f"AdamW), got {type(optimizer).__name__}")
         self.fingerprint["momentum_correction"] = bool(momentum_correction)
         self.fingerprint["clip_grad_norm"] = clip_grad_norm
+        self.fingerprint["adam_warmup"] = adam_warmup
         self._hooks = []
         for n, p in self.params.items():
             if p.requires_grad:
@@ -291,14 +315,37 @@ class State:
             self._opt_hooks = [optimizer.register_step_pre_hook(pre),
                                optimizer.register_step_post_hook(post)]
 
+    def _setup_adam(self, optimizer, warmup, clip_grad_norm):
+        """The Adam recipe (:mod:`hvdsparse.adam`): momentum compressed in the hook, the
+        recipe's update applied around the optimizer's ``step()`` (pre/post hooks)."""
+        from .adam import AdamRecipe
+        owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        missing = [n for n, p in self.params.items() if p.requires_grad and
+                   id(p) not in owned]
+        if missing:
+            raise ValueError(f"adam recipe: parameters {missing[:5]} are not optimised by "
+                             f"the given optimizer")
+        pol = self.compressor.policy
+        shapes = {n: p.shape for n, p in self.params.items()}
+        lu = AdamRecipe(optimizer, self.params, self.world_size,
+                        lambda n: not pol.is_dense(n, shapes[n]), warmup=warmup,
+                        clip_grad_norm=clip_grad_norm)
+        self.local_update = lu
+        if self.world_size > 1:
+            self._opt_hooks = [
+                optimizer.register_step_pre_hook(lambda _o, _a, _k: lu.enter()),
+                optimizer.register_step_post_hook(lambda _o, _a, _k: lu.exit(True)),
+                optimizer.register_load_state_dict_post_hook(lambda _o: lu.forget())]
+
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
         """This rank's compressor state (residuals: per rank), the step counter and the
         cost model's history per bucket layout. Call between steps."""
         if self._inflight:
             raise RuntimeError("hvdsparse.ddp.State.state_dict() during a step")
-        extra = {} if self.local_update is None else \
-            dict(momentum_correction=self.local_update.state_dict())
+        lu = self.local_update
+        extra = {} if lu is None else \
+            {getattr(lu, "state_key", "momentum_correction"): lu.state_dict()}
         return dict(compressor=self.compressor.state_dict(), step=self.step, **extra,
                     rank=self.rank, world_size=self.world_size,
                     fingerprint=self.fingerprint,
@@ -313,8 +360,9 @@ class State:
             warnings.warn(f"hvdsparse.ddp: state saved at world size {sd['world_size']}, "
                           f"loaded at {self.world_size}")
         self.compressor.load_state_dict(sd["compressor"])
-        if self.local_update is not None and "momentum_correction" in sd:
-            self.local_update.load_state_dict(sd["momentum_correction"])
+        key = getattr(self.local_update, "state_key", "momentum_correction")
+        if self.local_update is not None and key in sd:
+            self.local_update.load_state_dict(sd[key])
         self.step = int(sd["step"])
         self._inflight.clear()
         self._used.clear()
@@ -473,17 +521,22 @@ class State:
         with torch.no_grad():
             lu = self.local_update
             for name, p, g in zip(names, params, spec.views(buf)):
-                if name in self._used and lu is not None and lu.wants(name):
-                    # DGC: clip, fold in weight decay, accumulate the velocity locally
+                used = name in self._used
+                if not used and lu is not None and lu.zero_fills_absent and p.requires_grad:
+                    g, used = torch.zeros_like(p), True   # Adam recipe: a zero gradient
+                if used and lu is not None and lu.wants(name):
+                    # DGC: clip, fold in weight decay, accumulate the velocity locally;
+                    # Adam recipe: the local momentum (dense gradient in its warm-up)
                     dense = self.compressor.policy.is_dense(name, p.shape)
                     x, nonfinite = lu.corrected(name, g.view(p.shape), p, dense, None)
-                    pl = self.compressor.compress(name, x, self.step, param=p.detach())
+                    pl = lu.dense_payload(name, x) if lu.sends_dense(name) else \
+                        self.compressor.compress(name, x, self.step, param=p.detach())
                     pl.nonfinite = nonfinite if pl.nonfinite is None \
                         else pl.nonfinite + nonfinite
                     if name in lu.u:
                         lu.mask(name, codec.payload_to_dense(pl))   # momentum masking
                     payloads.append(pl)
-                elif name in self._used:
+                elif used:
                     payloads.append(self.compressor.compress(
                         name, g.view(p.shape), self.step, param=p.detach()))
                 else:

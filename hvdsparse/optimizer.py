@@ -38,6 +38,7 @@ from contextlib import contextmanager
 
 import torch
 
+from .adam import AdamRecipe, adam_setup
 from .local import LocalGradient, sync_parameters
 from .momentum import LocalUpdate
 from .scheduler import LayerScheduler
@@ -52,7 +53,7 @@ def _compressor_base():
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, settings, grad_scaler,
-                 momentum_correction, clip_grad_norm):
+                 momentum_correction, clip_grad_norm, adam_warmup):
         import horovod.torch as hvd
         super(self.__class__, self).__init__(params)
         self._compression = compression
@@ -102,7 +103,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         _bind(compression, rank, size, prefix)
         compression.check_names([k for k, _ in optimised])
         self._local_update = None
-        if momentum_correction or clip_grad_norm is not None:
+        if adam_warmup is not None:        # the Adam recipe (hvdsparse.adam)
+            self._local_update = AdamRecipe(
+                self, dict(optimised), size,
+                lambda n, _s={k: v.shape for k, v in optimised}:
+                    not compression.policy.is_dense(n, _s[n]),
+                warmup=adam_warmup, clip_grad_norm=clip_grad_norm)
+        elif momentum_correction or clip_grad_norm is not None:
             group_of = {id(p): g for g in self.param_groups for p in g['params']}
             self._local_update = LocalUpdate(
                 {k: group_of[id(v)] for k, v in optimised}, size,
@@ -110,6 +117,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._fingerprint = fingerprint(settings, compression)
         self._fingerprint["momentum_correction"] = bool(momentum_correction)
         self._fingerprint["clip_grad_norm"] = clip_grad_norm
+        self._fingerprint["adam_warmup"] = adam_warmup
         self._hvdsparse = LayerScheduler(
             optimised, compression, settings, rank=rank, world_size=size, prefix=prefix,
             local=self._local, fingerprint=self._fingerprint, grad_scaler=grad_scaler,
@@ -145,6 +153,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop("hvdsparse", None)
         super(self.__class__, self).load_state_dict(state_dict)
+        if isinstance(self._local_update, AdamRecipe):
+            self._local_update.forget()     # phases follow the loaded steps
         if extra is not None:
             self._hvdsparse.step = int(extra["scheduler_step"])
             self._steps_done = int(extra["optimizer_steps"])
@@ -239,21 +249,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         rank: save one per rank."""
         sd = self._compression.state_dict()
         if self._local_update is not None:
-            sd["momentum_correction"] = self._local_update.state_dict()
+            sd[_state_key(self._local_update)] = self._local_update.state_dict()
         sd["scheduler_step"] = self._hvdsparse.step
         sd["optimizer_steps"] = self._steps_done
         return sd
 
     def load_compression_state_dict(self, sd: dict):
         self._compression.load_state_dict(sd)
-        if self._local_update is not None and "momentum_correction" in sd:
-            self._local_update.load_state_dict(sd["momentum_correction"])
+        if self._local_update is not None and _state_key(self._local_update) in sd:
+            self._local_update.load_state_dict(sd[_state_key(self._local_update)])
         self._compression_state_loaded = True
         self._hvdsparse.pending_warning = None
         if "scheduler_step" in sd:
             self._hvdsparse.step = int(sd["scheduler_step"])
         if "optimizer_steps" in sd:
             self._steps_done = int(sd["optimizer_steps"])
+
+
+def _state_key(local_update) -> str:
+    return getattr(local_update, "state_key", "momentum_correction")
 
 
 def _find_duplicates(lst):
@@ -286,7 +300,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          sync_period=500, dense_dtype="fp32", split_dense_bits=0,
                          quant_bucket=512, validate=None, alpha_bytes=0.0,
                          nonfinite="raise", grad_scaler=None, momentum_correction=False,
-                         clip_grad_norm=None, num_groups=0, groups=None, sparse_as_dense=False,
+                         clip_grad_norm=None, adam_recipe=None, adam_warmup=None, num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=None):
     """Wrap ``optimizer`` so that gradients are compressed and exchanged sparsely.
 
@@ -326,6 +340,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             weight decay are applied there instead.
         clip_grad_norm: DGC's local gradient clipping: each layer's local gradient is
             clipped to norm ``clip_grad_norm / sqrt(size)`` before it is accumulated.
+        adam_recipe: the Adam / AdamW recipe (:mod:`hvdsparse.adam`, 1-bit Adam's
+            frozen variance and compressed momentum after a dense warm-up). ``None``
+            (default): on when ``optimizer`` is ``torch.optim.Adam`` / ``AdamW`` and the
+            compressor compresses (not ``NoCompression``); ``True``: on (Adam / AdamW
+            only); ``False``: off (the gradient is compressed and Adam applied to the
+            exchanged average, as before).
+        adam_warmup: dense, exact Adam steps before the variance is frozen (per
+            parameter, counted by Adam's ``state["step"]``); ``None`` =
+            :data:`hvdsparse.adam.DEFAULT_WARMUP`. Scale it to ~15-25% of the run.
     """
     import horovod.torch as hvd
     if op is None:
@@ -374,6 +397,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                                        not clip_grad_norm > 0):
         raise ValueError(f"clip_grad_norm must be None or a number > 0, got "
                          f"{clip_grad_norm!r}")
+    adam_warmup = adam_setup(optimizer, compression, adam_recipe, adam_warmup,
+                             local_gradient=local_gradient,
+                             momentum_correction=momentum_correction)
     settings = ExchangeSettings.from_args(
         exchange=exchange, fusion_threshold=fusion_threshold, average=(op == hvd.Average),
         gradient_predivide_factor=gradient_predivide_factor,
@@ -391,7 +417,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     cls.__module__ = "horovod.torch.optimizer"
     cls.__qualname__ = f"hvdsparse.DistributedOptimizer[{optimizer.__class__.__name__}]"
     return cls(optimizer.param_groups, named_parameters, compression, settings, grad_scaler,
-               momentum_correction, clip_grad_norm)
+               momentum_correction, clip_grad_norm, adam_warmup)
 
 
 # ---------------------------------------------------------------------- routing

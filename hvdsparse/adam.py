@@ -1,0 +1,360 @@
+"""The Adam / AdamW recipe: a dense warm-up, then frozen variance and compressed momentum
+(1-bit Adam, Tang et al. 2021, Algorithm 1; DeepSpeed's ``OnebitAdam``; 0/1 Adam, Lu et
+al. 2022, uses the same frozen-variance idea with a variance refreshed on a schedule).
+
+Why: Adam divides every coordinate by its own ``sqrt(v)``. With error feedback a small
+coordinate of a compressed *gradient* waits in the residual and then arrives in one
+lump; Adam's non-linear per-coordinate normalisation distorts the lump (and ``v`` sees
+lumps instead of gradients), so compressing the gradient and applying Adam afterwards
+loses quality. Once ``v`` has settled it changes slowly; freezing it makes the update
+linear in the momentum, and a linear update tolerates compression with error feedback
+as SGD does.
+
+Per parameter ``p`` of the wrapped ``torch.optim.Adam`` / ``AdamW`` (``s`` = Adam's
+``state[p]["step"]`` before this step, identical on every rank; ``T_w`` = warm-up steps;
+hyper-parameters of ``p``'s param group):
+
+* **warm-up** (``s < T_w``): the local gradient ``g_i`` travels **dense** (fp32, exact,
+  no residual), the exchange averages it into ``G`` and the wrapped optimizer's own
+  ``step()`` runs: exact Adam, ``m`` and ``v`` updated as usual (``foreach`` / ``fused``
+  honoured).
+* **after warm-up** (``s >= T_w``): on every rank ``i``
+
+      g_i <- g_i + wd * p                 (Adam's L2 weight decay; not for AdamW)
+      g_i <- -g_i                         (maximize=True)
+      m_i  = beta1 * m + (1 - beta1) * g_i     (m = state["exp_avg"], same on all ranks)
+
+  ``m_i`` is handed to the compressor as its "gradient" (error feedback = the
+  compressor's residual: ``acc = r + m_i``, sends ``C(acc)``, ``r = acc - C(acc)``); the
+  exchange averages the compressed momenta into ``M = (1/P) sum_i C(acc_i)``
+  (bitwise identical on every rank), and every rank applies
+
+      p <- p * (1 - lr * wd)              (AdamW's decoupled decay, as torch does it)
+      m <- M;   state["step"] <- s + 1;   v = state["exp_avg_sq"] unchanged (frozen)
+      p <- p - lr / bc1 * M / (sqrt(v) / sqrt(bc2) + eps)
+      bc1 = 1 - beta1 ** (s + 1),   bc2 = 1 - beta2 ** T_w
+
+Bias correction: torch.optim.Adam divides ``m`` by ``1 - beta1^t`` and ``v`` by
+``1 - beta2^t`` (both moments are averages started at 0) and computes
+``denom = sqrt(v) / sqrt(bc2) + eps``, ``p -= lr / bc1 * m / denom``. The momentum keeps
+averaging after the warm-up, so its correction keeps following the step (``t = s + 1``).
+``v`` stopped averaging at step ``T_w``: its unbiased value is ``v / (1 - beta2^T_w)``,
+so ``bc2`` is frozen with it (continuing ``bc2`` with ``t`` would inflate the update by
+``sqrt(bc2(t) / bc2(T_w))``, 1.8x at T_w = 300, t = 1000, beta2 = 0.999). The 1-bit Adam
+paper and DeepSpeed's ``OnebitAdam`` use no bias correction at all (``x -= lr * m /
+sqrt(v_Tw)``); with the correction above the first compressed step continues the warm-up's
+last exact step without a jump. ``eps`` is added outside the square root, as torch does.
+
+Layers the compressor sends dense by its size / 1-D policy (biases, norms, small
+layers) get exact Adam on the averaged dense gradient, ``v`` keeps updating: they pay
+no compression error, so nothing argues for freezing their variance, and exact Adam is
+what the dense baseline does.
+
+State, where the user expects it: ``state[p]["exp_avg"]`` (= the synchronised ``M``
+after the warm-up), ``["exp_avg_sq"]`` (frozen after ``T_w``) and ``["step"]`` stay
+Adam's, so ``optimizer.state_dict()`` checkpoints and resumes the recipe; the phase of
+every parameter follows from its ``step`` and ``T_w``. Nothing else is kept between
+steps (``compression_state_dict()`` records the warm-up length under ``"adam_recipe"``
+and warns when a checkpoint was saved with another). The per-rank residuals are the
+compressor's, saved by ``compression_state_dict()`` as usual.
+
+Transactions: nothing of this module's state changes before the optimizer applies a
+step (``m_i`` is computed from ``exp_avg`` without being stored; ``m``, ``step`` and the
+parameter change in ``step()`` only), so a step that GradScaler or
+``nonfinite="skip"`` skips leaves it as it was; the compressor's residuals are rolled
+back by the compressor's own transaction. ``begin_step`` / ``commit`` / ``rollback`` are
+therefore no-ops (kept for the scheduler's local-update interface).
+
+A trainable parameter without a gradient on a rank (unused on that rank) is a zero
+gradient there, as Horovod's and DDP's zero-fill make it for dense Adam: that rank
+contributes ``m_i = beta1 * m`` (during warm-up: a dense zero). A parameter frozen
+with ``requires_grad=False`` is left alone.
+
+What ``p.grad`` holds after ``synchronize()``: the averaged gradient ``G`` for warm-up
+and dense layers, the averaged momentum ``M`` for recipe layers after the warm-up (so
+clipping ``p.grad`` between ``synchronize()`` and ``step()`` clips the momentum; use
+``clip_grad_norm=`` -- local clipping of ``g_i`` before it enters ``m_i`` -- instead).
+
+Not supported (``ValueError``): ``amsgrad=True`` (its max of ``v`` has no frozen
+counterpart), ``differentiable=True``, complex parameters, ``local_gradient``,
+``momentum_correction`` (that is SGD's). ``foreach`` / ``fused`` apply to the wrapped
+step of the warm-up and dense layers only; the recipe's own update is the single-tensor
+form above. With ``capturable=True`` / ``fused=True`` Adam keeps ``step`` on the device,
+and the phase check reads it (one host read per parameter and step until the parameter
+leaves its warm-up).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional
+
+import torch
+
+from .payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
+
+__all__ = ["AdamRecipe", "DEFAULT_WARMUP", "adam_setup", "check_adam", "is_adam"]
+
+#: warm-up steps when the user gives none (see README "Adam / AdamW": measured in
+#: docs/bench/adam/; scale it to ~15-25% of the run)
+DEFAULT_WARMUP = 100
+
+
+def is_adam(optimizer) -> bool:
+    """torch.optim.Adam or AdamW (AdamW is a subclass of Adam in torch >= 2.6; checked
+    by name too for older torch)."""
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+
+
+def check_adam(optimizer, where: str = "adam_recipe") -> None:
+    """Raise ``ValueError`` for an Adam configuration the recipe cannot run."""
+    if not is_adam(optimizer):
+        raise ValueError(f"{where}: the Adam recipe needs torch.optim.Adam or AdamW, got "
+                         f"{type(optimizer).__name__}")
+    for i, g in enumerate(optimizer.param_groups):
+        if g.get("amsgrad", False):
+            raise ValueError(f"{where}: amsgrad=True (param group {i}) is not supported by "
+                             f"the Adam recipe (its running max of v has no frozen form); "
+                             f"use amsgrad=False, or adam_recipe=False to compress the "
+                             f"gradient and apply AMSGrad after the exchange")
+        if g.get("differentiable", False):
+            raise ValueError(f"{where}: differentiable=True (param group {i}) is not "
+                             f"supported by the Adam recipe")
+        b1, b2 = (float(b) for b in g["betas"])
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"{where}: betas {g['betas']} of param group {i} must lie in "
+                             f"[0, 1)")
+        for p in g["params"]:
+            if torch.is_complex(p):
+                raise ValueError(f"{where}: complex parameter of shape {tuple(p.shape)} in "
+                                 f"param group {i}: not supported by the Adam recipe")
+
+
+def check_warmup(warmup) -> int:
+    if warmup is None:
+        return DEFAULT_WARMUP
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
+        raise ValueError(f"adam_warmup must be None (default {DEFAULT_WARMUP}) or an int "
+                         f">= 1 (dense Adam steps before the variance is frozen), got "
+                         f"{warmup!r}")
+    return warmup
+
+
+def adam_setup(optimizer, compression, adam_recipe, adam_warmup, *, local_gradient=None,
+               momentum_correction=False) -> Optional[int]:
+    """Validate the ``adam_recipe`` / ``adam_warmup`` arguments of a front door; return
+    the warm-up length when the recipe is on, None when it is off. ``adam_recipe=None``
+    (auto): on for ``torch.optim.Adam`` / ``AdamW`` with a compressor that compresses."""
+    if adam_recipe not in (None, True, False):
+        raise ValueError(f"adam_recipe must be None (auto), True or False, got "
+                         f"{adam_recipe!r}")
+    if adam_recipe is None:
+        from .compressors import NoCompression
+        on = is_adam(optimizer) and not isinstance(compression, NoCompression)
+    else:
+        on = adam_recipe
+    if not on:
+        if adam_warmup is not None:
+            raise ValueError(f"adam_warmup={adam_warmup!r} is given but the Adam recipe is "
+                             f"off (adam_recipe={adam_recipe!r}, optimizer "
+                             f"{type(optimizer).__name__}, compression "
+                             f"{type(compression).__name__})")
+        return None
+    warmup = check_warmup(adam_warmup)
+    check_adam(optimizer)
+    if local_gradient is not None:
+        raise ValueError(f"local_gradient={local_gradient!r} cannot be combined with the "
+                         f"Adam recipe (on by default for {type(optimizer).__name__}): every "
+                         f"rank must apply the same synchronised momentum; pass "
+                         f"adam_recipe=False to use the local-gradient modes")
+    if momentum_correction:
+        raise ValueError("momentum_correction is DGC's for torch.optim.SGD; with Adam / "
+                         "AdamW the Adam recipe compresses the momentum (adam_recipe)")
+    return warmup
+
+
+def _value(t) -> float:
+    return float(t.item()) if isinstance(t, torch.Tensor) else float(t)
+
+
+class AdamRecipe:
+    """The recipe for one optimizer (see the module docstring). Same interface as
+    :class:`hvdsparse.momentum.LocalUpdate` where the scheduler / DDP hook call it.
+
+    ``optimizer``: the torch optimizer whose ``state`` / ``param_groups`` are read at use
+    time (``load_state_dict`` replaces both); ``params``: name -> parameter;
+    ``compressed(name)``: True when the compressor compresses that layer (not sent dense
+    by its policy); ``warmup``: ``T_w``; ``clip_grad_norm``: DGC's local clipping of
+    ``g_i`` to ``c / sqrt(P)`` per layer before it enters the momentum."""
+
+    state_key = "adam_recipe"
+    momentum_correction = False      # no DGC velocity (scheduler: no dense momentum)
+    zero_fills_absent = True         # a trainable layer without a gradient is zero
+
+    def __init__(self, optimizer, params: Dict[str, torch.Tensor], world_size: int,
+                 compressed, *, warmup: int, clip_grad_norm: Optional[float] = None):
+        self.optimizer = optimizer
+        self.params = dict(params)
+        self.world_size = int(world_size)
+        self._compressed = compressed
+        self.warmup = check_warmup(warmup)
+        self.clip = None if clip_grad_norm is None else \
+            float(clip_grad_norm) / (self.world_size ** 0.5)
+        self.u: dict = {}            # no DGC velocity: nothing to mask
+        self.transactional = False
+        self._after: set = set()     # layers known to be past their warm-up (cache)
+        self._stash: list = []
+
+    # ----------------------------------------------------------------- phase
+    def _group_of(self, p) -> dict:
+        for g in self.optimizer.param_groups:
+            for q in g["params"]:
+                if q is p:
+                    return g
+        raise KeyError("parameter not in the optimizer")
+
+    def frozen(self, name: str) -> bool:
+        """True when ``name`` is a recipe layer past its warm-up (``step >= T_w``):
+        compressed momentum, frozen variance. Identical on every rank."""
+        if name in self._after:
+            return True
+        if not self._compressed(name):
+            return False
+        st = self.optimizer.state.get(self.params[name])
+        if not st or "step" not in st or _value(st["step"]) < self.warmup:
+            return False
+        self._after.add(name)
+        return True
+
+    def forget(self):
+        """The optimizer's state was replaced (load_state_dict): re-read every phase."""
+        self._after.clear()
+
+    def sends_dense(self, name: str) -> bool:
+        """Warm-up of a recipe layer: its gradient travels dense (exact Adam)."""
+        return self._compressed(name) and not self.frozen(name)
+
+    # ----------------------------------------------------------------- transactions
+    def begin_step(self):
+        pass
+
+    def commit(self):
+        pass
+
+    def rollback(self):
+        pass
+
+    # ----------------------------------------------------------------- before compress
+    def wants(self, name: str) -> bool:
+        return name in self.params
+
+    def corrected(self, name: str, grad: torch.Tensor, param: torch.Tensor, dense: bool,
+                  grad_scale: Optional[torch.Tensor]):
+        """``(x, nonfinite)``: what travels for this layer -- the (unscaled, clipped)
+        gradient in warm-up and for dense layers, ``m_i`` after the warm-up -- and the
+        int32[1] count of non-finite elements of ``grad`` (zeroed here)."""
+        g = grad.detach().float()
+        if grad_scale is not None:
+            g = g * grad_scale
+        fin = torch.isfinite(g)
+        nonfinite = (~fin).sum(dtype=torch.int32).reshape(1)
+        g = torch.where(fin, g, torch.zeros((), dtype=g.dtype, device=g.device))
+        if self.clip is not None:
+            norm = torch.linalg.vector_norm(g)
+            g = g * torch.clamp(self.clip / (norm + 1e-6), max=1.0)
+        if dense or not self.frozen(name):
+            return g, nonfinite
+        group = self._group_of(param)
+        wd = group.get("weight_decay", 0.0)
+        if wd and not group.get("decoupled_weight_decay", False):
+            g = g + wd * param.detach().float()
+        if group.get("maximize", False):
+            g = -g
+        b1 = _value(group["betas"][0])
+        m = self.optimizer.state[self.params[name]]["exp_avg"].float()
+        return m * b1 + g * (1.0 - b1), nonfinite
+
+    def dense_payload(self, name: str, x: torch.Tensor) -> LayerPayload:
+        """``x`` as one DENSE fp32 segment (no residual: exact), the layout a
+        policy-dense layer has."""
+        flat = x.detach().float().reshape(-1).contiguous()
+        n = flat.numel()
+        seg = Segment(numel=n, capacity=n, index_encoding=IndexEncoding.DENSE,
+                      value_encoding=ValueEncoding.FP32,
+                      count=torch.full((1,), n, dtype=torch.int32, device=flat.device),
+                      values=flat)
+        return LayerPayload(name, x.shape, [seg])
+
+    def mask(self, name: str, sent_dense: torch.Tensor):
+        pass
+
+    # ----------------------------------------------------------------- the step
+    def neutralised(self):
+        """Context around the wrapped optimizer's ``step()``: on entry the recipe layers
+        past their warm-up hide ``p.grad`` (= ``M``) so the wrapped Adam skips them; on a
+        normal exit the recipe's update is applied to them and ``p.grad`` comes back."""
+        return _Around(self)
+
+    def enter(self):
+        self._stash = []
+        for name, p in self.params.items():
+            if p.grad is not None and self.frozen(name):
+                self._stash.append((name, p, p.grad))
+                p.grad = None
+
+    def exit(self, ok: bool):
+        stash, self._stash = self._stash, []
+        if ok:
+            with torch.no_grad():
+                for name, p, M in stash:
+                    self._update(p, M)
+        for _, p, M in stash:
+            p.grad = M
+
+    def _update(self, p: torch.Tensor, M: torch.Tensor):
+        group = self._group_of(p)
+        st = self.optimizer.state[p]
+        lr, eps = group["lr"], group["eps"]
+        b1, b2 = (_value(b) for b in group["betas"])
+        wd = group.get("weight_decay", 0.0)
+        step_t = st["step"]
+        step_t += 1
+        if wd and group.get("decoupled_weight_decay", False):
+            p.mul_(1 - lr * wd)
+        st["exp_avg"].copy_(M)
+        if isinstance(step_t, torch.Tensor) and step_t.device.type != "cpu":
+            bc1 = 1 - torch.pow(b1, step_t)          # device step: no host read
+        else:
+            bc1 = 1 - b1 ** _value(step_t)
+        bc2_sqrt = math.sqrt(1 - b2 ** self.warmup)
+        denom = (st["exp_avg_sq"].sqrt() / bc2_sqrt).add_(eps)
+        step_size = lr / bc1
+        if isinstance(step_size, torch.Tensor):       # lr or step as a tensor
+            p.sub_(st["exp_avg"] / denom * step_size.to(p.device))
+        else:                                         # torch's single-tensor form
+            p.addcdiv_(st["exp_avg"], denom, value=-step_size)
+
+    # ----------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        return dict(warmup=self.warmup)
+
+    def load_state_dict(self, sd: dict):
+        saved = sd.get("warmup")
+        if saved is not None and int(saved) != self.warmup:
+            import warnings
+            warnings.warn(f"hvdsparse: the compression state was saved with adam_warmup="
+                          f"{saved}; this run uses {self.warmup} (parameters whose step is "
+                          f"past {self.warmup} use the frozen variance)")
+        self.forget()
+
+
+class _Around:
+    def __init__(self, recipe: AdamRecipe):
+        self.recipe = recipe
+
+    def __enter__(self):
+        self.recipe.enter()
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        self.recipe.exit(exc_type is None)
+        return False

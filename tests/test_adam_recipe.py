@@ -1,0 +1,208 @@
+"""The Adam recipe (hvdsparse.adam) in one process: P simulated ranks, each with its own
+real compressor, driven the way the scheduler drives them (corrected -> dense payload in
+warm-up or compress after it -> average of the decoded payloads -> p.grad -> the wrapped
+step inside ``neutralised()``), against an independent plain-torch replay of the recipe's
+written definition (tests/workers/adam_replay.py). Also the argument checks and a
+checkpoint round trip. The multi-rank versions run under horovodrun / torchrun in
+tests/test_adam_hvd.py."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hvdsparse
+from hvdsparse import codec
+from hvdsparse.adam import AdamRecipe, DEFAULT_WARMUP, adam_setup
+from tests.workers.adam_replay import AdamReplay, adacomp, topk_exact
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(24, 64)     # 1536 weights: compressed
+        self.fc2 = nn.Linear(64, 40)     # 2560 weights: compressed
+        self.fc3 = nn.Linear(40, 5)      # 200 weights: dense by policy
+
+    def forward(self, x):
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+class SimRanks:
+    """P ranks of the recipe in one process (one optimizer: its state is the same on every
+    rank; one compressor per rank)."""
+
+    def __init__(self, model, opt, make_comp, P, warmup):
+        self.model, self.opt, self.P = model, opt, P
+        self.named = dict(model.named_parameters())
+        self.comps = [make_comp().bind(r, P) for r in range(P)]
+        pol = self.comps[0].policy
+        self.recipe = AdamRecipe(opt, self.named, P,
+                                 lambda n: not pol.is_dense(n, self.named[n].shape),
+                                 warmup=warmup)
+        self.t = 0
+
+    def step(self, everyone):
+        rc, P = self.recipe, self.P
+        for n, p in self.named.items():
+            dense = self.comps[0].policy.is_dense(n, p.shape)
+            total = torch.zeros(p.numel())
+            for r in range(P):
+                x, nf = rc.corrected(n, everyone[r][n], p, dense, None)
+                assert int(nf) == 0
+                pl = rc.dense_payload(n, x) if rc.sends_dense(n) else \
+                    self.comps[r].compress(n, x, self.t, param=p.detach())
+                total += codec.payload_to_dense(pl).reshape(-1)
+            p.grad = (total * (1.0 / P)).view(p.shape).to(p.dtype)
+        with rc.neutralised():
+            self.opt.step()
+        self.t += 1
+
+
+def grads(model, P, step, seed):
+    out = []
+    for r in range(P):
+        g = torch.Generator().manual_seed(seed * 1000 + 31 * step + r)
+        x = torch.randn(12, 24, generator=g)
+        y = torch.randint(0, 5, (12,), generator=g)
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        out.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+def _close(sim, rep, what):
+    for n, p in sim.named.items():
+        err = (p.detach() - rep.W[n]).abs().max().item()
+        assert torch.allclose(p.detach(), rep.W[n], rtol=1e-5, atol=1e-6), \
+            f"{what}: {n} differs from the replay by {err:.3g}"
+
+
+@pytest.mark.parametrize("kind,comp", [("adam", "topk"), ("adamw", "topk"),
+                                       ("adam", "adacomp")])
+def test_recipe_matches_replay(seed, kind, comp):
+    torch.manual_seed(seed)
+    P, warmup, lr, wd, betas, eps = 3, 3, 3e-3, 1e-2, (0.9, 0.99), 1e-8
+    model = Net()
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+    opt = cls(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    if comp == "topk":
+        make, sel, dw = (lambda: hvdsparse.TopK(0.05, exact=True)), topk_exact(0.05), False
+    else:
+        make, sel, dw = hvdsparse.AdaComp, adacomp(), True
+    rep = AdamReplay(dict(model.named_parameters()), P, lr=lr, betas=betas, eps=eps, wd=wd,
+                     decoupled=kind == "adamw", warmup=warmup, select=sel, needs_dw=dw)
+    sim = SimRanks(model, opt, make, P, warmup)
+    for step in range(9):
+        everyone = grads(model, P, step, seed)
+        sim.step(everyone)
+        rep.step(everyone)
+        _close(sim, rep, f"{kind}/{comp} step {step}")
+    # state stays Adam's: exp_avg = the synchronised momentum, exp_avg_sq frozen at T_w
+    for n, p in sim.named.items():
+        st = opt.state[p]
+        assert int(st["step"]) == 9
+        assert torch.allclose(st["exp_avg"], rep.m[n], rtol=1e-5, atol=1e-7), n
+        assert torch.allclose(st["exp_avg_sq"], rep.v[n], rtol=1e-5, atol=1e-10), n
+    assert sim.recipe.frozen("fc1.weight") and not sim.recipe.frozen("fc3.weight")
+
+
+def test_warmup_is_exact_adam(seed):
+    """Before T_w the recipe is torch's own Adam on the averaged gradient, bit for bit."""
+    torch.manual_seed(seed)
+    P = 2
+    model, ref = Net(), Net()
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ropt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    sim = SimRanks(model, opt, lambda: hvdsparse.TopK(0.01), P, warmup=5)
+    for step in range(5):
+        everyone = grads(model, P, step, seed)
+        sim.step(everyone)
+        for n, p in ref.named_parameters():
+            p.grad = (everyone[0][n] + everyone[1][n]) * (1.0 / P)
+        ropt.step()
+        for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(a, b), f"warm-up step {step}: {n} differs from torch Adam"
+
+
+def test_unused_layer_is_a_zero_gradient(seed):
+    """A trainable layer without a gradient on a rank contributes m_i = beta1 * m."""
+    torch.manual_seed(seed)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sim = SimRanks(model, opt, lambda: hvdsparse.TopK(1.0), 2, warmup=1)
+    sim.step(grads(model, 2, 0, seed))
+    p = sim.named["fc1.weight"]
+    m = opt.state[p]["exp_avg"].clone()
+    x, _ = sim.recipe.corrected("fc1.weight", torch.zeros_like(p), p, False, None)
+    assert torch.equal(x, m * 0.9)
+
+
+def test_setup_checks():
+    p = nn.Parameter(torch.randn(4, 4))
+    adam = torch.optim.Adam([p])
+    topk = hvdsparse.TopK(0.01)
+    assert adam_setup(adam, topk, None, None) == DEFAULT_WARMUP
+    assert adam_setup(torch.optim.AdamW([p]), topk, None, 7) == 7
+    assert adam_setup(adam, topk, False, None) is None
+    assert adam_setup(adam, hvdsparse.NoCompression(), None, None) is None
+    assert adam_setup(torch.optim.SGD([p], lr=0.1), topk, None, None) is None
+    bad = [
+        (dict(optimizer=torch.optim.SGD([p], lr=0.1), adam_recipe=True), "Adam or AdamW"),
+        (dict(optimizer=torch.optim.Adam([p], amsgrad=True)), "amsgrad"),
+        (dict(optimizer=torch.optim.Adam([p], differentiable=True)), "differentiable"),
+        (dict(optimizer=torch.optim.Adam([nn.Parameter(torch.randn(3, dtype=torch.cfloat))])),
+         "complex"),
+        (dict(adam_warmup=0), "adam_warmup"),
+        (dict(adam_warmup=2.5), "adam_warmup"),
+        (dict(adam_warmup=True), "adam_warmup"),
+        (dict(adam_recipe="yes"), "adam_recipe"),
+        (dict(adam_recipe=False, adam_warmup=10), "recipe is off"),
+        (dict(local_gradient="partial"), "local_gradient"),
+        (dict(momentum_correction=True), "momentum_correction"),
+    ]
+    for kw, words in bad:
+        args = dict(optimizer=adam, compression=topk, adam_recipe=None, adam_warmup=None)
+        args.update(kw)
+        extra = {k: args.pop(k) for k in ("local_gradient", "momentum_correction")
+                 if k in args}
+        with pytest.raises(ValueError, match=words):
+            adam_setup(args["optimizer"], args["compression"], args["adam_recipe"],
+                       args["adam_warmup"], **extra)
+
+
+def test_checkpoint_round_trip(seed):
+    """optimizer.state_dict() + the compressors' state continue bitwise identically."""
+    torch.manual_seed(seed)
+    P, warmup = 2, 2
+
+    def fresh():
+        torch.manual_seed(seed)
+        m = Net()
+        o = torch.optim.AdamW(m.parameters(), lr=5e-3)
+        return m, o, SimRanks(m, o, lambda: hvdsparse.TopK(0.05), P, warmup)
+
+    model, opt, sim = fresh()
+    for step in range(4):
+        sim.step(grads(model, P, step, seed))
+    saved = (opt.state_dict(), [c.state_dict() for c in sim.comps],
+             sim.recipe.state_dict(), model.state_dict())
+    saved = torch.utils._pytree.tree_map(
+        lambda x: x.clone() if isinstance(x, torch.Tensor) else x, saved)
+    for step in range(4, 8):
+        sim.step(grads(model, P, step, seed))
+    m2, o2, s2 = fresh()
+    m2.load_state_dict(saved[3])
+    o2.load_state_dict(saved[0])
+    for c, sd in zip(s2.comps, saved[1]):
+        c.load_state_dict(sd)
+    s2.recipe.load_state_dict(saved[2])
+    s2.recipe.forget()
+    s2.t = 4
+    for step in range(4, 8):
+        s2.step(grads(m2, P, step, seed))
+    for (n, a), b in zip(model.named_parameters(), m2.parameters()):
+        assert torch.equal(a, b), f"{n} differs after resume"
+    assert math.isclose(float(o2.state[m2.fc1.weight]["step"]), 8)

@@ -1,0 +1,113 @@
+"""An independent plain-torch replay of the Adam recipe (1-bit Adam's frozen variance and
+compressed momentum after a dense warm-up) for P simulated ranks, written from the
+definition in the README / hvdsparse.adam's docstring, not from the code under test.
+
+Per layer with ``t`` its Adam step count before this step:
+
+* dense layers (fewer than ``dense_below`` elements, or 1-D) and warm-up (``t < T_w``):
+  exact Adam on ``G = (sum_r g_r) / P``:  (AdamW: ``w *= 1 - lr wd``; Adam: ``G += wd w``)
+  ``m = b1 m + (1 - b1) G``, ``v = b2 v + (1 - b2) G^2``, ``t += 1``,
+  ``w -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``;
+* after: per rank ``m_r = b1 m + (1 - b1) (g_r [+ wd w for Adam])``, ``acc = e_r + m_r``,
+  ``sent = select(acc)``, ``e_r = acc - sent``; ``M = (sum_r sent_r) / P``;
+  (AdamW: ``w *= 1 - lr wd``) ``m = M``, ``t += 1``, ``v`` unchanged,
+  ``w -= lr / (1 - b1^t) * M / (sqrt(v) / sqrt(1 - b2^T_w) + eps)``.
+
+``select``: :func:`topk_exact` (TopK(ratio, exact=True)) or :func:`adacomp` (AdaComp's
+pack(), Algorithm 2 of the AdaComp paper with this project's fixed per-bin capacity).
+"""
+import math
+
+import torch
+
+
+def topk_exact(ratio):
+    def select(acc):
+        flat = acc.reshape(-1)
+        k = max(1, min(flat.numel(), math.ceil(ratio * flat.numel() - 1e-9)))
+        idx = torch.topk(flat.abs(), k).indices
+        idx = idx[flat[idx] != 0]
+        sent = torch.zeros_like(flat)
+        sent[idx] = flat[idx]
+        return sent.view_as(acc)
+    return select
+
+
+def adacomp(bin_size=500, scale=2.0, max_per_bin=None):
+    """AdaComp: G = acc (residue + dW), H = G + (scale - 1) dW, gmax per bin, send
+    |H| >= gmax (at most ``max_per_bin`` largest |H| per bin) as sign(G) * s with
+    s = mean of the bin maxima."""
+    cap = max_per_bin or max(4, math.ceil(bin_size / 50))
+
+    def select(acc, dW):
+        G, d = acc.reshape(-1), dW.reshape(-1)
+        n = G.numel()
+        nb = -(-n // bin_size)
+        pad = nb * bin_size - n
+        Gp = torch.cat([G, G.new_zeros(pad)]).view(nb, bin_size)
+        Hp = torch.cat([G + (scale - 1.0) * d, G.new_zeros(pad)]).view(nb, bin_size)
+        gmax = Gp.abs().max(dim=1).values.clamp_min(torch.finfo(torch.float32).tiny)
+        s = gmax.mean()
+        top = torch.topk(Hp.abs(), min(cap, bin_size), dim=1)
+        ok = top.values >= gmax.unsqueeze(1)
+        mask = torch.zeros(nb, bin_size, dtype=torch.bool)
+        mask.scatter_(1, top.indices, ok)
+        mask = mask.reshape(-1)[:n]
+        sign = torch.where(G < 0, -1.0, 1.0)
+        sent = torch.where(mask, sign * s, torch.zeros(()))
+        return sent.view_as(acc)
+    return select
+
+
+class AdamReplay:
+    def __init__(self, weights, P, *, lr, betas, eps, wd, decoupled, warmup, select,
+                 dense_below=1024, needs_dw=False):
+        self.W = {n: w.detach().clone().float() for n, w in weights.items()}
+        self.P, self.lr, self.eps, self.wd = P, lr, eps, wd
+        self.b1, self.b2 = betas
+        self.decoupled, self.warmup, self.select = decoupled, warmup, select
+        self.dense_below, self.needs_dw = dense_below, needs_dw
+        self.m = {n: torch.zeros_like(w) for n, w in self.W.items()}
+        self.v = {n: torch.zeros_like(w) for n, w in self.W.items()}
+        self.t = {n: 0 for n in self.W}
+        self.e = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
+
+    def dense(self, n):
+        W = self.W[n]
+        return W.numel() < self.dense_below or W.dim() <= 1
+
+    def step(self, everyone):
+        """``everyone``: every rank's raw local gradients ``{name: tensor}``, rank order."""
+        P, lr, wd, b1, b2, eps = self.P, self.lr, self.wd, self.b1, self.b2, self.eps
+        for n, W in self.W.items():
+            if self.dense(n) or self.t[n] < self.warmup:
+                G = sum(everyone[r][n].float() for r in range(P)) * (1.0 / P)
+                if self.decoupled:
+                    W = W * (1 - lr * wd)
+                elif wd:
+                    G = G + wd * W
+                self.m[n] = b1 * self.m[n] + (1 - b1) * G
+                self.v[n] = b2 * self.v[n] + (1 - b2) * G * G
+                self.t[n] += 1
+                t = self.t[n]
+                denom = self.v[n].sqrt() / math.sqrt(1 - b2 ** t) + eps
+                self.W[n] = W - lr / (1 - b1 ** t) * self.m[n] / denom
+                continue
+            M = torch.zeros_like(W)
+            for r in range(P):
+                g = everyone[r][n].float()
+                if wd and not self.decoupled:
+                    g = g + wd * W
+                mr = b1 * self.m[n] + (1 - b1) * g
+                acc = self.e[r][n] + mr
+                sent = self.select(acc, mr) if self.needs_dw else self.select(acc)
+                self.e[r][n] = acc - sent
+                M = M + sent
+            M = M * (1.0 / P)
+            if self.decoupled:
+                W = W * (1 - lr * wd)
+            self.m[n] = M
+            self.t[n] += 1
+            t = self.t[n]
+            denom = self.v[n].sqrt() / math.sqrt(1 - b2 ** self.warmup) + eps
+            self.W[n] = W - lr / (1 - b1 ** t) * M / denom

@@ -2,7 +2,8 @@
 the in-flight handle.
 
 A *bucket* is an ordered list of layers whose payloads travel in one collective (or,
-for ``split``, two alltoalls: pairs to their owners, reduced ranges to everyone). Its layers are laid end to end
+for ``split``, two alltoalls: pairs to their owners, reduced ranges to everyone; for
+``balanced``, an alltoall of pairs and an allgather of the owners' selections). Its layers are laid end to end
 in a flat fp32 vector of ``numel`` elements (layer ``j`` at ``offsets[j]``); every
 strategy returns the **sum over all ranks** of the ranks' decoded payloads in that
 flat layout. Averaging (``op=Average``), ``after_exchange`` and writing ``p.grad``
@@ -24,8 +25,8 @@ blocking call (``.item()``, ``.tolist()``, ``nonzero``, a H2D copy of a Python l
 cost model's pair counts) are computed on the device and handed to a
 :class:`HostReadout`: one non-blocking copy into pinned host memory plus a CUDA event.
 The host reads them once the event has completed; :class:`DeferredFigures` wraps this
-for the cost model. The one exception is ``split``, whose variable-size collectives need
-host integers (see :mod:`.split`): it reads them through the same readouts and waits on
+for the cost model. The exceptions are ``split`` and ``balanced``, whose variable-size alltoalls need
+host integers (see :mod:`.split`, :mod:`.balanced`: one read per bucket for balanced): it reads them through the same readouts and waits on
 their event only when the next phase cannot start otherwise.
 
 Buffers

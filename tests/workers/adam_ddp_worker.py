@@ -86,21 +86,21 @@ for cls, comp, sel, dw, wd in ((torch.optim.Adam, hvdsparse.TopK(0.05, exact=Tru
     rep = AdamReplay(dict(net.named_parameters()), P, lr=3e-3, betas=(0.9, 0.99), eps=1e-8,
                      wd=wd, decoupled=cls is torch.optim.AdamW, warmup=2, select=sel,
                      needs_dw=dw)
-    for step in range(7):
+    for step in range(5):
         step_once(net, model, opt, step, rep)
 
 # checkpoint / resume
 net, model, opt, state = build(torch.optim.AdamW, hvdsparse.TopK(0.05), 0.0)
-for step in range(4):
+for step in range(3):
     step_once(net, model, opt, step)
 saved = copy.deepcopy((net.state_dict(), opt.state_dict(), state.state_dict()))
-for step in range(4, 8):
+for step in range(3, 6):
     step_once(net, model, opt, step)
 net2, model2, opt2, state2 = build(torch.optim.AdamW, hvdsparse.TopK(0.05), 0.0, seed=9)
 net2.load_state_dict(saved[0])
 opt2.load_state_dict(saved[1])
 state2.load_state_dict(saved[2])
-for step in range(4, 8):
+for step in range(3, 6):
     step_once(net2, model2, opt2, step)
 for (n, a), b in zip(net.named_parameters(), net2.parameters()):
     check(torch.equal(a, b), f"resume: {n} differs from the uninterrupted run")

@@ -148,17 +148,21 @@ class Balance:
         self._set(equal_bounds(self.numel, self.world_size))
 
     def _set(self, bounds: List[int]) -> None:
+        """Adopt ``bounds``; the device copies of everything derived from them are made
+        here, once per change (pinned + non-blocking on CUDA: no stream sync)."""
         self.bounds = [int(b) for b in bounds]
-        dev, P = self.device, self.world_size
-        lo = torch.tensor(self.bounds[:-1], dtype=torch.int64, device=dev)
-        n = torch.tensor([b - a for a, b in zip(self.bounds, self.bounds[1:])],
-                         dtype=torch.int64, device=dev)
-        self.lo_t, self.n_t = lo.view(P, 1), n.view(P, 1)
-        self.ends = torch.tensor([max(b - 1, 0) for b in self.bounds[1:]],
-                                 dtype=torch.int64, device=dev)
-        self.nonempty = torch.tensor([int(b > 0) for b in self.bounds[1:]],
-                                     dtype=torch.int64, device=dev)
-        self.edges = torch.tensor(sub_bin_edges(self.bounds), dtype=torch.int64, device=dev)
+        P = self.world_size
+
+        def dev(values):
+            t = torch.tensor(values, dtype=torch.int64)
+            if self.device.type == "cuda":
+                return t.pin_memory().to(self.device, non_blocking=True)
+            return t.to(self.device)
+        self.lo_t = dev(self.bounds[:-1]).view(P, 1)
+        self.n_t = dev([b - a for a, b in zip(self.bounds, self.bounds[1:])]).view(P, 1)
+        self.ends = dev([max(b - 1, 0) for b in self.bounds[1:]])
+        self.nonempty = dev([int(b > 0) for b in self.bounds[1:]])
+        self.edges = dev(sub_bin_edges(self.bounds))
 
     def before_launch(self) -> None:
         """Adopt the candidate of the exchange two back when the rule says so (module

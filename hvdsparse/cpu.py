@@ -49,7 +49,7 @@ from .philox import (_check_pos_int, _check_seed, _par_ranges, _par_run,  # noqa
 __all__ = [
     "residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
     "sign_unpack", "scatter_add_decode", "philox_uniform", "philox_uint32",
-    "pack_bits", "unpack_bits",
+    "pack_bits", "unpack_bits", "count_abs_ge", "binned_select",
     "VE_FP32", "VE_FP16", "VE_BF16", "VE_SIGN1", "QUANT_BITS_ALLOWED",
 ]
 
@@ -306,6 +306,148 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
     if nonfinite is not None and bad[0]:
         nonfinite.view(-1)[0] += bad[0]
     return out
+
+
+# --------------------------------------------------------------------------------------
+# 1b. count of |x| >= t (TopK's threshold refinement)
+# --------------------------------------------------------------------------------------
+
+#: elements per chunk of :func:`count_abs_ge` (256 KiB of fp32: the |x| chunk and its
+#: mask stay in L2)
+_COUNT_CHUNK = 1 << 16
+
+
+def count_abs_ge(x: torch.Tensor, threshold: torch.Tensor, same_as=None) -> torch.Tensor:
+    """``#{i : |x_i| >= t}`` as a fp32 0-d tensor (NaN never counts), ``t`` a 1-element
+    fp32 tensor. Same value as ``torch.count_nonzero(torch.abs(x) >= t).float()``, but
+    one chunked numpy pass (no full-size |x| or mask, split across threads like (1)).
+
+    ``same_as = (t_prev, c_prev)``: when ``t == t_prev`` (both read on the host: CPU
+    tensors) the count is ``c_prev`` and no pass is made -- the count of an unchanged
+    threshold cannot change."""
+    _check_1d("x", x, (torch.float32,))
+    t32 = np.float32(threshold.detach().reshape(-1).numpy()[0])
+    if same_as is not None:
+        tp, cp = same_as
+        if np.float32(tp.detach().reshape(-1).numpy()[0]) == t32:
+            return cp
+    xn = x.detach().numpy()
+    n = xn.shape[0]
+    counts = []
+    lock = threading.Lock()
+
+    def work(s0, e0):
+        tn, mn = _chunk_scratch(min(_COUNT_CHUNK, e0 - s0))
+        c = 0
+        for st in range(s0, e0, _COUNT_CHUNK):
+            e = min(st + _COUNT_CHUNK, e0)
+            m = e - st
+            a = np.abs(xn[st:e], out=tn[:m])
+            c += int(np.count_nonzero(np.greater_equal(a, t32, out=mn[:m])))
+        with lock:
+            counts.append(c)
+
+    if n:
+        _par_run(work, _par_ranges(n, _COUNT_CHUNK, max(_COUNT_CHUNK, _CHUNK_PAR_MIN)))
+    # exact: a count < 2**24 is an fp32 integer, larger ones round once (as .float())
+    return torch.tensor(float(sum(counts)), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------
+# 1c. per-bin capped selection of |acc + (h_scale - 1) g| (AdaComp's pack on the CPU)
+# --------------------------------------------------------------------------------------
+
+
+def binned_select(acc: torch.Tensor, grad: torch.Tensor, h_scale: float,
+                  threshold: torch.Tensor, bin_size: int, c: int,
+                  grad_scale: Optional[torch.Tensor] = None):
+    """Per bin ``b`` of ``bin_size`` consecutive elements (last one partial), the up to
+    ``c`` largest ``|h_i|`` with ``|h_i| >= threshold[b]``, where
+    ``h = acc + (h_scale - 1) * d`` and ``d = fp32(grad) * grad_scale`` with non-finite
+    ``d`` taken as 0 (each product and sum its own fp32 rounding, as the torch ops
+    ``acc + (h_scale - 1) * where(isfinite(d), d, 0)`` round). Ties in ``|h|`` inside
+    a bin that holds more than ``c`` passing elements go to the lower index.
+
+    Returns ``(gidx int64[nb*c], rel int64[nb*c], vmask bool[nb*c], count int32[1],
+    bin_counts int32[nb], selected int32[1])``: the sent slots first, by bin, largest
+    ``|h|`` first within a bin (the layout of ``compressors.base.binned_topc``);
+    padding slots hold index 0; ``selected`` counts every passing element (before the
+    per-bin cap). One chunked numpy pass (no full-size temporary) plus a sort of the
+    passing elements only."""
+    _check_1d("acc", acc, (torch.float32,))
+    _check_1d("grad", grad, _FLOAT_DTYPES)
+    n = acc.numel()
+    L = int(bin_size)
+    nb = -(-n // L)
+    thr = threshold.detach().reshape(-1)
+    if thr.numel() != nb or grad.numel() != n:
+        raise ValueError(f"binned_select: threshold has {thr.numel()} bins and grad "
+                         f"{grad.numel()} elements, expected {nb} and {n}")
+    an = acc.detach().numpy()
+    gt = grad.detach()
+    if gt.dtype == torch.bfloat16:            # numpy has no bf16: widen once (exact)
+        gt = gt.to(torch.float32)
+    gn = gt.numpy()
+    thr_n = thr.to(torch.float32).numpy()
+    s32 = (np.float32(grad_scale.detach().reshape(-1).numpy()[0])
+           if grad_scale is not None else None)
+    hm1 = np.float32(float(h_scale) - 1.0)
+    ch = max(1, _CHUNK // L) * L
+    tn, mn = _chunk_scratch(min(ch, n) if n else 1)
+    cand_i, cand_v = [], []
+    for st in range(0, n, ch):
+        e = min(st + ch, n)
+        m = e - st
+        d = tn[:m]
+        if s32 is not None:
+            np.multiply(gn[st:e], s32, out=d, dtype=np.float32)
+        else:
+            d[:] = gn[st:e]                   # fp16 -> fp32 is exact
+        with np.errstate(invalid="ignore", over="ignore"):
+            total = np.add.reduce(d, dtype=np.float32)
+        if not np.isfinite(total):
+            fin = np.isfinite(d, out=mn[:m])
+            np.copyto(d, np.float32(0.0), where=~fin)
+        np.multiply(d, hm1, out=d)
+        np.add(an[st:e], d, out=d)
+        np.abs(d, out=d)
+        mk = mn[:m]
+        b0 = st // L
+        nfull = m // L
+        if nfull:
+            np.greater_equal(d[: nfull * L].reshape(nfull, L), thr_n[b0:b0 + nfull, None],
+                             out=mk[: nfull * L].reshape(nfull, L))
+        if nfull * L < m:
+            np.greater_equal(d[nfull * L:], thr_n[b0 + nfull], out=mk[nfull * L:])
+        idx = np.flatnonzero(mk)
+        if idx.shape[0]:
+            cand_v.append(d[idx])
+            cand_i.append(idx + st)
+    cap = nb * c
+    gidx = np.zeros(cap, np.int64)
+    rel = np.zeros(cap, np.int64)
+    bin_counts = np.zeros(nb, np.int32)
+    selected = count = 0
+    if cand_i:
+        ci = np.concatenate(cand_i)
+        cv = np.concatenate(cand_v)
+        selected = ci.shape[0]
+        cb = ci // L
+        # by bin, then |h| descending, then index ascending (lexsort is stable)
+        order = np.lexsort((ci, -cv, cb))
+        ci, cb = ci[order], cb[order]
+        first = np.searchsorted(cb, cb, side="left")
+        keep = (np.arange(ci.shape[0]) - first) < c
+        ci, cb = ci[keep], cb[keep]
+        count = ci.shape[0]
+        gidx[:count] = ci
+        rel[:count] = ci - cb * L
+        bin_counts = np.bincount(cb, minlength=nb).astype(np.int32)
+    vmask = np.zeros(cap, np.bool_)
+    vmask[:count] = True
+    return (torch.from_numpy(gidx), torch.from_numpy(rel), torch.from_numpy(vmask),
+            torch.tensor([count], dtype=torch.int32), torch.from_numpy(bin_counts),
+            torch.tensor([selected], dtype=torch.int32))
 
 
 # --------------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ from . import cpu as _ref
 __all__ = [
     "residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
     "sign_unpack", "scatter_add_decode", "philox_uniform", "use_triton", "pack_bits",
-    "unpack_bits", "row_threshold_kernel", "row_threshold_max_d",
+    "unpack_bits", "row_threshold_kernel", "row_threshold_max_d", "count_abs_ge",
+    "has_cpu_path", "binned_select",
 ]
 
 _KERNELS = None
@@ -127,6 +128,37 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
     _ref._check_residual_args(grad, residual, bin_size, out, grad_scale, nonfinite)
     return _kernels().residual_add_binmax(grad, residual, bin_size, out=out,
                                           grad_scale=grad_scale, nonfinite=nonfinite)
+
+
+def count_abs_ge(x: torch.Tensor, threshold: torch.Tensor, *, same_as=None,
+                 abs_out: Optional[torch.Tensor] = None,
+                 mask_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``#{i : |x_i| >= threshold}`` as a fp32 0-d tensor on ``x``'s device (NaN never
+    counts). CPU: one fused chunked pass (:func:`hvdsparse.cpu.count_abs_ge`, which
+    also skips the pass when ``same_as = (t_prev, c_prev)`` has ``t_prev == threshold``).
+    Elsewhere: ``abs`` (into ``abs_out``), ``ge`` (into ``mask_out``), ``count_nonzero``
+    on the device, no host sync (``same_as`` ignored)."""
+    if not use_triton(x) and x.device.type == "cpu" and x.dtype == torch.float32:
+        return _ref.count_abs_ge(x.reshape(-1), threshold, same_as=same_as)
+    a = torch.abs(x, out=abs_out) if abs_out is not None else x.abs()
+    ge = torch.ge(a, threshold, out=mask_out) if mask_out is not None else a >= threshold
+    # count_nonzero, not bool .sum(): the latter is ~7x slower on CPU (int64 cast)
+    return torch.count_nonzero(ge).to(torch.float32)
+
+
+def has_cpu_path(t: torch.Tensor) -> bool:
+    """True when operations on ``t`` run on the numpy CPU path (a CPU tensor and no
+    forced Triton): callers may then use the CPU-only helpers below."""
+    return not use_triton(t) and t.device.type == "cpu"
+
+
+def binned_select(acc, grad, h_scale, threshold, bin_size, c, grad_scale=None):
+    """CPU only (see :func:`has_cpu_path`): :func:`hvdsparse.cpu.binned_select`."""
+    if not has_cpu_path(acc):
+        raise RuntimeError("ops.binned_select is the CPU path; on other devices use "
+                           "compressors.base.binned_topc")
+    return _ref.binned_select(acc, grad, h_scale, threshold, bin_size, c,
+                              grad_scale=grad_scale)
 
 
 def select_compact(acc: torch.Tensor, threshold, capacity: int, *, bin_size: int = 0,

@@ -43,7 +43,8 @@ import math
 import torch
 
 from ..payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
-from .base import TINY, Compressor, binned_topc, ceil_div, pack_signs
+from .. import ops
+from .base import TINY, Compressor, binned_rel, binned_topc, ceil_div, pack_signs
 
 __all__ = ["AdaComp"]
 
@@ -112,14 +113,19 @@ class AdaComp(Compressor):
                     dict())
         G, gmax = self._acc(name, flat, L, True)             # G = residue + dW, in place
         scale = gmax.mean()                                  # one scale per layer
-        if cfg["scale"] != 1.0:
-            # dW as the residual saw it: non-finite elements 0, loss scale removed
-            H = G + (cfg["scale"] - 1.0) * self._clean_grad(flat)
-        else:
-            H = G
         thr = gmax.clamp_min(TINY).unsqueeze(1)
-        gidx, rel, vmask, count, bin_counts, a = binned_topc(H.abs(), L, c, thr)
-        selected = (a >= thr).sum(dtype=torch.int32).reshape(1)
+        if ops.has_cpu_path(G):
+            # CPU: H, |H|, the compare and the per-bin cap in one chunked numpy pass
+            # plus a sort of the passing elements (no per-bin topk over the layer)
+            gidx, rel, vmask, count, bin_counts, selected = ops.binned_select(
+                G, flat, cfg["scale"], thr, L, c, grad_scale=self._call.grad_scale)
+            rel = binned_rel(rel, L)
+        else:
+            # dW as the residual saw it: non-finite elements 0, loss scale removed
+            H = G + (cfg["scale"] - 1.0) * self._clean_grad(flat) if cfg["scale"] != 1.0 \
+                else G
+            gidx, rel, vmask, count, bin_counts, a = binned_topc(H.abs(), L, c, thr)
+            selected = (a >= thr).sum(dtype=torch.int32).reshape(1)
         g = G[gidx]
         neg = (g < 0) & vmask
         q = torch.where(neg, -scale, scale)

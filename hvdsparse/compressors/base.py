@@ -156,7 +156,7 @@ def binned_topc(a: torch.Tensor, bin_size: int, c: int, thr):
 
     Returns ``(gidx, rel, vmask, count, bin_counts, padded)``: ``nbins * c`` slots with the
     valid ones first, in bin order (largest first within a bin); ``gidx`` the absolute
-    int64 index (0 in unused slots), ``rel`` the index within its bin, already cast to the
+    int64 index (0 in unused slots), ``rel`` the index within its bin (0 in unused slots), cast to the
     wire dtype (uint8 for bins <= 256, else int16 holding the uint16 bits), ``vmask`` the
     valid slots, ``count`` int32[1], ``bin_counts`` int32[nbins], and ``padded`` = ``a``
     zero-padded to whole bins, viewed [nbins, bin_size]. All on the device, no host sync.
@@ -178,11 +178,16 @@ def binned_topc(a: torch.Tensor, bin_size: int, c: int, thr):
     vmask = fvalid[order]
     count = fvalid.sum(dtype=torch.int32).reshape(1)
     gidx = torch.where(vmask, gidx, torch.zeros_like(gidx))
+    rel = torch.where(vmask, rel, torch.zeros_like(rel))   # padding slots: 0 on the wire
+    return gidx, binned_rel(rel, bin_size), vmask, count, bin_counts, padded
+
+
+def binned_rel(rel: torch.Tensor, bin_size: int) -> torch.Tensor:
+    """int64 bin-relative indices in the wire dtype: uint8 for bins <= 256, else int16
+    holding the uint16 bits."""
     if bin_size <= 256:
-        rel = rel.to(torch.uint8)
-    else:
-        rel = torch.where(rel >= 32768, rel - 65536, rel).to(torch.int16)
-    return gidx, rel, vmask, count, bin_counts, padded
+        return rel.to(torch.uint8)
+    return torch.where(rel >= 32768, rel - 65536, rel).to(torch.int16)
 
 def _deep_clone(x):
     """Copy of a nest of dicts / lists / tuples whose tensors are detached clones, so a

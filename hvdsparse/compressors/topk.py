@@ -127,13 +127,22 @@ def estimate_topk_threshold(acc: torch.Tensor, k: int, capacity: int, offset: in
     v = torch.topk(sample, m, sorted=True).values       # descending
     t = v[r0 - 1]
     r = torch.full((), float(r0), dtype=torch.float32, device=acc.device)
+    # CPU: each count is one fused chunked pass, skipped when tau did not move (the
+    # count of an unchanged tau is the previous count: same result, one pass fewer when
+    # the first estimate is already in range). Elsewhere |acc| once, then ge + count.
+    fused = not ops.use_triton(acc) and acc.device.type == "cpu"
     a = None
-    if rounds > 0:
+    if rounds > 0 and not fused:
         a = torch.abs(acc, out=abs_out) if abs_out is not None else acc.abs()
+    prev = None
     for _ in range(rounds):
-        # count_nonzero, not bool .sum(): the latter is ~7x slower on CPU (int64 cast)
-        ge = torch.ge(a, t, out=mask_out) if mask_out is not None else a >= t
-        c = torch.count_nonzero(ge).to(torch.float32)
+        if fused:
+            c = ops.count_abs_ge(acc, t, same_as=prev)
+            prev = (t, c)
+        else:
+            # count_nonzero, not bool .sum(): the latter is ~7x slower on CPU (int64 cast)
+            ge = torch.ge(a, t, out=mask_out) if mask_out is not None else a >= t
+            c = torch.count_nonzero(ge).to(torch.float32)
         ok = (c >= k) & (c <= capacity)
         r_new = (r * target / c.clamp_min(1.0)).round().clamp(1.0, float(m))
         # index_select with a 1-element tensor: indexing with a 0-d tensor would be

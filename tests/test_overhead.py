@@ -1,0 +1,212 @@
+"""The CPU fast paths added for issue 13 item 2 (compression overhead at P = 1), each
+against an independent plain-torch / plain-Python reference written from its
+definition, plus a smoke run of scripts/bench_overhead.py.
+
+* ``cpu.count_abs_ge``: ``#{|x| >= t}`` (NaN never counts; signed zeros; the threshold
+  exactly on data values) and the ``same_as`` shortcut;
+* TopK's threshold estimate on the CPU (fused counts, early stop) returns the same
+  tau as the torch-op loop it replaces (re-implemented here from the docstring);
+* ``cpu.binned_select`` (AdaComp's pack): per bin the ``c`` largest ``|h|`` passing
+  ``|h| >= thr[b]``, ties to the lower index, with fp16 / bf16 gradients, NaN/Inf
+  addends (taken as 0), a loss scale and a partial last bin;
+* AdaComp end to end on the CPU path: sent + residual == G (the accumulated gradient)
+  and what was sent is the reference's selection.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hvdsparse import cpu, ops
+from hvdsparse.compressors import AdaComp, TopK
+from hvdsparse.compressors.base import TINY
+from hvdsparse.compressors.topk import estimate_topk_threshold
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# ------------------------------------------------------------------ count_abs_ge
+
+def test_count_abs_ge_matches_definition(seed):
+    g = _gen(seed)
+    for n in (0, 1, 1000, (1 << 16) + 3, (1 << 20) + 17):
+        x = torch.randn(n, generator=g)
+        if n > 10:
+            x[3] = float("nan")
+            x[4] = -0.0
+            x[5] = float("-inf")
+            x[7] = -x[8]                 # |x| ties
+        for t in ([0.0, 0.5, 1.0, 3.0] + ([float(x[8].abs())] if n > 10 else [])):
+            tt = torch.tensor(t)
+            want = sum(1 for v in x.tolist() if not math.isnan(v) and abs(v) >= t) \
+                if n <= 1000 else int(torch.count_nonzero(x.abs() >= t))
+            got = cpu.count_abs_ge(x, tt)
+            assert got.dtype == torch.float32 and got.dim() == 0
+            assert int(got) == want, (n, t, int(got), want)
+        # same_as: equal threshold -> the given count, without a pass (a wrong count
+        # given on purpose comes back); a different threshold -> a fresh count
+        fake = torch.tensor(-1.0)
+        assert float(cpu.count_abs_ge(x, torch.tensor(0.5), same_as=(torch.tensor(0.5), fake))) == -1
+        assert float(cpu.count_abs_ge(x, torch.tensor(0.5), same_as=(torch.tensor(0.6), fake))) \
+            == float(torch.count_nonzero(x.abs() >= 0.5))
+
+
+def _estimate_reference(acc, k, capacity, offset, rounds, sample_min=4096, sample_above=256):
+    """TopK's estimate as written in its docstring, in plain torch ops (every round
+    counts over the whole layer)."""
+    n = acc.numel()
+    target = 0.5 * (k + capacity)
+    s = min(n, max(sample_min, math.ceil(sample_above * n / target)))
+    if 2 * s > n:
+        return torch.topk(acc.abs(), k, sorted=False).values.min().clamp_min(TINY)
+    stride = n // s
+    sample = acc[offset % stride::stride][:s].abs()
+    r0 = max(1, min(s, round(target * s / n)))
+    m = min(s, 4 * r0 + 16)
+    v = torch.topk(sample, m, sorted=True).values
+    t = v[r0 - 1]
+    r = torch.tensor(float(r0))
+    for _ in range(rounds):
+        c = (acc.abs() >= t).sum().to(torch.float32)
+        ok = (c >= k) & (c <= capacity)
+        r_new = (r * target / c.clamp_min(1.0)).round().clamp(1.0, float(m))
+        t_new = v[(r_new - 1).long()]
+        t = torch.where(ok, t, t_new)
+        r = torch.where(ok, r, r_new)
+    return t.clamp_min(TINY)
+
+
+def test_topk_estimate_cpu_path_equals_reference(seed):
+    g = _gen(seed)
+    cases = 0
+    for n in (30_000, 200_000, 1_100_000):
+        for density in (0.001, 0.01, 0.1):
+            for dist in ("normal", "laplace", "heavy"):
+                x = torch.randn(n, generator=g)
+                if dist == "laplace":
+                    x = torch.sign(x) * -torch.log(torch.rand(n, generator=g) + 1e-12)
+                elif dist == "heavy":
+                    x = x / (torch.rand(n, generator=g) + 1e-3)
+                k = max(1, math.ceil(density * n))
+                cap = min(n, math.ceil(1.5 * k))
+                for rounds in (0, 1, 2, 4):
+                    off = int(torch.randint(0, 1 << 30, (1,), generator=g))
+                    got = estimate_topk_threshold(x, k, cap, offset=off, rounds=rounds)
+                    want = _estimate_reference(x, k, cap, off, rounds)
+                    assert torch.equal(got, want), (n, density, dist, rounds, got, want)
+                    cases += 1
+    assert cases == 3 * 3 * 3 * 4
+
+
+# ------------------------------------------------------------------ binned_select
+
+def _binned_reference(acc, grad, h_scale, thr, L, c, grad_scale):
+    """Per-bin plain-Python selection from the definition (ties: lower index first)."""
+    d = grad.float() if grad_scale is None else grad.float() * grad_scale
+    d = torch.where(torch.isfinite(d), d, torch.zeros(()))
+    h = (acc + (h_scale - 1.0) * d).abs()
+    n = acc.numel()
+    nb = -(-n // L)
+    sel, bin_counts, selected = [], [], 0
+    hl, tl = h.tolist(), thr.reshape(-1).tolist()
+    for b in range(nb):
+        lo, hi = b * L, min(n, (b + 1) * L)
+        passing = [i for i in range(lo, hi) if hl[i] >= tl[b]]
+        selected += len(passing)
+        passing.sort(key=lambda i: (-hl[i], i))
+        sel += passing[:c]
+        bin_counts.append(min(c, len(passing)))
+    return sel, bin_counts, selected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_binned_select_matches_definition(seed, dtype):
+    g = _gen(seed)
+    for n, L, c, h_scale, scaled in ((5_003, 7, 2, 2.0, False), (20_000, 500, 10, 2.0, True),
+                                    (9_000, 300, 6, 3.0, False), (4_096, 50, 4, 1.0, True),
+                                    ((1 << 18) + 11, 500, 10, 2.0, False)):
+        acc = torch.randn(n, generator=g) * 0.1
+        grad = (torch.randn(n, generator=g) * 0.1).to(dtype)
+        acc[:40] = 0.25                  # ties in |h| inside the first bins
+        grad[:40] = 0.0
+        grad[41] = float("nan")
+        grad[42] = float("inf")
+        gs = torch.tensor([0.5]) if scaled else None
+        # thresholds: the per-bin max of |acc|, as AdaComp uses them (several pass)
+        nb = -(-n // L)
+        pad = torch.cat([acc.abs(), acc.new_zeros(nb * L - n)]).view(nb, L)
+        thr = pad.amax(1).clamp_min(TINY).unsqueeze(1)
+        gidx, rel, vmask, count, bin_counts, selected = cpu.binned_select(
+            acc, grad, h_scale, thr, L, c, grad_scale=gs)
+        sel, bc, nsel = _binned_reference(acc, grad, h_scale, thr, L, c, gs)
+        cnt = len(sel)
+        assert int(count) == cnt and int(selected) == nsel
+        assert gidx.shape == (nb * c,) and rel.shape == (nb * c,) and vmask.shape == (nb * c,)
+        assert gidx[:cnt].tolist() == sel
+        assert (rel[:cnt] == gidx[:cnt] % L).all()
+        assert vmask[:cnt].all() and not vmask[cnt:].any()
+        assert not gidx[cnt:].any() and not rel[cnt:].any()
+        assert bin_counts.tolist() == bc
+
+
+def test_adacomp_cpu_path_end_to_end(seed):
+    """Sent + new residual == G = old residual + dW, and the sent set is the
+    reference's (|H| = |G + dW| per bin, ties to the lower index)."""
+    g = _gen(seed)
+    comp = AdaComp()
+    comp.bind(0, 1)
+    n0, n1 = 300, 1001
+    prev = torch.zeros(n0 * n1)
+    for step in range(3):
+        x = torch.randn(n0, n1, generator=g) * 0.01
+        p = comp.compress("w", x, step)
+        seg = p.segments[0]
+        G = prev + x.reshape(-1)
+        L = seg.bin_size
+        nb = -(-G.numel() // L)
+        pad = torch.cat([G.abs(), G.new_zeros(nb * L - G.numel())]).view(nb, L)
+        thr = pad.amax(1).clamp_min(TINY)
+        sel, bc, _ = _binned_reference(G, x.reshape(-1), 2.0, thr, L, seg.capacity // nb,
+                                       None)
+        cnt = int(seg.count)
+        assert cnt == len(sel) and seg.bin_counts.tolist() == bc
+        scale = float(seg.scales[0])
+        assert math.isclose(scale, float(thr.mean()), rel_tol=1e-6)
+        sent = torch.zeros_like(G)
+        signs = ops.unpack_bits(seg.values, 1, cnt).bool()
+        idx = torch.tensor(sel, dtype=torch.long)
+        sent[idx] = torch.where(signs, -seg.scales[0], seg.scales[0])
+        r = comp.residual("w")
+        assert torch.allclose(sent + r, G, rtol=0, atol=1e-6)
+        prev = r.clone()
+
+
+# ------------------------------------------------------------------ the benchmark
+
+def test_bench_overhead_smoke(tmp_path):
+    """The benchmark runs at world size 1 through the real scheduler path (every
+    method's compress timer and op count are non-zero) and writes its JSON."""
+    out = tmp_path / "ov"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_overhead.py"), "--width",
+                    "128", "--steps", "2", "--warmup", "1", "--rounds", "1", "--methods",
+                    "topk1,adacomp,qsgd4", "--out", str(out)],
+                   check=True, cwd=ROOT, env=env, capture_output=True, timeout=300)
+    res = json.loads(out.with_suffix(".json").read_text())
+    s = res["summary"]["current"]
+    assert set(s) == {"none", "topk1", "adacomp", "qsgd4"}
+    assert s["none"]["compress_ms"] == 0.0
+    for m in ("topk1", "adacomp", "qsgd4"):
+        assert s[m]["compress_ms"] > 0 and s[m]["aten_ops_extra"] > 0, (m, s[m])
+        assert s[m]["n_steps"] == 2

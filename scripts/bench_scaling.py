@@ -22,7 +22,10 @@ Steps ``--skip`` and later are averaged (the first exchanges have no history, an
         --out docs/bench/scaling
 
 writes ``np<P>.json`` per launch, then ``scaling.json`` and ``scaling.md`` (the table);
-``--report`` rebuilds the table from existing ``np<P>.json`` files.
+``--report`` rebuilds the table from existing ``np<P>.json`` files. ``--epochs E``
+instead trains E epochs per exchange (allgather, split, balanced, and Horovod's dense
+allreduce) and writes ``accuracy_np<P>.json``: the accuracy cost of balanced's
+phase-2 truncation next to the exact exchanges.
 """
 from __future__ import annotations
 
@@ -48,6 +51,9 @@ def parse(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "scaling"))
     ap.add_argument("--report", action="store_true", help="only rebuild the table")
+    ap.add_argument("--epochs", type=int, default=0,
+                    help="accuracy mode: train this many epochs per exchange (no byte "
+                         "table), report test accuracy and bytes (accuracy_np<P>.json)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -70,6 +76,8 @@ def worker(args):
     xtr, ytr, _, _ = load_data(args.seed)
     n = xtr.shape[0] // P
     mx, my = xtr[R * n:(R + 1) * n], ytr[R * n:(R + 1) * n]
+    if args.epochs:
+        return accuracy_worker(args, hvd, P, R, mx, my, n)
     rows = []
     for exchange in EXCHANGES:
         torch.manual_seed(args.seed)
@@ -129,6 +137,65 @@ def worker(args):
     _ = np
 
 
+def accuracy_worker(args, hvd, P, R, mx, my, n):
+    """Train ``--epochs`` epochs per exchange (same seed, data order, model) and report
+    the held-out accuracy and final training loss: what balanced's phase-2 truncation
+    costs in accuracy next to the exact exchanges."""
+    import torch
+    import torch.nn.functional as F
+    import hvdsparse
+    from train import build_model, load_data
+    _, _, xte, yte = load_data(args.seed)
+    rows = []
+    for exchange in ("allgather", "split", "balanced", "dense-baseline"):
+        torch.manual_seed(args.seed)
+        model = build_model(args.width)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if exchange == "dense-baseline":
+            opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+        else:
+            opt = hvdsparse.DistributedOptimizer(
+                base, named_parameters=model.named_parameters(),
+                compression=hvdsparse.TopK(args.ratio), exchange=exchange)
+        g = torch.Generator().manual_seed(args.seed)
+        steps, sent, dropped, loss = 0, 0, [], torch.zeros(())
+        for _ in range(args.epochs):
+            perm = torch.randperm(n, generator=g)
+            for b in range(0, n - 31, 32):
+                idx = perm[b:b + 32]
+                opt.zero_grad()
+                loss = F.cross_entropy(model(mx[idx]), my[idx])
+                loss.backward()
+                opt.step()
+                steps += 1
+                if exchange != "dense-baseline":
+                    last = opt.stats()["last"]
+                    sent += int(last["bytes_sent_total"])
+                    dropped += [bk["figures"]["p2_dropped_energy"] for bk in last["buckets"]
+                                if "p2_dropped_energy" in bk.get("figures", {})]
+        with torch.no_grad():
+            acc = float((model(xte).argmax(1) == yte).float().mean())
+        if exchange != "dense-baseline":
+            opt.scheduler.remove_hooks()
+        if R == 0:
+            rows.append(dict(exchange=exchange, P=P, epochs=args.epochs, steps=steps,
+                             test_acc=acc, final_loss=float(loss),
+                             sent_per_step=sent / steps if sent else None,
+                             dropped_energy=sum(dropped) / len(dropped) if dropped else None))
+            print(f"[P={P}] {exchange:14s} acc {100 * acc:.2f} % loss {float(loss):.4f} "
+                  f"sent/step {(sent / steps / 1e3) if sent else float('nan'):.1f} kB",
+                  flush=True)
+    if R == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = dict(P=P, epochs=args.epochs, width=args.width, ratio=args.ratio,
+                    seed=args.seed, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    load=os.getloadavg(), cores=os.cpu_count())
+        (out / f"accuracy_np{P}.json").write_text(json.dumps(dict(meta=meta, rows=rows),
+                                                              indent=1))
+
+
 def summarise(exchange, P, everyone, skip):
     """everyone[r][step]: that rank's record. Means over steps >= skip."""
     import statistics as st
@@ -160,7 +227,7 @@ def launch(P, args):
     cmd = [hvdrun, "-np", str(P), "-H", f"localhost:{P}", "--gloo", sys.executable,
            str(Path(__file__).resolve()), "--worker", "--steps", str(args.steps),
            "--skip", str(args.skip), "--width", str(args.width), "--ratio", str(args.ratio),
-           "--seed", str(args.seed), "--out", args.out]
+           "--seed", str(args.seed), "--out", args.out, "--epochs", str(args.epochs)]
     env = dict(os.environ, OMP_NUM_THREADS="1", HOROVOD_START_TIMEOUT="120",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("TRITON_INTERPRET", None)
@@ -219,7 +286,8 @@ def main(argv=None):
     if not args.report:
         for P in [int(x) for x in args.nps.split(",")]:
             launch(P, args)
-    report(args)
+    if not args.epochs:
+        report(args)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,10 @@ they were computed under the current boundaries and either the imbalance exceeds
 The decision depends only on values every rank holds, so all ranks switch at the same
 exchange.
 
+The boundaries live in the optimizer's buffer pool, not in its ``state_dict``: a run
+resumed from a checkpoint starts again from equal-width regions, so once phase 2 drops
+entries it is not bitwise the uninterrupted run (the kept set depends on the regions).
+
 Bytes per rank: phase 1 sent = pairs to other owners x (4 + v), received = pairs from
 other ranks x (4 + v); phase 2 sent = received = ``(P - 1) L`` (ring allgather).
 """

@@ -1,110 +1,501 @@
 """Convergence benchmark: each method at its defaults against dense Horovod, same run.
 
-Launches ``scripts/train.py`` under real ``horovodrun`` (Gloo, localhost) for every
-(method, seed), reads its JSON summary, and prints / saves per method: final test
-accuracy and loss (mean +- sd over seeds), steps to dense's 95%-of-final accuracy
-(first evaluation that reaches it), and wire bytes per rank per step vs dense.
+Issue 11's benchmark. Three workloads (``scripts/workloads.py``: ``digits-mlp``,
+``digits-cnn``, ``text-lm``), real ``horovodrun`` (Gloo, localhost), P ranks. ONE launch
+per (workload, P) trains every (seed, method) sequentially in the same processes: a
+fresh model (initial weights from the seed, identical across methods, broadcast from
+rank 0), a fresh optimizer and a fresh compressor each time. Dense is Horovod's own
+``hvd.DistributedOptimizer`` (plain allreduce); every other method is
+``hvdsparse.DistributedOptimizer(opt, named_parameters, compression=X)``.
 
-So far one workload: the digits MLP (``--workload digits``, SGD momentum 0.9, lr 0.1,
-batch 32 per rank). The CNN and the language-model workloads of issue 11 are not built
-yet.
+Method specs: ``NAME[+mc][:key=value,...]`` with NAME one of :data:`COMPRESSORS`
+(each at its defaults; ``key=value`` overrides a constructor argument, e.g.
+``slimdp:core_period=50``) and ``+mc`` = ``momentum_correction=True`` (SGD only).
 
-    .venv/bin/python scripts/bench_convergence.py --np 2 --seeds 0 1 2 --epochs 15 \\
-        --out docs/bench/convergence
+Reported per method (mean +- sd over seeds): final held-out quality (accuracy, or loss
+for the LM), its difference to dense, steps to a target (accuracy: first evaluation
+reaching 95% of the same seed's dense final accuracy; loss: first evaluation at or
+below 1.05 x the same seed's dense final loss), that step count over dense's, wire bytes
+per rank per step (dense: the ring allreduce's 2 (P-1)/P x 4 bytes x parameters;
+hvdsparse: ``optimizer.stats()["totals"]["bytes_sent_total"] / steps``) and x fewer than
+dense; plus, per compressor and layer kind (fc / conv / lstm / embedding), the mean rate
+of what travelled and the "effective" rate (AdaComp's figure of merit, see
+``hvdsparse/compressors/adacomp.py``). Saves ``<out>/<workload>_np<P>.json`` (every run,
+every evaluation), ``.md`` (the tables) and ``.png`` (quality against steps, mean over
+seeds).
+
+    .venv/bin/python scripts/bench_convergence.py --workload digits-mlp --np 2
+    .venv/bin/python scripts/bench_convergence.py --workload text-lm --np 4 --seeds 0 1 2
+    .venv/bin/python scripts/bench_convergence.py --workload digits-cnn --np 2 --report
+
+``--methods`` adds runs to an existing JSON (same workload, P, steps), so a sweep can be
+split over several launches; ``--report`` only re-reads the JSON and re-prints.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import json
+import math
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+for p in (str(ROOT), str(ROOT / "scripts")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
 
-#: name -> train.py arguments (each compressor at its defaults unless stated)
-METHODS = {
-    "dense": ["--compression", "none"],
-    "topk1%": ["--compression", "topk", "--ratio", "0.01"],
-    "topk1%+mc": ["--compression", "topk", "--ratio", "0.01", "--momentum-correction"],
-    "threshold99%": ["--compression", "threshold", "--sparsity", "0.99"],
-    "threshold99%+mc": ["--compression", "threshold", "--sparsity", "0.99",
-                        "--momentum-correction"],
-    "adacomp": ["--compression", "adacomp"],
-    "adacomp+mc": ["--compression", "adacomp", "--momentum-correction"],
+#: NAME -> (hvdsparse class, positional args = the issue's settings; all else default)
+COMPRESSORS = {
+    "topk": ("TopK", (0.01,)),
+    "threshold": ("Threshold", (0.99,)),
+    "adacomp": ("AdaComp", ()),
+    "slimdp": ("SlimDP", (0.3, 0.15)),      # the paper's GoogLeNet setting
+    "qsgd": ("QSGD", (4,)),
 }
+SGD_METHODS = ["dense", "topk", "topk+mc", "threshold", "threshold+mc", "adacomp",
+               "adacomp+mc", "slimdp", "qsgd"]
+ADAM_METHODS = ["dense", "topk", "threshold", "adacomp", "slimdp", "qsgd"]
+#: workload -> (epochs, evaluate every N steps, default methods)
+DEFAULTS = {"digits-mlp": (15, 11, SGD_METHODS), "digits-cnn": (15, 11, SGD_METHODS),
+            "text-lm": (12, 25, ADAM_METHODS)}
+TOL_ACC_PP = 0.5
+TOL_LOSS = 0.02
 
 
-def run_one(np_, method, seed, epochs, width, extra):
+def parse_method(spec):
+    """``NAME[+mc][:k=v,...]`` -> (name, momentum_correction, kwargs)."""
+    head, _, tail = spec.partition(":")
+    name, _, flag = head.partition("+")
+    if name != "dense" and name not in COMPRESSORS:
+        raise SystemExit(f"unknown method {spec!r} (dense or {sorted(COMPRESSORS)})")
+    if flag not in ("", "mc", "off"):
+        raise SystemExit(f"method {spec!r}: unknown flag +{flag} (+mc or +off)")
+    kw, okw = {}, {}
+    if flag == "mc":
+        okw["momentum_correction"] = True
+    if flag == "off":
+        okw["adam_recipe"] = False
+    for item in filter(None, tail.split(",")):
+        k, _, v = item.partition("=")
+        try:
+            v = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            pass
+        if k.startswith("opt."):
+            okw[k[4:]] = v
+        else:
+            kw[k] = v
+    return name, okw, kw
+
+
+# ------------------------------------------------------------------------ worker (ranks)
+
+def worker(args):
+    import torch
+    import horovod.torch as hvd
+    import hvdsparse
+    from workloads import layer_kind, make_workload
+    torch.set_num_threads(1)
+    hvd.init()
+    rank, world = hvd.rank(), hvd.size()
+    wl = make_workload(args.workload, rank, world)
+    spe = wl.steps_per_epoch()
+    total = args.epochs * spe
+    runs = []
+    for seed in args.seeds:
+        for spec in args.methods:
+            name, extra_okw, kw = parse_method(spec)
+            model = wl.model(seed)
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            base = wl.optimizer(model, args.optimizer)
+            named = list(model.named_parameters())
+            numel = sum(p.numel() for _, p in named)
+            comp = None
+            if name == "dense":
+                opt = hvd.DistributedOptimizer(base, named_parameters=named)
+            else:
+                cls, pos = COMPRESSORS[name]
+                comp = getattr(hvdsparse, cls)(*pos, **kw)
+                okw = dict(named_parameters=named, compression=comp, **extra_okw)
+                opt = hvdsparse.DistributedOptimizer(base, **okw)
+            evals = []
+            step, t0, tl = 0, time.time(), []
+
+            def record():
+                if rank == 0:
+                    model.eval()
+                    e = wl.evaluate(model)
+                    model.train()
+                    e.update(step=step, train_loss=(sum(tl) / len(tl)) if tl else None)
+                    if comp is not None:     # cumulative wire bytes (warm-up vs steady)
+                        e["bytes_total"] = opt.stats()["totals"]["bytes_sent_total"]
+                    evals.append(e)
+            record()
+            for epoch in range(args.epochs):
+                for batch in wl.batches(seed, epoch):
+                    opt.zero_grad()
+                    loss = wl.loss(model, batch)
+                    loss.backward()
+                    opt.step()
+                    tl.append(loss.detach())
+                    step += 1
+                    if step % args.eval_every == 0 or step == total:
+                        tl = [float(torch.stack(tl).mean())]
+                        record()
+                        tl = []
+            wall = time.time() - t0
+            if comp is None:
+                bytes_step = 2 * (world - 1) / world * numel * 4
+                layers = {}
+            else:
+                tot = opt.stats()["totals"]
+                bytes_step = tot["bytes_sent_total"] / max(tot["steps"], 1)
+                shapes = {n: tuple(p.shape) for n, p in named}
+                layers = {n: dict(kind=layer_kind(model, n), numel=s["numel"],
+                                  policy_dense=comp.policy.is_dense(n, shapes[n]),
+                                  total_payload_bytes=s["total_payload_bytes"],
+                                  total_dense_bytes=s["total_dense_bytes"],
+                                  total_effective_bytes=s["total_effective_bytes"],
+                                  total_sent=s["total_sent"], steps=s["steps"],
+                                  last_selected=s.get("selected"), last_sent=s.get("sent"),
+                                  capacity=(comp.capacity(shapes[n], n)
+                                            if isinstance(comp, hvdsparse.AdaComp) else None),
+                                  encodings=s.get("index_encodings"))
+                          for n, s in comp.stats().items()}
+            if rank == 0:
+                runs.append(dict(method=spec, seed=seed, steps=step, wall_s=wall,
+                                 bytes_per_rank_step=bytes_step, numel=numel, evals=evals,
+                                 layers=layers))
+                q = evals[-1][wl.quality]
+                print(f"[{args.workload} P={world}] {spec:18s} seed {seed}: "
+                      f"{wl.quality} {q:.4f}, {bytes_step:.0f} B/rank/step, {wall:.1f} s",
+                      flush=True)
+                # after every run: a killed sweep keeps what it finished
+                Path(args.worker_out).write_text(json.dumps(dict(
+                    workload=args.workload, np=world, epochs=args.epochs, steps=total,
+                    eval_every=args.eval_every, optimizer=args.optimizer,
+                    quality=wl.quality, runs=runs)))
+            del opt, base, model, comp
+    print(f"HVDSPARSE-OK rank={rank}", flush=True)
+
+
+# ------------------------------------------------------------------------------- driver
+
+def launch(args, methods):
     with tempfile.TemporaryDirectory() as d:
-        js = Path(d) / "summary.json"
-        cmd = [str(Path(sys.executable).with_name("horovodrun")), "-np", str(np_), "-H",
-               f"localhost:{np_}", "--gloo", sys.executable, str(ROOT / "scripts" / "train.py"),
-               "--epochs", str(epochs), "--width", str(width), "--seed", str(seed),
-               "--eval-every", "11", "--json", str(js), *METHODS[method], *extra]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env=env, cwd=str(ROOT), timeout=1800)
+        js = Path(d) / "runs.json"
+        cmd = [str(Path(sys.executable).with_name("horovodrun")), "-np", str(args.np),
+               "-H", f"localhost:{args.np}", "--gloo", sys.executable, str(Path(__file__)),
+               "--worker", "--worker-out", str(js), "--workload", args.workload,
+               "--epochs", str(args.epochs), "--eval-every", str(args.eval_every),
+               "--optimizer", args.optimizer, "--seeds", *map(str, args.seeds),
+               "--methods", *methods]
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env.pop("TRITON_INTERPRET", None)
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env=env, cwd=str(ROOT))
+        out = []
+        for line in p.stdout:
+            out.append(line)
+            if re.sub(r"^\[[\d,]+\]<std\w+>:", "", line).startswith("[" + args.workload):
+                print(line.rstrip(), flush=True)
+        p.wait()
         if p.returncode != 0 or not js.exists():
-            raise SystemExit(f"{method} seed {seed} failed:\n{p.stdout[-3000:]}")
-        d = json.loads(js.read_text())
-        return dict(d["summary"], evals=d["history"]["evals"])
+            raise SystemExit(f"horovodrun failed (rc={p.returncode}):\n{''.join(out)[-6000:]}")
+        return json.loads(js.read_text())
 
 
-def steps_to(history, target):
-    for h in history:
-        if h.get("test_acc") is not None and h["test_acc"] >= target:
-            return h["step"]
+def _mean_sd(xs):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def steps_to(evals, quality, target):
+    for e in evals:
+        if (e[quality] >= target) if quality == "acc" else (e[quality] <= target):
+            return e["step"]
     return None
 
 
-def main():
+def late_bytes(run):
+    """Bytes per rank per step over the second half of the run (after any dense
+    warm-up), from the cumulative counts recorded at the evaluations; None without."""
+    ev = [e for e in run["evals"] if "bytes_total" in e]
+    if not run["layers"]:
+        return run["bytes_per_rank_step"]        # dense: the same every step
+    if len(ev) < 2:
+        return None
+    mid = next(e for e in ev if e["step"] >= ev[-1]["step"] / 2)
+    if ev[-1]["step"] == mid["step"]:
+        return None
+    return (ev[-1]["bytes_total"] - mid["bytes_total"]) / (ev[-1]["step"] - mid["step"])
+
+
+def summarise(data):
+    """Per-method rows (dense first) and per (method, layer kind) rate rows."""
+    q = data["quality"]
+    by = {}
+    for r in data["runs"]:
+        by.setdefault(r["method"], {})[r["seed"]] = r
+    dense = by.get("dense", {})
+    rows = []
+    order = (["dense"] if "dense" in by else []) + [m for m in by if m != "dense"]
+    for m in order:
+        rs = by[m]
+        seeds = sorted(rs)
+        finals = [rs[s]["evals"][-1][q] for s in seeds]
+        diffs, st, ratio = [], [], []
+        for s in seeds:
+            d = dense.get(s)
+            if d is None:
+                continue
+            df = d["evals"][-1][q]
+            diffs.append(rs[s]["evals"][-1][q] - df)
+            target = 0.95 * df if q == "acc" else 1.05 * df
+            k = steps_to(rs[s]["evals"], q, target)
+            kd = steps_to(d["evals"], q, target)
+            st.append(k)
+            ratio.append(None if k is None or not kd else k / kd)
+        b = statistics.mean(rs[s]["bytes_per_rank_step"] for s in seeds)
+        lb = [late_bytes(rs[s]) for s in seeds]
+        lb = statistics.mean(lb) if None not in lb else None
+        dlb = [late_bytes(dense[s]) for s in dense] if dense else [None]
+        dlb = statistics.mean(dlb) if None not in dlb else None
+        db = statistics.mean(dense[s]["bytes_per_rank_step"] for s in dense) if dense else None
+        fm, fs = _mean_sd(finals)
+        dm, _ = _mean_sd(diffs)
+        rel = None
+        if q == "loss" and dense:
+            rel = statistics.mean(diffs[i] / dense[s]["evals"][-1][q]
+                                  for i, s in enumerate(s for s in seeds if s in dense))
+        rows.append(dict(method=m, seeds=seeds, final=finals, final_mean=fm, final_sd=fs,
+                         diff_mean=dm, rel_diff=rel, steps_to_target=st,
+                         steps_ratio=ratio, bytes_per_rank_step=b,
+                         x_fewer=(db / b) if db and b else None,
+                         late_bytes=lb, late_x_fewer=(dlb / lb) if dlb and lb else None,
+                         wall_s=statistics.mean(rs[s]["wall_s"] for s in seeds)))
+    kinds = []
+    for m in order:
+        agg = {}
+        for r in by[m].values():
+            for n, L in r["layers"].items():
+                if L.get("policy_dense"):
+                    continue        # under the size floor / 1-D: travels dense by policy
+                a = agg.setdefault(L["kind"], dict(numel=0, pay=0.0, dense=0.0, eff=0.0,
+                                                   sent=0, steps=0, layers=set()))
+                a["layers"].add(n)
+                a["pay"] += L["total_payload_bytes"]
+                a["dense"] += L["total_dense_bytes"]
+                a["eff"] += L["total_effective_bytes"]
+                a["sent"] += L["total_sent"]
+                a["steps"] += L["steps"]
+                if n not in a.get("_seen", set()):
+                    a["numel"] += L["numel"]
+                    a.setdefault("_seen", set()).add(n)
+        for k, a in agg.items():
+            kinds.append(dict(method=m, kind=k, layers=sorted(a["layers"]), numel=a["numel"],
+                              rate=a["dense"] / a["pay"] if a["pay"] else None,
+                              effective_rate=a["dense"] / a["eff"] if a["eff"] else None,
+                              bytes_per_element=4 * a["pay"] / a["dense"] if a["dense"]
+                              else None))
+    return rows, kinds
+
+
+def tables(data, rows, kinds):
+    q = data["quality"]
+    n_seeds = max(len(r["seeds"]) for r in rows)
+    tgt = ("95% of dense's final accuracy" if q == "acc"
+           else "1.05 x dense's final loss")
+    head = (f"| method | final {'accuracy %' if q == 'acc' else 'loss'} (mean +- sd, "
+            f"{n_seeds} seeds) | vs dense | steps to {tgt} | x dense's steps | "
+            f"bytes/rank/step | x fewer than dense | 2nd half: bytes/rank/step (x fewer) "
+            f"| s/run |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        if q == "acc":
+            f = f"{100 * r['final_mean']:.2f} +- {100 * r['final_sd']:.2f}"
+            d = "" if r["diff_mean"] is None else f"{100 * r['diff_mean']:+.2f} pp"
+        else:
+            f = f"{r['final_mean']:.4f} +- {r['final_sd']:.4f} (ppl {math.exp(r['final_mean']):.2f})"
+            d = "" if r["rel_diff"] is None else f"{100 * r['rel_diff']:+.2f}%"
+        rat = [x for x in r["steps_ratio"] if x is not None]
+        ratio = (f"{statistics.mean(rat):.2f}" if len(rat) == len(r["steps_ratio"]) and rat
+                 else f"{statistics.mean(rat):.2f}*" if rat else "never")
+        xf = "" if r["x_fewer"] is None else f"{r['x_fewer']:.1f}"
+        late = "" if r["late_bytes"] is None else (
+            f"{r['late_bytes']:.0f} ({r['late_x_fewer']:.1f})" if r["late_x_fewer"]
+            else f"{r['late_bytes']:.0f}")
+        lines.append(f"| {r['method']} | {f} | {d} | {r['steps_to_target']} | {ratio} | "
+                     f"{r['bytes_per_rank_step']:.0f} | {xf} | {late} | {r['wall_s']:.1f} |")
+    lines += ["", "| method | layer kind | layers | elements | bytes/element sent | "
+                  "rate (what travels) | effective rate |", "|" + "---|" * 7]
+    for k in kinds:
+        if k["rate"] is None:
+            continue
+        lines.append(f"| {k['method']} | {k['kind']} | {', '.join(k['layers'])} | "
+                     f"{k['numel']} | {k['bytes_per_element']:.4f} | {k['rate']:.1f} | "
+                     f"{k['effective_rate']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(data, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    q = data["quality"]
+    by = {}
+    for r in data["runs"]:
+        by.setdefault(r["method"], []).append(r)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for m, rs in by.items():
+        steps = [e["step"] for e in rs[0]["evals"]]
+        ys = [statistics.mean(r["evals"][i][q] for r in rs) for i in range(len(steps))]
+        if q == "acc":
+            ys = [100 * y for y in ys]
+        ax.plot(steps, ys, label=m, lw=2.5 if m == "dense" else 1.2,
+                color="black" if m == "dense" else None,
+                ls="-" if "+" not in m else "--")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("held-out accuracy %" if q == "acc" else "held-out loss (nats/char)")
+    if q == "acc":
+        ax.set_ylim(80, 100)
+    else:
+        lo = min(min(e[q] for e in r["evals"]) for rs in by.values() for r in rs)
+        ax.set_ylim(lo - 0.05, lo + 1.0)
+    ax.set_title(f"{data['workload']}, P = {data['np']}, mean of {len(next(iter(by.values())))}"
+                 f" seeds")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def adacomp_breakdown(data):
+    """Per AdaComp-compressed layer: where the wire bytes go (the codec's segment record,
+    indices, int32 bin counts, sign bits, the scale; each section padded to 8 bytes:
+    ``hvdsparse/codec.py``) against the measured payload bytes per step, and the rate the
+    paper would count (``sent`` elements x (index bits + 1 sign bit), nothing else)."""
+    from hvdsparse.compressors import AdaComp
+    pad = lambda b: -(-b // 8) * 8                                  # noqa: E731
+    out = []
+    for r in data["runs"]:
+        if not r["method"].startswith("adacomp") or ":" in r["method"] or r["seed"] != \
+                min(x["seed"] for x in data["runs"]):
+            continue
+        for n, L in r["layers"].items():
+            if L.get("policy_dense") or not L.get("capacity"):
+                continue
+            numel, cap = L["numel"], L["capacity"]
+            shape = (1, 1, 1, 1) if L["kind"] == "conv" else (1, 1)
+            B = min(AdaComp.bin_size_for(shape), numel)
+            nb = -(-numel // B)
+            ib = 1 if B <= 256 else 2
+            parts = dict(record=72, indices=pad(cap * ib), bin_counts=pad(4 * nb),
+                         signs=pad(-(-cap // 8)), scale=8)
+            total = sum(parts.values())
+            sent = L["total_sent"] / max(L["steps"], 1)
+            idx_bits = max(1, math.ceil(math.log2(B)))
+            out.append(dict(method=r["method"], layer=n, kind=L["kind"], numel=numel, bin=B,
+                            bins=nb, per_bin=cap // nb, capacity=cap, **parts,
+                            model_bytes=total,
+                            measured_bytes=L["total_payload_bytes"] / max(L["steps"], 1),
+                            rate=4 * numel / total, sent_per_step=sent,
+                            sent_per_bin=sent / nb,
+                            paper_rate=32 * numel / (sent * (idx_bits + 1)) if sent else None))
+    if not out:
+        return out, ""
+    lines = ["| method | layer (kind) | elements | bin L | slots/bin | record | indices | "
+             "bin counts | signs | scale | bytes/step (model / measured) | rate on the wire "
+             "| sent/bin | paper-style rate |", "|" + "---|" * 14]
+    for x in out:
+        lines.append(
+            f"| {x['method']} | {x['layer']} ({x['kind']}) | {x['numel']} | {x['bin']} | "
+            f"{x['per_bin']} | {x['record']} | {x['indices']} | {x['bin_counts']} | "
+            f"{x['signs']} | {x['scale']} | {x['model_bytes']} / {x['measured_bytes']:.0f} | "
+            f"{x['rate']:.1f} | {x['sent_per_bin']:.2f} | "
+            f"{x['paper_rate']:.0f} |")
+    return out, "\n".join(lines)
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", required=True, choices=sorted(DEFAULTS))
     ap.add_argument("--np", type=int, default=2)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--epochs", type=int, default=15)
-    ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--methods", nargs="+", default=list(METHODS))
-    ap.add_argument("--out", default="docs/bench/convergence")
-    args, extra = ap.parse_known_args()
-    runs = {m: [run_one(args.np, m, s, args.epochs, args.width, extra) for s in args.seeds]
-            for m in args.methods}
-    dense = runs.get("dense")
-    rows = []
-    for m, rs in runs.items():
-        acc = [r["final_test_acc"] for r in rs]
-        loss = [r["final_test_loss"] for r in rs]
-        steps = []
-        for i, r in enumerate(rs):
-            target = 0.95 * dense[i]["final_test_acc"] if dense else None
-            steps.append(steps_to(r["evals"], target) if target else None)
-        byts = statistics.mean(r["bytes_sent_per_rank_step"] or 0 for r in rs)
-        dense_b = statistics.mean(r["bytes_sent_per_rank_step"] or 0 for r in dense) \
-            if dense else None
-        rows.append(dict(method=m, acc_mean=statistics.mean(acc),
-                         acc_sd=statistics.pstdev(acc), loss_mean=statistics.mean(loss),
-                         steps_to_target=steps, bytes_per_rank_step=byts,
-                         bytes_vs_dense=(dense_b / byts) if dense_b and byts else None))
+    ap.add_argument("--epochs", type=int, default=None)
+    ap.add_argument("--eval-every", type=int, default=None)
+    ap.add_argument("--optimizer", default=None, help="sgd (digits), adam | adamw (text-lm)")
+    ap.add_argument("--methods", nargs="+", default=None)
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "convergence"))
+    ap.add_argument("--tag", default="", help="suffix of the output file names")
+    ap.add_argument("--report", action="store_true", help="only re-read the JSON")
+    ap.add_argument("--fresh", action="store_true", help="discard runs already in the JSON")
+    ap.add_argument("--merge", nargs="+", default=[],
+                    help="JSON files of the same workload / P / steps whose runs to add")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    ep, ev, methods = DEFAULTS[args.workload]
+    args.epochs = args.epochs or ep
+    args.eval_every = args.eval_every or ev
+    args.optimizer = args.optimizer or ("adam" if args.workload == "text-lm" else "sgd")
+    args.methods = args.methods or methods
+    if args.worker:
+        return worker(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"digits_np{args.np}"
-    (out / f"{tag}.json").write_text(json.dumps(dict(args=vars(args), extra=extra,
-                                                     rows=rows, runs=runs), indent=1))
-    lines = [f"| method | final acc (mean +- sd, {len(args.seeds)} seeds) | final loss | "
-             f"steps to 95% of dense | bytes/rank/step | x fewer than dense |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        d = r["acc_mean"] - rows[0]["acc_mean"] if rows and rows[0]["method"] == "dense" else 0
-        ratio = "" if r["bytes_vs_dense"] is None else f"{r['bytes_vs_dense']:.1f}"
-        lines.append(f"| {r['method']} | {100 * r['acc_mean']:.2f} +- {100 * r['acc_sd']:.2f}"
-                     f" ({100 * d:+.2f} pp) | {r['loss_mean']:.4f} | {r['steps_to_target']} | "
-                     f"{r['bytes_per_rank_step']:.0f} | {ratio} |")
-    table = "\n".join(lines)
-    (out / f"{tag}.md").write_text(table + "\n")
-    print(table)
+    stem = out / f"{args.workload}_np{args.np}{args.tag}"
+    js = stem.with_suffix(".json")
+    data = json.loads(js.read_text()) if js.exists() and not args.fresh else None
+    if not args.report:
+        new = launch(args, args.methods)
+        if data is not None:
+            same = all(data[k] == new[k] for k in ("workload", "np", "steps", "optimizer"))
+            if not same:
+                raise SystemExit(f"{js}: existing runs have other settings; use --fresh")
+            keep = {(r["method"], r["seed"]) for r in new["runs"]}
+            data["runs"] = [r for r in data["runs"] if (r["method"], r["seed"]) not in keep] \
+                + new["runs"]
+        else:
+            data = new
+        data.setdefault("commands", []).append(dict(
+            argv=sys.argv[1:], date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            load=os.getloadavg()))
+    if data is None:
+        raise SystemExit(f"{js} does not exist: run without --report first")
+    for f in args.merge:
+        other = json.loads(Path(f).read_text())
+        if not all(data[k] == other[k] for k in ("workload", "np", "steps", "optimizer")):
+            raise SystemExit(f"--merge {f}: other settings")
+        keep = {(r["method"], r["seed"]) for r in other["runs"]}
+        data["runs"] = [r for r in data["runs"] if (r["method"], r["seed"]) not in keep] \
+            + other["runs"]
+        data.setdefault("commands", []).extend(other.get("commands", []))
+    rows, kinds = summarise(data)
+    data["rows"], data["kinds"] = rows, kinds
+    js.write_text(json.dumps(data, indent=1))
+    md = tables(data, rows, kinds)
+    data["adacomp_breakdown"], bd = adacomp_breakdown(data)
+    js.write_text(json.dumps(data, indent=1))
+    if bd:
+        md += "\n\nAdaComp's wire bytes per layer and step (seed " \
+              f"{min(r['seed'] for r in data['runs'])}):\n\n" + bd
+    stem.with_suffix(".md").write_text(
+        f"{data['workload']}, P = {data['np']}, {data['steps']} steps, optimizer "
+        f"{data['optimizer']}\n\n{md}\n")
+    plot(data, stem.with_suffix(".png"))
+    print(md)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,269 @@
+"""The convergence workloads of issue 11: data, models and metrics, offline only.
+
+Three workloads, each a :class:`Workload` (one object per process, data loaded once):
+
+* ``digits-mlp``: MLP 64-512-512-10 (301 K parameters) on scikit-learn's 8x8 digits,
+  SGD momentum 0.9, lr 0.1, batch 32 per rank. Metric: held-out accuracy.
+* ``digits-cnn``: CNN on the same images as 1x8x8: conv 1->16 3x3 (144 weights: under
+  the 1024-element size floor, travels dense), conv 16->32 3x3 (4608), max-pool to 4x4,
+  conv 32->64 3x3 (18432), max-pool to 2x2, FC 256->10 (2560); 26 K parameters, two
+  compressed conv layers (AdaComp's 50-element conv bins) and one FC. SGD momentum 0.9,
+  lr 0.05, batch 32 per rank. Metric: held-out accuracy.
+* ``text-lm``: character LM, embedding V x 32 -> LSTM(32, 128) -> linear 128 -> V
+  (V = 98 printable-ASCII symbols + newline + unknown; 99 K parameters: embedding 3.1 K,
+  LSTM 16.4 K + 65.5 K, head 12.5 K), Adam lr 3e-3, batch 16 windows of 64 characters
+  per rank. Metric: held-out loss (nats per character) and perplexity exp(loss).
+  Corpus: the docstrings (``inspect.getdoc``) of a fixed, sorted list of standard-library
+  modules and their public members, gathered once and cached in
+  ``~/.cache/hvdsparse/docstrings_corpus.txt`` (deterministic for one Python version);
+  the last 10% is held out.
+
+Data split (digits): fixed stratified 80/20 split (``random_state=0``), independent of
+the training seed; the training seed sets the initial weights and the batch order.
+Each rank trains on its own shard (``arange(rank, n, P)``), reshuffled every epoch.
+"""
+from __future__ import annotations
+
+import inspect
+import importlib
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["WORKLOADS", "Workload", "make_workload", "layer_kind", "text_corpus"]
+
+#: modules whose docstrings make the text corpus (fixed, sorted before use)
+CORPUS_MODULES = ("argparse", "bisect", "calendar", "collections", "csv", "dataclasses",
+                  "datetime", "decimal", "difflib", "email.message", "enum", "fractions",
+                  "functools", "heapq", "http.client", "inspect", "ipaddress", "itertools",
+                  "json", "logging", "pathlib", "pickle", "pprint", "queue", "random", "re",
+                  "shutil", "statistics", "string", "subprocess", "tarfile", "tempfile",
+                  "textwrap", "threading", "typing", "unittest", "urllib.parse", "uuid",
+                  "zipfile")
+VOCAB = [chr(c) for c in range(32, 127)] + ["\n", "\t", "\x00"]   # \x00: unknown
+CORPUS_CACHE = Path(os.path.expanduser("~/.cache/hvdsparse/docstrings_corpus.txt"))
+
+
+def text_corpus() -> str:
+    """The docstring corpus (cached). Non-vocabulary characters become ``\\x00``."""
+    if CORPUS_CACHE.exists():
+        return CORPUS_CACHE.read_text()
+    chunks = []
+    for modname in sorted(CORPUS_MODULES):
+        mod = importlib.import_module(modname)
+        doc = inspect.getdoc(mod)
+        if doc:
+            chunks.append(doc)
+        for attr in sorted(dir(mod)):
+            if attr.startswith("_"):
+                continue
+            obj = getattr(mod, attr, None)
+            if getattr(obj, "__module__", None) != mod.__name__:
+                continue                        # re-exports and constants: skip
+            doc = inspect.getdoc(obj)
+            if doc:
+                chunks.append(doc)
+    known = set(VOCAB)
+    text = "\n\n".join(chunks)
+    text = "".join(ch if ch in known else "\x00" for ch in text)
+    CORPUS_CACHE.parent.mkdir(parents=True, exist_ok=True)
+    tmp = CORPUS_CACHE.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, CORPUS_CACHE)
+    return text
+
+
+# ------------------------------------------------------------------------------- models
+
+class MLP(nn.Module):
+    def __init__(self, width=512):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(64, width), nn.Linear(width, width), \
+            nn.Linear(width, 10)
+
+    def forward(self, x):
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x.flatten(1))))))
+
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.conv3 = nn.Conv2d(32, 64, 3, padding=1)
+        self.fc = nn.Linear(64 * 2 * 2, 10)
+
+    def forward(self, x):
+        x = x.view(-1, 1, 8, 8)
+        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)   # 32 x 4 x 4
+        x = F.max_pool2d(F.relu(self.conv3(x)), 2)                        # 64 x 2 x 2
+        return self.fc(x.flatten(1))
+
+
+class CharLSTM(nn.Module):
+    def __init__(self, vocab=len(VOCAB), emb=32, hidden=128):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, emb)
+        self.lstm = nn.LSTM(emb, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, x):
+        h, _ = self.lstm(self.embed(x))
+        return self.head(h)
+
+
+def layer_kind(model: nn.Module, name: str) -> str:
+    """``conv`` / ``fc`` / ``lstm`` / ``embedding`` / ``bias`` for a parameter name."""
+    if name.endswith("bias") or ".bias" in name:
+        return "bias"
+    mod = model.get_submodule(name.rsplit(".", 1)[0])
+    return {nn.Conv2d: "conv", nn.Linear: "fc", nn.LSTM: "lstm",
+            nn.Embedding: "embedding"}.get(type(mod), type(mod).__name__)
+
+
+# ---------------------------------------------------------------------------- workloads
+
+class Workload:
+    """Data + model + optimizer + metric of one workload, for one rank of ``world``.
+
+    ``batches(seed, epoch)`` yields this rank's mini-batches of one epoch;
+    ``evaluate(model)`` -> dict(loss=..., acc=... or ppl=...); ``quality`` names the
+    metric the benchmark reports (``acc``: higher is better, ``loss``: lower is better).
+    """
+
+    name = ""
+    quality = "acc"
+
+    def __init__(self, rank=0, world=1):
+        self.rank, self.world = rank, world
+
+    def model(self, seed):
+        torch.manual_seed(seed)
+        return self._model()
+
+    def steps_per_epoch(self):
+        raise NotImplementedError
+
+
+class _Digits(Workload):
+    batch = 32
+    lr = 0.1
+
+    def __init__(self, rank=0, world=1):
+        super().__init__(rank, world)
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+        X, y = load_digits(return_X_y=True)
+        X = (X / 16.0).astype(np.float32)
+        Xtr, Xte, ytr, yte = train_test_split(X, y, test_size=0.2, random_state=0,
+                                              stratify=y)
+        self.Xtr, self.ytr = torch.from_numpy(Xtr), torch.from_numpy(ytr).long()
+        self.Xte, self.yte = torch.from_numpy(Xte), torch.from_numpy(yte).long()
+        self.shard = torch.arange(rank, len(self.Xtr), world)
+
+    def steps_per_epoch(self):
+        return len(torch.arange(0, len(self.Xtr), self.world)) // self.batch
+
+    def batches(self, seed, epoch):
+        g = torch.Generator().manual_seed(seed * 100003 + epoch * 101 + self.rank)
+        perm = self.shard[torch.randperm(len(self.shard), generator=g)]
+        for b in range(self.steps_per_epoch()):
+            idx = perm[b * self.batch:(b + 1) * self.batch]
+            yield self.Xtr[idx], self.ytr[idx]
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    def optimizer(self, model, kind="sgd"):
+        if kind != "sgd":
+            raise ValueError(f"{self.name}: optimizer {kind!r} not supported (sgd)")
+        return torch.optim.SGD(model.parameters(), lr=self.lr, momentum=0.9)
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        out = model(self.Xte)
+        return dict(loss=F.cross_entropy(out, self.yte).item(),
+                    acc=(out.argmax(1) == self.yte).float().mean().item())
+
+
+class DigitsMLP(_Digits):
+    name = "digits-mlp"
+
+    def _model(self):
+        return MLP(512)
+
+
+class DigitsCNN(_Digits):
+    name = "digits-cnn"
+    lr = 0.05
+
+    def _model(self):
+        return CNN()
+
+
+class TextLM(Workload):
+    name = "text-lm"
+    quality = "loss"
+    batch = 16
+    seq = 64
+    lr = 3e-3
+    eval_windows = 128
+    #: one "epoch" is a fixed number of steps (random windows, not a pass over the text)
+    epoch_steps = 25
+
+    def __init__(self, rank=0, world=1):
+        super().__init__(rank, world)
+        text = text_corpus()
+        lut = {ch: i for i, ch in enumerate(VOCAB)}
+        ids = torch.tensor([lut[ch] for ch in text], dtype=torch.long)
+        cut = int(0.9 * len(ids))
+        self.train_ids, self.test_ids = ids[:cut], ids[cut:]
+        # fixed held-out windows, evenly spaced
+        starts = torch.linspace(0, len(self.test_ids) - self.seq - 2, self.eval_windows).long()
+        w = torch.stack([self.test_ids[s:s + self.seq + 1] for s in starts.tolist()])
+        self.eval_x, self.eval_y = w[:, :-1], w[:, 1:]
+
+    def _model(self):
+        return CharLSTM()
+
+    def steps_per_epoch(self):
+        return self.epoch_steps
+
+    def batches(self, seed, epoch):
+        g = torch.Generator().manual_seed(seed * 100003 + epoch * 101 + self.rank)
+        for _ in range(self.epoch_steps):
+            s = torch.randint(0, len(self.train_ids) - self.seq - 1, (self.batch,), generator=g)
+            w = torch.stack([self.train_ids[i:i + self.seq + 1] for i in s.tolist()])
+            yield w[:, :-1], w[:, 1:]
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.cross_entropy(model(x).reshape(-1, len(VOCAB)), y.reshape(-1))
+
+    def optimizer(self, model, kind="adam"):
+        if kind == "adam":
+            return torch.optim.Adam(model.parameters(), lr=self.lr)
+        if kind == "adamw":
+            return torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=0.01)
+        raise ValueError(f"{self.name}: optimizer {kind!r} not supported (adam, adamw)")
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        out = model(self.eval_x)
+        loss = F.cross_entropy(out.reshape(-1, len(VOCAB)), self.eval_y.reshape(-1)).item()
+        return dict(loss=loss, ppl=math.exp(loss))
+
+
+WORKLOADS = {w.name: w for w in (DigitsMLP, DigitsCNN, TextLM)}
+
+
+def make_workload(name, rank=0, world=1) -> Workload:
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r} (choose from {sorted(WORKLOADS)})")
+    return WORKLOADS[name](rank, world)

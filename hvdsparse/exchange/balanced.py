@@ -41,10 +41,10 @@ all replicas end with bit-identical sums.
 Truncation error (not fed back; reported)
 -----------------------------------------
 Phase 2 sends ``top_c(T_r)``, not ``T_r``: the dropped part ``T_r - top_c(T_r)`` is
-*lost* for this step (as Ok-Topk's global top-k drops it; Ok-Topk returns it to the local
-residuals, which needs the compressor, see docs/design.md). The compressors' residuals
-hold each rank's own selection error only. The error is reported per bucket in
-``Pending.figures`` (on CPU at once, on CUDA through ``deferred_figures``):
+*lost* for this step (as Ok-Topk's global top-k drops it; Ok-Topk returns it to the
+local residuals, which needs the scheduler to hand it to the compressor: not done). The
+compressors' residuals hold each rank's own selection error only. The error is reported
+per bucket in ``Pending.figures`` (on CPU at once, on CUDA through ``deferred_figures``):
 ``p2_kept`` / ``reduced`` (entries kept / non-zeros of the sum) and
 ``p2_dropped_energy`` = ``1 - sum kept^2 / sum T^2`` (share of the sum's squared norm
 not delivered). Values in fp16/bf16 round the *sum* once more, as in ``split``. When the

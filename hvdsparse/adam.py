@@ -23,16 +23,31 @@ hyper-parameters of ``p``'s param group):
       g_i <- g_i + wd * p                 (Adam's L2 weight decay; not for AdamW)
       g_i <- -g_i                         (maximize=True)
       m_i  = beta1 * m + (1 - beta1) * g_i     (m = state["exp_avg"], same on all ranks)
+      x_i  = m_i / D,   D = max(h, f * mean(h)) + eps,   h = sqrt(v / bc2)
 
-  ``m_i`` is handed to the compressor as its "gradient" (error feedback = the
-  compressor's residual: ``acc = r + m_i``, sends ``C(acc)``, ``r = acc - C(acc)``); the
-  exchange averages the compressed momenta into ``M = (1/P) sum_i C(acc_i)``
+  ``x_i`` is handed to the compressor as its "gradient" (error feedback = the
+  compressor's residual: ``acc = r + x_i``, sends ``C(acc)``, ``r = acc - C(acc)``); the
+  exchange averages the compressed values into ``X = (1/P) sum_i C(acc_i)``
   (bitwise identical on every rank), and every rank applies
 
       p <- p * (1 - lr * wd)              (AdamW's decoupled decay, as torch does it)
-      m <- M;   state["step"] <- s + 1;   v = state["exp_avg_sq"] unchanged (frozen)
-      p <- p - lr / bc1 * M / (sqrt(v) / sqrt(bc2) + eps)
-      bc1 = 1 - beta1 ** (s + 1),   bc2 = 1 - beta2 ** T_w
+      m <- X * D;   state["step"] <- s + 1;   v = state["exp_avg_sq"] unchanged (frozen)
+      p <- p - lr / bc1 * X               (= lr / bc1 * m / D: Adam with v frozen)
+      bc1 = 1 - beta1 ** (s + 1),   bc2 = 1 - beta2 ** T_w,   f = 0.1 (mean over the layer)
+
+  Two deviations from 1-bit Adam as published (which compresses ``m_i`` itself and
+  divides by ``sqrt(v)`` after the exchange), both measured in ``docs/bench/adam/``
+  (``scripts/study_adam.py``, variants ``.../raw``): (1) the momentum is compressed in
+  Adam's step units, ``m_i / D``. ``D`` is frozen, so this is a fixed per-coordinate
+  scaling and error feedback stays exact; but a compressor's error (AdaComp's one
+  scale per layer, a quantiser's rounding, TopK's choice) is then bounded in *parameter
+  step* units rather than gradient units -- with ``m_i`` compressed, a coordinate whose
+  ``v`` is small gets ``lr * s / sqrt(v)`` from AdaComp's layer-wide scale ``s``, which
+  diverged on the digits MLP. (2) ``f``: a coordinate that was (nearly) silent during
+  the warm-up (a dead ReLU unit, an unused input) has ``v ~ 0``, and frozen, the first
+  gradient it gets later moves it by ``lr * g / eps``; the floor bounds its step
+  multiplier to ``1 / f`` times the layer's mean. Without it even the uncompressed
+  recipe (TopK(1.0)) broke the digits MLP after a 33-step warm-up.
 
 Bias correction: torch.optim.Adam divides ``m`` by ``1 - beta1^t`` and ``v`` by
 ``1 - beta2^t`` (both moments are averages started at 0) and computes
@@ -50,8 +65,8 @@ layers) get exact Adam on the averaged dense gradient, ``v`` keeps updating: the
 no compression error, so nothing argues for freezing their variance, and exact Adam is
 what the dense baseline does.
 
-State, where the user expects it: ``state[p]["exp_avg"]`` (= the synchronised ``M``
-after the warm-up), ``["exp_avg_sq"]`` (frozen after ``T_w``) and ``["step"]`` stay
+State, where the user expects it: ``state[p]["exp_avg"]`` (= the synchronised momentum
+``X * D`` after the warm-up), ``["exp_avg_sq"]`` (frozen after ``T_w``) and ``["step"]`` stay
 Adam's, so ``optimizer.state_dict()`` checkpoints and resumes the recipe; the phase of
 every parameter follows from its ``step`` and ``T_w``. Nothing else is kept between
 steps (``compression_state_dict()`` records the warm-up length under ``"adam_recipe"``
@@ -71,8 +86,8 @@ contributes ``m_i = beta1 * m`` (during warm-up: a dense zero). A parameter froz
 with ``requires_grad=False`` is left alone.
 
 What ``p.grad`` holds after ``synchronize()``: the averaged gradient ``G`` for warm-up
-and dense layers, the averaged momentum ``M`` for recipe layers after the warm-up (so
-clipping ``p.grad`` between ``synchronize()`` and ``step()`` clips the momentum; use
+and dense layers, the averaged scaled momentum ``X`` for recipe layers after the warm-up
+(so clipping ``p.grad`` between ``synchronize()`` and ``step()`` clips the step; use
 ``clip_grad_norm=`` -- local clipping of ``g_i`` before it enters ``m_i`` -- instead).
 
 Not supported (``ValueError``): ``amsgrad=True`` (its max of ``v`` has no frozen
@@ -191,7 +206,8 @@ class AdamRecipe:
     zero_fills_absent = True         # a trainable layer without a gradient is zero
 
     def __init__(self, optimizer, params: Dict[str, torch.Tensor], world_size: int,
-                 compressed, *, warmup: int, clip_grad_norm: Optional[float] = None):
+                 compressed, *, warmup: int, clip_grad_norm: Optional[float] = None,
+                 precondition: bool = True, floor: float = 0.1):
         self.optimizer = optimizer
         self.params = dict(params)
         self.world_size = int(world_size)
@@ -199,6 +215,12 @@ class AdamRecipe:
         self.warmup = check_warmup(warmup)
         self.clip = None if clip_grad_norm is None else \
             float(clip_grad_norm) / (self.world_size ** 0.5)
+        #: compress ``m_i / D`` (True, the default) or ``m_i`` itself (1-bit Adam as
+        #: published; measured in docs/bench/adam/: diverges with AdaComp)
+        self.precondition = bool(precondition)
+        #: lower bound of every coordinate's frozen ``sqrt(v_hat)``, as a fraction of the
+        #: layer's mean ``sqrt(v_hat)`` (0 = none; see the module docstring)
+        self.floor = float(floor)
         self.u: dict = {}            # no DGC velocity: nothing to mask
         self.transactional = False
         self._after: set = set()     # layers known to be past their warm-up (cache)
@@ -270,8 +292,20 @@ class AdamRecipe:
         if group.get("maximize", False):
             g = -g
         b1 = _value(group["betas"][0])
-        m = self.optimizer.state[self.params[name]]["exp_avg"].float()
-        return m * b1 + g * (1.0 - b1), nonfinite
+        st = self.optimizer.state[self.params[name]]
+        mi = st["exp_avg"].float() * b1 + g * (1.0 - b1)
+        if self.precondition:
+            return mi / self._denom(st, group), nonfinite
+        return mi, nonfinite
+
+    def _denom(self, st: dict, group: dict) -> torch.Tensor:
+        """``D = max(s, floor * mean(s)) + eps`` with ``s = sqrt(v) / sqrt(1 - beta2^T_w)``
+        (v frozen: the same every step; the mean over the layer stays on the device)."""
+        b2 = _value(group["betas"][1])
+        s = st["exp_avg_sq"].float().sqrt() / math.sqrt(1 - b2 ** self.warmup)
+        if self.floor > 0:
+            s = torch.maximum(s, s.mean() * self.floor)
+        return s.add_(group["eps"])
 
     def dense_payload(self, name: str, x: torch.Tensor) -> LayerPayload:
         """``x`` as one DENSE fp32 segment (no residual: exact), the layout a
@@ -290,7 +324,7 @@ class AdamRecipe:
     # ----------------------------------------------------------------- the step
     def neutralised(self):
         """Context around the wrapped optimizer's ``step()``: on entry the recipe layers
-        past their warm-up hide ``p.grad`` (= ``M``) so the wrapped Adam skips them; on a
+        past their warm-up hide ``p.grad`` (= ``X``) so the wrapped Adam skips them; on a
         normal exit the recipe's update is applied to them and ``p.grad`` comes back."""
         return _Around(self)
 
@@ -313,21 +347,27 @@ class AdamRecipe:
     def _update(self, p: torch.Tensor, M: torch.Tensor):
         group = self._group_of(p)
         st = self.optimizer.state[p]
-        lr, eps = group["lr"], group["eps"]
-        b1, b2 = (_value(b) for b in group["betas"])
+        lr = group["lr"]
+        b1 = _value(group["betas"][0])
         wd = group.get("weight_decay", 0.0)
         step_t = st["step"]
         step_t += 1
         if wd and group.get("decoupled_weight_decay", False):
             p.mul_(1 - lr * wd)
-        st["exp_avg"].copy_(M)
         if isinstance(step_t, torch.Tensor) and step_t.device.type != "cpu":
             bc1 = 1 - torch.pow(b1, step_t)          # device step: no host read
         else:
             bc1 = 1 - b1 ** _value(step_t)
-        bc2_sqrt = math.sqrt(1 - b2 ** self.warmup)
-        denom = (st["exp_avg_sq"].sqrt() / bc2_sqrt).add_(eps)
         step_size = lr / bc1
+        denom = self._denom(st, group)
+        if self.precondition:                         # M holds X = avg C(m_i / D)
+            st["exp_avg"].copy_(M * denom)
+            if isinstance(step_size, torch.Tensor):
+                p.sub_(M * step_size.to(p.device))
+            else:
+                p.add_(M, alpha=-step_size)
+            return
+        st["exp_avg"].copy_(M)
         if isinstance(step_size, torch.Tensor):       # lr or step as a tensor
             p.sub_(st["exp_avg"] / denom * step_size.to(p.device))
         else:                                         # torch's single-tensor form

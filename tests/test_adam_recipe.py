@@ -33,14 +33,15 @@ class SimRanks:
     """P ranks of the recipe in one process (one optimizer: its state is the same on every
     rank; one compressor per rank)."""
 
-    def __init__(self, model, opt, make_comp, P, warmup):
+    def __init__(self, model, opt, make_comp, P, warmup, precondition=True, floor=0.1):
         self.model, self.opt, self.P = model, opt, P
         self.named = dict(model.named_parameters())
         self.comps = [make_comp().bind(r, P) for r in range(P)]
         pol = self.comps[0].policy
         self.recipe = AdamRecipe(opt, self.named, P,
                                  lambda n: not pol.is_dense(n, self.named[n].shape),
-                                 warmup=warmup)
+                                 warmup=warmup, precondition=precondition,
+                                 floor=floor)
         self.t = 0
 
     def step(self, everyone):
@@ -79,9 +80,11 @@ def _close(sim, rep, what):
             f"{what}: {n} differs from the replay by {err:.3g}"
 
 
-@pytest.mark.parametrize("kind,comp", [("adam", "topk"), ("adamw", "topk"),
-                                       ("adam", "adacomp")])
-def test_recipe_matches_replay(seed, kind, comp):
+@pytest.mark.parametrize("kind,comp,pre", [("adam", "topk", True), ("adamw", "topk", True),
+                                           ("adam", "adacomp", True),
+                                           ("adamw", "topk", False),
+                                           ("adam", "adacomp", False)])
+def test_recipe_matches_replay(seed, kind, comp, pre):
     torch.manual_seed(seed)
     P, warmup, lr, wd, betas, eps = 3, 3, 3e-3, 1e-2, (0.9, 0.99), 1e-8
     model = Net()
@@ -92,8 +95,9 @@ def test_recipe_matches_replay(seed, kind, comp):
     else:
         make, sel, dw = hvdsparse.AdaComp, adacomp(), True
     rep = AdamReplay(dict(model.named_parameters()), P, lr=lr, betas=betas, eps=eps, wd=wd,
-                     decoupled=kind == "adamw", warmup=warmup, select=sel, needs_dw=dw)
-    sim = SimRanks(model, opt, make, P, warmup)
+                     decoupled=kind == "adamw", warmup=warmup, select=sel, needs_dw=dw,
+                     precondition=pre, floor=0.1 if pre else 0.0)
+    sim = SimRanks(model, opt, make, P, warmup, precondition=pre, floor=0.1 if pre else 0.0)
     for step in range(9):
         everyone = grads(model, P, step, seed)
         sim.step(everyone)
@@ -128,7 +132,8 @@ def test_warmup_is_exact_adam(seed):
 
 
 def test_unused_layer_is_a_zero_gradient(seed):
-    """A trainable layer without a gradient on a rank contributes m_i = beta1 * m."""
+    """A trainable layer without a gradient on a rank contributes m_i = beta1 * m (sent
+    as m_i / D)."""
     torch.manual_seed(seed)
     model = Net()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -136,8 +141,11 @@ def test_unused_layer_is_a_zero_gradient(seed):
     sim.step(grads(model, 2, 0, seed))
     p = sim.named["fc1.weight"]
     m = opt.state[p]["exp_avg"].clone()
+    v = opt.state[p]["exp_avg_sq"]
     x, _ = sim.recipe.corrected("fc1.weight", torch.zeros_like(p), p, False, None)
-    assert torch.equal(x, m * 0.9)
+    s = v.sqrt() / math.sqrt(1 - 0.999)                  # frozen after T_w = 1 step
+    D = torch.clamp(s, min=float(0.1 * s.mean())) + 1e-8
+    assert torch.allclose(x, m * 0.9 / D, rtol=1e-6, atol=0)
 
 
 def test_setup_checks():

@@ -8,10 +8,12 @@ Per layer with ``t`` its Adam step count before this step:
   exact Adam on ``G = (sum_r g_r) / P``:  (AdamW: ``w *= 1 - lr wd``; Adam: ``G += wd w``)
   ``m = b1 m + (1 - b1) G``, ``v = b2 v + (1 - b2) G^2``, ``t += 1``,
   ``w -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``;
-* after: per rank ``m_r = b1 m + (1 - b1) (g_r [+ wd w for Adam])``, ``acc = e_r + m_r``,
-  ``sent = select(acc)``, ``e_r = acc - sent``; ``M = (sum_r sent_r) / P``;
-  (AdamW: ``w *= 1 - lr wd``) ``m = M``, ``t += 1``, ``v`` unchanged,
-  ``w -= lr / (1 - b1^t) * M / (sqrt(v) / sqrt(1 - b2^T_w) + eps)``.
+* after: per rank ``m_r = b1 m + (1 - b1) (g_r [+ wd w for Adam])``, with
+  ``D = max(s, floor * mean(s)) + eps``, ``s = sqrt(v) / sqrt(1 - b2^T_w)`` (v frozen) ``x_r = m_r / D`` (``precondition``,
+  the default) or ``x_r = m_r``; ``acc = e_r + x_r``, ``sent = select(acc)``,
+  ``e_r = acc - sent``; ``X = (sum_r sent_r) / P``; (AdamW: ``w *= 1 - lr wd``)
+  ``t += 1``, ``v`` unchanged; precondition: ``m = X * D``, ``w -= lr / (1 - b1^t) * X``;
+  else ``m = X``, ``w -= lr / (1 - b1^t) * X / D``.
 
 ``select``: :func:`topk_exact` (TopK(ratio, exact=True)) or :func:`adacomp` (AdaComp's
 pack(), Algorithm 2 of the AdaComp paper with this project's fixed per-bin capacity).
@@ -61,12 +63,13 @@ def adacomp(bin_size=500, scale=2.0, max_per_bin=None):
 
 class AdamReplay:
     def __init__(self, weights, P, *, lr, betas, eps, wd, decoupled, warmup, select,
-                 dense_below=1024, needs_dw=False):
+                 dense_below=1024, needs_dw=False, precondition=True, floor=0.1):
         self.W = {n: w.detach().clone().float() for n, w in weights.items()}
         self.P, self.lr, self.eps, self.wd = P, lr, eps, wd
         self.b1, self.b2 = betas
         self.decoupled, self.warmup, self.select = decoupled, warmup, select
         self.dense_below, self.needs_dw = dense_below, needs_dw
+        self.precondition, self.floor = precondition, floor
         self.m = {n: torch.zeros_like(w) for n, w in self.W.items()}
         self.v = {n: torch.zeros_like(w) for n, w in self.W.items()}
         self.t = {n: 0 for n in self.W}
@@ -93,21 +96,28 @@ class AdamReplay:
                 denom = self.v[n].sqrt() / math.sqrt(1 - b2 ** t) + eps
                 self.W[n] = W - lr / (1 - b1 ** t) * self.m[n] / denom
                 continue
-            M = torch.zeros_like(W)
+            s = self.v[n].sqrt() / math.sqrt(1 - b2 ** self.warmup)
+            D = torch.clamp(s, min=float(self.floor * s.mean())) + eps
+            X = torch.zeros_like(W)
             for r in range(P):
                 g = everyone[r][n].float()
                 if wd and not self.decoupled:
                     g = g + wd * W
-                mr = b1 * self.m[n] + (1 - b1) * g
-                acc = self.e[r][n] + mr
-                sent = self.select(acc, mr) if self.needs_dw else self.select(acc)
+                xr = b1 * self.m[n] + (1 - b1) * g
+                if self.precondition:
+                    xr = xr / D
+                acc = self.e[r][n] + xr
+                sent = self.select(acc, xr) if self.needs_dw else self.select(acc)
                 self.e[r][n] = acc - sent
-                M = M + sent
-            M = M * (1.0 / P)
+                X = X + sent
+            X = X * (1.0 / P)
             if self.decoupled:
                 W = W * (1 - lr * wd)
-            self.m[n] = M
             self.t[n] += 1
             t = self.t[n]
-            denom = self.v[n].sqrt() / math.sqrt(1 - b2 ** self.warmup) + eps
-            self.W[n] = W - lr / (1 - b1 ** t) * M / denom
+            if self.precondition:
+                self.m[n] = X * D
+                self.W[n] = W - lr / (1 - b1 ** t) * X
+            else:
+                self.m[n] = X
+                self.W[n] = W - lr / (1 - b1 ** t) * X / D

@@ -382,10 +382,11 @@ def plot(data, path):
 
 
 def adacomp_breakdown(data):
-    """Per AdaComp-compressed layer: where the wire bytes go (the codec's segment record,
-    indices, int32 bin counts, sign bits, the scale; each section padded to 8 bytes:
-    ``hvdsparse/codec.py``) against the measured payload bytes per step, and the rate the
-    paper would count (``sent`` elements x (index bits + 1 sign bit), nothing else)."""
+    """Per AdaComp-compressed layer: where the payload bytes go (indices, int32 bin
+    counts, sign bits, scale, count: what ``stats()`` counts) against the measured
+    payload bytes per step; the codec's framing on top (a 72-byte segment record, each
+    section padded to 8 bytes: ``hvdsparse/codec.py``); and the rate the paper would
+    count (``sent`` elements x (index bits + 1 sign bit), nothing else)."""
     from hvdsparse.compressors import AdaComp
     pad = lambda b: -(-b // 8) * 8                                  # noqa: E731
     out = []
@@ -401,29 +402,36 @@ def adacomp_breakdown(data):
             B = min(AdaComp.bin_size_for(shape), numel)
             nb = -(-numel // B)
             ib = 1 if B <= 256 else 2
-            parts = dict(record=72, indices=pad(cap * ib), bin_counts=pad(4 * nb),
-                         signs=pad(-(-cap // 8)), scale=8)
-            total = sum(parts.values())
+            parts = dict(indices=cap * ib, bin_counts=4 * nb, signs=cap / 8, scale=4,
+                         count=4)
+            total = sum(parts.values())                 # what stats() counts
+            # the codec adds a 72-byte segment record and pads each section to 8 bytes
+            framing = 72 + (pad(cap * ib) - cap * ib) + (pad(4 * nb) - 4 * nb) \
+                + (pad(-(-cap // 8)) - cap / 8) + 4
             sent = L["total_sent"] / max(L["steps"], 1)
             idx_bits = max(1, math.ceil(math.log2(B)))
             out.append(dict(method=r["method"], layer=n, kind=L["kind"], numel=numel, bin=B,
                             bins=nb, per_bin=cap // nb, capacity=cap, **parts,
-                            model_bytes=total,
+                            model_bytes=total, framing=framing,
                             measured_bytes=L["total_payload_bytes"] / max(L["steps"], 1),
-                            rate=4 * numel / total, sent_per_step=sent,
+                            rate=4 * numel / total, rate_framed=4 * numel / (total + framing),
+                            sent_per_step=sent,
                             sent_per_bin=sent / nb,
                             paper_rate=32 * numel / (sent * (idx_bits + 1)) if sent else None))
     if not out:
         return out, ""
-    lines = ["| method | layer (kind) | elements | bin L | slots/bin | record | indices | "
-             "bin counts | signs | scale | bytes/step (model / measured) | rate on the wire "
-             "| sent/bin | paper-style rate |", "|" + "---|" * 14]
+    lines = ["| method | layer (kind) | elements | bin L | slots/bin | indices | "
+             "bin counts (int32) | signs | scale + count | bytes/step (model / measured) | "
+             "rate | + codec framing | rate framed | sent/bin | paper-style rate |",
+             "|" + "---|" * 15]
     for x in out:
         lines.append(
             f"| {x['method']} | {x['layer']} ({x['kind']}) | {x['numel']} | {x['bin']} | "
-            f"{x['per_bin']} | {x['record']} | {x['indices']} | {x['bin_counts']} | "
-            f"{x['signs']} | {x['scale']} | {x['model_bytes']} / {x['measured_bytes']:.0f} | "
-            f"{x['rate']:.1f} | {x['sent_per_bin']:.2f} | "
+            f"{x['per_bin']} | {x['indices']} | {x['bin_counts']} | "
+            f"{x['signs']:.1f} | {x['scale'] + x['count']} | "
+            f"{x['model_bytes']:.1f} / {x['measured_bytes']:.1f} | "
+            f"{x['rate']:.1f} | {x['framing']:.1f} | {x['rate_framed']:.1f} | "
+            f"{x['sent_per_bin']:.2f} | "
             f"{x['paper_rate']:.0f} |")
     return out, "\n".join(lines)
 

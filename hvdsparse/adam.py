@@ -224,15 +224,19 @@ class AdamRecipe:
         self.u: dict = {}            # no DGC velocity: nothing to mask
         self.transactional = False
         self._after: set = set()     # layers known to be past their warm-up (cache)
+        self._groups: dict = {}      # id(param) -> its param group (cache)
         self._stash: list = []
 
     # ----------------------------------------------------------------- phase
     def _group_of(self, p) -> dict:
-        for g in self.optimizer.param_groups:
-            for q in g["params"]:
-                if q is p:
-                    return g
-        raise KeyError("parameter not in the optimizer")
+        """``p``'s param group (cached by id; rebuilt when missing or stale: torch's
+        ``load_state_dict`` replaces the group dicts, ``add_param_group`` adds some)."""
+        g = self._groups.get(id(p))
+        if g is None or not any(g is h for h in self.optimizer.param_groups):
+            self._groups = {id(q): h for h in self.optimizer.param_groups
+                            for q in h["params"]}
+            g = self._groups[id(p)]
+        return g
 
     def frozen(self, name: str) -> bool:
         """True when ``name`` is a recipe layer past its warm-up (``step >= T_w``):

@@ -339,6 +339,8 @@ def main():
                 Path(args.corpus).write_text(build_corpus())
         for seed in args.seeds:
             res = launch(args.workload, seed, args)
+            # re-read before writing: another chunk may have added results meanwhile
+            store = json.loads(store_path.read_text()) if store_path.exists() else {}
             store.setdefault(args.workload, {}).setdefault(str(seed), {}).update(res)
             store_path.write_text(json.dumps(store, indent=1))
     rows, md = table(store)

@@ -118,7 +118,7 @@ def _expect_clean(run, np_):
 # ---------------------------------------------------------------------------- matrix
 @pytest.fixture(scope="module")
 def matrix_run():
-    return _horovodrun(3, "matrix", timeout=480)
+    return _horovodrun(3, "matrix", timeout=600)     # 50 cases (balanced added)
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)

@@ -732,15 +732,18 @@ class Compressor:
         return LayerPayload(name, shape, [seg])
 
     def _encode(self, vals: torch.Tensor, enc: ValueEncoding, seed: int, quant_bucket: int,
-                count: Optional[torch.Tensor] = None):
-        """Encode fp32 ``vals`` -> (values tensor, scales or None, dequantised fp32)."""
+                count: Optional[torch.Tensor] = None, want_deq: bool = True):
+        """Encode fp32 ``vals`` -> (values tensor, scales or None, dequantised fp32;
+        None with ``want_deq=False``: nothing to put back into a residual)."""
         if enc in FLOAT_DTYPES:
             if enc == ValueEncoding.FP32:
                 return vals, None, vals
             v = vals.to(FLOAT_DTYPES[enc])
-            return v, None, v.float()
+            return v, None, (v.float() if want_deq else None)
         bits = QUANT_BITS[enc]
         codes, scales = ops.quantize_pack(vals, bits, quant_bucket, seed, count=count)
+        if not want_deq:
+            return codes, scales, None
         deq = ops.dequantize_unpack(codes, scales, bits, quant_bucket, vals.numel())
         return codes, scales, deq
 
@@ -749,8 +752,11 @@ class Compressor:
         """All of ``acc`` as one DENSE segment in encoding ``enc``; with error feedback
         the residual (``acc`` itself) becomes ``acc - deq`` (0 for fp32)."""
         n = acc.numel()
-        vals = acc.clone()
-        values, scales, deq = self._encode(vals, enc, seed, quant_bucket)
+        # fp32 travels as a copy (acc is zeroed below, or is a scratch buffer); the
+        # other encodings only read acc into fresh tensors
+        vals = acc.clone() if enc == ValueEncoding.FP32 else acc
+        values, scales, deq = self._encode(vals, enc, seed, quant_bucket,
+                                           want_deq=error_feedback)
         if error_feedback:
             if enc == ValueEncoding.FP32:
                 acc.zero_()
@@ -772,7 +778,8 @@ class Compressor:
         if valid is not None:
             v = torch.where(valid, v, torch.zeros((), dtype=v.dtype, device=v.device))
         values, scales, deq = self._encode(v, enc, seed, quant_bucket,
-                                           count=count if valid is not None else None)
+                                           count=count if valid is not None else None,
+                                           want_deq=error_feedback)
         if error_feedback:
             delta = -deq
             if valid is not None:

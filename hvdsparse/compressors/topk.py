@@ -267,7 +267,7 @@ class TopK(Compressor):
         count = cnt[:1]
         scales = None
         if enc in QUANT_BITS:
-            values, scales, deq = self._encode(vals, enc, qseed, qb, count=count)
+            values, scales, deq = self._encode(vals, enc, qseed, qb, count=count, want_deq=ef)
             if ef:
                 valid = torch.arange(cap, device=acc.device) < count
                 delta = torch.where(valid, vals - deq, torch.zeros((), device=acc.device))

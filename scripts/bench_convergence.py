@@ -82,7 +82,7 @@ def parse_method(spec):
         okw["momentum_correction"] = True
     if flag == "off":
         okw["adam_recipe"] = False
-    for item in filter(None, tail.split(",")):
+    for item in filter(None, re.split(r",(?![^()]*\))", tail)):   # commas outside (...)
         k, _, v = item.partition("=")
         try:
             v = ast.literal_eval(v)

@@ -260,16 +260,14 @@ def launch(workload, seed, args):
 
 def table(store: dict) -> tuple:
     rows, lines = [], []
-    lines.append("| workload | method | seeds | final held-out loss (mean +- sd) | vs dense | "
-                 "accuracy | bytes vs dense (run / steady) |")
+    lines.append("| workload | method | seeds | final held-out loss (mean +- sd) | "
+                 "vs dense (paired seeds) | accuracy | bytes vs dense (run / steady) |")
     lines.append("|---|---|---|---|---|---|---|")
     for wl, by_seed in sorted(store.items()):
         seeds = sorted(by_seed)
         names = []
         for s in seeds:
             names += [n for n in by_seed[s] if n not in names]
-        dense = [by_seed[s]["dense"]["final"]["loss"] for s in seeds if "dense" in by_seed[s]]
-        dmean = statistics.mean(dense) if dense else float("nan")
         for n in names:
             rs_all = [by_seed[s][n] for s in seeds if n in by_seed[s]]
             rs = [r for r in rs_all if r.get("diverged_at") is None]
@@ -282,9 +280,14 @@ def table(store: dict) -> tuple:
             loss = [r["final"]["loss"] for r in rs]
             acc = [r["final"].get("acc") for r in rs if r["final"].get("acc") is not None]
             sd = statistics.stdev(loss) if len(loss) > 1 else 0.0
+            # vs dense: paired by seed (the same initial weights and batches)
+            paired = [by_seed[s][n]["final"]["loss"] / by_seed[s]["dense"]["final"]["loss"]
+                      - 1.0 for s in seeds if n in by_seed[s] and "dense" in by_seed[s]
+                      and by_seed[s][n].get("diverged_at") is None]
             row = dict(workload=wl, method=n, seeds=len(rs), diverged=div,
-                       loss=statistics.mean(loss),
-                       loss_sd=sd, loss_vs_dense=statistics.mean(loss) / dmean - 1.0,
+                       loss=statistics.mean(loss), loss_sd=sd,
+                       loss_vs_dense=statistics.mean(paired) if paired else float("nan"),
+                       paired_seeds=len(paired),
                        acc=statistics.mean(acc) if acc else None,
                        acc_sd=statistics.stdev(acc) if len(acc) > 1 else None,
                        bytes_run=statistics.mean([r["bytes_vs_dense"] for r in rs])
@@ -300,7 +303,7 @@ def table(store: dict) -> tuple:
             lines.append(f"| {wl} | {n} | {row['seeds']}"
                          f"{f' (+{len(div)} diverged at {div})' if div else ''} | "
                          f"{row['loss']:.4f} +- {sd:.4f} | "
-                         f"{100 * row['loss_vs_dense']:+.1f}% | {acc_s} | {by} |")
+                         f"{100 * row['loss_vs_dense']:+.1f}% ({row['paired_seeds']}) | {acc_s} | {by} |")
     return rows, "\n".join(lines)
 
 

@@ -109,8 +109,8 @@ from .payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
 
 __all__ = ["AdamRecipe", "DEFAULT_WARMUP", "adam_setup", "check_adam", "is_adam"]
 
-#: warm-up steps when the user gives none (see README "Adam / AdamW": measured in
-#: docs/bench/adam/; scale it to ~15-25% of the run)
+#: warm-up steps when the user gives none: ~30% of the 300-330-step runs measured in
+#: docs/bench/adam/ (BENCHMARKS.md 6); scale it to ~25-30% of the run
 DEFAULT_WARMUP = 100
 
 
@@ -355,7 +355,10 @@ class AdamRecipe:
         b1 = _value(group["betas"][0])
         wd = group.get("weight_decay", 0.0)
         step_t = st["step"]
-        step_t += 1
+        if isinstance(step_t, torch.Tensor):
+            step_t += 1                               # in place, as torch's Adam does
+        else:                                         # a state dict with a float step
+            st["step"] = step_t = step_t + 1
         if wd and group.get("decoupled_weight_decay", False):
             p.mul_(1 - lr * wd)
         if isinstance(step_t, torch.Tensor) and step_t.device.type != "cpu":

@@ -348,7 +348,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             exchanged average, as before).
         adam_warmup: dense, exact Adam steps before the variance is frozen (per
             parameter, counted by Adam's ``state["step"]``); ``None`` =
-            :data:`hvdsparse.adam.DEFAULT_WARMUP`. Scale it to ~15-25% of the run.
+            :data:`hvdsparse.adam.DEFAULT_WARMUP`. Scale it to ~25-30% of the run
+            (measured: BENCHMARKS.md 6).
     """
     import horovod.torch as hvd
     if op is None:

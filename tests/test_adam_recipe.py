@@ -214,3 +214,33 @@ def test_checkpoint_round_trip(seed):
     for (n, a), b in zip(model.named_parameters(), m2.parameters()):
         assert torch.equal(a, b), f"{n} differs after resume"
     assert math.isclose(float(o2.state[m2.fc1.weight]["step"]), 8)
+
+
+def test_ddp_state_wiring():
+    """hvdsparse.ddp.State: on by default with optimizer=Adam, checks as the front door
+    (a world of one: no process group needed)."""
+    from hvdsparse.ddp import State
+    from hvdsparse.transport import Transport
+
+    class One(Transport):
+        def rank(self):
+            return 0
+
+        def size(self):
+            return 1
+    net = Net()
+    st = State(hvdsparse.TopK(0.1), net.named_parameters(), transport=One(),
+               optimizer=torch.optim.AdamW(net.parameters()))
+    assert isinstance(st.local_update, AdamRecipe) and st.local_update.warmup == DEFAULT_WARMUP
+    assert st.fingerprint["adam_warmup"] == DEFAULT_WARMUP
+    st = State(hvdsparse.TopK(0.1), net.named_parameters(), transport=One())
+    assert st.local_update is None and st.fingerprint["adam_warmup"] is None
+    for kw, words in ((dict(optimizer=torch.optim.Adam(net.parameters(), amsgrad=True)),
+                       "amsgrad"),
+                      (dict(adam_warmup=10), "need optimizer"),
+                      (dict(optimizer=torch.optim.Adam(net.parameters()), adam_recipe=False),
+                       "optimizer= is only used"),
+                      (dict(optimizer=torch.optim.Adam(net.parameters()),
+                            momentum_correction=True), "momentum_correction")):
+        with pytest.raises(ValueError, match=words):
+            State(hvdsparse.TopK(0.1), net.named_parameters(), transport=One(), **kw)

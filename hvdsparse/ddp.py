@@ -91,7 +91,11 @@ exchanged average inside the hook.
 The Adam recipe (``optimizer=`` a ``torch.optim.Adam`` / ``AdamW``; on by default
 then, ``adam_recipe=False`` turns it off): the same :class:`hvdsparse.adam.AdamRecipe`
 as the Horovod path -- dense exact warm-up, then each rank's momentum compressed in the
-hook and the frozen-variance update applied around the optimizer's ``step()``.
+hook and the frozen-variance update applied around the optimizer's ``step()``. Not with
+``torch.amp.GradScaler``: the hook does not know the loss scale, and the momentum would
+mix scaled gradients into the unscaled ``exp_avg`` (the Horovod path takes
+``grad_scaler=``). A parameter unused on every rank keeps ``p.grad = None`` (DDP), so
+it is not stepped, but its zero-gradient momentum was still compressed into its residual.
 
 Host synchronisation (CUDA): as in the Horovod path, except the split strategy, whose
 variable-size alltoalls need one small size exchange each on torch.distributed

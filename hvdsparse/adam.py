@@ -106,6 +106,7 @@ from typing import Dict, Optional
 import torch
 
 from .payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
+from .param_groups import GroupLookup
 
 __all__ = ["AdamRecipe", "DEFAULT_WARMUP", "adam_setup", "check_adam", "is_adam"]
 
@@ -224,20 +225,10 @@ class AdamRecipe:
         self.u: dict = {}            # no DGC velocity: nothing to mask
         self.transactional = False
         self._after: set = set()     # layers known to be past their warm-up (cache)
-        self._groups: dict = {}      # id(param) -> its param group (cache)
+        self._groups = GroupLookup(optimizer)   # param -> its current param group
         self._stash: list = []
 
     # ----------------------------------------------------------------- phase
-    def _group_of(self, p) -> dict:
-        """``p``'s param group (cached by id; rebuilt when missing or stale: torch's
-        ``load_state_dict`` replaces the group dicts, ``add_param_group`` adds some)."""
-        g = self._groups.get(id(p))
-        if g is None or not any(g is h for h in self.optimizer.param_groups):
-            self._groups = {id(q): h for h in self.optimizer.param_groups
-                            for q in h["params"]}
-            g = self._groups[id(p)]
-        return g
-
     def frozen(self, name: str) -> bool:
         """True when ``name`` is a recipe layer past its warm-up (``step >= T_w``):
         compressed momentum, frozen variance. Identical on every rank."""
@@ -289,7 +280,7 @@ class AdamRecipe:
             g = g * torch.clamp(self.clip / (norm + 1e-6), max=1.0)
         if dense or not self.frozen(name):
             return g, nonfinite
-        group = self._group_of(param)
+        group = self._groups.of(param)
         wd = group.get("weight_decay", 0.0)
         if wd and not group.get("decoupled_weight_decay", False):
             g = g + wd * param.detach().float()
@@ -349,7 +340,7 @@ class AdamRecipe:
             p.grad = M
 
     def _update(self, p: torch.Tensor, M: torch.Tensor):
-        group = self._group_of(p)
+        group = self._groups.of(p)
         st = self.optimizer.state[p]
         lr = group["lr"]
         b1 = _value(group["betas"][0])

@@ -300,8 +300,8 @@ class State:
         if missing:
             raise ValueError(f"momentum_correction: parameters {missing[:5]} are not "
                              f"optimised by the given optimizer")
-        lu = LocalUpdate({n: group_of[id(p)] for n, p in self.params.items()
-                          if id(p) in group_of}, self.world_size,
+        lu = LocalUpdate(optimizer, {n: p for n, p in self.params.items()
+                                     if id(p) in group_of}, self.world_size,
                          momentum_correction=momentum_correction,
                          clip_grad_norm=clip_grad_norm)
         self.local_update = lu

@@ -41,6 +41,8 @@ from typing import Dict, Optional
 
 import torch
 
+from .param_groups import GroupLookup
+
 __all__ = ["LocalUpdate"]
 
 
@@ -56,16 +58,20 @@ class _Group:
 
 class LocalUpdate:
     """Momentum correction / masking and local clipping for one optimizer (see the module
-    docstring). ``groups``: name -> the torch param group dict of that parameter."""
+    docstring). ``optimizer``: the wrapped torch optimizer, whose param groups are read
+    at use time (``load_state_dict`` replaces them: :mod:`hvdsparse.param_groups`);
+    ``params``: name -> parameter."""
 
-    def __init__(self, groups: Dict[str, dict], world_size: int, *,
+    def __init__(self, optimizer, params: Dict[str, torch.Tensor], world_size: int, *,
                  momentum_correction: bool, clip_grad_norm: Optional[float]):
         self.world_size = int(world_size)
         self.momentum_correction = bool(momentum_correction)
         self.clip = None if clip_grad_norm is None else float(clip_grad_norm) / \
             (self.world_size ** 0.5)
-        self._hyper = {n: _Group(g) for n, g in groups.items()}
-        self._groups = groups
+        self.params = dict(params)
+        self._groups = GroupLookup(optimizer)
+        for p in self.params.values():      # every parameter must be optimised
+            self._groups.of(p)
         self.u: Dict[str, torch.Tensor] = {}        # velocity of compressed layers
         self.buf: Dict[str, torch.Tensor] = {}      # momentum buffer of dense layers
         self._snap: Optional[dict] = None
@@ -106,7 +112,7 @@ class LocalUpdate:
         if self.clip is not None:
             norm = torch.linalg.vector_norm(g)
             g = g * torch.clamp(self.clip / (norm + 1e-6), max=1.0)
-        h = self._hyper[name]
+        h = _Group(self._groups.of(self.params[name]))
         if not self.momentum_correction or h.momentum == 0.0 or dense:
             return g, nonfinite
         if h.weight_decay:
@@ -139,13 +145,13 @@ class LocalUpdate:
         return False
 
     def wants(self, name: str) -> bool:
-        h = self._hyper[name]
+        h = _Group(self._groups.of(self.params[name]))
         return (self.momentum_correction and h.momentum != 0.0) or self.clip is not None
 
     # ----------------------------------------------------------------- after exchange
     def dense_momentum(self, name: str, G: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         """Ordinary SGD momentum for a layer sent dense (see module docstring)."""
-        h = self._hyper[name]
+        h = _Group(self._groups.of(self.params[name]))
         if not self.momentum_correction or h.momentum == 0.0:
             return G
         d = G.float()
@@ -161,7 +167,7 @@ class LocalUpdate:
     def neutralised(self):
         """Context: the wrapped optimizer's momentum and weight decay are 0 while it
         applies the corrected gradients (restored afterwards)."""
-        return _Neutral(list({id(g): g for g in self._groups.values()}.values())
+        return _Neutral(self._groups.groups_of(self.params.values())
                         if self.momentum_correction else [])
 
     def state_dict(self) -> dict:

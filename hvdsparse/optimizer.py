@@ -110,9 +110,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     not compression.policy.is_dense(n, _s[n]),
                 warmup=adam_warmup, clip_grad_norm=clip_grad_norm)
         elif momentum_correction or clip_grad_norm is not None:
-            group_of = {id(p): g for g in self.param_groups for p in g['params']}
             self._local_update = LocalUpdate(
-                {k: group_of[id(v)] for k, v in optimised}, size,
+                self, dict(optimised), size,
                 momentum_correction=momentum_correction, clip_grad_norm=clip_grad_norm)
         self._fingerprint = fingerprint(settings, compression)
         self._fingerprint["momentum_correction"] = bool(momentum_correction)

@@ -251,6 +251,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             sd[_state_key(self._local_update)] = self._local_update.state_dict()
         sd["scheduler_step"] = self._hvdsparse.step
         sd["optimizer_steps"] = self._steps_done
+        sd["cost_history"] = self._hvdsparse.history_state()
         return sd
 
     def load_compression_state_dict(self, sd: dict):
@@ -263,6 +264,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._hvdsparse.step = int(sd["scheduler_step"])
         if "optimizer_steps" in sd:
             self._steps_done = int(sd["optimizer_steps"])
+        if "cost_history" in sd:
+            self._hvdsparse.load_history_state(sd["cost_history"])
 
 
 def _state_key(local_update) -> str:

@@ -125,6 +125,26 @@ class _BucketHistory:
     def figures(self) -> dict:
         return self.later[0].get() if len(self.later) == 2 else {}
 
+    def state(self) -> list:
+        """The figures held, oldest first, as plain dicts (a host read: checkpoints)."""
+        return [f.get() for f in self.later]
+
+    def load(self, figures: list):
+        self.later.clear()
+        for f in figures:
+            self.later.append(_Resolved(f))
+
+
+class _Resolved:
+    """Figures restored from a checkpoint: already on the host."""
+    __slots__ = ("value",)
+
+    def __init__(self, value: dict):
+        self.value = dict(value)
+
+    def get(self) -> dict:
+        return dict(self.value)
+
 
 class LayerScheduler:
     """See the module docstring. Owned by :class:`hvdsparse.DistributedOptimizer`.
@@ -169,6 +189,7 @@ class LayerScheduler:
         self._reg_order = list(self.params)
         self.step = 0
         self.plan: Optional[List[List[str]]] = None
+        self._saved_history: Optional[dict] = None   # cost figures from a checkpoint
         self.sparse_layers: set = set()
         self._specs: List[BucketSpec] = []
         self._bucket_of: Dict[str, int] = {}
@@ -504,6 +525,7 @@ class LayerScheduler:
         self._bucket_of = {n: b for b, names in enumerate(self.plan) for n in names}
         self._dense_order = order
         self._history = [_BucketHistory() for _ in self.plan]
+        self._restore_history()
         dev = self._device()
         self._nan_index = [torch.tensor(spec.offsets, dtype=torch.long, device=dev)
                            for spec in self._specs]
@@ -745,6 +767,27 @@ class LayerScheduler:
             self.compressor.after_exchange(name, g, self.step, param=p.detach())
         else:
             self.compressor.after_exchange(name, g, self.step)
+
+    def history_state(self) -> dict:
+        """The auto cost model's figures per bucket (keyed by the bucket's layer names):
+        part of the compression state, so that a resumed run picks the strategies the
+        uninterrupted run would have picked (they sum in different orders)."""
+        return {"\x1f".join(names): h.state()
+                for names, h in zip(self.plan or [], self._history)}
+
+    def load_history_state(self, saved: dict):
+        """Restore :meth:`history_state` now, or when the plan is built (first step)."""
+        self._saved_history = dict(saved)
+        if self.plan is not None:
+            self._restore_history()
+
+    def _restore_history(self):
+        saved = self._saved_history or {}
+        for names, h in zip(self.plan, self._history):
+            figures = saved.get("\x1f".join(names))
+            if figures is not None:
+                h.load(figures)
+        self._saved_history = None
 
     def plan_order(self) -> List[str]:
         return [n for names in (self.plan or []) for n in names]

@@ -537,8 +537,6 @@ class State:
                         self.compressor.compress(name, x, self.step, param=p.detach())
                     pl.nonfinite = nonfinite if pl.nonfinite is None \
                         else pl.nonfinite + nonfinite
-                    if name in lu.u:
-                        lu.mask(name, codec.payload_to_dense(pl))   # momentum masking
                     payloads.append(pl)
                 elif used:
                     payloads.append(self.compressor.compress(
@@ -569,6 +567,7 @@ class State:
             total = it.pend.finish()
             total.mul_(scale)
             pend = it.pend
+            self._feed_back(it, pend.undelivered)
             if pend.deferred_figures is not None:
                 it.layout.deferred = pend.deferred_figures
             sent[pend.strategy] += pend.sent_bytes
@@ -619,6 +618,25 @@ class State:
         self._used.clear()
         self._step_open = False
         self.step += 1
+
+    def _feed_back(self, it, undelivered):
+        """As the Horovod scheduler's: what the exchange sent but did not deliver
+        (``Pending.undelivered``, ``balanced``'s phase-2 truncation) goes back into each
+        layer's residual (device ops only), then DGC's masking of the delivered
+        elements' velocity. A layer without a residual (policy-dense, no error feedback)
+        cannot take its share back."""
+        lu = self.local_update
+        views = it.layout.spec.views(undelivered) if undelivered is not None else \
+            [None] * len(it.names)
+        residual = getattr(self.compressor, "residual", lambda name: None)
+        with torch.no_grad():
+            for name, pl, back in zip(it.names, it.payloads, views):
+                if back is not None:
+                    r = residual(name)
+                    if r is not None:
+                        r.add_(back)
+                if lu is not None and name in lu.u:
+                    lu.mask(name, codec.payload_to_dense(pl), back)   # momentum masking
 
     def _nonfinite(self, items):
         """One small allgather of every rank's per-layer non-finite counts (same table

@@ -15,7 +15,9 @@ dampening of the wrapped ``torch.optim.SGD`` param group):
     u  <- m * u + (1 - d) * g           (nesterov: u <- m * u + g;  x = g + m * u)
     x   = u                             (what the compressor receives as "gradient")
     compressor: v = residual + x, sends top(v), residual = v - sent  (v: DGC's velocity)
-    u[sent] <- 0                        (momentum-factor masking)
+    u[sent] <- 0                        (momentum-factor masking; after the exchange, only
+                                         where the element was delivered: balanced's
+                                         dropped ones went back into the residual)
 
 and the wrapped optimizer applies the exchanged average ``G`` with momentum 0 and weight
 decay 0 (``w <- w - lr * G``); hvdsparse sets both to 0 only for the duration of the
@@ -130,13 +132,20 @@ class LocalUpdate:
         self.u[name] = u
         return x, nonfinite
 
-    def mask(self, name: str, sent_dense: torch.Tensor):
+    def mask(self, name: str, sent_dense: torch.Tensor,
+             undelivered: Optional[torch.Tensor] = None):
         """Momentum-factor masking: ``u[sent] = 0`` (``sent_dense``: this rank's decoded
-        payload of the layer; non-zero where an element was sent)."""
+        payload of the layer; non-zero where an element was sent). ``undelivered`` (the
+        exchange's not-delivered own share, see ``Pending.undelivered``): an element the
+        exchange dropped went back into the residual, so its velocity is kept too. Called
+        after the exchange."""
         u = self.u.get(name)
         if u is not None:
-            self.u[name] = torch.where(sent_dense.view(u.shape) != 0,
-                                       torch.zeros((), dtype=u.dtype, device=u.device), u)
+            hit = sent_dense.view(u.shape) != 0
+            if undelivered is not None:
+                hit = hit & (undelivered.view(u.shape) == 0)
+            self.u[name] = torch.where(hit, torch.zeros((), dtype=u.dtype, device=u.device),
+                                       u)
 
     #: the scheduler's local-update interface, used by the Adam recipe (hvdsparse.adam)
     zero_fills_absent = False

@@ -380,8 +380,6 @@ class LayerScheduler:
             if nonfinite is not None:
                 payload.nonfinite = nonfinite if payload.nonfinite is None \
                     else payload.nonfinite + nonfinite
-            if lu is not None and name in lu.u:
-                lu.mask(name, codec.payload_to_dense(payload))   # momentum-factor masking
         self._t_compress += time.perf_counter() - t0
         self._payloads[name] = payload
         self._ready_order.append(name)
@@ -622,6 +620,7 @@ class LayerScheduler:
             self.events.append(("finish", b))
             total.mul_(scale)
             totals.append(total)
+            self._feed_back(spec, pend.undelivered)
             t_dec += pend.decode_s + time.perf_counter() - t0
             t_wait += pend.wait_s
             if pend.deferred_figures is not None:
@@ -667,6 +666,26 @@ class LayerScheduler:
         self._t_compress = 0.0
         self._dirty = False
         self._clear_events = True
+
+    def _feed_back(self, spec: BucketSpec, undelivered: Optional[torch.Tensor]):
+        """What the exchange sent but did not deliver (``Pending.undelivered``:
+        ``balanced``'s phase-2 truncation) goes back into each layer's residual, device
+        ops only; then DGC's momentum-factor masking ``u[sent and delivered] = 0``. Runs
+        before the non-finite policy, so a skipped step's rollback undoes it with the
+        rest of the step. A layer without a residual (policy-dense, or no error
+        feedback) cannot take its share back: it stays lost (``p2_dropped_energy``)."""
+        lu = self.local_update
+        views = spec.views(undelivered) if undelivered is not None else \
+            [None] * len(spec.names)
+        residual = getattr(self.compressor, "residual", lambda name: None)
+        with torch.no_grad():
+            for name, back in zip(spec.names, views):
+                if back is not None:
+                    r = residual(name)
+                    if r is not None:
+                        r.add_(back)
+                if lu is not None and name in lu.u:
+                    lu.mask(name, codec.payload_to_dense(self._payloads[name]), back)
 
     def step_applied(self):
         """The optimizer applied the exchanged gradients: commit the compressor's step."""

@@ -182,3 +182,135 @@ def test_bytes_target_predicted():
         f = BucketFigures(world_size=P, numel=N, capacity=k, wire_nbytes=8 * k + 96)
         return costs(f)[choose(f)]
     assert auto_bytes(16) <= 2.5 * auto_bytes(2), (auto_bytes(2), auto_bytes(16))
+
+
+# ---------------------------------------------------------------- truncation feedback
+class _Hub:
+    """P ranks in one process (one thread each): collectives matched by issue order."""
+
+    def __init__(self, P):
+        import threading
+        self.P, self.cv, self.slots = P, threading.Condition(), {}
+
+    def put(self, seq, rank, item):
+        with self.cv:
+            self.slots.setdefault(seq, {})[rank] = item
+            self.cv.notify_all()
+
+    def all(self, seq):
+        with self.cv:
+            self.cv.wait_for(lambda: len(self.slots.get(seq, {})) == self.P, timeout=60)
+            got = self.slots.get(seq, {})
+            assert len(got) == self.P, f"collective {seq}: only ranks {sorted(got)} came"
+            return [got[r] for r in range(self.P)]
+
+
+class _ThreadTransport:
+    """The in-process stand-in for Horovod's allgather / alltoall (plain torch.cat)."""
+    ordered, kind = True, "threads"
+
+    def __init__(self, hub, rank):
+        self.hub, self.r, self.seq = hub, rank, 0
+
+    def rank(self):
+        return self.r
+
+    def size(self):
+        return self.hub.P
+
+    def _put(self, kind, item):
+        self.seq += 1
+        self.hub.put(self.seq, self.r, item)
+        return (kind, self.seq)
+
+    def allgather_async(self, tensor, name=None):
+        return self._put("gather", tensor.contiguous().clone())
+
+    def alltoall_async(self, tensor, splits, name=None):
+        return self._put("a2a", (tensor.contiguous().clone(),
+                                 [int(s) for s in splits.tolist()]))
+
+    def poll(self, handle):
+        return True
+
+    def synchronize(self, handle):
+        kind, seq = handle
+        items = self.hub.all(seq)
+        if kind == "gather":
+            return torch.cat(items)
+        parts, recv = [], []
+        for rows, splits in items:                 # sender by sender, rank order
+            a = sum(splits[:self.r])
+            parts.append(rows[a:a + splits[self.r]])
+            recv.append(splits[self.r])
+        return torch.cat(parts), torch.tensor(recv, dtype=torch.int32)
+
+
+def _run_balanced(P, payloads_of, spec):
+    """Launch + finish the real exchange on P threads; returns [(sum, undelivered)]."""
+    import threading
+    from hvdsparse.exchange.base import BufferPool, ExchangeContext
+    hub, out, errors = _Hub(P), [None] * P, []
+
+    def rank(r):
+        try:
+            ctx = ExchangeContext(rank=r, world_size=P, prefix="t", validate=True,
+                                  transport=_ThreadTransport(hub, r), buffers=BufferPool())
+            pend = B.launch(spec, payloads_of[r], ctx)
+            total = pend.finish().clone()
+            back = None if pend.undelivered is None else pend.undelivered.clone()
+            out[r] = (total, back, dict(pend.figures))
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            errors.append((r, e))
+    th = [threading.Thread(target=rank, args=(r,)) for r in range(P)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join(120)
+    assert not errors, errors
+    return out
+
+
+@pytest.mark.parametrize("P,values", [(2, "fp32"), (3, "fp32"), (5, "fp16"), (8, "int8")])
+def test_undelivered_shares_sum_to_the_dropped_part(seed, P, values):
+    """Every rank's ``undelivered`` is its own sent values (as on the wire) exactly where
+    nothing was delivered; summed over the ranks (rank order) it is ``T - delivered``,
+    T = the sum of what the ranks sent: the dropped part, which phase 2 reports as
+    ``p2_dropped_energy``."""
+    import hvdsparse
+    from hvdsparse import codec
+    from hvdsparse.exchange.base import BucketSpec
+    gen = torch.Generator().manual_seed(seed + P)
+    numels = [int(x) for x in torch.randint(1500, 6000, (3,), generator=gen)]
+    names = [f"l{j}" for j in range(3)]
+    spec = BucketSpec.build(0, names, numels)
+    payloads, own = [], []
+    for r in range(P):
+        comp = hvdsparse.TopK(0.05, values=values, compress_1d=True)
+        pls = [comp.compress(n, torch.randn(k, generator=gen) * (1 + j), 0)
+               for j, (n, k) in enumerate(zip(names, numels))]
+        payloads.append(pls)
+        own.append(torch.cat([codec.payload_to_dense(p).reshape(-1) for p in pls]))
+    out = _run_balanced(P, payloads, spec)
+    T = torch.zeros(spec.numel)
+    for o in own:
+        T = T + o                                   # rank order, as the owners sum
+    total0 = out[0][0]
+    for total, back, _ in out:
+        assert torch.equal(total, total0)           # every rank decodes the same sum
+    delivered = total0 != 0
+    f = out[0][2]
+    assert f["p2_capacity"] * P < int((T != 0).sum()), "nothing was truncated"
+    assert f["p2_dropped_energy"] > 0
+    dropped = torch.where(delivered, torch.zeros(()), T)
+    backsum = torch.zeros(spec.numel)
+    for r, (_, back, _) in enumerate(out):
+        assert back is not None
+        want = torch.where(delivered, torch.zeros(()), own[r])
+        assert torch.equal(back, want), f"rank {r}: undelivered != own sent where dropped"
+        backsum = backsum + back
+    if values != "fp16":                            # fp16 also rounds the delivered sum
+        assert torch.equal(total0[delivered], T[delivered])
+    assert torch.equal(backsum, dropped)            # same additions, same order
+    share = float(dropped.double().square().sum() / T.double().square().sum())
+    assert abs(share - f["p2_dropped_energy"]) < 1e-4 + 1e-3 * share

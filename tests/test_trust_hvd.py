@@ -23,7 +23,15 @@
   sign kept); (c) ``p.grad == (sum over ranks in rank order of sent_r) / P``, bitwise
   for allgather buckets (``sum * fp32(1/P)`` accepted too), within the fp32 reordering
   bound ``2 (P-1) u sum|sent_r| / P + 2 u |G|`` for split / dense; parameters bitwise
-  identical on all ranks before every update and at the end.
+  identical on all ranks before every update and at the end. ``balanced`` (Ok-Topk):
+  per owner region, exactly ``min(c, nnz)`` entries of the rank sum delivered, the
+  largest ``|sum|``, values within the same bound; the truncation's feedback: a sent
+  element that was not delivered is back in the sender's residual
+  (``(acc - sent) + sent``), each rank's residual is carried by the replay across the
+  10 steps (``r <- (r + g - sent) + sent * [not delivered]``, bitwise for fp32 values,
+  re-synchronised each step within a few fp32 roundings for quantised ones) and must
+  equal the compressor's at the start of every step, and the parameters must follow a
+  plain-SGD replay (lr 0.1, momentum 0.5) of the delivered sum / P.
 * ``-np 3`` scenarios (one launch): NaN on one rank (default policy: every rank raises
   naming layer and rank, no non-finite residual, the element not absorbed;
   ``nonfinite="skip"``: step skipped everywhere, residuals restored, training goes on);

@@ -38,18 +38,29 @@ owner r's message, ``L = 32 + 4 H + 4 c + pad4(c v)`` bytes::
 Every rank (the owner included) decodes all P messages from the same gathered bytes, so
 all replicas end with bit-identical sums.
 
-Truncation error (not fed back; reported)
------------------------------------------
-Phase 2 sends ``top_c(T_r)``, not ``T_r``: the dropped part ``T_r - top_c(T_r)`` is
-*lost* for this step (as Ok-Topk's global top-k drops it; Ok-Topk returns it to the
-local residuals, which needs the scheduler to hand it to the compressor: not done). The
-compressors' residuals hold each rank's own selection error only. The error is reported
-per bucket in ``Pending.figures`` (on CPU at once, on CUDA through ``deferred_figures``):
-``p2_kept`` / ``reduced`` (entries kept / non-zeros of the sum) and
-``p2_dropped_energy`` = ``1 - sum kept^2 / sum T^2`` (share of the sum's squared norm
-not delivered). Values in fp16/bf16 round the *sum* once more, as in ``split``. When the
-union of the ranks' selections fits (``nnz(T_r) <= c`` for every owner) nothing is
-dropped and the result is the exact sum (up to float order).
+Truncation error (fed back; reported)
+-------------------------------------
+Phase 2 sends ``top_c(T_r)``, not ``T_r``: the dropped part ``T_r - top_c(T_r)`` is not
+delivered this step. As in Ok-Topk it goes back into the local residuals: every rank
+knows the delivered coordinates (the gathered indices), so ``finish()`` sets
+``Pending.undelivered`` = this rank's own phase-1 values (as they went on the wire, in
+the pairs' dtype) at the coordinates it sent that no owner delivered, 0 elsewhere. The
+sum of these over the ranks is exactly the dropped part. The front doors
+(``LayerScheduler``, the DDP hook) add it into each layer's residual (device ops, inside
+the step's transaction, so a skipped step's rollback undoes it) and mask DGC's velocity
+only where an element was delivered; each rank's residual then ends the step as
+``v - (what of v was delivered)``. Only when no truncation is possible (``c`` >= the
+widest region) is ``undelivered`` left None. A layer without a residual cannot take its
+share back: a policy-dense layer (no error feedback by design) in a bucket whose
+capacity is below ``N`` (mixed with sparse layers) can be truncated, and its dropped
+share is lost; a bucket of dense payloads only (``k >= N``) is kept whole. The error is
+reported per bucket in ``Pending.figures`` (on CPU at once, on CUDA through
+``deferred_figures``): ``p2_kept`` / ``reduced`` (entries kept / non-zeros of the sum)
+and ``p2_dropped_energy`` = ``1 - sum kept^2 / sum T^2`` (share of the sum's squared
+norm not delivered this step, fed back as above). Values in fp16/bf16 round the *sum*
+once more, as in ``split`` (that rounding is not fed back). When the union of the
+ranks' selections fits (``nnz(T_r) <= c`` for every owner) nothing is dropped and the
+result is the exact sum (up to float order).
 
 Balancing (identical on every rank, no extra collective)
 ---------------------------------------------------------
@@ -302,6 +313,21 @@ class BalancedPending(Pending):
         self.wait_s += t1 - t0
         self.decode_s += time.perf_counter() - t1
 
+    def _undelivered(self, target: torch.Tensor, N: int) -> torch.Tensor:
+        """This rank's own phase-1 values (as they went on the wire, in the pairs'
+        dtype) at the coordinates no owner delivered in phase 2; 0 elsewhere. ``target``
+        holds the gathered flat indices (padding and bad indices at ``N``). The sum of
+        this over the ranks is exactly ``T - top_c(T)``, the part phase 2 dropped.
+        Device ops only."""
+        ctx, dev, b = self.ctx, self._device, self.spec.bucket_id
+        hit = ctx.buffer("balanced.delivered", b, N + 1, torch.bool, dev).zero_()
+        hit.index_fill_(0, target, True)
+        own = self._own if self._vdtype == torch.float32 else \
+            self._own.to(self._vdtype).float()
+        out = ctx.buffer("balanced.undelivered", b, N, torch.float32, dev)
+        return torch.where(hit[:N], torch.zeros((), dtype=torch.float32, device=dev), own,
+                           out=out)
+
     def finish(self) -> torch.Tensor:
         if self.result is not None:
             return self.result
@@ -346,6 +372,9 @@ class BalancedPending(Pending):
         target = torch.where(bad | pad, torch.full_like(rel, N), rel + bal.lo_t)
         buf.index_copy_(0, target.reshape(-1), vals.reshape(-1).float())
         flat = buf[:N]
+        if c < max(b - a for a, b in zip(self._bounds, self._bounds[1:])):
+            # phase 2 may have dropped entries: hand back this rank's own share of them
+            self.undelivered = self._undelivered(target.reshape(-1), N)
         # figures + candidate boundaries, from bytes every rank holds identically
         m = hdr_i[:, 2].to(torch.int64)
         cand = candidate_bounds(hist.to(torch.int64), bal.edges, P)

@@ -152,6 +152,12 @@ class Pending:
     #: stall; set by ``finish()`` when ``ctx.want_figures``. On CPU ``figures`` holds
     #: them as well, at once (reading a CPU tensor is no synchronisation).
     deferred_figures: Optional["DeferredFigures"] = None
+    #: set by ``finish()`` when the strategy may deliver less than the sum (``balanced``'s
+    #: phase-2 truncation): flat fp32[numel], this rank's own sent values at the
+    #: coordinates that were not delivered, 0 elsewhere (summed over the ranks: the
+    #: dropped part). The front doors add it into the layers' residuals (error feedback
+    #: of the truncation). None: everything sent was delivered. Valid as ``result``.
+    undelivered: Optional[torch.Tensor] = None
 
     def advance(self) -> None:
         """Non-blocking progress (multi-phase strategies start their next phase when

@@ -20,7 +20,11 @@ the math:
   compressor instance's ``compress`` -- the real method runs) by :func:`decode_payload`,
   an independent plain-torch reader of :class:`hvdsparse.payload.Segment`;
 * (a) error feedback, (b) the compressor's selection rule and (c) the exchanged
-  gradient = (sum over ranks in rank order of sent_r) / P are checked per layer and step.
+  gradient = (sum over ranks in rank order of sent_r) / P are checked per layer and step;
+* ``balanced``: the Ok-Topk truncation (:func:`check_balanced_bucket`) and its feedback
+  (a sent, undelivered element goes back into the sender's residual; the residual is
+  carried by the replay from step to step; parameters follow plain SGD on the
+  delivered sum).
 """
 from __future__ import annotations
 
@@ -305,6 +309,8 @@ class Replay:
     def __init__(self):
         self.tau = {}
         self.k = {}
+        self.res = {}       # balanced: this rank's residual, carried with the add-back
+        self.fed = {}       # balanced: elements fed back (counts)
 
 
 def slim_push(step, cfg):
@@ -323,8 +329,13 @@ def slim_core(p, core_n):
     return torch.sort(torch.topk(aw + c * ag, core_n, sorted=False).indices).values
 
 
-def check_layer(case, kind, cfg, name, step, grad, rb, ra, pl, replay, policy_dense):
-    """Checks (a) and (b) for one layer of this rank at one step; returns sent (fp32)."""
+def check_layer(case, kind, cfg, name, step, grad, rb, ra, pl, replay, policy_dense,
+                delivered=None):
+    """Checks (a) and (b) for one layer of this rank at one step; returns sent (fp32).
+    ``delivered`` (bool per element, ``balanced`` buckets): where the exchange delivered
+    a value; a sent element that was not delivered must be back in the residual
+    (``residual_after = (acc - sent) + sent`` there, the Ok-Topk feedback), the checks
+    below then see the residual before that add-back."""
     where = f"{kind} step {step} {name}"
     n = grad.numel()
     flat = grad.reshape(-1).float()
@@ -338,6 +349,23 @@ def check_layer(case, kind, cfg, name, step, grad, rb, ra, pl, replay, policy_de
     ef = cfg.get("ef", True) and not policy_dense
     raz = torch.zeros(n) if ra is None else ra.reshape(-1)
     exact_vals = all(int(s.value_encoding) == ValueEncoding.FP32 for s, *_ in segs)
+    if delivered is not None and ef:
+        back = torch.where(delivered.reshape(-1), torch.zeros(()), sent)
+        und = back != 0
+        pure = acc - sent                   # the residual before the add-back (fp32)
+        want = pure[und] + back[und]
+        got = raz[und]
+        if exact_vals:
+            case.check(torch.equal(got, want), f"{where}: a sent, undelivered element is "
+                       f"not back in the residual (max diff {maxdiff(got, want)})")
+        else:
+            # pure and deq as the library rounds them: a few fp32 roundings
+            bd = 2 * U * (pure[und].double().abs() + back[und].double().abs()
+                          + want.double().abs()) + 1e-38
+            case.check(bool(((got.double() - want.double()).abs() <= bd).all()),
+                       f"{where}: a sent, undelivered element is not back in the residual")
+        replay.fed[(name, "count")] = replay.fed.get((name, "count"), 0) + int(und.sum())
+        raz = torch.where(und, pure, raz)
 
     # ---- (a) error feedback: sent + residual_after == residual_before + grad
     if policy_dense:
@@ -514,6 +542,7 @@ COMPRESSORS = {
                        lambda: hvdsparse.TopK(0.05, per_bucket=512)),
 }
 EXCHANGES = ("allgather", "split", "dense", "auto", "balanced")
+QUANT_CASES = ("topk-int8", "topk-int4", "topk-int2")
 MATRIX_STEPS = int(os.environ.get("TRUST_MATRIX_STEPS", "10"))
 
 
@@ -576,6 +605,8 @@ def matrix_case(cname, exchange):
     names = [n for n, _ in model.named_parameters()]
     replay = Replay()
     bitwise_all, worst = True, 0.0
+    sgd_par = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sgd_buf, fed_energy = {}, []
     strategies, avg_forms = set(), set()
     try:
         for step in range(MATRIX_STEPS):
@@ -593,9 +624,34 @@ def matrix_case(cname, exchange):
                     sent[name] = torch.zeros(p.numel())
                     continue
                 pd = comp.policy.is_dense(name, p.shape)
+                bal = layer_strategy.get(name) == "balanced"
+                ef = cfg.get("ef", True) and not pd
+                if bal and ef:
+                    # (a') the residual carried by this replay (add-back included) is the
+                    # one the compressor starts the step with
+                    rr = replay.res.get(name, torch.zeros(p.numel()))
+                    rb = cap.rbefore[name]
+                    rbz = torch.zeros(p.numel()) if rb is None else rb.reshape(-1)
+                    if cname in QUANT_CASES:   # rounded differently: a few fp32 roundings
+                        ok = bool(((rbz - rr).abs() <= 4 * U * rr.abs() + 1e-38).all())
+                    else:
+                        ok = torch.equal(rbz, rr)
+                    case.check(ok, f"step {step} {name}: residual before the step != the "
+                               f"replay's carried residual (max diff {maxdiff(rbz, rr)})")
                 sent[name] = check_layer(case, kind, cfg, name, step, cap.raw[name],
                                          cap.rbefore[name], comp.residual(name),
-                                         cap.payloads[name], replay, pd)
+                                         cap.payloads[name], replay, pd,
+                                         delivered=(p.grad.detach() != 0) if bal else None)
+                if bal and ef:
+                    acc = rr + cap.raw[name].reshape(-1).float()
+                    pure = acc - sent[name]
+                    back = torch.where(p.grad.detach().reshape(-1) != 0, torch.zeros(()),
+                                       sent[name])
+                    nxt = torch.where(back != 0, pure + back, pure)
+                    if cname in QUANT_CASES:   # do not let the roundings compound
+                        r_lib = comp.residual(name)
+                        nxt = r_lib.detach().reshape(-1).clone()
+                    replay.res[name] = nxt
             if kind == "slimdp" and slim_push(step, cfg):
                 for name, p in model.named_parameters():
                     if not comp.policy.is_dense(name, p.shape):
@@ -627,6 +683,20 @@ def matrix_case(cname, exchange):
                     worst = max(worst, check_balanced_bucket(case, step, bk, rows, offsets,
                                                              model))
                     bitwise_all = False
+                    fed_energy.append(bk["figures"].get("p2_dropped_energy", 0.0))
+            if exchange == "balanced":
+                # plain SGD (lr 0.1, momentum 0.5) on the replayed gradient: the delivered
+                # part of the rank sum / P (what phase 2 dropped went to the residuals)
+                for name, p in model.named_parameters():
+                    o_, k_ = offsets[name]
+                    T = torch.zeros(k_)
+                    for r in range(P):
+                        T = T + rows[r, o_:o_ + k_]
+                    g = torch.where(p.grad.detach().reshape(-1) != 0, T / float(P),
+                                    torch.zeros(())).view(p.shape)
+                    b_ = sgd_buf.get(name)
+                    sgd_buf[name] = g.clone() if b_ is None else b_ * 0.5 + g
+                    sgd_par[name] = sgd_par[name] - 0.1 * sgd_buf[name]
             # (c) p.grad == (sum over ranks, in rank order, of sent_r) / P
             off = 0
             for name, p in model.named_parameters():
@@ -667,6 +737,12 @@ def matrix_case(cname, exchange):
                                f"the rank sum / P by {float(err.max())} > order bound")
             with opt.skip_synchronize():
                 opt.step()
+            if exchange == "balanced":
+                for name, p in model.named_parameters():
+                    case.check(torch.allclose(p.detach(), sgd_par[name], rtol=1e-5,
+                                              atol=1e-6),
+                               f"step {step} {name}: parameters off the plain-SGD replay "
+                               f"of the truncated sum by {maxdiff(p.detach(), sgd_par[name])}")
         final = gather(digest(model), f"m.{cname}.{exchange}.final")
         case.check(all(d == final[0] for d in final), "parameters differ across ranks at the end")
     except Exception as e:  # noqa: BLE001 - reported per case
@@ -675,6 +751,10 @@ def matrix_case(cname, exchange):
     case.notes.append(f"strategies {sorted(strategies)}")
     if avg_forms:
         case.notes.append(f"allgather average bitwise = {'/'.join(sorted(avg_forms))}")
+    if fed_energy:
+        fed = sum(v for k, v in replay.fed.items() if k[1] == "count")
+        case.notes.append(f"phase 2 dropped {100 * max(fed_energy):.0f}% of the energy at "
+                          f"most, {fed} elements fed back on rank {R}")
     if exchange in ("split", "dense", "balanced") or strategies - {"allgather"}:
         case.notes.append(f"non-allgather buckets bitwise={bitwise_all} worst err/bound "
                           f"{worst:.3f}")

@@ -34,7 +34,10 @@
   plain-SGD replay (lr 0.1, momentum 0.5) of the delivered sum / P.
 * ``-np 3`` scenarios (one launch): NaN on one rank (default policy: every rank raises
   naming layer and rank, no non-finite residual, the element not absorbed;
-  ``nonfinite="skip"``: step skipped everywhere, residuals restored, training goes on);
+  ``nonfinite="skip"``: step skipped everywhere, residuals restored, training goes on;
+  the same with ``exchange="balanced"`` and momentum correction: the rollback also undoes
+  the truncation's add-back and the velocity masking, and the velocity is masked exactly
+  where an element was sent and delivered);
   a layer frozen mid-run (plain SGD and SGD momentum: bitwise unchanged while frozen,
   trains after); ``synchronize()`` then ``step()`` without ``skip_synchronize()`` (one
   exchange: same parameters as with it, step counter +1 per step); sparse embeddings
@@ -69,7 +72,7 @@ WORKER = Path(__file__).resolve().parent / "workers" / "trust_worker.py"
 COMPRESSORS = ["topk", "threshold", "adacomp", "slimdp", "randomk", "qsgd4", "topk-int8",
                "topk-int4", "topk-int2", "topk-perbucket"]
 EXCHANGES = ["allgather", "split", "dense", "auto", "balanced"]
-SCENARIOS = ["nan/raise", "nan/skip", "frozen/sgd", "frozen/sgd-momentum", "sync-then-step",
+SCENARIOS = ["nan/raise", "nan/skip", "nan/skip-balanced-dgc", "frozen/sgd", "frozen/sgd-momentum", "sync-then-step",
              "sparse-embeddings", "checkpoint", "mismatch/fusion_threshold", "mismatch/ratio",
              "mismatch/exchange", "mismatch/env-fusion-threshold"]
 

@@ -860,8 +860,13 @@ def nan_raise():
     case.finish()
 
 
-def nan_skip():
-    case = Case("nan/skip")
+def nan_skip(exchange="allgather", dgc=False):
+    """``nonfinite="skip"``. With ``exchange="balanced"`` and DGC's momentum correction
+    (one bucket: phase 2 truncates) the skipped steps' rollback must also undo the
+    truncation's add-back and the velocity masking, and on the other steps the velocity
+    is masked exactly where an element was sent AND delivered (a dropped one went back
+    into the residual, so its velocity is kept)."""
+    case = Case("nan/skip" if not dgc else f"nan/skip-{exchange}-dgc")
     model = make_model(1)
     comp = hvdsparse.TopK(0.05)
     state = dict(step=0)
@@ -875,19 +880,23 @@ def nan_skip():
     try:
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                        named_parameters=model.named_parameters(),
-                                       compression=comp, exchange="allgather",
-                                       nonfinite="skip")
+                                       compression=comp, exchange=exchange,
+                                       nonfinite="skip", **(dict(momentum_correction=True)
+                                                            if dgc else {}))
     except Exception as e:  # noqa: BLE001
         case.fail(f"nonfinite='skip' refused: {type(e).__name__}: {e}")
         cap.remove()
         return case.finish()
     names = [n for n, _ in model.named_parameters()]
     skipped = []
+    lu = opt.scheduler.local_update if dgc else None
+    kept_u = 0
     try:
         for step in range(7):
             state["step"] = step
             opt.zero_grad()
             rb = residuals(comp, names)
+            ub = {n: t.clone() for n, t in lu.u.items()} if lu is not None else {}
             pb = params_of(model)
             loss_of(model, step, salt=3).backward()
             opt.step()
@@ -898,9 +907,24 @@ def nan_skip():
                            f"{1 if step == NAN_STEP else 0}) was not skipped: parameters changed")
                 bad = same_residuals(rb, residuals(comp, names))
                 case.check(bad is None, f"step {step} skipped but residual of {bad} changed")
+                if lu is not None:
+                    case.check(set(lu.u) == set(ub) and all(torch.equal(lu.u[n], ub[n])
+                                                            for n in ub),
+                               f"step {step} skipped but the DGC velocity changed")
                 skipped.append(step)
             else:
                 case.check(not unchanged, f"step {step}: parameters did not change")
+                if lu is not None:
+                    params = dict(model.named_parameters())
+                    for n, u in lu.u.items():
+                        sent = decode_payload(cap.payloads[n])[0].view(u.shape) != 0
+                        dl = params[n].grad.detach() != 0
+                        case.check(bool((u[sent & dl] == 0).all()), f"step {step} {n}: "
+                                   f"velocity of a delivered element not masked")
+                        und = sent & ~dl
+                        case.check(bool((u[und] != 0).all()), f"step {step} {n}: velocity "
+                                   f"of a sent but undelivered element masked")
+                        kept_u += int(und.sum())
             for n, r in residuals(comp, names).items():
                 if r is not None:
                     case.check(bool(torch.isfinite(r).all()), f"step {step}: residual of {n} "
@@ -911,6 +935,10 @@ def nan_skip():
             case.check(all(x == d[0] for x in d), f"step {step}: replicas differ")
         case.notes.append(f"skipped steps {skipped} (NaN on rank 1 in {NAN_LAYER}, Inf on "
                           f"rank 0 in fc1.bias), training continued, replicas identical")
+        if lu is not None:
+            case.check(kept_u > 0, "phase 2 never dropped a sent element: nothing tested")
+            case.notes.append(f"{kept_u} sent, undelivered elements kept their velocity "
+                              f"on rank {R}")
     except Exception as e:  # noqa: BLE001
         case.fail(f"{type(e).__name__}: {e}")
     opt.scheduler.remove_hooks()
@@ -1203,6 +1231,7 @@ def checkpoint():
 def run_scenarios():
     nan_raise()
     nan_skip()
+    nan_skip("balanced", dgc=True)
     frozen(0.0)
     frozen(0.9)
     sync_then_step()

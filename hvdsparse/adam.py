@@ -106,6 +106,7 @@ from typing import Dict, Optional
 import torch
 
 from .payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
+from .momentum import clean_local_gradient
 from .param_groups import GroupLookup
 
 __all__ = ["AdamRecipe", "DEFAULT_WARMUP", "adam_setup", "check_adam", "is_adam"]
@@ -269,15 +270,7 @@ class AdamRecipe:
         """``(x, nonfinite)``: what travels for this layer -- the (unscaled, clipped)
         gradient in warm-up and for dense layers, ``m_i`` after the warm-up -- and the
         int32[1] count of non-finite elements of ``grad`` (zeroed here)."""
-        g = grad.detach().float()
-        if grad_scale is not None:
-            g = g * grad_scale
-        fin = torch.isfinite(g)
-        nonfinite = (~fin).sum(dtype=torch.int32).reshape(1)
-        g = torch.where(fin, g, torch.zeros((), dtype=g.dtype, device=g.device))
-        if self.clip is not None:
-            norm = torch.linalg.vector_norm(g)
-            g = g * torch.clamp(self.clip / (norm + 1e-6), max=1.0)
+        g, nonfinite = clean_local_gradient(grad, grad_scale, self.clip)
         if dense or not self.frozen(name):
             return g, nonfinite
         group = self._groups.of(param)

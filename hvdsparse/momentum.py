@@ -45,7 +45,27 @@ import torch
 
 from .param_groups import GroupLookup
 
-__all__ = ["LocalUpdate"]
+__all__ = ["LocalUpdate", "clean_local_gradient"]
+
+
+
+def clean_local_gradient(grad: torch.Tensor, grad_scale: Optional[torch.Tensor],
+                         clip: Optional[float]):
+    """The first part of every local update, on the device: ``g = grad * grad_scale``
+    (AMP's inverse scale) in fp32, non-finite elements counted (int32[1]) and zeroed
+    (they would poison a velocity or momentum forever), then DGC's local clipping of
+    the layer to norm ``clip`` (already ``c / sqrt(P)``) when ``clip`` is set.
+    Returns ``(g, nonfinite)``."""
+    g = grad.detach().float()
+    if grad_scale is not None:
+        g = g * grad_scale
+    fin = torch.isfinite(g)
+    nonfinite = (~fin).sum(dtype=torch.int32).reshape(1)
+    g = torch.where(fin, g, torch.zeros((), dtype=g.dtype, device=g.device))
+    if clip is not None:
+        norm = torch.linalg.vector_norm(g)
+        g = g * torch.clamp(clip / (norm + 1e-6), max=1.0)
+    return g, nonfinite
 
 
 class _Group:
@@ -105,15 +125,7 @@ class LocalUpdate:
         """What the compressor receives for this layer: ``(x, nonfinite)`` where ``x`` is
         the (clipped, decayed, momentum-corrected) fp32 gradient and ``nonfinite`` an
         int32[1] device count of the non-finite elements of ``grad`` (zeroed here)."""
-        g = grad.detach().float()
-        if grad_scale is not None:
-            g = g * grad_scale
-        fin = torch.isfinite(g)
-        nonfinite = (~fin).sum(dtype=torch.int32).reshape(1)
-        g = torch.where(fin, g, torch.zeros((), dtype=g.dtype, device=g.device))
-        if self.clip is not None:
-            norm = torch.linalg.vector_norm(g)
-            g = g * torch.clamp(self.clip / (norm + 1e-6), max=1.0)
+        g, nonfinite = clean_local_gradient(grad, grad_scale, self.clip)
         h = _Group(self._groups.of(self.params[name]))
         if not self.momentum_correction or h.momentum == 0.0 or dense:
             return g, nonfinite

@@ -623,18 +623,15 @@ class State:
         """As the Horovod scheduler's: what the exchange sent but did not deliver
         (``Pending.undelivered``, ``balanced``'s phase-2 truncation) goes back into each
         layer's residual (device ops only), then DGC's masking of the delivered
-        elements' velocity. A layer without a residual (policy-dense, no error feedback)
-        cannot take its share back."""
+        elements' velocity. Only a layer with ``error_feedback=False`` cannot take its
+        share back (``Compressor.take_back``)."""
         lu = self.local_update
         views = it.layout.spec.views(undelivered) if undelivered is not None else \
             [None] * len(it.names)
-        residual = getattr(self.compressor, "residual", lambda name: None)
         with torch.no_grad():
             for name, pl, back in zip(it.names, it.payloads, views):
                 if back is not None:
-                    r = residual(name)
-                    if r is not None:
-                        r.add_(back)
+                    self.compressor.take_back(name, back)
                 if lu is not None and name in lu.u:
                     lu.mask(name, codec.payload_to_dense(pl), back)   # momentum masking
 

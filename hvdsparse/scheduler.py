@@ -672,18 +672,15 @@ class LayerScheduler:
         ``balanced``'s phase-2 truncation) goes back into each layer's residual, device
         ops only; then DGC's momentum-factor masking ``u[sent and delivered] = 0``. Runs
         before the non-finite policy, so a skipped step's rollback undoes it with the
-        rest of the step. A layer without a residual (policy-dense, or no error
-        feedback) cannot take its share back: it stays lost (``p2_dropped_energy``)."""
+        rest of the step. Only a layer with ``error_feedback=False`` cannot take its
+        share back (``Compressor.take_back``): it stays lost (``p2_dropped_energy``)."""
         lu = self.local_update
         views = spec.views(undelivered) if undelivered is not None else \
             [None] * len(spec.names)
-        residual = getattr(self.compressor, "residual", lambda name: None)
         with torch.no_grad():
             for name, back in zip(spec.names, views):
                 if back is not None:
-                    r = residual(name)
-                    if r is not None:
-                        r.add_(back)
+                    self.compressor.take_back(name, back)
                 if lu is not None and name in lu.u:
                     lu.mask(name, codec.payload_to_dense(self._payloads[name]), back)
 

@@ -618,6 +618,24 @@ class Compressor:
         for r in self._residuals.values():
             r.zero_()
 
+    def take_back(self, name: str, values: torch.Tensor) -> bool:
+        """Error feedback for what the exchange sent but did not deliver (``balanced``'s
+        phase-2 truncation): ``values`` (flat, this rank's own undelivered contribution,
+        0 elsewhere) is added into the layer's residual, device ops only. A policy-dense
+        layer, which keeps no residual, gets one for it; its next dense send flushes it
+        (:meth:`_policy_dense`), and a rolled-back step removes it. Returns False, the
+        share staying lost (reported as ``p2_dropped_energy``), only for a layer whose
+        settings say ``error_feedback=False``."""
+        if not self.layer_cfg(name).get("error_feedback", True):
+            return False
+        r = self._residuals.get(name)
+        if r is None:
+            self._touch(name)
+            r = torch.zeros(values.numel(), dtype=torch.float32, device=values.device)
+            self._residuals[name] = r
+        r.add_(values.reshape(-1))
+        return True
+
     def residual(self, name: str) -> Optional[torch.Tensor]:
         """The fp32 residual of a layer (None before its first compressed step)."""
         return self._residuals.get(name)

@@ -50,10 +50,12 @@ sum of these over the ranks is exactly the dropped part. The front doors
 the step's transaction, so a skipped step's rollback undoes it) and mask DGC's velocity
 only where an element was delivered; each rank's residual then ends the step as
 ``v - (what of v was delivered)``. Only when no truncation is possible (``c`` >= the
-widest region) is ``undelivered`` left None. A layer without a residual cannot take its
-share back: a policy-dense layer (no error feedback by design) in a bucket whose
-capacity is below ``N`` (mixed with sparse layers) can be truncated, and its dropped
-share is lost; a bucket of dense payloads only (``k >= N``) is kept whole. The error is
+widest region) is ``undelivered`` left None. A policy-dense layer (no residual of its
+own) in a bucket whose capacity is below ``N`` (mixed with sparse layers) can be
+truncated too; it takes its share back into a residual made for it
+(``Compressor.take_back``), which its next dense send flushes. Only a layer with
+``error_feedback=False`` loses its share. A bucket of dense payloads only (``k >= N``)
+is kept whole. The error is
 reported per bucket in ``Pending.figures`` (on CPU at once, on CUDA through
 ``deferred_figures``): ``p2_kept`` / ``reduced`` (entries kept / non-zeros of the sum)
 and ``p2_dropped_energy`` = ``1 - sum kept^2 / sum T^2`` (share of the sum's squared

@@ -15,15 +15,16 @@ WORKER = Path(__file__).parent / "workers" / "ddp_worker.py"
 
 def test_ddp_hook_p2():
     out = run_torchrun(WORKER, nproc=2, timeout=300)
-    assert out.count("passed check_") == 10, out[-3000:]
+    assert out.count("passed check_") == 11, out[-3000:]
 
 
 def test_ddp_hook_p3():
     # no_sync, resume and the disagreement check run at P=2 only (no P dependence)
     out = run_torchrun(WORKER, nproc=3, timeout=300,
                        args=["check_transport", "check_equivalence",
-                             "check_every_compressor", "check_unused", "check_join"])
-    assert out.count("passed check_") == 5, out[-3000:]
+                             "check_every_compressor", "check_unused", "check_join",
+                             "check_balanced_feedback"])
+    assert out.count("passed check_") == 6, out[-3000:]
 
 
 def test_state_refuses_unsupported_settings():

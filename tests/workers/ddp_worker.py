@@ -419,9 +419,54 @@ def check_nonfinite():
         raise AssertionError(f"rank {R}: NaN gradient not reported")
 
 
+# ------------------------------------------------------------------ 10. balanced feedback
+def check_balanced_feedback():
+    """exchange="balanced" in the hook: what a rank sent and the owners did not deliver
+    is back in that rank's residual, policy-dense layers included (Ok-Topk's feedback):
+    residual_after = (residual_before + grad - sent) + sent * [not delivered], replayed
+    here from the payloads the compressor produced (captured, not recomputed)."""
+    comp = hvdsparse.TopK(0.05, min_numel=256)
+    model, state = hooked(comp, seed=10, exchange="balanced")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    names = dict(model.named_parameters())
+    seen, compress = {}, comp.compress
+
+    def capture(name, grad, *a, **k):
+        pl = compress(name, grad, *a, **k)
+        seen[name] = (grad.detach().reshape(-1).float().clone(), pl)
+        return pl
+    comp.compress = capture
+    fed = 0
+    for step in range(4):
+        before = {n: None if comp.residual(n) is None else comp.residual(n).clone()
+                  for n in names}
+        x, y = batch(step)
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        check(state.last_stats["strategies"] == ["balanced"] * len(state.last_stats["strategies"]),
+              f"strategies {state.last_stats['strategies']}")
+        for n, p in names.items():
+            grad, pl = seen[n]
+            sent = hvdsparse.codec.payload_to_dense(pl).reshape(-1).float()
+            r0 = torch.zeros_like(sent) if before[n] is None else before[n]
+            pure = (r0 + grad) - sent
+            back = torch.where(p.grad.detach().reshape(-1) != 0, torch.zeros(()), sent)
+            want = torch.where(back != 0, pure + back, pure)
+            got = comp.residual(n)
+            got = torch.zeros_like(sent) if got is None else got
+            fed += int((back != 0).sum())
+            check(torch.equal(got, want), f"balanced step {step} {n}: residual is not "
+                  f"(r + g - sent) + undelivered (max diff {float((got - want).abs().max())})")
+        opt.step()
+        identical_across_ranks(model, f"balanced step {step}")
+    total = torch.tensor([fed])
+    dist.all_reduce(total)
+    check(int(total) > 0, "balanced: nothing was truncated, the check saw no add-back")
+
+
 CHECKS = [check_transport, check_equivalence, check_every_compressor, check_no_sync, check_unused,
           check_checkpoint, check_join, check_momentum_correction, check_nonfinite,
-          check_disagreement]
+          check_disagreement, check_balanced_feedback]
 
 if __name__ == "__main__":
     only = sys.argv[1:]

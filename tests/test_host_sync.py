@@ -26,7 +26,7 @@ pinned host copy made with ``non_blocking=True`` after its CUDA event completed;
 ``scheduler.py: _build_plan`` at step 0 only (the plan's ``allgather_object``).
 
 Where the host waits on such a readout is checked too: only split's two count reads
-(``_start_phase1``, ``_start_phase2``: the alltoall needs host integers) and the cost
+(``send_pairs_to_owners``, ``_start_phase2``: the alltoall needs host integers) and the cost
 model's deferred figures.
 """
 import json
@@ -48,7 +48,7 @@ HERE = "tests/test_host_sync.py"
 # allowing in steady state. Step 0 builds the bucket plan from host data.
 ALLOWED = {}
 ALLOWED_STEP0 = {("hvdsparse/scheduler.py", "_build_plan"): "plan (allgather_object)"}
-READOUT_SITES = {("hvdsparse/exchange/split.py", "_start_phase1"),
+READOUT_SITES = {("hvdsparse/exchange/split.py", "send_pairs_to_owners"),   # phase 1
                  ("hvdsparse/exchange/split.py", "_start_phase2"),
                  ("hvdsparse/exchange/base.py", "get"),      # DeferredFigures.get
                  # last step's decode error flag / non-finite table, copied to pinned

@@ -97,7 +97,7 @@ import torch
 from . import cost_model
 from .base import (BucketSpec, DeferredFigures, ExchangeContext, HostReadout, Pending,
                    bucket_device, host_list, own_dense)
-from .split import _bytes, _flag_index_error, _pad4, pair_dtype
+from .split import _bytes, _flag_index_error, _pad4, pair_dtype, send_pairs_to_owners
 
 NAME = "balanced"
 HEADER_BYTES = 32
@@ -229,18 +229,7 @@ class BalancedPending(Pending):
             self._reduce_and_gather()
 
     def _start_phase1(self) -> None:
-        counts: List[int] = [int(c) for c in self._counts.get()]
-        total = sum(counts)
-        flat, vb = self._own, self._vb
-        nz = torch.nonzero_static(flat, size=total).reshape(-1)   # size known: no sync
-        rows = torch.cat([nz.to(torch.int32).view(torch.uint8).reshape(-1, 4),
-                          flat[nz].to(self._vdtype).contiguous().view(torch.uint8)
-                          .reshape(-1, vb)], 1)
-        splits = torch.tensor(counts, dtype=torch.int32)       # host tensor, as Horovod wants
-        self._handle = self.ctx.comm().alltoall_async(
-            rows.contiguous(), splits, name=self.ctx.name(self.spec.bucket_id, NAME, "a2a"))
-        self.sent_bytes += (total - counts[self.ctx.rank]) * (4 + vb)
-        self._phase = 1
+        send_pairs_to_owners(self, NAME)
 
     def _reduce_and_gather(self) -> None:
         t0 = time.perf_counter()

@@ -144,6 +144,26 @@ def _flag_index_error(ctx: ExchangeContext, bad: torch.Tensor) -> None:
         ctx.error_flag.bitwise_or_(bad.any().to(torch.int32).reshape(1) * _ERR_INDEX)
 
 
+def send_pairs_to_owners(pend: Pending, tag: str) -> None:
+    """Phase 1 of the split strategies (``split``, ``balanced``): this rank's non-zero
+    pairs ``(int32 index, value)`` of the bucket's dense vector ``pend._own``, already
+    ordered by owner, go to their owners in one alltoall. The per-owner counts
+    (``pend._counts``, read here: the one host read per bucket) are Horovod's splits."""
+    counts: List[int] = [int(c) for c in pend._counts.get()]
+    total = sum(counts)
+    flat, vb = pend._own, pend._vb
+    # nonzero_static: the size is known on the host, so no device->host sync
+    nz = torch.nonzero_static(flat, size=total).reshape(-1)
+    rows = torch.cat([nz.to(torch.int32).view(torch.uint8).reshape(-1, 4),
+                      flat[nz].to(pend._vdtype).contiguous().view(torch.uint8)
+                      .reshape(-1, vb)], 1)
+    splits = torch.tensor(counts, dtype=torch.int32)      # host tensor, as Horovod wants
+    pend._handle = pend.ctx.comm().alltoall_async(
+        rows.contiguous(), splits, name=pend.ctx.name(pend.spec.bucket_id, tag, "a2a"))
+    pend.sent_bytes += (total - counts[pend.ctx.rank]) * (4 + vb)
+    pend._phase = 1
+
+
 class SplitPending(Pending):
     """Phases: 0 = waiting for the per-owner counts on the host, 1 = alltoall of pairs
     in flight, 2 = reduced, waiting for ``K_r`` on the host, 3 = range messages in
@@ -168,19 +188,7 @@ class SplitPending(Pending):
 
     # -- phase 1: alltoall of (index, value) pairs to the owners
     def _start_phase1(self) -> None:
-        counts: List[int] = [int(c) for c in self._counts.get()]
-        total = sum(counts)
-        flat, vb = self._own, self._vb
-        # nonzero_static: the size is known on the host, so no device->host sync
-        nz = torch.nonzero_static(flat, size=total).reshape(-1)
-        rows = torch.cat([nz.to(torch.int32).view(torch.uint8).reshape(-1, 4),
-                          flat[nz].to(self._vdtype).contiguous().view(torch.uint8)
-                          .reshape(-1, vb)], 1)
-        splits = torch.tensor(counts, dtype=torch.int32)      # host tensor, as Horovod wants
-        self._handle = self.ctx.comm().alltoall_async(
-            rows.contiguous(), splits, name=self.ctx.name(self.spec.bucket_id, NAME, "a2a"))
-        self.sent_bytes += (total - counts[self.ctx.rank]) * (4 + vb)
-        self._phase = 1
+        send_pairs_to_owners(self, NAME)
 
     # -- phase 2a: the owner sums its range
     def _reduce(self) -> None:

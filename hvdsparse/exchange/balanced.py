@@ -96,8 +96,9 @@ import torch
 
 from . import cost_model
 from .base import (BucketSpec, DeferredFigures, ExchangeContext, HostReadout, Pending,
-                   bucket_device, host_list, own_dense)
-from .split import _bytes, _flag_index_error, _pad4, pair_dtype, send_pairs_to_owners
+                   bucket_device, own_dense)
+from .split import (_bytes, _flag_index_error, _pad4, pair_dtype, reduce_at_owner,
+                    send_pairs_to_owners)
 
 NAME = "balanced"
 HEADER_BYTES = 32
@@ -236,37 +237,14 @@ class BalancedPending(Pending):
         rows_in, recv_splits = self.ctx.comm().synchronize(self._handle)
         t1 = time.perf_counter()
         ctx, P, r = self.ctx, self.ctx.world_size, self.ctx.rank
-        bounds, c, vb, H = self._bounds, self._c, self._vb, HIST_BINS
+        bounds, c, H = self._bounds, self._c, HIST_BINS
         lo, hi = bounds[r], bounds[r + 1]
         n_r = hi - lo
         dev = self._device
-        recv = host_list(recv_splits)
-        m = int(rows_in.shape[0])
-        if sum(recv) != m:
-            raise RuntimeError(f"hvdsparse balanced bucket {self.spec.bucket_id}: received "
-                               f"{m} pairs, splits say {sum(recv)}")
-        self.recv_bytes += (m - recv[r]) * (4 + vb)
-        red = ctx.buffer("balanced.reduced", self.spec.bucket_id, n_r + 1, torch.float32,
-                         dev).zero_()
+        red, idx, m = reduce_at_owner(self, rows_in, recv_splits, lo, hi, NAME, "region",
+                                      "the layout or the boundaries")
         hist = torch.zeros(H + 1, dtype=torch.int32, device=dev)
         if m:
-            idx = rows_in[:, :4].contiguous().view(torch.int32).reshape(-1).to(torch.int64) - lo
-            bad = (idx < 0) | (idx >= n_r)
-            if ctx.validate:
-                if bool(bad.any()):
-                    raise RuntimeError(
-                        f"hvdsparse balanced bucket {self.spec.bucket_id}: rank {r} received "
-                        f"an index outside its region [{lo}, {hi}) (ranks disagree on the "
-                        f"layout or the boundaries)")
-            else:
-                idx = torch.where(bad, torch.full_like(idx, n_r), idx)
-                _flag_index_error(ctx, bad)
-            vals = rows_in[:, 4:].contiguous().view(self._vdtype).reshape(-1).float()
-            a = 0
-            for cnt in recv:          # sender by sender, rank order: reproducible sum
-                if cnt:
-                    red.index_add_(0, idx[a:a + cnt], vals[a:a + cnt])
-                a += cnt
             # sub-bin of every pair (bad ones land in the spare bin H); scatter_add_
             # rather than bincount, whose output size would need a host read
             sb = torch.where(idx < n_r, (idx * H) // max(n_r, 1), torch.full_like(idx, H))

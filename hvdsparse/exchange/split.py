@@ -164,6 +164,46 @@ def send_pairs_to_owners(pend: Pending, tag: str) -> None:
     pend._phase = 1
 
 
+def reduce_at_owner(pend: Pending, rows_in: torch.Tensor, recv_splits, lo: int, hi: int,
+                    tag: str, region: str, disagree: str):
+    """Phase 1's receiving side (``split``, ``balanced``): the owner of ``[lo, hi)`` sums
+    the pairs it received into a reused fp32 buffer of ``hi - lo + 1`` elements, sender
+    by sender in rank order (indices are unique within one sender's rows, so every
+    ``index_add_`` is free of collisions and the sum is reproducible). The spare slot at
+    ``hi - lo`` absorbs out-of-range indices on the trusted path (device error flag);
+    with ``validate`` they raise, naming the rank, the bucket and the ``region``.
+    Returns ``(buffer, local int64 indices or None, number of pairs)``."""
+    ctx, r, b = pend.ctx, pend.ctx.rank, pend.spec.bucket_id
+    n_r = hi - lo
+    recv = host_list(recv_splits)
+    m = int(rows_in.shape[0])
+    if sum(recv) != m:
+        raise RuntimeError(f"hvdsparse {tag} bucket {b}: received {m} pairs, splits say "
+                           f"{sum(recv)}")
+    pend.recv_bytes += (m - recv[r]) * (4 + pend._vb)
+    red = ctx.buffer(f"{tag}.reduced", b, n_r + 1, torch.float32, pend._device).zero_()
+    if not m:
+        return red, None, m
+    idx = rows_in[:, :4].contiguous().view(torch.int32).reshape(-1).to(torch.int64) - lo
+    bad = (idx < 0) | (idx >= n_r)
+    if ctx.validate:
+        # host check (validated = CPU path, where reading values costs nothing)
+        if bool(bad.any()):
+            raise RuntimeError(f"hvdsparse {tag} bucket {b}: rank {r} received an index "
+                               f"outside its {region} [{lo}, {hi}) (ranks disagree on "
+                               f"{disagree})")
+    else:
+        idx = torch.where(bad, torch.full_like(idx, n_r), idx)
+        _flag_index_error(ctx, bad)
+    vals = rows_in[:, 4:].contiguous().view(pend._vdtype).reshape(-1).float()
+    a = 0
+    for c in recv:
+        if c:
+            red.index_add_(0, idx[a:a + c], vals[a:a + c])
+        a += c
+    return red, idx, m
+
+
 class SplitPending(Pending):
     """Phases: 0 = waiting for the per-owner counts on the host, 1 = alltoall of pairs
     in flight, 2 = reduced, waiting for ``K_r`` on the host, 3 = range messages in
@@ -195,39 +235,11 @@ class SplitPending(Pending):
         t0 = time.perf_counter()
         rows_in, recv_splits = self.ctx.comm().synchronize(self._handle)
         t1 = time.perf_counter()
-        ctx, P, r = self.ctx, self.ctx.world_size, self.ctx.rank
+        r = self.ctx.rank
         lo, hi = self._bounds[r], self._bounds[r + 1]
-        n_r, vb = hi - lo, self._vb
-        recv = host_list(recv_splits)
-        m = int(rows_in.shape[0])
-        if sum(recv) != m:
-            raise RuntimeError(f"hvdsparse split bucket {self.spec.bucket_id}: received "
-                               f"{m} pairs, splits say {sum(recv)}")
-        self.recv_bytes += (m - recv[r]) * (4 + vb)
-        # one spare slot at n_r absorbs out-of-range indices on the trusted path
-        red = ctx.buffer("split.reduced", self.spec.bucket_id, n_r + 1, torch.float32,
-                         self._device).zero_()
-        if m:
-            idx = rows_in[:, :4].contiguous().view(torch.int32).reshape(-1).to(torch.int64) - lo
-            bad = (idx < 0) | (idx >= n_r)
-            if ctx.validate:
-                # host check (validated = CPU path, where reading values costs nothing)
-                if bool(bad.any()):
-                    raise RuntimeError(
-                        f"hvdsparse split bucket {self.spec.bucket_id}: rank {r} received "
-                        f"an index outside its range [{lo}, {hi}) (ranks disagree on the "
-                        f"layout)")
-            else:
-                idx = torch.where(bad, torch.full_like(idx, n_r), idx)
-                _flag_index_error(ctx, bad)
-            vals = rows_in[:, 4:].contiguous().view(self._vdtype).reshape(-1).float()
-            # sender by sender in rank order: indices are unique within one sender's
-            # rows, so every index_add_ is free of collisions and the sum is reproducible
-            a = 0
-            for c in recv:
-                if c:
-                    red.index_add_(0, idx[a:a + c], vals[a:a + c])
-                a += c
+        n_r = hi - lo
+        red, _, m = reduce_at_owner(self, rows_in, recv_splits, lo, hi, NAME, "range",
+                                    "the layout")
         self._reduced = red[:n_r]
         self._m = m
         k = torch.count_nonzero(self._reduced).reshape(1)

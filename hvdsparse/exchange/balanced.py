@@ -97,8 +97,8 @@ import torch
 from . import cost_model
 from .base import (BucketSpec, DeferredFigures, ExchangeContext, HostReadout, Pending,
                    bucket_device, own_dense)
-from .split import (_bytes, _flag_index_error, _pad4, pair_dtype, reduce_at_owner,
-                    send_pairs_to_owners)
+from .split import (_bytes, _flag_index_error, _pad4, owner_counts, pair_dtype,
+                    reduce_at_owner, send_pairs_to_owners)
 
 NAME = "balanced"
 HEADER_BYTES = 32
@@ -379,14 +379,7 @@ def launch(spec: BucketSpec, payloads, ctx: ExchangeContext) -> Pending:
     cap = sum(int(s.capacity) for p in payloads for s in p.segments)
     n_max = max(b - a for a, b in zip(bounds, bounds[1:])) if P else 0
     c = cost_model.phase2_capacity(P, N, cap, n_max)
-    if N:
-        cs = torch.cumsum(flat != 0, 0, dtype=torch.int32,
-                          out=ctx.buffer("balanced.cumsum", spec.bucket_id, N, torch.int32,
-                                         device))
-        upto = cs.index_select(0, bal.ends).to(torch.int64) * bal.nonempty
-        counts = torch.diff(upto, prepend=torch.zeros(1, dtype=torch.int64, device=device))
-    else:
-        counts = torch.zeros(P, dtype=torch.int64, device=device)
+    counts = owner_counts(flat, bal.ends, bal.nonempty, ctx, NAME, spec.bucket_id)
     pend = BalancedPending(spec, NAME, list(payloads), ctx)
     pend._bounds, pend._vdtype, pend._vb, pend._device = bounds, vdtype, vb, device
     pend._own, pend._c, pend._balance = flat, c, bal

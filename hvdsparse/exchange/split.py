@@ -144,6 +144,20 @@ def _flag_index_error(ctx: ExchangeContext, bad: torch.Tensor) -> None:
         ctx.error_flag.bitwise_or_(bad.any().to(torch.int32).reshape(1) * _ERR_INDEX)
 
 
+def owner_counts(flat: torch.Tensor, ends: torch.Tensor, nonempty: torch.Tensor,
+                 ctx: ExchangeContext, tag: str, bucket_id: int) -> torch.Tensor:
+    """Non-zeros of ``flat`` per owner region, on the device (int64[P]): the running
+    count at each region's last index (``ends``), 0 for empty regions (``nonempty``),
+    differenced. Phase 1's alltoall splits (``split``, ``balanced``)."""
+    N, device = flat.numel(), flat.device
+    if not N:
+        return torch.zeros(ctx.world_size, dtype=torch.int64, device=device)
+    cs = torch.cumsum(flat != 0, 0, dtype=torch.int32,
+                      out=ctx.buffer(f"{tag}.cumsum", bucket_id, N, torch.int32, device))
+    upto = cs.index_select(0, ends).to(torch.int64) * nonempty
+    return torch.diff(upto, prepend=torch.zeros(1, dtype=torch.int64, device=device))
+
+
 def send_pairs_to_owners(pend: Pending, tag: str) -> None:
     """Phase 1 of the split strategies (``split``, ``balanced``): this rank's non-zero
     pairs ``(int32 index, value)`` of the bucket's dense vector ``pend._own``, already
@@ -392,18 +406,10 @@ def launch(spec: BucketSpec, payloads, ctx: ExchangeContext) -> Pending:
     vdtype = pair_dtype(payloads)
     vb = torch.finfo(vdtype).bits // 8
     bounds = range_bounds(N, P)
-    # non-zeros per owner range, on the device: running count at each range end
-    if N:
-        cs = torch.cumsum(flat != 0, 0, dtype=torch.int32,
-                          out=ctx.buffer("split.cumsum", spec.bucket_id, N, torch.int32,
-                                         device))
-        pool = ctx.pool()
-        ends = pool.const_index([max(b - 1, 0) for b in bounds[1:]], device)
-        nonempty = pool.const_index([int(b > 0) for b in bounds[1:]], device)
-        upto = cs.index_select(0, ends).to(torch.int64) * nonempty
-        counts = torch.diff(upto, prepend=torch.zeros(1, dtype=torch.int64, device=device))
-    else:
-        counts = torch.zeros(P, dtype=torch.int64, device=device)
+    pool = ctx.pool()
+    counts = owner_counts(flat, pool.const_index([max(b - 1, 0) for b in bounds[1:]], device),
+                          pool.const_index([int(b > 0) for b in bounds[1:]], device),
+                          ctx, NAME, spec.bucket_id)
     pend = SplitPending(spec, NAME, list(payloads), ctx)
     pend._bounds, pend._vdtype, pend._vb, pend._device = bounds, vdtype, vb, device
     pend._own = flat

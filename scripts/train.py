@@ -721,6 +721,9 @@ def main(argv=None):
                           default=str)
         if writer is not None:
             writer.close()
+    # torchrun: destroy the process group (see TorchrunHvd.shutdown); Horovod: stop its
+    # background thread, as horovod.torch's own examples end.
+    hvd.shutdown()
     print(f"HVDSPARSE-OK rank={rank}", flush=True)
 
 

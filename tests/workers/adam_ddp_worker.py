@@ -105,3 +105,5 @@ for step in range(3, 6):
 for (n, a), b in zip(net.named_parameters(), net2.parameters()):
     check(torch.equal(a, b), f"resume: {n} differs from the uninterrupted run")
 print(f"HVDSPARSE-OK rank={R}", flush=True)
+dist.barrier()
+dist.destroy_process_group()

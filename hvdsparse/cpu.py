@@ -207,6 +207,19 @@ def _add_chunk_torch(r: torch.Tensor, g: torch.Tensor, s) -> int:
     return int((~fin).sum())
 
 
+def residual_add(grad: torch.Tensor, residual: torch.Tensor, *,
+                 grad_scale: Optional[torch.Tensor] = None,
+                 nonfinite: Optional[torch.Tensor] = None) -> None:
+    """:func:`residual_add_binmax` without the bin maxima, for callers that ignore them
+    (TopK, Threshold, RandomK, QSGD): the same residual bits and non-finite count, one
+    pass fewer over the layer (no ``|residual|`` and max per chunk)."""
+    n = residual.numel()
+    _check_residual_args(grad, residual, min(max(n, 1), _CHUNK), None, grad_scale,
+                         nonfinite)
+    _residual_add(grad, residual, min(max(n, 1), _CHUNK), None, grad_scale, nonfinite,
+                  want_binmax=False)
+
+
 def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: int,
                         *, out: Optional[torch.Tensor] = None,
                         grad_scale: Optional[torch.Tensor] = None,
@@ -221,9 +234,17 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
     update (last bin partial; NaN where the bin holds a NaN, like ``torch.amax``).
     ``out`` optionally receives binmax. Same math as ``kernels/residual.py``.
     """
-    n, L, nbins = _check_residual_args(grad, residual, bin_size, out, grad_scale, nonfinite)
+    _, _, nbins = _check_residual_args(grad, residual, bin_size, out, grad_scale, nonfinite)
     if out is None:
         out = torch.empty(nbins, dtype=torch.float32, device=residual.device)
+    return _residual_add(grad, residual, bin_size, out, grad_scale, nonfinite,
+                         want_binmax=True)
+
+
+def _residual_add(grad, residual, L, out, grad_scale, nonfinite, want_binmax: bool):
+    """The chunked loop of :func:`residual_add_binmax` (``want_binmax=False``: no
+    ``|residual|`` / max per chunk, ``out`` unused); arguments already checked."""
+    n = residual.numel()
     if n == 0:
         return out
     s = grad_scale.reshape(()).to(torch.float32) if grad_scale is not None else None
@@ -237,8 +258,8 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
         # bf16 (no numpy dtype) and other devices use the same steps in torch.
         use_np = residual.device.type == "cpu" and grad.dtype != torch.bfloat16 and _USE_NUMPY
         if use_np:
-            rn, gn, on = (residual.detach().numpy(), grad.detach().numpy(),
-                          out.detach().numpy())
+            rn, gn = residual.detach().numpy(), grad.detach().numpy()
+            on = out.detach().numpy() if want_binmax else None
             s32 = np.float32(float(s)) if s is not None else None
             lock = threading.Lock()
 
@@ -267,6 +288,8 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
                         fin = np.isfinite(d, out=mn[:m])
                         np.add(r, d, out=r, where=fin, dtype=np.float32)
                         nb += m - int(np.count_nonzero(fin))
+                    if not want_binmax:
+                        continue
                     a = np.abs(r, out=tn[:m])
                     if nfull:
                         np.max(a[: nfull * L].reshape(nfull, L), axis=1, out=on[b0:b0 + nfull])
@@ -285,6 +308,8 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
                 nfull = (e - st) // L
                 r = residual[st:e]
                 bad[0] += _add_chunk_torch(r, grad[st:e], s)
+                if not want_binmax:
+                    continue
                 a = torch.abs(r, out=tmp[: e - st])
                 if nfull:
                     torch.amax(a[: nfull * L].view(nfull, L), dim=1, out=out[b0:b0 + nfull])
@@ -292,7 +317,7 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
                     out[b0 + nfull] = a[nfull * L:].amax()
     else:  # huge bins: running max over sub-chunks of one bin
         tmp = torch.empty(_CHUNK, dtype=torch.float32, device=residual.device)
-        for b in range(nbins):
+        for b in range(out.numel()):
             bs, be = b * L, min((b + 1) * L, n)
             m = None
             for st in range(bs, be, _CHUNK):
@@ -683,6 +708,30 @@ def _select_compact_np(acc, thr, capacity, L, ch, grad, use_h, hm1, ve, sscale,
         bits = np.concatenate([x for negs in signs if negs for x in negs])
         values[: -(-sent // 8)] = pack_bits(torch.from_numpy(bits).to(torch.uint8), 1)
     return sent, selected
+
+
+def select_if_in_range(acc: torch.Tensor, threshold: torch.Tensor, k: int, capacity: int
+                       ) -> Tuple[Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                                  Optional[torch.Tensor]]:
+    """TopK's first refinement round on the CPU, counting by selecting: fp32
+    :func:`select_compact` of ``|acc| >= threshold`` (0-d fp32); its ``selected`` is
+    exactly the count a counting pass would give. If ``k <= selected <= capacity`` the
+    estimate will be kept, so the select is kept too: returns ``((indices, values,
+    count), selected)``. Otherwise the select is undone (``acc[idx] = values``: exact
+    for fp32, the select wrote 0 there) and ``(None, selected)`` is returned. A
+    threshold below the smallest normal fp32 (which the select would clamp) makes no
+    pass: ``(None, None)``. ``selected`` is a 0-d fp32 tensor. Saves one pass over the
+    layer whenever the first estimate is in range."""
+    t = float(threshold)
+    if not t >= float(torch.finfo(torch.float32).tiny):
+        return None, None
+    idx, vals, cnt = select_compact(acc, threshold, capacity)
+    sent, selected = int(cnt[0]), int(cnt[1])
+    c = torch.tensor(float(selected), dtype=torch.float32)
+    if k <= selected <= capacity:
+        return (idx, vals, cnt), c
+    acc.index_copy_(0, idx[:sent].to(torch.long), vals[:sent])
+    return None, c
 
 
 def select_compact(acc: torch.Tensor, threshold, capacity: int, *, bin_size: int = 0,

@@ -41,10 +41,10 @@ import torch
 from . import cpu as _ref
 
 __all__ = [
-    "residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
+    "residual_add", "residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
     "sign_unpack", "scatter_add_decode", "philox_uniform", "use_triton", "pack_bits",
     "unpack_bits", "row_threshold_kernel", "row_threshold_max_d", "count_abs_ge",
-    "has_cpu_path", "binned_select",
+    "has_cpu_path", "binned_select", "select_if_in_range",
 ]
 
 _KERNELS = None
@@ -130,6 +130,21 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
                                           grad_scale=grad_scale, nonfinite=nonfinite)
 
 
+def residual_add(grad: torch.Tensor, residual: torch.Tensor, *,
+                 grad_scale: Optional[torch.Tensor] = None,
+                 nonfinite: Optional[torch.Tensor] = None) -> None:
+    """:func:`residual_add_binmax` for callers that ignore the bin maxima. CPU: the
+    chunked loop without ``|residual|`` / max (one pass fewer); Triton: the same fused
+    kernel with one bin per 2^14 elements (the maxima cost nothing measurable there: the
+    kernel is bound by reading grad and residual)."""
+    if not use_triton(residual):
+        _ref.residual_add(grad, residual, grad_scale=grad_scale, nonfinite=nonfinite)
+        return
+    n = residual.numel()
+    residual_add_binmax(grad, residual, min(max(n, 1), 1 << 14), grad_scale=grad_scale,
+                        nonfinite=nonfinite)
+
+
 def count_abs_ge(x: torch.Tensor, threshold: torch.Tensor, *, same_as=None,
                  abs_out: Optional[torch.Tensor] = None,
                  mask_out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -159,6 +174,14 @@ def binned_select(acc, grad, h_scale, threshold, bin_size, c, grad_scale=None):
                            "compressors.base.binned_topc")
     return _ref.binned_select(acc, grad, h_scale, threshold, bin_size, c,
                               grad_scale=grad_scale)
+
+
+def select_if_in_range(acc, threshold, k, capacity):
+    """CPU only (see :func:`has_cpu_path`): :func:`hvdsparse.cpu.select_if_in_range`."""
+    if not has_cpu_path(acc):
+        raise RuntimeError("ops.select_if_in_range is the CPU path (it reads the count "
+                           "on the host)")
+    return _ref.select_if_in_range(acc, threshold, k, capacity)
 
 
 def select_compact(acc: torch.Tensor, threshold, capacity: int, *, bin_size: int = 0,

@@ -408,6 +408,44 @@ def test_topk_sampled_threshold_count_bounds(dist):
         assert 0.9 * k <= st["selected"] <= cap, (dist, n, ratio, st["selected"], k, SEED)
 
 
+def test_topk_select_first_equals_count_then_select():
+    """CPU path: TopK selects with the first sampled estimate and takes the count from
+    that select (undoing it when the count is out of [k, capacity]). It must give the
+    same bits as the written algorithm -- count every round, then one select -- which is
+    replayed here with ``first_count=None`` on a copy of the accumulator. slack=1.0
+    (capacity = k) forces the undo path; the test checks it was taken."""
+    from hvdsparse import ops
+    from hvdsparse.compressors.base import PURPOSE_SAMPLE, TINY
+    from hvdsparse.compressors.topk import estimate_topk_threshold
+    g = gen("selfirst")
+    undone = 0
+    for slack in (1.5, 1.05, 1.0):
+        comp = TopK(0.01, slack=slack, **POL)
+        n = 160_000 + int(torch.randint(0, 4096, (1,), generator=g)) * 16
+        r = torch.zeros(n)
+        for step in range(3):
+            x = torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(4)
+            acc = r + x
+            k = math.ceil(0.01 * n)
+            cap = min(n, math.ceil(slack * k))
+            off = comp._seed("w", step, PURPOSE_SAMPLE)
+            t0 = estimate_topk_threshold(acc.clone(), k, cap, offset=off, rounds=0)
+            c0 = int((acc.abs() >= t0).sum())
+            undone += not (k <= c0 <= cap)
+            thr = estimate_topk_threshold(acc.clone(), k, cap, offset=off, rounds=2)
+            ref_acc = acc.clone()
+            idx, vals, cnt = ops.select_compact(ref_acc, thr.clamp_min(TINY), cap)
+            p = comp.compress("w", x.view(-1, 16), step)
+            seg = p.segments[0]
+            sent = int(cnt[0])
+            assert torch.equal(seg.count, cnt[:1]), (slack, step)
+            assert torch.equal(seg.indices[:sent], idx[:sent]), (slack, step)
+            assert torch.equal(seg.values[:sent], vals[:sent]), (slack, step)
+            r = comp.residual("w").reshape(-1)
+            assert torch.equal(r, ref_acc), (slack, step)
+    assert undone >= 1, "the undo path was never exercised"
+
+
 @pytest.mark.parametrize("guard", [False, True])
 def test_threshold_reuse_and_refresh(guard):
     """DCT-DP: tau recomputed exactly (k-th largest |acc|) on steps t % L == 0, reused

@@ -147,6 +147,26 @@ def test_residual_add_binmax_nonfinite_and_scale(K, seed, dtype, L, kw, scaled):
         assert int(nf[0]) == 5 + 7, (impl, seed)
 
 
+@pytest.mark.parametrize("scaled", [False, True])
+def test_residual_add_without_binmax(seed, scaled):
+    """``cpu.residual_add`` (callers that ignore the bin maxima): the same residual bits
+    and non-finite count as plain torch, over several chunks and threaded ranges."""
+    g = _gen(seed)
+    n = (1 << 19) + int(torch.randint(1, 300_000, (1,), generator=g))
+    grad = _randn(n, g, torch.float32, 3.0)
+    bad = torch.randperm(n, generator=g)[:5]
+    grad[bad[:2]] = float("nan")
+    grad[bad[2:]] = float("inf")
+    res = _randn(n, g)
+    sc = torch.rand(1, generator=g) * 4 if scaled else None
+    d = grad * sc if scaled else grad
+    want = torch.where(torch.isfinite(d), res + d, res)
+    nf = torch.full((1,), 2, dtype=torch.int32)
+    R.residual_add(grad, res, grad_scale=sc, nonfinite=nf)
+    assert torch.equal(res.view(torch.int32), want.view(torch.int32)), seed
+    assert int(nf[0]) == 2 + 5, seed
+
+
 def test_residual_add_binmax_nan_residual_propagates(K, seed):
     """A NaN already in the residual makes its bin's max NaN (torch.amax rule) on every
     path; compiled tl.maximum would drop it, the kernels take an integer max instead."""

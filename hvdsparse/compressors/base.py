@@ -74,10 +74,6 @@ TINY = float(torch.finfo(torch.float32).tiny)
 
 _MASK64 = (1 << 64) - 1
 
-#: bin size passed to ``ops.residual_add_binmax`` by callers that do not use the bin
-#: maxima (see ``Compressor._acc``)
-NO_BIN_SIZE = 1 << 14
-
 #: purpose codes mixed into seeds
 PURPOSE_QUANT = 1
 PURPOSE_SAMPLE = 2
@@ -712,20 +708,17 @@ class Compressor:
         into this call's ``nonfinite``. Without error feedback acc is a fp32 copy of the
         cleaned gradient in a reused scratch buffer (nothing remembered)."""
         n = flat.numel()
-        if bin_size is None:
-            # the caller ignores the bin maxima: a moderate bin keeps the CPU path in
-            # its chunked numpy loop (bins larger than its 2^18-element chunk take a
-            # ~4x slower torch loop: 13.8 vs 2.9 ms on 4M elements) and costs nothing
-            # on the GPU, whose grid scales with n for any bin size
-            bin_size = min(n, NO_BIN_SIZE)
         c = self._call
         if error_feedback:
-            r = self._residual_for(name, flat)
-            binmax = residual_add(flat, r, bin_size, c.grad_scale, c.nonfinite)
-            return r, binmax
-        acc = self._scratch_buf("acc", n, torch.float32, flat.device).zero_()
-        binmax = residual_add(flat, acc, bin_size, c.grad_scale, c.nonfinite)
-        return acc, binmax
+            acc = self._residual_for(name, flat)
+        else:
+            acc = self._scratch_buf("acc", n, torch.float32, flat.device).zero_()
+        if bin_size is None:
+            # the caller ignores the bin maxima (returned as None): the CPU path skips
+            # them, one pass fewer over the layer
+            ops.residual_add(flat, acc, grad_scale=c.grad_scale, nonfinite=c.nonfinite)
+            return acc, None
+        return acc, residual_add(flat, acc, bin_size, c.grad_scale, c.nonfinite)
 
     def _clean_grad(self, flat: torch.Tensor) -> torch.Tensor:
         """The gradient as the residual saw it: non-finite elements 0, times grad_scale,

@@ -104,14 +104,20 @@ def _check_quant_bucket(x, where=""):
 def estimate_topk_threshold(acc: torch.Tensor, k: int, capacity: int, offset: int = 0,
                             rounds: int = 2, sample_min: int = 4096,
                             sample_above: int = 256, abs_out: Optional[torch.Tensor] = None,
-                            mask_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            mask_out: Optional[torch.Tensor] = None,
+                            first_count=None) -> torch.Tensor:
     """Sampled estimate of a threshold ``tau`` with ``k <= #{|acc| >= tau} <= capacity``
     (see the module docstring for the algorithm and its guarantees). Returns a 0-d fp32
     device tensor ``>= TINY``; never synchronises with the host.
 
     ``abs_out`` (fp32[n]) and ``mask_out`` (bool[n]): optional reused buffers for
     ``|acc|`` and the per-round comparison, so a step allocates no full-size
-    temporaries (the compressors pass their scratch buffers)."""
+    temporaries (the compressors pass their scratch buffers).
+
+    ``first_count``: CPU path only, optional callable ``t -> count`` used for the first
+    refinement round's count of the sampled estimate instead of a counting pass (TopK
+    passes its select, which counts while it selects; see ``TopK._compress``); it
+    must return exactly ``#{|acc| >= t}`` and leave ``acc`` as it found it."""
     n = acc.numel()
     target = 0.5 * (k + capacity)
     s = min(n, max(sample_min, math.ceil(sample_above * n / target)))
@@ -137,7 +143,9 @@ def estimate_topk_threshold(acc: torch.Tensor, k: int, capacity: int, offset: in
     prev = None
     for _ in range(rounds):
         if fused:
-            c = ops.count_abs_ge(acc, t, same_as=prev)
+            c = first_count(t) if first_count is not None and prev is None else None
+            if c is None:
+                c = ops.count_abs_ge(acc, t, same_as=prev)
             prev = (t, c)
         else:
             # count_nonzero, not bool .sum(): the latter is ~7x slower on CPU (int64 cast)
@@ -250,20 +258,37 @@ class TopK(Compressor):
             thr = tv[k - 1].clamp_min(TINY)
             return LayerPayload(name, shape, [seg]), dict(selected=count, threshold=thr,
                                                           density=d)
+        kept = []
+        first = None
+        if enc == ValueEncoding.FP32 and ops.has_cpu_path(acc):
+            def select_first(t):
+                """Count the first estimate by selecting with it (CPU): the select is
+                kept when the refinement will keep ``t`` (count in [k, cap]: then no
+                later round moves it), else undone -- one pass fewer in the common
+                case, the same bits (tests/test_compressors.py)."""
+                out, c = ops.select_if_in_range(acc, t, k, cap)
+                if out is not None:
+                    kept.append(out)
+                return c
+            first = select_first
         thr = estimate_topk_threshold(
             acc, k, cap, offset=self._seed(name, step, PURPOSE_SAMPLE), rounds=cfg["rounds"],
             abs_out=self._scratch_buf("abs", n, torch.float32, acc.device),
-            mask_out=self._scratch_buf("mask", n, torch.bool, acc.device))
-        seg, cnt = self._select(acc, thr, cap, enc, qseed, qb, ef)
+            mask_out=self._scratch_buf("mask", n, torch.bool, acc.device),
+            first_count=first)
+        seg, cnt = self._select(acc, thr, cap, enc, qseed, qb, ef,
+                                done=kept[0] if kept else None)
         return LayerPayload(name, shape, [seg]), dict(selected=cnt[1:2], threshold=thr,
                                                       density=d)
 
-    def _select(self, acc, thr, cap, enc, qseed, qb, ef, **kw):
+    def _select(self, acc, thr, cap, enc, qseed, qb, ef, done=None, **kw):
         """Fused select + compaction + residual update (``ops.select_compact``), then
-        quantisation and residual fix-up for int values. Returns (Segment, count[2])."""
+        quantisation and residual fix-up for int values. Returns (Segment, count[2]).
+        ``done``: the ``(indices, values, count)`` of that select, already made."""
         n = acc.numel()
         sel_enc = enc if enc in FLOAT_DTYPES else ValueEncoding.FP32
-        idx, vals, cnt = ops.select_compact(acc, thr, cap, value_encoding=sel_enc, **kw)
+        idx, vals, cnt = done if done is not None else \
+            ops.select_compact(acc, thr, cap, value_encoding=sel_enc, **kw)
         count = cnt[:1]
         scales = None
         if enc in QUANT_BITS:

@@ -618,7 +618,8 @@ class LayerScheduler:
             total = pend.finish()
             t0 = time.perf_counter()
             self.events.append(("finish", b))
-            total.mul_(scale)
+            if scale != 1.0:       # x * 1.0 == x bit for bit: no pass at P = 1 / Sum
+                total.mul_(scale)
             totals.append(total)
             self._feed_back(spec, pend.undelivered)
             t_dec += pend.decode_s + time.perf_counter() - t0

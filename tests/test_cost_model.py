@@ -30,6 +30,25 @@ def fig(P, density, **kw):
     return BucketFigures(world_size=P, numel=N, capacity=k, **kw)
 
 
+def documented_pick(ag, sp, de):
+    """The documented exact rule: cheapest of allgather / split / dense (ties in that
+    order), where split counts only below 0.75x allgather's bytes (SPLIT_MARGIN)."""
+    c = {"allgather": ag, "split": sp if sp < 0.75 * ag else math.inf, "dense": de}
+    return min(("allgather", "split", "dense"), key=lambda s: c[s])
+
+
+def test_split_margin_is_the_documented_one():
+    from hvdsparse.exchange.cost_model import SPLIT_MARGIN
+    assert SPLIT_MARGIN == 0.75
+    # split at 0.80x allgather's bytes (BENCHMARKS 1, P = 4): allgather
+    f = fig(4, 0.01)
+    c = costs(f)
+    for ratio, want in ((0.80, "allgather"), (0.70, "split")):
+        g = BucketFigures(world_size=4, numel=N, capacity=10_000,
+                          wire_nbytes=int(c["split"] / ratio / 3))
+        assert choose(g) == want, (ratio, costs(g))
+
+
 def test_costs_match_formulas():
     f = fig(8, 0.01)
     c = costs(f)
@@ -43,11 +62,12 @@ def test_costs_match_formulas():
 @pytest.mark.parametrize("P", PS)
 def test_one_percent_fp32(P):
     """k/N = 1 %: allgather ((P-1) 8k) against split ((P-1)/P (8k + min(8Pk, 4N))):
-    while P k < N/2 split costs (P-1)/P 8k (P+1) > allgather; beyond, split wins once
-    P > 1 + N/(2k) = 51. So allgather up to P = 32, split from P = 64; dense fp32
-    (~8N) never wins because split's gathered ranges are at most 4N."""
+    while P k < N/2 split costs (P-1)/P 8k (P+1) > allgather; beyond, split is cheaper
+    once P > 1 + N/(2k) = 51, and below 0.75x allgather (SPLIT_MARGIN) from P = 128. So
+    allgather up to P = 64, split from P = 128; dense fp32 (~8N) never wins because
+    split's gathered ranges are at most 4N."""
     s = choose(fig(P, 0.01))
-    assert s == ("allgather" if P <= 32 else "split"), (P, costs(fig(P, 0.01)))
+    assert s == ("allgather" if P <= 64 else "split"), (P, costs(fig(P, 0.01)))
     assert costs(fig(P, 0.01))["dense"] > costs(fig(P, 0.01))["split"]
 
 
@@ -79,7 +99,11 @@ def test_very_sparse_bytes_vs_latency(P):
     its ranges carry a 16-byte header), but with a latency charge of 1 KiB per message
     allgather's single collective wins at every P."""
     f = fig(P, 1e-5)
-    assert choose(f) == "split", costs(f)
+    k = 10
+    ag, sp = (P - 1) * (8 * k + 96), (P - 1) / P * (8 * k + min(8 * P * k, 4 * N) + 16 * P)
+    # by the margin, split from P = 4 on ((80 + 96 P) / (176 P) < 0.75)
+    assert choose(f) == documented_pick(ag, sp, math.inf) == \
+        ("allgather" if P == 2 else "split"), costs(f)
     assert choose(f, alpha_bytes=1024) == "allgather", costs(f, 1024)
 
 
@@ -87,15 +111,15 @@ def test_very_sparse_bytes_vs_latency(P):
 def test_history_moves_split(P):
     """The previous step's reduced count K (known to every rank) replaces the bound
     min(N, P k): with full overlap (K = k) split costs (P-1)/P (16k + 16P), below
-    allgather's (P-1)(8k + 96) at every P >= 2."""
+    allgather's (P-1)(8k + 96) at every P >= 2, and below 0.75x of it from P = 3."""
     k = 10_000
     base = fig(P, 0.01)
     f = fig(P, 0.01, prev_reduced=k, prev_pairs=k)
     c = costs(f)
     assert c["split"] <= costs(base)["split"]
     assert c["split"] == pytest.approx((P - 1) / P * (8 * k + 8 * k + P * 16))
-    assert choose(f) == "split", c
-    assert choose(base) == ("allgather" if P <= 32 else "split")
+    assert choose(f) == ("allgather" if P == 2 else "split"), c
+    assert choose(base) == ("allgather" if P <= 64 else "split")
 
 
 @pytest.mark.parametrize("P", PS)

@@ -49,8 +49,10 @@ Costs (bytes that cross one rank's link in a bandwidth-optimal ring/pairwise alg
 An optional latency term ``alpha_bytes * messages`` (messages per rank: allgather
 ``P-1``, dense ``2(P-1)``, split and balanced ``2(P-1)``) charges for per-message overhead; it is 0
 by default (pure bytes, as in the paper's bandwidth terms). Ties resolve in the order
-allgather, split, dense (fewest collectives first); the lossy ``balanced`` is chosen only
-when it costs less than ``LOSSY_MARGIN`` (0.5) times the cheapest exact strategy.
+allgather, split, dense (fewest collectives first); ``split`` is chosen over ``allgather``
+only below ``SPLIT_MARGIN`` (0.75) times allgather's bytes (its passes over the dense
+bucket are not priced), and the lossy ``balanced`` only when it costs less than
+``LOSSY_MARGIN`` (0.5) times the cheapest exact strategy.
 
 Consequences (unit-tested in tests/test_cost_model.py): with fp32 pairs (c+v = 8) and
 fp32 dense ranges (q = 4), split costs more than allgather while the union stays
@@ -76,6 +78,13 @@ EXACT_STRATEGIES = ("allgather", "split", "dense")
 #: clear saving only (with k pairs per rank it moves ~2k/P of allgather's bytes, so
 #: auto takes it from P >= 4 or 5 on, and exact strategies at P = 2, 3)
 LOSSY_MARGIN = 0.5
+
+#: ``split`` is chosen over ``allgather`` only below this fraction of allgather's bytes:
+#: split makes two passes over the dense bucket (per-owner counts, the non-zero gather)
+#: and a second collective, which the byte model does not price. Measured on the
+#: per-node 500 Mbit/s emulation (BENCHMARKS.md 1, P = 4, TopK 1%, 4.35 M elements):
+#: split moved 0.80x allgather's wire bytes but took 1.39x its step time (218 vs 157 ms).
+SPLIT_MARGIN = 0.75
 
 #: bytes of one int32 index in split / SparCML sparse streams
 INDEX_BYTES = 4
@@ -161,15 +170,19 @@ def costs(f: BucketFigures, alpha_bytes: float = 0.0) -> Dict[str, float]:
 
 def choose(f: BucketFigures, allowed: Tuple[str, ...] = STRATEGIES,
            alpha_bytes: float = 0.0) -> str:
-    """The cheapest allowed strategy (ties: allgather, split, dense, balanced). The lossy
+    """The cheapest allowed strategy (ties: allgather, split, dense, balanced). ``split``
+    must beat an allowed ``allgather`` by the factor ``SPLIT_MARGIN``; the lossy
     ``balanced`` must beat the cheapest allowed exact strategy by the factor
     ``LOSSY_MARGIN``: a truncating exchange is worth it only for a clear saving (at
     P = 2 it moves about what allgather moves, and drops part of the sum; at P = 3 two
     thirds)."""
     c = costs(f, alpha_bytes)
+    eff = dict(c)
+    if "allgather" in allowed and c["split"] >= SPLIT_MARGIN * c["allgather"]:
+        eff["split"] = float("inf")          # not a clear enough saving: see SPLIT_MARGIN
     best = None
     for s in EXACT_STRATEGIES:
-        if s in allowed and (best is None or c[s] < c[best]):
+        if s in allowed and (best is None or eff[s] < eff[best]):
             best = s
     if "balanced" in allowed and (best is None or c["balanced"] < LOSSY_MARGIN * c[best]):
         best = "balanced"
@@ -186,6 +199,6 @@ def dense_allreduce_bytes(world_size: int, numel: int, value_bytes: int = 4) -> 
     return 0.0 if P <= 1 else 2.0 * (P - 1) / P * numel * value_bytes
 
 
-__all__ = ["STRATEGIES", "EXACT_STRATEGIES", "phase2_capacity", "balanced_phase2_nbytes",
-           "BucketFigures", "costs", "choose", "sparcml_delta",
+__all__ = ["STRATEGIES", "EXACT_STRATEGIES", "SPLIT_MARGIN", "LOSSY_MARGIN", "phase2_capacity",
+           "balanced_phase2_nbytes", "BucketFigures", "costs", "choose", "sparcml_delta",
            "split_dense_value_bytes", "dense_allreduce_bytes", "INDEX_BYTES"]

@@ -33,7 +33,7 @@ Header (24 bytes)
 offset    size   type    field
 ========  =====  ======  ==========================================================
 0         4      bytes   magic ``b"HVSP"``
-4         2      u16     version (currently 1)
+4         2      u16     version (currently 2)
 6         2      u16     record size (72)
 8         4      u32     number of layers L (segments name their layer 0..L-1)
 12        4      u32     number of segments S
@@ -72,9 +72,9 @@ encoding           section                  content
 DENSE              (none)                   requires ``C == N``; slot j is element j
 INT32              indices ``4*C``          int32 absolute element index per slot
 BIN_U8             indices ``C``            uint8 bin-relative index per slot
-                   bin counts ``4*ceil(N/B)``  int32 slots per bin (``1 <= B <= 256``)
+                   bin counts ``w*ceil(N/B)``  slots per bin (``1 <= B <= 256``)
 BIN_U16            indices ``2*C``          uint16 bin-relative index per slot
-                   bin counts ``4*ceil(N/B)``  int32 slots per bin (``1 <= B <= 65536``)
+                   bin counts ``w*ceil(N/B)``  slots per bin (``1 <= B <= 65536``)
 IMPLICIT           (none)                   indices known to every rank, not sent
 BITMASK            indices ``ceil(N/8)``    bit ``i%8`` of byte ``i//8`` set = element
                                             ``i`` sent; bits ``>= N`` are 0
@@ -86,6 +86,14 @@ INT8/INT4/INT2     values ``ceil(C*b/8)``   code of slot j in byte ``j*b//8`` at
 SIGN1              values ``ceil(C/8)``     bit ``j%8`` of byte ``j//8``: 1 = negative
                    scales ``4``             fp32: ``v = +-scale``
 =================  =======================  ===================================
+
+Bin counts (BIN_*): a bin holds at most ``B`` elements, so its count travels in the
+smallest unsigned integer that holds ``B``: ``w = 1`` byte (uint8) for ``B <= 255``,
+``w = 2`` (uint16) for ``B <= 65535``, else ``w = 4`` (int32; only ``B = 65536``).
+(Version 2; version 1 sent int32 always: for AdaComp's 50-element conv bins the counts
+were 47% of the bytes.) Payloads carry int32 ``bin_counts``; the encoder narrows them
+(a count above ``B`` is invalid anyway; after wrapping it fails the receiver's sum or
+range check).
 
 Slot semantics: slots ``j < count`` are used, the rest is padding (copied verbatim,
 content unspecified, ignored by decoders). BIN_*: slots are sorted by bin, bin ``k``
@@ -157,7 +165,7 @@ import torch
 
 from . import ops
 from .payload import (FLOAT_BYTES, FLOAT_DTYPES, QUANT_BITS, IndexEncoding, LayerPayload,
-                      Segment, ValueEncoding)
+                      Segment, ValueEncoding, bin_count_width)
 
 assert sys.byteorder == "little", "hvdsparse wire format assumes a little-endian host"
 
@@ -167,7 +175,7 @@ __all__ = ["CodecError", "DecodedSegment", "MAGIC", "VERSION", "HEADER_SIZE", "R
            "accumulate", "payload_to_dense", "layout_signature"]
 
 MAGIC = b"HVSP"
-VERSION = 1
+VERSION = 2
 _HEADER = struct.Struct("<4sHHIIQ")
 _RECORD = struct.Struct("<QQIIIIIBBHQQQQ")
 HEADER_SIZE = _HEADER.size          # 24
@@ -177,6 +185,22 @@ _ALIGN = 8
 _U32_MAX = 2 ** 32 - 1
 _I32_MAX = 2 ** 31 - 1
 _MAX_BIN = {IndexEncoding.BIN_U8: 256, IndexEncoding.BIN_U16: 65536}
+
+
+_BIN_COUNT_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _narrow_bin_counts(bc: torch.Tensor, bin_size: int) -> torch.Tensor:
+    """int32 counts -> their wire dtype (uint16 travels as int16 bits)."""
+    dt = _BIN_COUNT_DTYPE[bin_count_width(bin_size)]
+    return bc if dt == torch.int32 else bc.to(dt)
+
+
+def _widen_bin_counts(raw: torch.Tensor, bin_size: int) -> torch.Tensor:
+    """Wire bytes (uint8 [..., w * nbins]) -> int32 counts (uint16 read unsigned)."""
+    w = bin_count_width(bin_size)
+    c = raw.view(_BIN_COUNT_DTYPE[w]).to(torch.int32)
+    return c & 0xFFFF if w == 2 else c
 
 assert HEADER_SIZE == 24 and RECORD_SIZE == 72
 
@@ -300,7 +324,7 @@ def _section_lengths(where: str, numel: int, capacity: int, ienc, venc, bin_size
         il = 0
     else:  # BITMASK
         il = _cdiv(numel, 8)
-    bl = 4 * bins
+    bl = bin_count_width(bin_size) * bins
     # ---- values
     if venc in QUANT_BITS:
         if quant_bucket < 1 or quant_bucket > _U32_MAX:
@@ -588,8 +612,8 @@ def _segment_pieces(seg: Segment, sl: _SegLayout, where: str, device):
             pieces[0] = _as_bytes(seg.indices, where, "indices (bitmask)", (torch.uint8,),
                                   il, device)
     if bl:
-        pieces[1] = _as_bytes(seg.bin_counts, where, "bin_counts", (torch.int32,),
-                              sl.nbins, device)
+        bc = _as_bytes(seg.bin_counts, where, "bin_counts", (torch.int32,), sl.nbins, device)
+        pieces[1] = _narrow_bin_counts(bc.view(torch.int32), sl.bin_size).view(torch.uint8)
     if vl:
         if sl.venc in FLOAT_DTYPES:
             pieces[2] = _as_bytes(seg.values, where, "values", (FLOAT_DTYPES[sl.venc],),
@@ -868,7 +892,8 @@ def _decode(buffer: torch.Tensor, check_content: bool = True):
             indices = view(0, torch.uint8)
         elif ienc == IndexEncoding.BIN_U16:
             indices = view(0, torch.int16)
-        bin_counts = view(1, torch.int32) if ienc in _MAX_BIN else None
+        bin_counts = _widen_bin_counts(view(1, torch.uint8), bs) if ienc in _MAX_BIN \
+            else None
         values = view(2, FLOAT_DTYPES.get(venc, torch.uint8))
         scales = view(3, torch.float32) if venc in QUANT_BITS or \
             venc == ValueEncoding.SIGN1 else None
@@ -1187,7 +1212,8 @@ def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
             ind = b2[:, oi:oi + il]
         elif sl.ienc == IndexEncoding.BIN_U16:
             ind = b2[:, oi:oi + il].view(torch.int16)
-        bc = b2[:, ob:ob + bl].view(torch.int32) if sl.ienc in _MAX_BIN else None
+        bc = _widen_bin_counts(b2[:, ob:ob + bl], sl.bin_size) if sl.ienc in _MAX_BIN \
+            else None
         dense = flat_outs[sl.layer]
         if validate:
             idx, _ = _slot_indices(sl, ind, bc, tseg.implicit_indices, P, device)

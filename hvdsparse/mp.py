@@ -65,7 +65,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from . import ops
-from .payload import FLOAT_BYTES, FLOAT_DTYPES, IndexEncoding, LayerPayload, Segment, ValueEncoding
+from .payload import (FLOAT_BYTES, FLOAT_DTYPES, IndexEncoding, LayerPayload, Segment,
+                      ValueEncoding, bin_count_width)
 
 __all__ = [
     "kept_per_row", "row_threshold", "row_threshold_reference", "activation_threshold",
@@ -236,10 +237,11 @@ def wire_index_bytes(rows: int, d: int, k: int, value_encoding=ValueEncoding.FP3
              IndexEncoding.DENSE: vb * rows * d}
     if rows * d < 2 ** 31:
         sizes[IndexEncoding.INT32] = 4 * cap + vb * cap
+    w = bin_count_width(d)          # bytes per row count on the wire
     if d <= 256:
-        sizes[IndexEncoding.BIN_U8] = cap + 4 * rows + vb * cap
+        sizes[IndexEncoding.BIN_U8] = cap + w * rows + vb * cap
     elif d <= 65536:
-        sizes[IndexEncoding.BIN_U16] = 2 * cap + 4 * rows + vb * cap
+        sizes[IndexEncoding.BIN_U16] = 2 * cap + w * rows + vb * cap
     return sizes
 
 
@@ -435,7 +437,8 @@ class _Layout:
                        count=torch.full((1,), self.cap, dtype=torch.int32, device=buf.device),
                        values=sec(vo, vl, FLOAT_DTYPES[self.ve]),
                        indices=sec(io, il, _INDEX_DTYPE[self.ie]) if il else None,
-                       bin_counts=sec(bo, bl, torch.int32) if bl else None,
+                       bin_counts=_codec()._widen_bin_counts(buf[bo:bo + bl], self.bin_size)
+                       if bl else None,
                        bin_size=self.bin_size)
 
     def segment_from_host(self, buf: torch.Tensor, what: str) -> Segment:

@@ -68,6 +68,14 @@ VALUE_ENCODING_NAMES = {"fp32": ValueEncoding.FP32, "fp16": ValueEncoding.FP16,
                         "int4": ValueEncoding.INT4, "int2": ValueEncoding.INT2}
 
 
+def bin_count_width(bin_size: int) -> int:
+    """Bytes per bin count on the wire (BIN_* encodings): the smallest unsigned integer
+    that holds ``bin_size`` (a bin's count is at most its size): 1 (uint8) for
+    ``bin_size <= 255``, 2 (uint16) up to 65535, else 4 (int32). In memory,
+    ``Segment.bin_counts`` is always int32; the codec narrows it."""
+    return 1 if bin_size <= 0xFF else 2 if bin_size <= 0xFFFF else 4
+
+
 @dataclass
 class Segment:
     """Part of one layer's message. See the module docstring.

@@ -14,8 +14,9 @@ exactly; integer and bool tensors come back as ``int`` / ``bool``.
 Byte accounting (what :func:`segment_nbytes` counts for one fixed-capacity segment):
 
 * a 4-byte ``count`` word per segment;
-* indices: INT32 -> ``4 * capacity``; BIN_U8 -> ``capacity`` + ``4 * nbins``
-  (the int32 ``bin_counts``); BIN_U16 -> ``2 * capacity + 4 * nbins``;
+* indices: INT32 -> ``4 * capacity``; BIN_U8 -> ``capacity`` + ``w * nbins``
+  (the ``bin_counts``: ``w`` = 1, 2 or 4 bytes by bin size, see
+  :func:`hvdsparse.payload.bin_count_width`); BIN_U16 -> ``2 * capacity + w * nbins``;
   BITMASK -> ``ceil(numel / 8)``; DENSE / IMPLICIT -> 0 (implicit indices never travel);
 * values: fp32 4, fp16/bf16 2 bytes per slot; INT8/INT4/INT2 ``ceil(capacity*bits/8)``
   bytes plus 4 bytes per quantisation bucket scale; SIGN1 ``ceil(capacity/8)`` + 4.
@@ -34,7 +35,7 @@ from typing import Dict, Optional
 import torch
 
 from .payload import (FLOAT_BYTES, QUANT_BITS, IndexEncoding, LayerPayload, Segment,
-                      ValueEncoding)
+                      ValueEncoding, bin_count_width)
 
 __all__ = ["empty_totals", "add_totals", "segment_nbytes", "segment_slot_bytes", "segment_fixed_bytes",
            "payload_nbytes", "LayerStats", "StatsCollector", "host_values"]
@@ -67,7 +68,7 @@ def segment_fixed_bytes(seg: Segment) -> int:
     if seg.scales is not None:
         b += 4 * int(seg.scales.numel())
     if seg.bin_counts is not None:
-        b += 4 * int(seg.bin_counts.numel())
+        b += bin_count_width(seg.bin_size) * int(seg.bin_counts.numel())
     if seg.index_encoding == IndexEncoding.BITMASK:
         b += (seg.numel + 7) // 8
     return b

@@ -181,7 +181,7 @@ def test_encode_into_out_and_manual_layout():
     res = encode(p, out=out)
     assert res.data_ptr() == out.data_ptr()
     raw = bytes(out.tolist())
-    assert struct.unpack_from("<4sHHIIQ", raw, 0) == (b"HVSP", 1, R, 1, 2, n)
+    assert struct.unpack_from("<4sHHIIQ", raw, 0) == (b"HVSP", 2, R, 1, 2, n)
     rec = struct.unpack_from("<QQIIIIIBBHQQQQ", raw, H)
     assert rec == (10, data0, 2, 3, 0, 0, 0, int(IE.INT32), int(VE.FP16), 0, 12, 0, 6, 0)
     rec2 = struct.unpack_from("<QQIIIIIBBHQQQQ", raw, H + R)
@@ -200,6 +200,53 @@ def test_encode_into_out_and_manual_layout():
     assert_close(o, ref, "manual accumulate")
     with pytest.raises(CodecError, match="out must be a contiguous 1-D uint8 tensor of"):
         encode(p, out=torch.empty(n + 8, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("B,width", [(50, 1), (255, 1), (256, 2), (500, 2), (65535, 2),
+                                     (65536, 4)])
+def test_bin_counts_width_on_the_wire(B, width):
+    """Bin counts travel in the smallest unsigned int that holds the bin size (uint8,
+    uint16, int32; the record's section length says so); decode and accumulate read
+    them back (a uint16 count >= 32768 too)."""
+    rng = np.random.default_rng(B)
+    nb = 3
+    N = nb * B - 7
+    counts = [2, 0, 3]
+    big = B > 40000                 # a uint16 count with its top bit set
+    if big:
+        counts = [33000, 0, 3]
+    rel = np.concatenate([rng.choice(min(B, N - k * B), c, replace=False)
+                          for k, c in enumerate(counts)])
+    ienc = IE.BIN_U8 if B <= 256 else IE.BIN_U16
+    idt = torch.uint8 if ienc == IE.BIN_U8 else torch.int16
+    cap = sum(counts) + 1
+    vals = torch.tensor(rng.standard_normal(cap), dtype=torch.float32)
+    seg = Segment(numel=N, capacity=cap, index_encoding=ienc, value_encoding=VE.FP32,
+                  count=torch.tensor([sum(counts)], dtype=torch.int32), values=vals,
+                  indices=torch.tensor(list(rel) + [0], dtype=torch.int64).to(idt),
+                  bin_counts=torch.tensor(counts, dtype=torch.int32), bin_size=B)
+    p = [LayerPayload("w", torch.Size([N]), [seg])]
+    raw = bytes(encode(p).tolist())
+    rec = struct.unpack_from("<QQIIIIIBBHQQQQ", raw, H)
+    assert rec[11] == width * nb                          # bin-counts section length
+    off = rec[1] + (-(-rec[10] // 8) * 8)
+    fmt = {1: "<3B", 2: "<3H", 4: "<3i"}[width]
+    assert struct.unpack_from(fmt, raw, off) == tuple(counts)
+    ref = np.zeros(N)
+    j = 0
+    for k, c in enumerate(counts):
+        for _ in range(c):
+            ref[k * B + rel[j]] += float(vals[j])
+            j += 1
+    (d,) = codec.decode(encode(p))
+    assert d.bin_counts.dtype == torch.int32 and d.bin_counts.tolist() == counts
+    o = torch.zeros(N)
+    accumulate(encode(p).unsqueeze(0), p, [o], validate=False,
+               error_flag=torch.zeros(1, dtype=torch.int32))
+    assert_close(o, ref, f"bin counts width {width}")
+    o2 = torch.zeros(N)
+    accumulate(encode(p).unsqueeze(0), p, [o2])                 # host-validated path
+    assert_close(o2, ref, f"bin counts width {width}, validated")
 
 
 def test_encode_rejects_inconsistent_payloads():
@@ -265,7 +312,7 @@ def _offsets(payloads):
 CORRUPTIONS = [
     # (description, patcher(buf, payloads) -> buf, expected message regex)
     ("magic", lambda b, p: _patch(b, 0, "<4s", b"HVSQ"), r"bad magic b'HVSQ'"),
-    ("version", lambda b, p: _patch(b, 4, "<H", 2), r"unsupported version 2, expected 1"),
+    ("version", lambda b, p: _patch(b, 4, "<H", 1), r"unsupported version 1, expected 2"),
     ("record size", lambda b, p: _patch(b, 6, "<H", 64), r"record size 64, expected 72"),
     ("total length", lambda b, p: _patch(b, 16, "<Q", b.numel() + 8),
      r"truncated buffer: header total length"),
@@ -296,12 +343,13 @@ CORRUPTIONS = [
     ("layer order", lambda b, p: _patch(b, H + 2 * R + 24, "<I", 0),
      r"segment 2: layer index 0 < previous segment's layer 1"),
     ("reserved", lambda b, p: _patch(b, H + 38, "<H", 1), r"reserved field is 1"),
-    ("bin count too big", lambda b, p: _patch(b, _offsets(p)[0].offsets[1], "<i", 6),
+    # bins of 5 elements: the counts travel as uint8 (codec doc: bin counts)
+    ("bin count too big", lambda b, p: _patch(b, _offsets(p)[0].offsets[1], "<B", 6),
      r"segment 0 \(layer 0\): bin_counts\[0\] = 6 outside \[0, 5\]"),
-    ("last bin too big", lambda b, p: _patch(b, _offsets(p)[0].offsets[1] + 16, "<i", 4),
+    ("last bin too big", lambda b, p: _patch(b, _offsets(p)[0].offsets[1] + 4, "<B", 4),
      r"bin_counts\[4\] = 4 outside \[0, 3\]"),
-    ("bin counts sum", lambda b, p: _patch(b, _offsets(p)[0].offsets[1], "<i", -1),
-     r"bin_counts\[0\] = -1 outside"),
+    ("bin counts sum", lambda b, p: _patch(b, _offsets(p)[0].offsets[1], "<B", 255),
+     r"bin_counts\[0\] = 255 outside"),
     ("bin relative index", lambda b, p: _patch(b, _offsets(p)[0].offsets[0], "<H", 5),
      r"segment 0 \(layer 0\): index out of range: slot 0 has bin-relative index 5"),
     ("int32 index", lambda b, p: _patch(b, _offsets(p)[2].offsets[0], "<i", 19),
@@ -398,7 +446,7 @@ def test_accumulate_index_out_of_range():
         # count > capacity
         (_patch(buf, H + 2 * R + 16, "<I", 7), 1, 2, codec.ERR_COUNT),
         # bin counts that no longer sum to the count
-        (_patch(buf, segs[0].offsets[1], "<i", 0), 0, 0, codec.ERR_BIN_COUNTS),
+        (_patch(buf, segs[0].offsets[1], "<B", 0), 0, 0, codec.ERR_BIN_COUNTS),
         # a record field other than count
         (_patch(buf, H + R + 32, "<I", 4), 1, None, codec.ERR_HEADER),
     ]
@@ -615,9 +663,10 @@ def test_wire_defect_regressions():
     o = torch.zeros(10)
     accumulate(b2.unsqueeze(0), p2, [o], validate=False, error_flag=flag)
     assert int(flag[0]) == 0
-    for bcs in ((4, 0, 0), (0, 0, 4), (3, 0, 1), (-1, 4, 1)):   # last bin holds only 2
-        moved = _patch(_patch(_patch(b2, off, "<i", bcs[0]), off + 4, "<i", bcs[1]),
-                       off + 8, "<i", bcs[2])
+    # uint8 counts (bins of 4): (255, 4, 1) sums to 4 modulo 256 -- must not pass
+    for bcs in ((4, 0, 0), (0, 0, 4), (3, 0, 1), (255, 4, 1)):  # last bin holds only 2
+        moved = _patch(_patch(_patch(b2, off, "<B", bcs[0]), off + 1, "<B", bcs[1]),
+                       off + 2, "<B", bcs[2])
         flag.zero_()
         o = torch.zeros(10)
         accumulate(moved.unsqueeze(0), p2, [o], validate=False, error_flag=flag)

@@ -81,7 +81,8 @@ def expected_layout(layout):
             Q = sp["qb"] if ve in QBITS else 0
             il = {IE.DENSE: 0, IE.INT32: 4 * C, IE.BIN_U8: C, IE.BIN_U16: 2 * C,
                   IE.IMPLICIT: 0, IE.BITMASK: _cdiv(N, 8)}[ie]
-            bl = 4 * _cdiv(N, B) if B else 0
+            # bin counts: the smallest unsigned int holding B: u8 / u16 / i32 (format v2)
+            bl = (1 if B <= 255 else 2 if B <= 65535 else 4) * _cdiv(N, B) if B else 0
             if ve in QBITS:
                 vl, sl = _cdiv(C * QBITS[ve], 8), 4 * _cdiv(C, Q)
             elif ve == VE.SIGN1:
@@ -136,7 +137,8 @@ def _slot_indices(row, sg, count):
     if ie in (IE.BIN_U8, IE.BIN_U16):
         B = sg["B"]
         nb = _cdiv(N, B)
-        bc = np.frombuffer(row, "<i4", nb, sg["offs"][1]).astype(np.int64)
+        bc = np.frombuffer(row, "<u1" if B <= 255 else "<u2" if B <= 65535 else "<i4", nb,
+                           sg["offs"][1]).astype(np.int64)
         lim = np.minimum(B, N - np.arange(nb) * B)
         if ((bc < 0) | (bc > lim)).any() or bc.sum() != count:
             return "bin counts"
@@ -161,7 +163,7 @@ def plain_decode(rows: np.ndarray, layout, inits):
     parsed = []
     for r in range(rows.shape[0]):
         row = rows[r].tobytes()
-        if HDR.unpack_from(row, 0) != (b"HVSP", 1, 72, L, S, total):
+        if HDR.unpack_from(row, 0) != (b"HVSP", 2, 72, L, S, total):
             return None, f"rank {r}: header"
         for s, sg in enumerate(segs):
             f = REC.unpack_from(row, 24 + 72 * s)
@@ -300,26 +302,32 @@ def mutate(rng, kind, rows0, segs):
     elif kind == "bin_counts" and any(x["ie"] in (IE.BIN_U8, IE.BIN_U16) and x["N"]
                                       for x in segs):
         sg = [x for x in segs if x["ie"] in (IE.BIN_U8, IE.BIN_U16) and x["N"]][0]
-        nb = sg["lens"][1] // 4
+        w = 1 if sg["B"] <= 255 else 2 if sg["B"] <= 65535 else 4
+        fmt, wrap = {1: ("<B", 256), 2: ("<H", 65536), 4: ("<i", None)}[w]
+
+        def put(o, v):      # uint8 counts wrap (a "-1" arrives as 255)
+            _put(rows, r, o, fmt, v % wrap if wrap else v)
+        nb = sg["lens"][1] // w
         if nb:
             k = int(rng.integers(nb))
-            o = sg["offs"][1] + 4 * k
-            cur = _get(rows, r, o, "<i")
+            o = sg["offs"][1] + w * k
+            cur = _get(rows, r, o, fmt)
             how = rng.choice(["inc", "dec", "move", "neg", "huge", "swap"])
             if how in ("move", "swap") and nb > 1:
                 k2 = int(rng.integers(nb))
-                o2 = sg["offs"][1] + 4 * k2
-                cur2 = _get(rows, r, o2, "<i")
+                o2 = sg["offs"][1] + w * k2
+                cur2 = _get(rows, r, o2, fmt)
                 if how == "move":
-                    _put(rows, r, o, "<i", cur - 1)
-                    _put(rows, r, o2, "<i", cur2 + 1)
+                    put(o, cur - 1)
+                    put(o2, cur2 + 1)
                 else:
-                    _put(rows, r, o, "<i", cur2)
-                    _put(rows, r, o2, "<i", cur)
+                    put(o, cur2)
+                    put(o2, cur)
             else:
-                val = {"inc": cur + 1, "dec": cur - 1, "neg": -1, "huge": 2 ** 31 - 1,
+                val = {"inc": cur + 1, "dec": cur - 1, "neg": -1,
+                       "huge": {1: 255, 2: 65535, 4: 2 ** 31 - 1}[w],
                        "move": cur + 1, "swap": cur - 1}[how]
-                _put(rows, r, o, "<i", val)
+                put(o, val)
     elif kind == "bin_rel" and pick([IE.BIN_U8, IE.BIN_U16]) is not None:
         sg = pick([IE.BIN_U8, IE.BIN_U16])
         j, B = slot(sg), sg["B"]

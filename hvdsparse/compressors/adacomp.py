@@ -31,8 +31,8 @@ Deviations (documented):
   (the paper's ``>=`` against ``gmax = 0`` would send every element as ``+-s``).
 * **Effective compression rate** (the paper's figure of merit) is reported per layer by
   :meth:`Compressor.stats` as ``effective_rate = 32 n / (8 * effective_bytes)`` with
-  ``effective_bytes = sent * (index bytes + 1/8) + 4 (scale) + 4 * nbins (bin counts)
-  + 4 (count)``; ``compression_rate`` uses the fixed capacity (what travels).
+  ``effective_bytes = sent * (index bytes + 1/8) + 4 (scale) + w * nbins (bin counts:
+  w = 1 byte for L <= 255, else 4) + 4 (count)``; ``compression_rate`` uses the fixed capacity (what travels).
   ``stats()[name]["threshold"]`` is the layer scale ``s``; ``selected`` counts every
   element that passed the compare (before the per-bin cap), ``sent`` what travelled.
 """
@@ -42,7 +42,7 @@ import math
 
 import torch
 
-from ..payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
+from ..payload import IndexEncoding, LayerPayload, Segment, ValueEncoding, bin_count_width
 from .. import ops
 from .base import TINY, Compressor, binned_rel, binned_topc, ceil_div, pack_signs
 
@@ -107,7 +107,7 @@ class AdaComp(Compressor):
         cap = nb * c
         ienc = IndexEncoding.BIN_U8 if L <= 256 else IndexEncoding.BIN_U16
         ib = 1.0 if L <= 256 else 2.0
-        if cap * (ib + 0.125) + 4 * nb >= 4 * n:             # sparse not smaller: dense
+        if cap * (ib + 0.125) + bin_count_width(L) * nb >= 4 * n:   # not smaller: dense
             acc, _ = self._acc(name, flat, None, True)
             return (self._dense_from_acc(name, acc, shape, ValueEncoding.FP32, 0, 512),
                     dict())

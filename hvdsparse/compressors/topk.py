@@ -81,7 +81,7 @@ import torch
 
 from .. import ops
 from ..payload import FLOAT_DTYPES, QUANT_BITS, IndexEncoding, LayerPayload, Segment, \
-    ValueEncoding
+    ValueEncoding, bin_count_width
 from .base import (PURPOSE_QUANT, PURPOSE_SAMPLE, TINY, Compressor, binned_topc, ceil_div,
                    check_values, k_of)
 from .warmup import _check_density, make_warmup
@@ -316,7 +316,7 @@ class TopK(Compressor):
         nb = ceil_div(n, B)
         cap = nb * kb
         ienc = IndexEncoding.BIN_U8 if B <= 256 else IndexEncoding.BIN_U16
-        ibytes = (1.0 if B <= 256 else 2.0) + 4.0 / kb
+        ibytes = (1.0 if B <= 256 else 2.0) + bin_count_width(B) / kb
         if not self._sparse_is_worth_it(n, cap, enc, ibytes):
             acc, _ = self._acc(name, flat, None, ef)
             return (self._dense_from_acc(name, acc, shape, enc, qseed, qb, ef),

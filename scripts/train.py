@@ -140,8 +140,11 @@ def parse_args(argv=None):
                    help="hvdsparse local-gradient mode (sum | partial | error)")
     g.add_argument("--sync-period", type=int, default=None,
                    help="hvdsparse: parameter averaging period with --local-gradient")
-    g.add_argument("--momentum-correction", action="store_true",
-                   help="hvdsparse: DGC momentum correction + masking (SGD momentum)")
+    g.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="hvdsparse: DGC momentum correction + masking (SGD momentum); "
+                        "default: the library's (on for TopK / Threshold / AdaComp at low "
+                        "density, see hvdsparse.momentum.resolve_momentum_correction)")
     g.add_argument("--clip-grad-norm", type=float, default=None,
                    help="hvdsparse: DGC local gradient clipping threshold")
 
@@ -243,8 +246,8 @@ def build_optimizer(args, model, hvd):
         kwargs["local_gradient"] = args.local_gradient
     if args.sync_period is not None:
         kwargs["sync_period"] = args.sync_period
-    if args.momentum_correction:
-        kwargs["momentum_correction"] = True
+    if args.momentum_correction is not None:
+        kwargs["momentum_correction"] = args.momentum_correction
     if args.clip_grad_norm is not None:
         kwargs["clip_grad_norm"] = args.clip_grad_norm
     # The user's own line: `import hvdsparse` routes hvd.DistributedOptimizer calls whose

@@ -164,7 +164,9 @@ class State:
             on ``process_group``).
         optimizer, momentum_correction, clip_grad_norm: DGC's momentum correction /
             masking and local clipping (:mod:`hvdsparse.momentum`), as for
-            :func:`hvdsparse.DistributedOptimizer`; they need the ``torch.optim.SGD``
+            :func:`hvdsparse.DistributedOptimizer` (``momentum_correction=None``, the
+            default, turns it on by the same rule when ``optimizer=`` is given, and
+            leaves it off without it); they need the ``torch.optim.SGD``
             that steps the model (``optimizer=``): its momentum and weight decay are
             applied in the hook and set to 0 for the duration of its ``step()``
             (optimizer step pre/post hooks; ``param_groups`` and checkpoints keep the
@@ -181,7 +183,7 @@ class State:
     def __init__(self, compression, named_parameters, *, process_group=None,
                  settings: Optional[ExchangeSettings] = None,
                  transport: Optional[Transport] = None, optimizer=None,
-                 momentum_correction: bool = False, clip_grad_norm=None, adam_recipe=None,
+                 momentum_correction=None, clip_grad_norm=None, adam_recipe=None,
                  adam_warmup=None, **kwargs):
         from .compressors import Compressor
         if isinstance(compression, type) and issubclass(compression, Compressor):
@@ -254,9 +256,11 @@ class State:
         except (TypeError, ValueError):
             self._after_takes_param = False
         self.local_update = None
-        if momentum_correction not in (True, False):
-            raise ValueError(f"momentum_correction must be True or False, got "
-                             f"{momentum_correction!r}")
+        from .momentum import resolve_momentum_correction
+        if optimizer is None and momentum_correction is None:
+            momentum_correction = False      # auto needs the optimizer (see the docstring)
+        momentum_correction = resolve_momentum_correction(momentum_correction, optimizer,
+                                                          compression)
         if clip_grad_norm is not None and (not isinstance(clip_grad_norm, (int, float)) or
                                            isinstance(clip_grad_norm, bool) or
                                            not clip_grad_norm > 0):
@@ -273,10 +277,6 @@ class State:
             self._setup_adam(optimizer, adam_warmup, clip_grad_norm)
         elif momentum_correction or clip_grad_norm is not None:
             self._setup_local_update(optimizer, momentum_correction, clip_grad_norm)
-        elif optimizer is not None:
-            raise ValueError("optimizer= is only used with momentum_correction=True, "
-                             "clip_grad_norm=... or the Adam recipe (torch.optim.Adam / "
-                             f"AdamW), got {type(optimizer).__name__}")
         self.fingerprint["momentum_correction"] = bool(momentum_correction)
         self.fingerprint["clip_grad_norm"] = clip_grad_norm
         self.fingerprint["adam_warmup"] = adam_warmup

@@ -10,7 +10,10 @@ rank 0), a fresh optimizer and a fresh compressor each time. Dense is Horovod's 
 
 Method specs: ``NAME[+mc][:key=value,...]`` with NAME one of :data:`COMPRESSORS`
 (each at its defaults; ``key=value`` overrides a constructor argument, e.g.
-``slimdp:core_period=50``) and ``+mc`` = ``momentum_correction=True`` (SGD only).
+``slimdp:core_period=50``) and ``+mc`` = ``momentum_correction=True`` (SGD only). A
+plain NAME passes ``momentum_correction=False`` on SGD workloads, so a row means the
+same before and after the library's default became auto (on for TopK / Threshold /
+AdaComp at low density, 2026-11-22): ``NAME+mc`` is today's default there.
 
 Reported per method (mean +- sd over seeds): final held-out quality (accuracy, or loss
 for the LM), its difference to dense, steps to a target (accuracy: first evaluation
@@ -80,6 +83,8 @@ def parse_method(spec):
     kw, okw = {}, {}
     if flag == "mc":
         okw["momentum_correction"] = True
+    elif name != "dense":
+        okw["momentum_correction"] = False      # (Adam: False is what auto gives)
     if flag == "off":
         okw["adam_recipe"] = False
     for item in filter(None, re.split(r",(?![^()]*\))", tail)):   # commas outside (...)
@@ -388,6 +393,7 @@ def adacomp_breakdown(data):
     section padded to 8 bytes: ``hvdsparse/codec.py``); and the rate the paper would
     count (``sent`` elements x (index bits + 1 sign bit), nothing else)."""
     from hvdsparse.compressors import AdaComp
+    from hvdsparse.payload import bin_count_width
     pad = lambda b: -(-b // 8) * 8                                  # noqa: E731
     out = []
     for r in data["runs"]:
@@ -402,11 +408,12 @@ def adacomp_breakdown(data):
             B = min(AdaComp.bin_size_for(shape), numel)
             nb = -(-numel // B)
             ib = 1 if B <= 256 else 2
-            parts = dict(indices=cap * ib, bin_counts=4 * nb, signs=cap / 8, scale=4,
+            w = bin_count_width(B)                      # codec v2: u8 / u16 / i32 counts
+            parts = dict(indices=cap * ib, bin_counts=w * nb, signs=cap / 8, scale=4,
                          count=4)
             total = sum(parts.values())                 # what stats() counts
             # the codec adds a 72-byte segment record and pads each section to 8 bytes
-            framing = 72 + (pad(cap * ib) - cap * ib) + (pad(4 * nb) - 4 * nb) \
+            framing = 72 + (pad(cap * ib) - cap * ib) + (pad(w * nb) - w * nb) \
                 + (pad(-(-cap // 8)) - cap / 8) + 4
             sent = L["total_sent"] / max(L["steps"], 1)
             idx_bits = max(1, math.ceil(math.log2(B)))

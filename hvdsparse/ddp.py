@@ -277,6 +277,12 @@ class State:
             self._setup_adam(optimizer, adam_warmup, clip_grad_norm)
         elif momentum_correction or clip_grad_norm is not None:
             self._setup_local_update(optimizer, momentum_correction, clip_grad_norm)
+        elif optimizer is not None and not isinstance(optimizer, torch.optim.SGD):
+            # an SGD optimizer is read by the momentum-correction default even when that
+            # leaves it off; anything else here is an optimizer= that does nothing
+            raise ValueError("optimizer= is only used with momentum_correction (SGD), "
+                             "clip_grad_norm=... or the Adam recipe (torch.optim.Adam / "
+                             f"AdamW), got {type(optimizer).__name__} with none of them on")
         self.fingerprint["momentum_correction"] = bool(momentum_correction)
         self.fingerprint["clip_grad_norm"] = clip_grad_norm
         self.fingerprint["adam_warmup"] = adam_warmup

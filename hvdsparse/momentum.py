@@ -51,7 +51,7 @@ __all__ = ["LocalUpdate", "clean_local_gradient", "resolve_momentum_correction"]
 def resolve_momentum_correction(momentum_correction, optimizer, compression,
                                 local_gradient=None) -> bool:
     """The ``momentum_correction`` argument of a front door, resolved. ``True`` /
-    ``False``: as given. ``None`` (the default): **on** when
+    ``False`` (the default): as given. ``None`` (auto): **on** when
 
     * ``optimizer`` is a ``torch.optim.SGD`` with momentum ``m > 0`` (largest over its
       param groups) and no local-gradient mode is set;
@@ -70,7 +70,13 @@ def resolve_momentum_correction(momentum_correction, optimizer, compression,
     workload, P) cases (+0.2 to +1.2 pp) and steps to target fell (AdaComp 1.94x ->
     1.28x of dense at P = 4); the exception was AdaComp on the CNN at P = 4 (-1.5 pp).
     Other compressors were not measured with it (QSGD sends every coordinate; Slim-DP,
-    RandomK), so auto leaves them alone."""
+    RandomK), so auto leaves them alone.
+
+    Why it is not the default: on the CPU path the local update (clean, clip, weight
+    decay, velocity, masking, as separate torch ops over every layer) costs ~65 ms per
+    step on a 4.35 M-parameter MLP (36 -> 104 ms at P = 1), which on the per-node
+    benchmark (BENCHMARKS.md 5b) outweighed the steps it saved for TopK and Threshold;
+    it paid off for AdaComp (55 instead of ~90 steps to target)."""
     if momentum_correction not in (None, True, False):
         raise ValueError(f"momentum_correction must be None (auto), True or False, got "
                          f"{momentum_correction!r}")

@@ -233,7 +233,9 @@ def build_method(method, net, comm, cfg):
         dopt = hvdsparse.DistributedOptimizer(opt, named_parameters=net.named_parameters(),
                                               compression=hvdsparse.TopK(0.01),
                                               exchange="auto")
-        return net, dopt, dopt, "horovodrun --gloo, TopK(0.01), exchange=auto"
+        mc = " + momentum correction (default)" if dopt._local_update is not None \
+            else ""
+        return net, dopt, dopt, f"horovodrun --gloo, TopK(0.01){mc}, exchange=auto"
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
     ddp_kw, settings = {}, "default buckets (25 MB)"
@@ -256,9 +258,14 @@ def build_method(method, net, comm, cfg):
         label, comp = {"hvdsparse-topk": ("TopK(0.01)", hvdsparse.TopK(0.01)),
                        "hvdsparse-threshold": ("Threshold(0.99)", hvdsparse.Threshold(0.99)),
                        "hvdsparse-adacomp": ("AdaComp()", hvdsparse.AdaComp())}[method]
-        src = hvdsparse.ddp.State(comp, model.named_parameters(), exchange="auto")
+        # optimizer=: the hook then applies the library's defaults for this optimizer
+        # (DGC momentum correction for SGD momentum with TopK 1% / Threshold 99% /
+        # AdaComp), as the Horovod path does from the optimizer it wraps
+        src = hvdsparse.ddp.State(comp, model.named_parameters(), exchange="auto",
+                                  optimizer=opt)
         model.register_comm_hook(src, hvdsparse.ddp.hook)
-        settings = f"{label}, exchange=auto, default buckets"
+        mc = " + momentum correction (default)" if src.local_update is not None else ""
+        settings = f"{label}{mc}, exchange=auto, default buckets"
     return model, opt, src, settings
 
 

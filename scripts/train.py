@@ -143,8 +143,7 @@ def parse_args(argv=None):
     g.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction,
                    default=None,
                    help="hvdsparse: DGC momentum correction + masking (SGD momentum); "
-                        "default: the library's (on for TopK / Threshold / AdaComp at low "
-                        "density, see hvdsparse.momentum.resolve_momentum_correction)")
+                        "default: the library's (off)")
     g.add_argument("--clip-grad-norm", type=float, default=None,
                    help="hvdsparse: DGC local gradient clipping threshold")
 

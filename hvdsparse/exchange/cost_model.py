@@ -184,7 +184,10 @@ def choose(f: BucketFigures, allowed: Tuple[str, ...] = STRATEGIES,
     for s in EXACT_STRATEGIES:
         if s in allowed and (best is None or eff[s] < eff[best]):
             best = s
-    if "balanced" in allowed and (best is None or c["balanced"] < LOSSY_MARGIN * c[best]):
+    # balanced is measured against the cheapest exact strategy by bytes alone (split
+    # included even where SPLIT_MARGIN passes it over): it must save clearly on both
+    exact = [c[s] for s in EXACT_STRATEGIES if s in allowed]
+    if "balanced" in allowed and (not exact or c["balanced"] < LOSSY_MARGIN * min(exact)):
         best = "balanced"
     if best is None:
         raise ValueError(f"cost model: no allowed strategy among {allowed!r}; "

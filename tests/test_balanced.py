@@ -314,3 +314,26 @@ def test_undelivered_shares_sum_to_the_dropped_part(seed, P, values):
     assert torch.equal(backsum, dropped)            # same additions, same order
     share = float(dropped.double().square().sum() / T.double().square().sum())
     assert abs(share - f["p2_dropped_energy"]) < 1e-4 + 1e-3 * share
+
+
+def test_owner_counts_cpu_path_equals_running_count():
+    """split.owner_counts on the CPU path (numpy count per region stretch) against the
+    device formula written out in torch: running non-zero count at each region's last
+    index, 0 for empty regions, differenced. Regions from random bounds, empty ones
+    included."""
+    from hvdsparse.exchange import split
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, (1,))))
+    for _ in range(20):
+        N = int(torch.randint(1, 5000, (1,), generator=g))
+        P = int(torch.randint(1, 9, (1,), generator=g))
+        flat = torch.randn(N, generator=g) * (torch.rand(N, generator=g) < 0.3)
+        cuts = sorted(torch.randint(0, N + 1, (P - 1,), generator=g).tolist())
+        bounds = [0] + cuts + [N]
+        ends = torch.tensor([max(b - 1, 0) for b in bounds[1:]], dtype=torch.int64)
+        nonempty = torch.tensor([int(b > 0) for b in bounds[1:]], dtype=torch.int64)
+        cs = torch.cumsum(flat != 0, 0)
+        upto = cs[ends] * nonempty
+        want = torch.diff(upto, prepend=torch.zeros(1, dtype=torch.int64))
+        got = split._owner_counts_cpu(flat, ends, nonempty)
+        assert torch.equal(got, want), (bounds, got, want)
+        assert int(got.sum()) == int((flat != 0).sum())

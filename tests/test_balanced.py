@@ -337,3 +337,24 @@ def test_owner_counts_cpu_path_equals_running_count():
         got = split._owner_counts_cpu(flat, ends, nonempty)
         assert torch.equal(got, want), (bounds, got, want)
         assert int(got.sum()) == int((flat != 0).sum())
+
+
+@pytest.mark.parametrize("vdtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 7])
+def test_parse_pair_rows_any_count(vdtype, m):
+    """Phase 1's received rows back to (index, value), one row included: with fp16 /
+    bf16 pairs a single row's stride (6 bytes) once made the int32 view fail (found by
+    the randomised allgather worker). Rows are built byte by byte with struct."""
+    import struct
+    from hvdsparse.exchange import split
+    g = torch.Generator().manual_seed(m * 31 + {torch.float32: 0, torch.float16: 1,
+                                                torch.bfloat16: 2}[vdtype])
+    idx = torch.randint(0, 2 ** 31 - 1, (m,), generator=g)
+    vals = torch.randn(m, generator=g).to(vdtype)
+    vb = torch.finfo(vdtype).bits // 8
+    raw = b"".join(struct.pack("<i", int(i)) + bytes(v.view(torch.uint8).tolist())
+                   for i, v in zip(idx, vals.reshape(m, 1)))
+    rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(m, 4 + vb)
+    got_i, got_v = split.parse_pair_rows(rows, vdtype)
+    assert torch.equal(got_i, idx.to(torch.int64))
+    assert torch.equal(got_v, vals.float())

@@ -202,6 +202,16 @@ def send_pairs_to_owners(pend: Pending, tag: str) -> None:
     pend._phase = 1
 
 
+def parse_pair_rows(rows: torch.Tensor, vdtype: torch.dtype):
+    """Phase 1's received rows (uint8 [m, 4 + v]: int32 index, value in ``vdtype``) ->
+    (int64 indices [m], fp32 values [m]). reshape(-1) before each view: with a single
+    row, ``.contiguous()`` keeps the row stride (4 + v bytes, 6 for fp16 pairs) and a
+    wider-dtype view of it is refused."""
+    idx = rows[:, :4].reshape(-1).view(torch.int32).to(torch.int64)
+    vals = rows[:, 4:].reshape(-1).view(vdtype).float()
+    return idx, vals
+
+
 def reduce_at_owner(pend: Pending, rows_in: torch.Tensor, recv_splits, lo: int, hi: int,
                     tag: str, region: str, disagree: str):
     """Phase 1's receiving side (``split``, ``balanced``): the owner of ``[lo, hi)`` sums
@@ -222,7 +232,8 @@ def reduce_at_owner(pend: Pending, rows_in: torch.Tensor, recv_splits, lo: int, 
     red = ctx.buffer(f"{tag}.reduced", b, n_r + 1, torch.float32, pend._device).zero_()
     if not m:
         return red, None, m
-    idx = rows_in[:, :4].contiguous().view(torch.int32).reshape(-1).to(torch.int64) - lo
+    idx, vals = parse_pair_rows(rows_in, pend._vdtype)
+    idx = idx - lo
     bad = (idx < 0) | (idx >= n_r)
     if ctx.validate:
         # host check (validated = CPU path, where reading values costs nothing)
@@ -233,7 +244,6 @@ def reduce_at_owner(pend: Pending, rows_in: torch.Tensor, recv_splits, lo: int, 
     else:
         idx = torch.where(bad, torch.full_like(idx, n_r), idx)
         _flag_index_error(ctx, bad)
-    vals = rows_in[:, 4:].contiguous().view(pend._vdtype).reshape(-1).float()
     a = 0
     for c in recv:
         if c:

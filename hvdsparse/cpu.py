@@ -213,11 +213,9 @@ def residual_add(grad: torch.Tensor, residual: torch.Tensor, *,
     """:func:`residual_add_binmax` without the bin maxima, for callers that ignore them
     (TopK, Threshold, RandomK, QSGD): the same residual bits and non-finite count, one
     pass fewer over the layer (no ``|residual|`` and max per chunk)."""
-    n = residual.numel()
-    _check_residual_args(grad, residual, min(max(n, 1), _CHUNK), None, grad_scale,
-                         nonfinite)
-    _residual_add(grad, residual, min(max(n, 1), _CHUNK), None, grad_scale, nonfinite,
-                  want_binmax=False)
+    L = min(max(residual.numel(), 1), _CHUNK)       # one "bin" per chunk: never read
+    _check_residual_args(grad, residual, L, None, grad_scale, nonfinite)
+    _residual_add(grad, residual, L, None, grad_scale, nonfinite, want_binmax=False)
 
 
 def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: int,

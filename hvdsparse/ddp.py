@@ -257,8 +257,7 @@ class State:
             self._after_takes_param = False
         self.local_update = None
         from .momentum import resolve_momentum_correction
-        if optimizer is None and momentum_correction is None:
-            momentum_correction = False      # auto needs the optimizer (see the docstring)
+        # None (the rule) without optimizer= resolves to off: the rule needs an SGD
         momentum_correction = resolve_momentum_correction(momentum_correction, optimizer,
                                                           compression)
         if clip_grad_norm is not None and (not isinstance(clip_grad_norm, (int, float)) or

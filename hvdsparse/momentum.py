@@ -99,7 +99,6 @@ def resolve_momentum_correction(momentum_correction, optimizer, compression,
     return density <= (1.0 - m) / 2.0
 
 
-
 def clean_local_gradient(grad: torch.Tensor, grad_scale: Optional[torch.Tensor],
                          clip: Optional[float]):
     """The first part of every local update, on the device: ``g = grad * grad_scale``

@@ -11,9 +11,8 @@ rank 0), a fresh optimizer and a fresh compressor each time. Dense is Horovod's 
 Method specs: ``NAME[+mc][:key=value,...]`` with NAME one of :data:`COMPRESSORS`
 (each at its defaults; ``key=value`` overrides a constructor argument, e.g.
 ``slimdp:core_period=50``) and ``+mc`` = ``momentum_correction=True`` (SGD only). A
-plain NAME passes ``momentum_correction=False`` on SGD workloads, so a row means the
-same before and after the library's default became auto (on for TopK / Threshold /
-AdaComp at low density, 2026-11-22): ``NAME+mc`` is today's default there.
+plain NAME passes ``momentum_correction=False`` explicitly, so a row's meaning does not
+depend on the library's default.
 
 Reported per method (mean +- sd over seeds): final held-out quality (accuracy, or loss
 for the LM), its difference to dense, steps to a target (accuracy: first evaluation

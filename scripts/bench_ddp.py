@@ -233,8 +233,7 @@ def build_method(method, net, comm, cfg):
         dopt = hvdsparse.DistributedOptimizer(opt, named_parameters=net.named_parameters(),
                                               compression=hvdsparse.TopK(0.01),
                                               exchange="auto")
-        mc = " + momentum correction (default)" if dopt._local_update is not None \
-            else ""
+        mc = " + momentum correction" if dopt._local_update is not None else ""
         return net, dopt, dopt, f"horovodrun --gloo, TopK(0.01){mc}, exchange=auto"
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -258,13 +257,12 @@ def build_method(method, net, comm, cfg):
         label, comp = {"hvdsparse-topk": ("TopK(0.01)", hvdsparse.TopK(0.01)),
                        "hvdsparse-threshold": ("Threshold(0.99)", hvdsparse.Threshold(0.99)),
                        "hvdsparse-adacomp": ("AdaComp()", hvdsparse.AdaComp())}[method]
-        # optimizer=: the hook then applies the library's defaults for this optimizer
-        # (DGC momentum correction for SGD momentum with TopK 1% / Threshold 99% /
-        # AdaComp), as the Horovod path does from the optimizer it wraps
+        # optimizer=: the hook resolves the optimizer-dependent defaults (momentum
+        # correction, the Adam recipe) as the Horovod path does from the optimizer it wraps
         src = hvdsparse.ddp.State(comp, model.named_parameters(), exchange="auto",
                                   optimizer=opt)
         model.register_comm_hook(src, hvdsparse.ddp.hook)
-        mc = " + momentum correction (default)" if src.local_update is not None else ""
+        mc = " + momentum correction" if src.local_update is not None else ""
         settings = f"{label}{mc}, exchange=auto, default buckets"
     return model, opt, src, settings
 

@@ -31,8 +31,9 @@ Deviations (documented):
   (the paper's ``>=`` against ``gmax = 0`` would send every element as ``+-s``).
 * **Effective compression rate** (the paper's figure of merit) is reported per layer by
   :meth:`Compressor.stats` as ``effective_rate = 32 n / (8 * effective_bytes)`` with
-  ``effective_bytes = sent * (index bytes + 1/8) + 4 (scale) + w * nbins (bin counts:
-  w = 1 byte for L <= 255, else 4) + 4 (count)``; ``compression_rate`` uses the fixed capacity (what travels).
+  ``effective_bytes = sent * (index bytes + 1/8) + 4 (scale) + w * nbins (bin counts,
+  ``w = payload.bin_count_width(L)``: 1 byte for L <= 255, else 2) + 4 (count)``;
+  ``compression_rate`` uses the fixed capacity (what travels).
   ``stats()[name]["threshold"]`` is the layer scale ``s``; ``selected`` counts every
   element that passed the compare (before the per-bin cap), ``sent`` what travelled.
 """

@@ -599,8 +599,8 @@ def matrix_case(cname, exchange):
     comp = make()
     cap = Capture(model, comp)
     # the replay applies plain SGD momentum to the exchanged sum, so DGC momentum
-    # correction (the default for TopK / Threshold / AdaComp with SGD momentum) is off
-    # here; its own replay runs in momentum_worker.py and the "skip + DGC" scenario
+    # correction is off here explicitly (whatever the library's default); its own
+    # replay runs in momentum_worker.py and the "skip + DGC" scenario
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
                                    named_parameters=model.named_parameters(),
                                    compression=comp, exchange=exchange,

@@ -306,8 +306,8 @@ class AdamRecipe:
                       values=flat)
         return LayerPayload(name, x.shape, [seg])
 
-    def mask(self, name: str, sent_dense: torch.Tensor):
-        pass
+    def mask(self, name: str, payload, undelivered=None):
+        pass                         # no DGC velocity (``self.u`` stays empty)
 
     # ----------------------------------------------------------------- the step
     def neutralised(self):

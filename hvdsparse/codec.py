@@ -172,7 +172,7 @@ assert sys.byteorder == "little", "hvdsparse wire format assumes a little-endian
 __all__ = ["CodecError", "DecodedSegment", "MAGIC", "VERSION", "HEADER_SIZE", "RECORD_SIZE",
            "ERROR_CODES", "ERR_INDEX", "ERR_COUNT", "ERR_BIN_COUNTS", "ERR_BITMASK",
            "ERR_HEADER", "describe_error", "encoded_nbytes", "encode", "decode",
-           "accumulate", "payload_to_dense", "layout_signature"]
+           "accumulate", "payload_to_dense", "sent_positions", "layout_signature"]
 
 MAGIC = b"HVSP"
 VERSION = 2
@@ -1013,18 +1013,11 @@ def _check_out(out, numel: int, what: str, device=None) -> torch.Tensor:
     return out.view(-1)
 
 
-def payload_to_dense(payload: LayerPayload, out: Optional[torch.Tensor] = None
-                     ) -> torch.Tensor:
-    """Dense fp32 tensor of ``payload.shape`` holding the sum of the payload's segments
-    (one rank's own message, decoded without serialising). ``out`` is overwritten."""
+def _own_segments(payload: LayerPayload, dev):
+    """Each segment of one rank's own payload, parsed for decoding without serialising:
+    ``(idx, count, venc, cap, qb, vals, scales)`` with ``idx`` int32 [1, cap] (every
+    slot's absolute index, ``_slot_indices``) and ``count`` int32 [1, 1]."""
     numel = payload.numel
-    dev = payload.segments[0].count.device if payload.segments else (
-        out.device if out is not None else torch.device("cpu"))
-    if out is None:
-        out = torch.zeros(tuple(payload.shape), dtype=torch.float32, device=dev)
-    else:
-        out.zero_()
-    flat = _check_out(out, numel, f"payload_to_dense out for {payload.name!r}")
     for s, seg in enumerate(payload.segments):
         where = f"{payload.name!r} segment {s}"
         n, cap, ienc, venc, bs, qb = _seg_params(seg)
@@ -1046,8 +1039,38 @@ def payload_to_dense(payload: LayerPayload, out: Optional[torch.Tensor] = None
         vals = seg.values.reshape(1, -1)
         scales = seg.scales.reshape(1, -1) if seg.scales is not None and \
             venc not in FLOAT_DTYPES else None
+        yield ienc, idx, count, venc, cap, qb, vals, scales
+
+
+def _own_device(payload: LayerPayload, out=None) -> torch.device:
+    return payload.segments[0].count.device if payload.segments else (
+        out.device if out is not None else torch.device("cpu"))
+
+
+def payload_to_dense(payload: LayerPayload, out: Optional[torch.Tensor] = None
+                     ) -> torch.Tensor:
+    """Dense fp32 tensor of ``payload.shape`` holding the sum of the payload's segments
+    (one rank's own message, decoded without serialising). ``out`` is overwritten."""
+    dev = _own_device(payload, out)
+    if out is None:
+        out = torch.zeros(tuple(payload.shape), dtype=torch.float32, device=dev)
+    else:
+        out.zero_()
+    flat = _check_out(out, payload.numel, f"payload_to_dense out for {payload.name!r}")
+    for _, idx, count, venc, cap, qb, vals, scales in _own_segments(payload, dev):
         _scatter(flat, venc, cap, qb, idx, count, vals, scales, None)
     return out
+
+
+def sent_positions(payload: LayerPayload):
+    """Which elements one rank's own payload sends, per segment, without decoding
+    values: a list of ``(positions, count)`` where ``positions`` is int32 [capacity]
+    (the absolute element index of every slot; ``arange`` for a DENSE segment) and
+    ``count`` int32 [1]: the slots ``j < count`` are sent. On the device, no host sync
+    (DGC's momentum masking uses it)."""
+    dev = _own_device(payload)
+    return [(idx.reshape(-1), count.reshape(1))
+            for _, idx, count, *_ in _own_segments(payload, dev)]
 
 
 def _rows(buffers, nbytes: int) -> torch.Tensor:

@@ -164,9 +164,9 @@ class State:
             on ``process_group``).
         optimizer, momentum_correction, clip_grad_norm: DGC's momentum correction /
             masking and local clipping (:mod:`hvdsparse.momentum`), as for
-            :func:`hvdsparse.DistributedOptimizer` (``momentum_correction=None`` turns
-            it on by the same rule when ``optimizer=`` is given, and leaves it off
-            without it; default ``False``); they need the ``torch.optim.SGD``
+            :func:`hvdsparse.DistributedOptimizer` (``momentum_correction=None``, the
+            default, turns it on by the same rule when ``optimizer=`` is given, and
+            leaves it off without it); they need the ``torch.optim.SGD``
             that steps the model (``optimizer=``): its momentum and weight decay are
             applied in the hook and set to 0 for the duration of its ``step()``
             (optimizer step pre/post hooks; ``param_groups`` and checkpoints keep the
@@ -183,7 +183,7 @@ class State:
     def __init__(self, compression, named_parameters, *, process_group=None,
                  settings: Optional[ExchangeSettings] = None,
                  transport: Optional[Transport] = None, optimizer=None,
-                 momentum_correction=False, clip_grad_norm=None, adam_recipe=None,
+                 momentum_correction=None, clip_grad_norm=None, adam_recipe=None,
                  adam_warmup=None, **kwargs):
         from .compressors import Compressor
         if isinstance(compression, type) and issubclass(compression, Compressor):
@@ -638,7 +638,7 @@ class State:
                 if back is not None:
                     self.compressor.take_back(name, back)
                 if lu is not None and name in lu.u:
-                    lu.mask(name, codec.payload_to_dense(pl), back)   # momentum masking
+                    lu.mask(name, pl, back)   # momentum masking
 
     def _nonfinite(self, items):
         """One small allgather of every rank's per-layer non-finite counts (same table

@@ -43,6 +43,7 @@ from typing import Dict, Optional
 
 import torch
 
+from . import codec, ops
 from .param_groups import GroupLookup
 
 __all__ = ["LocalUpdate", "clean_local_gradient", "resolve_momentum_correction"]
@@ -72,11 +73,12 @@ def resolve_momentum_correction(momentum_correction, optimizer, compression,
     Other compressors were not measured with it (QSGD sends every coordinate; Slim-DP,
     RandomK), so auto leaves them alone.
 
-    Why it is not the default: on the CPU path the local update (clean, clip, weight
-    decay, velocity, masking, as separate torch ops over every layer) costs ~65 ms per
-    step on a 4.35 M-parameter MLP (36 -> 104 ms at P = 1), which on the per-node
-    benchmark (BENCHMARKS.md 5b) outweighed the steps it saved for TopK and Threshold;
-    it paid off for AdaComp (55 instead of ~90 steps to target)."""
+    The default of both front doors (``None``). Its cost is small since the local
+    update works in place (the velocity updated with ``mul_`` / ``add_``, the finite
+    check one reduction on the CPU, masking O(capacity) with ``codec.sent_positions``):
+    TopK 1% on a 4.35 M-parameter MLP at P = 1, 35.6 ms per step without it and 38.5 ms
+    with it, against 73.1 ms when every step allocated full-size temporaries and
+    decoded its own payload to mask (BENCHMARKS.md 7, side by side)."""
     if momentum_correction not in (None, True, False):
         raise ValueError(f"momentum_correction must be None (auto), True or False, got "
                          f"{momentum_correction!r}")
@@ -105,17 +107,45 @@ def clean_local_gradient(grad: torch.Tensor, grad_scale: Optional[torch.Tensor],
     (AMP's inverse scale) in fp32, non-finite elements counted (int32[1]) and zeroed
     (they would poison a velocity or momentum forever), then DGC's local clipping of
     the layer to norm ``clip`` (already ``c / sqrt(P)``) when ``clip`` is set.
-    Returns ``(g, nonfinite)``."""
+    Returns ``(g, nonfinite)``; ``g`` may be ``grad`` itself (fp32, no scale, all
+    finite, no clipping): callers must not write to it.
+
+    CPU: one reduction decides: a finite sum of the elements means every element is
+    finite (a NaN or an infinity makes any sum non-finite), so the usual case reads the
+    layer once and allocates nothing; the element-wise check runs only when the sum is
+    not finite (which includes finite elements whose sum overflows). Reading the sum is
+    not a host synchronisation on the CPU. The device path (``ops.use_triton``): the
+    element-wise check, no host sync."""
     g = grad.detach().float()
     if grad_scale is not None:
         g = g * grad_scale
-    fin = torch.isfinite(g)
-    nonfinite = (~fin).sum(dtype=torch.int32).reshape(1)
-    g = torch.where(fin, g, torch.zeros((), dtype=g.dtype, device=g.device))
+    if not ops.use_triton(g) and bool(torch.isfinite(g.sum())):   # the CPU path
+        nonfinite = torch.zeros(1, dtype=torch.int32)
+    else:
+        fin = torch.isfinite(g)
+        nonfinite = (~fin).sum(dtype=torch.int32).reshape(1)
+        g = torch.where(fin, g, torch.zeros((), dtype=g.dtype, device=g.device))
     if clip is not None:
         norm = torch.linalg.vector_norm(g)
         g = g * torch.clamp(clip / (norm + 1e-6), max=1.0)
     return g, nonfinite
+
+
+def _zero_slots(flat: torch.Tensor, positions: torch.Tensor, count: torch.Tensor):
+    """``flat[positions[j]] = 0`` for ``j < count`` on the device (no host sync):
+    slots at or past ``count`` are pointed at slot 0's position and write what is there
+    (0 when ``count > 0``: slot 0 is then a sent one; its old value otherwise)."""
+    C = positions.numel()
+    if C == 0:
+        return
+    pos = positions.reshape(-1).long()
+    cnt = count.reshape(()).long()
+    first = pos[:1].clamp(0, flat.numel() - 1)
+    valid = torch.arange(C, device=flat.device) < cnt
+    target = torch.where(valid, pos, first)
+    fill = torch.where(cnt > 0, torch.zeros((), dtype=flat.dtype, device=flat.device),
+                       flat[first])
+    flat.index_put_((target,), fill.expand(C))
 
 
 class _Group:
@@ -184,30 +214,41 @@ class LocalUpdate:
         self._touch(self.u, name)
         u = self.u.get(name)
         if u is None:
-            u = torch.zeros_like(g)
+            u = self.u[name] = torch.zeros_like(g)
+        # in place (the velocity is the only full-size state; no temporaries): the
+        # same roundings as u * m + (1 - d) * g, one multiply and one add per element
+        u.mul_(h.momentum)
         if h.nesterov:
-            u = u * h.momentum + g
+            u.add_(g)
             x = g + h.momentum * u
         else:
-            u = u * h.momentum + (1.0 - h.dampening) * g
-            x = u
-        self.u[name] = u
+            u.add_(g if h.dampening == 0.0 else (1.0 - h.dampening) * g)
+            x = u      # read by the compressor before the next write to u (mask)
         return x, nonfinite
 
-    def mask(self, name: str, sent_dense: torch.Tensor,
-             undelivered: Optional[torch.Tensor] = None):
-        """Momentum-factor masking: ``u[sent] = 0`` (``sent_dense``: this rank's decoded
-        payload of the layer; non-zero where an element was sent). ``undelivered`` (the
-        exchange's not-delivered own share, see ``Pending.undelivered``): an element the
-        exchange dropped went back into the residual, so its velocity is kept too. Called
-        after the exchange."""
+    def mask(self, name: str, payload, undelivered: Optional[torch.Tensor] = None):
+        """Momentum-factor masking: ``u[sent] = 0`` for every element this rank's
+        ``payload`` of the layer carries (each segment's slots below its count).
+        ``undelivered`` (the exchange's not-delivered own
+        share, see ``Pending.undelivered``): an element the exchange dropped went back
+        into the residual, so its velocity is kept too. Called after the exchange.
+
+        Cost: O(capacity) per segment (``codec.sent_positions``: no dense decode, no
+        full-size temporary, no host sync) except with ``undelivered``, where the
+        payload is decoded to find the delivered elements."""
         u = self.u.get(name)
-        if u is not None:
-            hit = sent_dense.view(u.shape) != 0
-            if undelivered is not None:
-                hit = hit & (undelivered.view(u.shape) == 0)
+        if u is None:
+            return
+        self._touch(self.u, name)
+        if undelivered is not None:
+            sent = codec.payload_to_dense(payload)
+            hit = (sent.view(u.shape) != 0) & (undelivered.view(u.shape) == 0)
             self.u[name] = torch.where(hit, torch.zeros((), dtype=u.dtype, device=u.device),
                                        u)
+            return
+        flat = u.view(-1)
+        for positions, count in codec.sent_positions(payload):
+            _zero_slots(flat, positions, count)
 
     #: the scheduler's local-update interface, used by the Adam recipe (hvdsparse.adam)
     zero_fills_absent = False

@@ -301,7 +301,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          fusion_threshold=None, exchange="auto", local_gradient=None,
                          sync_period=500, dense_dtype="fp32", split_dense_bits=0,
                          quant_bucket=512, validate=None, alpha_bytes=0.0,
-                         nonfinite="raise", grad_scaler=None, momentum_correction=False,
+                         nonfinite="raise", grad_scaler=None, momentum_correction=None,
                          clip_grad_norm=None, adam_recipe=None, adam_warmup=None, num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=None):
     """Wrap ``optimizer`` so that gradients are compressed and exchanged sparsely.
@@ -339,10 +339,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         momentum_correction: DGC's momentum correction and momentum-factor masking for
             ``torch.optim.SGD`` with momentum (:mod:`hvdsparse.momentum`): the velocity is
             accumulated locally and compressed; the wrapped optimizer's momentum and
-            weight decay are applied there instead. Default ``False``; ``None``: on for
-            SGD with momentum around TopK / Threshold / AdaComp at low density
-            (:func:`hvdsparse.momentum.resolve_momentum_correction`; why it is not the
-            default: its CPU cost, BENCHMARKS.md 5b).
+            weight decay are applied there instead. ``None`` (default): on for SGD with
+            momentum around TopK / Threshold / AdaComp at low density, off otherwise
+            (:func:`hvdsparse.momentum.resolve_momentum_correction`, measured in
+            BENCHMARKS.md 4b and 7); ``True`` / ``False``: as given.
         clip_grad_norm: DGC's local gradient clipping: each layer's local gradient is
             clipped to norm ``clip_grad_norm / sqrt(size)`` before it is accumulated.
         adam_recipe: the Adam / AdamW recipe (:mod:`hvdsparse.adam`, 1-bit Adam's

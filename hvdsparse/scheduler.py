@@ -683,7 +683,7 @@ class LayerScheduler:
                 if back is not None:
                     self.compressor.take_back(name, back)
                 if lu is not None and name in lu.u:
-                    lu.mask(name, codec.payload_to_dense(self._payloads[name]), back)
+                    lu.mask(name, self._payloads[name], back)
 
     def step_applied(self):
         """The optimizer applied the exchanged gradients: commit the compressor's step."""

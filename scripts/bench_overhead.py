@@ -53,8 +53,13 @@ METHODS = {
     "qsgd4": ("QSGD 4-bit", "QSGD(4)"),
     "slimdp": ("Slim-DP (alpha 0.2, beta 0.1)", "SlimDP(alpha=0.2, beta=0.1)"),
     "randomk1": ("RandomK 1%", "RandomK(0.01)"),
+    # DGC momentum correction + masking (hvdsparse.momentum) on top of the compressor
+    "topk1+mc": ("TopK 1% + momentum correction", "TopK(0.01)"),
+    "threshold99+mc": ("Threshold 99% + momentum correction", "Threshold(0.99)"),
+    "adacomp+mc": ("AdaComp + momentum correction", "AdaComp()"),
 }
-TARGETS = {"topk1": 0.20, "threshold99": 0.20, "adacomp": 0.50, "qsgd4": 0.50}
+TARGETS = {"topk1": 0.20, "threshold99": 0.20, "adacomp": 0.50, "qsgd4": 0.50,
+           "topk1+mc": 0.20, "threshold99+mc": 0.20, "adacomp+mc": 0.50}
 
 
 # ----------------------------------------------------------------------------- worker
@@ -113,7 +118,7 @@ def _worker(args):
             comp = eval(src, {k: getattr(C, k) for k in C.__all__})
             opt = hvdsparse.DistributedOptimizer(
                 base, named_parameters=model.named_parameters(), compression=comp,
-                exchange="allgather")
+                exchange="allgather", momentum_correction=label.endswith("+mc"))
             assert opt.scheduler.active, "compress_at_size_one not honoured"
         lossf = torch.nn.CrossEntropyLoss()
         rows = []

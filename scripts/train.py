@@ -143,7 +143,7 @@ def parse_args(argv=None):
     g.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction,
                    default=None,
                    help="hvdsparse: DGC momentum correction + masking (SGD momentum); "
-                        "default: the library's (off)")
+                        "default: the library's rule (on for SGD momentum with a sparsifier)")
     g.add_argument("--clip-grad-norm", type=float, default=None,
                    help="hvdsparse: DGC local gradient clipping threshold")
 

@@ -713,3 +713,33 @@ def test_uncached_temporaries_decode_alike(monkeypatch):
     assert all(torch.equal(v, first) for v in sums.values())
     assert_close(first, np.concatenate(dense_reference(layout, [t for _, t in ranks])),
                  "uncached")
+
+
+@pytest.mark.parametrize("ie", ALL_IE, ids=lambda e: e.name)
+def test_sent_positions_and_momentum_masking(ie):
+    """``codec.sent_positions`` (used by DGC's momentum masking) names exactly the
+    elements of the generator's truth, for every index encoding and count (0, full,
+    random); ``momentum._zero_slots`` zeroes exactly those and nothing else."""
+    from hvdsparse.momentum import _zero_slots
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    for ve in ALL_VE:
+        for numel in (1, 37, 200):
+            spec = seg_spec(rng, numel, ie, ve)
+            maxc = spec["cap"] if ie in (IE.DENSE, IE.IMPLICIT) else min(spec["cap"], numel)
+            for count in sorted({0, maxc, int(rng.integers(0, maxc + 1))}):
+                seg, (idx, _) = fill_segment(rng, numel, spec, count=count)
+                p = LayerPayload("x", torch.Size([numel]), [seg])
+                (positions, cnt), = codec.sent_positions(p)
+                u = torch.randn(numel) + 10.0          # no zeros before masking
+                before = u.clone()
+                assert positions.dtype == torch.int32 and cnt.dtype == torch.int32
+                assert int(cnt[0]) == count
+                got = positions[:count].tolist()
+                assert sorted(got) == sorted(int(i) for i in idx), \
+                    f"{ie.name}/{ve.name} count {count}"
+                want = set(got)
+                _zero_slots(u, positions, cnt)
+                for i in range(numel):
+                    expect = 0.0 if i in want else float(before[i])
+                    assert float(u[i]) == expect, f"{ie.name}/{ve.name} element {i}"

@@ -74,10 +74,27 @@ per rank: save one per rank), the step counter and the cost model's history;
 :meth:`State.load_state_dict` restores them, so a resumed run continues bitwise
 identically.
 
-Non-finite gradients: ``nonfinite="raise"`` only (every rank raises
-``FloatingPointError`` naming layers and ranks; on CUDA one step late, read without a
-stall). ``"skip"`` / ``"propagate"`` need control over the optimizer step, which a comm
-hook does not have; they are refused. Not supported here either (refused with an error):
+Non-finite gradients (NaN/Inf, counted per layer while compressing; nothing of them
+enters a residual; one small allgather per step gives every rank the same table):
+``nonfinite="raise"`` (default): every rank raises ``FloatingPointError`` naming layers
+and ranks (on CUDA one step late, read without a stall). ``"propagate"``: element 0 of
+every layer that held one on any rank becomes NaN in the averaged gradient on every
+rank, as DDP's dense allreduce of a NaN would, and training goes on (the optimizer
+decides). ``"skip"`` is refused: a comm hook cannot cancel the optimizer step; use
+``grad_scaler=``, which makes ``scaler.step`` skip it.
+
+Mixed precision (``grad_scaler=`` the ``torch.amp.GradScaler`` of the training loop;
+PyTorch's usual ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``
+is unchanged): the hook divides the loss scale out before a gradient meets its residual
+(residuals and DGC velocities stay in unscaled units whatever the scale does; the scale
+is a power of two, so this is exact) and multiplies it back into the averaged bucket,
+so ``scaler.unscale_`` sees what it expects. An overflow on any rank is propagated as
+above, so ``scaler.step`` skips the step on every rank and ``scaler.update`` backs off
+identically; the hook's step is a transaction (``Compressor.transactional``): when the
+non-finite table shows an overflow the residuals, thresholds, Slim-DP cores and DGC
+velocities go back exactly to their state before the step (at once on CPU; on CUDA when
+the next step opens, from the table copied without a stall), so the run continues as if
+the overflow step had not happened. Not supported here either (refused with an error):
 ``backward_passes_per_step`` (use ``no_sync()``), ``local_gradient``, ``fusion_threshold``
 (DDP's ``bucket_cap_mb`` forms the buckets), sparse gradients.
 
@@ -91,10 +108,9 @@ exchanged average inside the hook.
 The Adam recipe (``optimizer=`` a ``torch.optim.Adam`` / ``AdamW``; on by default
 then, ``adam_recipe=False`` turns it off): the same :class:`hvdsparse.adam.AdamRecipe`
 as the Horovod path -- dense exact warm-up, then each rank's momentum compressed in the
-hook and the frozen-variance update applied around the optimizer's ``step()``. Not with
-``torch.amp.GradScaler``: the hook does not know the loss scale, and the momentum would
-mix scaled gradients into the unscaled ``exp_avg`` (the Horovod path takes
-``grad_scaler=``). A parameter unused on every rank keeps ``p.grad = None`` (DDP), so
+hook and the frozen-variance update applied around the optimizer's ``step()``. With
+``torch.amp.GradScaler``, pass it (``grad_scaler=``): the hook must know the loss scale,
+or the momentum would mix scaled gradients into the unscaled ``exp_avg``. A parameter unused on every rank keeps ``p.grad = None`` (DDP), so
 it is not stepped, but its zero-gradient momentum was still compressed into its residual.
 
 Host synchronisation (CUDA): as in the Horovod path, except the split strategy, whose
@@ -132,13 +148,31 @@ class _Layout:
     """Per bucket layout (keyed by its parameter names): the spec and the cost model's
     history."""
 
-    __slots__ = ("spec", "pairs", "reduced", "deferred")
+    __slots__ = ("spec", "pairs", "reduced", "deferred", "nonempty", "_nan_index")
 
     def __init__(self, spec: BucketSpec):
         self.spec = spec
         self.pairs: Optional[float] = None
         self.reduced: Optional[int] = None
         self.deferred = None           # DeferredFigures of the previous exchange (CUDA)
+        # nonfinite="propagate": the first element of every non-empty layer
+        self.nonempty = [j for j, k in enumerate(spec.numels) if k > 0]
+        self._nan_index: Optional[torch.Tensor] = None
+
+    def nan_flags(self, flagged: torch.Tensor) -> torch.Tensor:
+        """This bucket's slice of the per-layer flags, non-empty layers only."""
+        if len(self.nonempty) == len(self.spec.numels):
+            return flagged
+        return flagged[torch.tensor(self.nonempty, dtype=torch.long, device=flagged.device)]
+
+    def nan_index(self, device) -> Optional[torch.Tensor]:
+        if not self.nonempty:
+            return None
+        if self._nan_index is None or self._nan_index.device != torch.device(device):
+            self._nan_index = torch.tensor(
+                [o for o, k in zip(self.spec.offsets, self.spec.numels) if k > 0],
+                dtype=torch.long, device=device)
+        return self._nan_index
 
 
 class _InFlight:
@@ -178,13 +212,16 @@ class State:
             compressed in the hook after the dense warm-up, and the recipe's update
             replaces Adam's for those parameters around the optimizer's ``step()``
             (step pre/post hooks).
+        grad_scaler: the ``torch.amp.GradScaler`` of the training loop (see "Mixed
+            precision" in the module docstring): residuals in unscaled units, overflow
+            steps propagated to every rank (``scaler.step`` skips them) and rolled back.
     """
 
     def __init__(self, compression, named_parameters, *, process_group=None,
                  settings: Optional[ExchangeSettings] = None,
                  transport: Optional[Transport] = None, optimizer=None,
                  momentum_correction=None, clip_grad_norm=None, adam_recipe=None,
-                 adam_warmup=None, **kwargs):
+                 adam_warmup=None, grad_scaler=None, **kwargs):
         from .compressors import Compressor
         if isinstance(compression, type) and issubclass(compression, Compressor):
             raise TypeError(f"compression must be an hvdsparse compressor instance, got the "
@@ -205,10 +242,15 @@ class State:
             if getattr(settings, k) != getattr(ExchangeSettings(), k):
                 raise ValueError(f"hvdsparse.ddp.State: {k}= is not supported: "
                                  f"{_UNSUPPORTED[k]}")
-        if settings.nonfinite != "raise":
-            raise ValueError(f"hvdsparse.ddp.State: nonfinite={settings.nonfinite!r} is not "
-                             f"supported (a comm hook cannot skip or steer the optimizer "
-                             f"step); only 'raise'")
+        if settings.nonfinite == "skip":
+            raise ValueError("hvdsparse.ddp.State: nonfinite='skip' is not supported (a "
+                             "comm hook cannot cancel the optimizer step); pass "
+                             "grad_scaler= (torch.amp.GradScaler skips overflow steps on "
+                             "every rank) or nonfinite='propagate'")
+        if grad_scaler is not None and not (hasattr(grad_scaler, "is_enabled") and
+                                            hasattr(grad_scaler, "get_scale")):
+            raise TypeError(f"hvdsparse.ddp.State: grad_scaler must be a "
+                            f"torch.amp.GradScaler, got {type(grad_scaler).__name__}")
         if named_parameters is None:
             raise ValueError("hvdsparse.ddp.State needs named_parameters "
                              "(model.named_parameters()): DDP hands the hook tensors, "
@@ -246,6 +288,14 @@ class State:
         self.last_stats: dict = {}
         self.totals: dict = empty_totals()
         self._t_compress = 0.0
+        self.grad_scaler = grad_scaler
+        # overflow steps are expected with a scaler: it sees the NaN and skips the step
+        self.nonfinite = "propagate" if grad_scaler is not None else settings.nonfinite
+        self._txn_open = False          # a transactional step awaits commit / rollback
+        self._txn_readout = None        # CUDA: that step's "any non-finite" flag
+        self._last_committed = True
+        self._inv: Optional[torch.Tensor] = None   # 1 / loss scale of the open step
+        self.skipped_steps = 0          # overflow steps rolled back (grad_scaler)
         _bind(compression, self)
         check_names = getattr(compression, "check_names", None)
         if callable(check_names):
@@ -282,9 +332,14 @@ class State:
             raise ValueError("optimizer= is only used with momentum_correction (SGD), "
                              "clip_grad_norm=... or the Adam recipe (torch.optim.Adam / "
                              f"AdamW), got {type(optimizer).__name__} with none of them on")
+        transactional = grad_scaler is not None
+        compression.transactional = transactional
+        if self.local_update is not None:
+            self.local_update.transactional = transactional
         self.fingerprint["momentum_correction"] = bool(momentum_correction)
         self.fingerprint["clip_grad_norm"] = clip_grad_norm
         self.fingerprint["adam_warmup"] = adam_warmup
+        self.fingerprint["grad_scaler"] = grad_scaler is not None
         self._hooks = []
         for n, p in self.params.items():
             if p.requires_grad:
@@ -352,6 +407,7 @@ class State:
         cost model's history per bucket layout. Call between steps."""
         if self._inflight:
             raise RuntimeError("hvdsparse.ddp.State.state_dict() during a step")
+        self._settle()                  # a skipped step is not saved (CUDA: reads a flag)
         lu = self.local_update
         extra = {} if lu is None else \
             {getattr(lu, "state_key", "momentum_correction"): lu.state_dict()}
@@ -368,6 +424,9 @@ class State:
         if sd.get("world_size") not in (None, self.world_size):
             warnings.warn(f"hvdsparse.ddp: state saved at world size {sd['world_size']}, "
                           f"loaded at {self.world_size}")
+        if self._txn_open:                # the step before the load is forgotten
+            self._txn_readout = None
+            self._close_txn(commit=False)
         self.compressor.load_state_dict(sd["compressor"])
         key = getattr(self.local_update, "state_key", "momentum_correction")
         if self.local_update is not None and key in sd:
@@ -512,6 +571,7 @@ class State:
             return fut
         if not self._step_open:
             self._step_open = True
+            self._settle()
             self._check_deferred()
             if not self._agreed:
                 self._agree()
@@ -520,6 +580,8 @@ class State:
                 begin(self.step)
             if self.local_update is not None:
                 self.local_update.begin_step()
+            self._txn_open = self.grad_scaler is not None
+            self._inv = self._inv_scale(buf.device)
         if buf.is_sparse or any(g.is_sparse for g in bucket.gradients()):
             raise NotImplementedError("hvdsparse.ddp: sparse gradients are not supported")
         names = self._names(params)
@@ -537,15 +599,16 @@ class State:
                     # DGC: clip, fold in weight decay, accumulate the velocity locally;
                     # Adam recipe: the local momentum (dense gradient in its warm-up)
                     dense = self.compressor.policy.is_dense(name, p.shape)
-                    x, nonfinite = lu.corrected(name, g.view(p.shape), p, dense, None)
+                    x, nonfinite = lu.corrected(name, g.view(p.shape), p, dense, self._inv)
                     pl = lu.dense_payload(name, x) if lu.sends_dense(name) else \
                         self.compressor.compress(name, x, self.step, param=p.detach())
                     pl.nonfinite = nonfinite if pl.nonfinite is None \
                         else pl.nonfinite + nonfinite
                     payloads.append(pl)
                 elif used:
+                    kw = {} if self._inv is None else {"grad_scale": self._inv}
                     payloads.append(self.compressor.compress(
-                        name, g.view(p.shape), self.step, param=p.detach()))
+                        name, g.view(p.shape), self.step, param=p.detach(), **kw))
                 else:
                     payloads.append(self.compressor.compress_absent(
                         name, p.detach(), self.step, param=p.detach()))
@@ -591,17 +654,23 @@ class State:
                         self.compressor.policy.is_dense(name, p.shape):
                     view.copy_(lu.dense_momentum(name, g, p).reshape(-1))  # sent dense
             results.append(total)
-        self._nonfinite(items)
+        flagged = self._nonfinite(items, results)
+        if self._inv is not None:        # back to the scaled units GradScaler expects
+            for total in results:
+                total.div_(self._inv)
         for it, total in zip(items, results):
             if it.buffer.dtype == total.dtype:
                 it.future.set_result(total)
             else:
                 it.future.set_result(it.buffer.copy_(total))
-        commit = getattr(self.compressor, "commit", None)
-        if callable(commit):
-            commit()
-        if self.local_update is not None:
-            self.local_update.commit()
+        if not self._txn_open:
+            self._close_txn(commit=True)
+        elif flagged is None:
+            self._close_txn(commit=True)          # nothing compared: nothing to skip
+        elif flagged.device.type == "cpu":
+            self._close_txn(commit=not bool(flagged.any()))
+        else:                                     # CUDA: decided when the next step opens
+            self._txn_readout = (self.step, HostReadout(flagged.any().view(1)))
         if self._error_flag is not None:
             self._pending_reads.append(("error", self.step, HostReadout(self._error_flag),
                                         None))
@@ -617,7 +686,8 @@ class State:
                                time_compress_s=self._t_compress,
                                time_wait_s=sum(it.pend.wait_s for it in items),
                                time_decode_s=sum(it.pend.decode_s for it in items),
-                               skipped=False)
+                               skipped=None if self._txn_readout is not None
+                               else not self._last_committed)
         add_totals(self.totals, self.last_stats)
         self._t_compress = 0.0
         self._used.clear()
@@ -640,23 +710,75 @@ class State:
                 if lu is not None and name in lu.u:
                     lu.mask(name, pl, back)   # momentum masking
 
-    def _nonfinite(self, items):
+    def _nonfinite(self, items, results) -> Optional[torch.Tensor]:
         """One small allgather of every rank's per-layer non-finite counts (same table
-        on every rank); CPU: act now, CUDA: read at the next step without a stall."""
+        on every rank). ``raise``: CPU raises now, CUDA reads the table at the next
+        step without a stall. ``propagate``: element 0 of every flagged layer becomes
+        NaN in ``results`` on every rank (device ops, no read). Returns the per-layer
+        "flagged on some rank" vector (None with no layers)."""
         names = [n for it in items for n in it.names]
         counts = [pl.nonfinite for it in items for pl in it.payloads]
         if not names:
-            return
+            return None
         dev = items[0].buffer.device
         zero = torch.zeros((), dtype=torch.int32, device=dev)
         mine = torch.stack([(c if c is not None else zero).reshape(()).to(torch.int32)
                             for c in counts]).view(1, -1)
         table = self.transport.synchronize(self.transport.allgather_async(
             mine, name=f"{self.prefix}.nonfinite"))
-        if table.device.type == "cpu":
-            _raise_nonfinite(table.numpy().tolist(), names, self.step)
+        if self.nonfinite == "raise":
+            if table.device.type == "cpu":
+                _raise_nonfinite(table.numpy().tolist(), names, self.step)
+            else:
+                self._pending_reads.append(("nonfinite", self.step, HostReadout(table),
+                                            names))
+        flagged = table.sum(0) > 0
+        if self.nonfinite == "propagate":
+            j = 0
+            for it, total in zip(items, results):
+                k = len(it.names)
+                idx = it.layout.nan_index(total.device)
+                if idx is not None:
+                    f = it.layout.nan_flags(flagged[j:j + k]).to(total.device)
+                    total.index_copy_(0, idx, torch.where(
+                        f, torch.full_like(total[idx], float("nan")), total[idx]))
+                j += k
+        return flagged
+
+    # ------------------------------------------------------------------ transactions
+    def _inv_scale(self, device) -> Optional[torch.Tensor]:
+        """``1 / loss scale`` of ``grad_scaler`` as a device tensor (a power of two:
+        exact), or None (no scaler, disabled, or not initialised by ``scale()`` yet)."""
+        sc = self.grad_scaler
+        if sc is None or not sc.is_enabled():
+            return None
+        scale = getattr(sc, "_scale", None)
+        if scale is None:
+            return None
+        return torch.reciprocal(scale.float()).to(device)
+
+    def _close_txn(self, commit: bool):
+        """Commit (keep) or roll back the compressor's and the local update's step."""
+        self._txn_open = False
+        self._last_committed = commit
+        if commit:
+            self.compressor.commit()
+            if self.local_update is not None:
+                self.local_update.commit()
         else:
-            self._pending_reads.append(("nonfinite", self.step, HostReadout(table), names))
+            self.skipped_steps += 1
+            self.compressor.rollback()
+            if self.local_update is not None:
+                self.local_update.rollback()
+
+    def _settle(self):
+        """CUDA with ``grad_scaler``: decide the previous step's transaction from its
+        non-finite flag (copied to the host without a stall one step ago)."""
+        if self._txn_readout is None:
+            return
+        _, reader = self._txn_readout
+        self._txn_readout = None
+        self._close_txn(commit=not int(reader.get()[0]))
 
 
 def _raise_nonfinite(table, names, step):

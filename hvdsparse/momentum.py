@@ -52,7 +52,7 @@ __all__ = ["LocalUpdate", "clean_local_gradient", "resolve_momentum_correction"]
 def resolve_momentum_correction(momentum_correction, optimizer, compression,
                                 local_gradient=None) -> bool:
     """The ``momentum_correction`` argument of a front door, resolved. ``True`` /
-    ``False`` (the default): as given. ``None`` (auto): **on** when
+    ``False``: as given. ``None`` (auto, the default): **on** when
 
     * ``optimizer`` is a ``torch.optim.SGD`` with momentum ``m > 0`` (largest over its
       param groups) and no local-gradient mode is set;
@@ -98,7 +98,8 @@ def resolve_momentum_correction(momentum_correction, optimizer, compression,
         density = compression.ratio
     else:
         return False
-    return density <= (1.0 - m) / 2.0
+    # the tolerance keeps the documented boundary: (1 - 0.9) / 2 is 0.04999... in binary
+    return density <= (1.0 - m) / 2.0 + 1e-12
 
 
 def clean_local_gradient(grad: torch.Tensor, grad_scale: Optional[torch.Tensor],

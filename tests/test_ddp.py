@@ -15,7 +15,7 @@ WORKER = Path(__file__).parent / "workers" / "ddp_worker.py"
 
 def test_ddp_hook_p2():
     out = run_torchrun(WORKER, nproc=2, timeout=300)
-    assert out.count("passed check_") == 11, out[-3000:]
+    assert out.count("passed check_") == 12, out[-3000:]
 
 
 def test_ddp_hook_p3():
@@ -23,8 +23,8 @@ def test_ddp_hook_p3():
     out = run_torchrun(WORKER, nproc=3, timeout=300,
                        args=["check_transport", "check_equivalence",
                              "check_every_compressor", "check_unused", "check_join",
-                             "check_balanced_feedback"])
-    assert out.count("passed check_") == 6, out[-3000:]
+                             "check_balanced_feedback", "check_grad_scaler"])
+    assert out.count("passed check_") == 7, out[-3000:]
 
 
 def test_state_refuses_unsupported_settings():
@@ -47,6 +47,9 @@ def test_state_refuses_unsupported_settings():
                      (dict(exchange="ring"), "exchange")):
         with pytest.raises(ValueError, match=word):
             State(hvdsparse.TopK(0.1), net.named_parameters(), transport=One(), **kw)
+    with pytest.raises(TypeError, match="grad_scaler"):
+        State(hvdsparse.TopK(0.1), net.named_parameters(), transport=One(),
+              grad_scaler=object())
     with pytest.raises(ValueError, match="named_parameters"):
         State(hvdsparse.TopK(0.1), None, transport=One())
     with pytest.raises(TypeError, match="instance"):

@@ -20,6 +20,11 @@ one launch. Each rank draws its own data (seeded by step and rank). Checks:
 6. ``Join`` with uneven inputs: replicas identical, step counters equal.
 7. Ranks with different compressor settings: every rank raises ValueError naming the
    setting (no hang).
+8. DGC momentum correction against a plain-torch replay; non-finite gradients raise;
+   ``exchange="balanced"`` feeds undelivered elements back.
+9. ``torch.amp.GradScaler`` (``grad_scaler=``): an overflow step is skipped on every
+   rank and rolled back (bitwise equal to a run without it, SGD and Adam);
+   ``nonfinite="propagate"`` marks the layer on every rank.
 
 Prints ``HVDSPARSE-OK rank=<r>``.
 """
@@ -503,9 +508,101 @@ def check_balanced_feedback():
     check(int(total) > 0, "balanced: nothing was truncated, the check saw no add-back")
 
 
+# ------------------------------------------------------------------ 11. mixed precision
+def check_grad_scaler():
+    """torch.amp.GradScaler through the hook (``grad_scaler=``), PyTorch's usual loop
+    (``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``), for SGD with
+    momentum (DGC momentum correction on by the default rule) and for Adam (the recipe,
+    warm-up 3 so its compressed phase runs). Run A uses the scaler, and at step ``BAD``
+    rank P-1's gradient of fc1.weight overflows (an Inf injected during backward); run
+    B has no scaler and never sees step ``BAD``. After every step A's parameters and
+    residuals equal B's bitwise (residuals in unscaled units; the overflow step was
+    rolled back), replicas are identical, and the scaler backed off on every rank.
+    Then ``nonfinite="propagate"`` without a scaler: a NaN on rank P-1 reaches every
+    rank's gradient of that layer (element 0) and no residual."""
+    BAD, STEPS = 3, 7
+    for kind in ("sgd", "adam"):
+        def build(scaler):
+            torch.manual_seed(11)
+            net = Net()
+            model = DDP(net, **SMALL)
+            opt = make_opt(model, kind)
+            comp = hvdsparse.TopK(0.05, exact=True, min_numel=256)
+            kw = dict(adam_warmup=3) if kind == "adam" else {}
+            state = hvdsparse.ddp.State(comp, net.named_parameters(), optimizer=opt,
+                                        grad_scaler=scaler, **kw)
+            model.register_comm_hook(state, hvdsparse.ddp.hook)
+            return net, model, opt, comp, state
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+        nA, mA, oA, cA, sA = build(scaler)
+        nB, mB, oB, cB, sB = build(None)
+        check(kind == "adam" or sA.local_update is not None, "momentum correction is off")
+        names = [n for n, _ in nA.named_parameters()]
+        for step in range(STEPS):
+            x, y = batch(step)
+            before = [p.detach().clone() for p in nA.parameters()]
+            scale_before = scaler.get_scale()
+            oA.zero_grad(set_to_none=True)
+            handle = None
+            if step == BAD and R == P - 1:
+                handle = nA.fc1.weight.register_hook(lambda g: g * float("inf"))
+            scaler.scale(F.cross_entropy(mA(x), y)).backward()
+            if handle is not None:
+                handle.remove()
+            scaler.step(oA)
+            scaler.update()
+            if step == BAD:
+                check(scaler.get_scale() == scale_before / 2,
+                      f"{kind}: the scaler did not back off on rank {R}")
+                check(all(torch.equal(a, b) for a, b in zip(before, nA.parameters())),
+                      f"{kind}: the overflow step changed parameters")
+                check(sA.skipped_steps == 1 and sA.last_stats["skipped"] is True,
+                      f"{kind}: the overflow step was not rolled back "
+                      f"({sA.skipped_steps}, {sA.last_stats.get('skipped')})")
+            else:
+                oB.zero_grad(set_to_none=True)
+                F.cross_entropy(mB(x), y).backward()
+                oB.step()
+                for (n, pa), pb in zip(nA.named_parameters(), nB.parameters()):
+                    check(torch.equal(pa, pb), f"{kind} step {step}: {n} differs from the "
+                          f"run without scaler and overflow step (max "
+                          f"{float((pa - pb).abs().max()):.3g})")
+                for n in names:
+                    ra, rb = cA.residual(n), cB.residual(n)
+                    check((ra is None) == (rb is None), f"{kind} step {step}: residual of {n}")
+                    if ra is not None:
+                        check(bool(torch.isfinite(ra).all()) and torch.equal(ra, rb),
+                              f"{kind} step {step}: residual of {n} differs from the "
+                              f"reference (units or rollback)")
+            identical_across_ranks(mA, f"grad_scaler {kind} step {step}")
+        check(scaler.get_scale() == 2.0 ** 9, f"{kind}: scale {scaler.get_scale()}")
+
+    comp = hvdsparse.TopK(0.05, min_numel=256)
+    model, state = hooked(comp, seed=12, nonfinite="propagate")
+    names = dict(model.module.named_parameters())
+    handle = None
+    if R == P - 1:
+        handle = model.module.fc2.weight.register_hook(
+            lambda g: g.index_put((torch.tensor([3]), torch.tensor([5])),
+                                  torch.tensor(float("nan"))))
+    x, y = batch(0)
+    F.cross_entropy(model(x), y).backward()
+    if handle is not None:
+        handle.remove()
+    for n, p in names.items():
+        g = p.grad.reshape(-1)
+        if n == "fc2.weight":
+            check(bool(g[0].isnan()) and bool(torch.isfinite(g[1:]).all()),
+                  "propagate: fc2.weight's gradient should hold one NaN, at element 0")
+        else:
+            check(bool(torch.isfinite(g).all()), f"propagate: {n} is not finite")
+        r = comp.residual(n)
+        check(r is None or bool(torch.isfinite(r).all()), f"propagate: residual of {n}")
+
+
 CHECKS = [check_transport, check_equivalence, check_every_compressor, check_no_sync, check_unused,
           check_checkpoint, check_join, check_momentum_correction, check_nonfinite,
-          check_disagreement, check_balanced_feedback]
+          check_disagreement, check_balanced_feedback, check_grad_scaler]
 
 if __name__ == "__main__":
     only = sys.argv[1:]

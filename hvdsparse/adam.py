@@ -190,7 +190,17 @@ def adam_setup(optimizer, compression, adam_recipe, adam_warmup, *, local_gradie
 
 
 def _value(t) -> float:
-    return float(t.item()) if isinstance(t, torch.Tensor) else float(t)
+    """A hyper-parameter or Adam's ``state["step"]`` as a host number. torch's Adam keeps
+    ``step`` as a CPU tensor (read through numpy: host memory, no device sync); with
+    ``fused=True`` / ``capturable=True`` it lives on the device and reading it is a
+    host sync -- done by :meth:`AdamRecipe.frozen` once per layer and step during the
+    warm-up only (after it the phase is cached; the update itself uses ``torch.pow`` on
+    the device step)."""
+    if not isinstance(t, torch.Tensor):
+        return float(t)
+    if t.device.type == "cpu":
+        return float(t.detach().numpy())
+    return float(t.item())
 
 
 class AdamRecipe:

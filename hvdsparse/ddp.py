@@ -668,7 +668,7 @@ class State:
         elif flagged is None:
             self._close_txn(commit=True)          # nothing compared: nothing to skip
         elif flagged.device.type == "cpu":
-            self._close_txn(commit=not bool(flagged.any()))
+            self._close_txn(commit=not flagged.numpy().any())   # host memory: no sync
         else:                                     # CUDA: decided when the next step opens
             self._txn_readout = (self.step, HostReadout(flagged.any().view(1)))
         if self._error_flag is not None:

@@ -213,8 +213,13 @@ class TorchDistTransport(Transport):
     def alltoall_async(self, tensor, splits, name=None):
         dist = self._dist
         t = tensor.contiguous()
-        send = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor)
-                                 else splits)]
+        if isinstance(splits, torch.Tensor):
+            if splits.device.type != "cpu":
+                raise ValueError(f"hvdsparse alltoall {name!r}: splits must be host "
+                                 f"integers (a CPU tensor or a list), got a tensor on "
+                                 f"{splits.device}")
+            splits = splits.numpy().tolist()       # host memory: no device sync
+        send = [int(s) for s in splits]
         P = self.size()
         if len(send) != P:
             raise ValueError(f"hvdsparse alltoall {name!r}: {len(send)} splits for "

@@ -19,6 +19,13 @@ the Python call site that issued it.
   control (a compressor calling ``.item()`` in ``compress``) is reported at its line,
   in backward.
 
+* ``test_ddp_hook_steps_np2``: the same detector over whole steps of the DDP
+  communication hook under real ``torchrun`` (tests/workers/ddp_sync_worker.py): every
+  exchange, momentum correction, the Adam recipe, ``grad_scaler``,
+  ``nonfinite="propagate"``, and a positive control inside DDP's call of the hook. Only
+  ops issued with hvdsparse code on the stack count (GradScaler's and torch Adam's own
+  reads in the user's loop are not ours); step 0's settings agreement is allowed.
+
 Documented host reads (not device syncs, read through numpy, so not counted):
 ``exchange/base.py: HostReadout.get`` / ``scheduler.py: DeferredRead.get`` read a
 pinned host copy made with ``non_blocking=True`` after its CUDA event completed;
@@ -253,3 +260,77 @@ def test_stats_is_one_batched_copy():
         assert 0 < d["sent"] <= d["capacity"]
         assert d["numel"] == n and d["steps"] == 3 and d["total_sent"] >= d["sent"]
     assert tot["effective_bytes"] > 0 and isinstance(tot["effective_bytes"], float)
+
+
+# ------------------------------------------------------------------ the DDP hook
+
+DDP_WORKER = Path(__file__).resolve().parent / "workers" / "ddp_sync_worker.py"
+# step 0: the hook compares settings across ranks (allgather_object, pickled on the host)
+DDP_ALLOWED_STEP0 = {("hvdsparse/transport.py", "allgather_object"): "settings agreement"}
+DDP_READOUT_SITES = {("hvdsparse/exchange/split.py", "send_pairs_to_owners"),
+                     ("hvdsparse/exchange/split.py", "_start_phase2"),
+                     ("hvdsparse/exchange/base.py", "get"),
+                     ("hvdsparse/ddp.py", "_check_deferred"),   # error flag / nonfinite table
+                     ("hvdsparse/ddp.py", "_settle")}           # grad_scaler's rollback flag
+
+
+def _ours(rec) -> bool:
+    """The op was issued with hvdsparse / kernels code on the stack (GradScaler's and
+    torch Adam's own reads in the training loop are the user's, not ours)."""
+    return any(c.startswith(("hvdsparse/", "kernels/")) for c in rec["chain"])
+
+
+def test_ddp_hook_steps_np2(tmp_path):
+    """The DDP hook's whole steps (every exchange, momentum correction, the Adam recipe,
+    grad_scaler, nonfinite='propagate') under the detector, real torchrun, 2 ranks."""
+    from tests.torchrun import run_torchrun
+    from tests.workers.ddp_sync_worker import STEPS, configs
+    run_torchrun(DDP_WORKER, nproc=2, timeout=600, args=[str(tmp_path)],
+                 env={"TRITON_INTERPRET": "1", "HVDSPARSE_FORCE_TRITON": "1",
+                      "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    recs = defaultdict(list)
+    for r in range(2):
+        for line in (tmp_path / f"rank{r}.txt").read_text().splitlines():
+            kind, _, js = line.partition(" ")
+            recs[kind].append(json.loads(js))
+    problems = []
+    names = set(configs())
+    for r in range(2):
+        seen = {c["combo"]: c for c in recs["COMBO"] if c["rank"] == r}
+        if set(seen) != names:
+            problems.append(f"rank {r} ran {sorted(seen)}, not {sorted(names)}")
+        for name, c in seen.items():
+            if not c["replicas_equal"]:
+                problems.append(f"{name}: replicas differ after the steps")
+            if c["hvd_ops"].get("backward", 0) == 0:
+                problems.append(f"{name}: no hvdsparse op seen in backward (hook not under "
+                                f"the detector?)")
+            if c["steps"] != STEPS:
+                problems.append(f"{name}: hook step counter {c['steps']} != {STEPS}")
+            if name.split("/")[0] in ("TopK", "Threshold", "AdaComp") and not c["momentum"]:
+                problems.append(f"{name}: momentum correction not on by the default rule")
+    ctl_line = next(i for i, line in enumerate(WORKER.read_text().splitlines(), 1)
+                    if line.rstrip().endswith("# [control-sync]"))
+    ctl_site = f"tests/workers/sync_worker.py:{ctl_line} in compress"
+    ctl = [rec for rec in recs["SYNC"] if rec["combo"].startswith("control/")
+           and rec["chain"][0] == ctl_site]
+    # one .item() per layer (compress sees all 4, policy-dense ones too) per step and
+    # rank, all inside backward
+    if len(ctl) != 4 * STEPS * 2 or any(rec["phase"] != "backward" or
+                                        "_local_scalar_dense" not in rec["op"] for rec in ctl):
+        problems.append(f"positive control not caught inside the hook ({ctl_site}): "
+                        f"{len(ctl)} records, {ctl[:2]}")
+    for rec in recs["SYNC"]:
+        if rec["combo"].startswith("control/") or not _ours(rec):
+            continue
+        if _site_key(rec["site"]) in DDP_ALLOWED_STEP0 and rec["step"] == 0:
+            continue
+        problems.append(f"[{rec['phase']}] {rec['op']} ({rec['reason']}) at {rec['site']} "
+                        f"in {rec['combo']} step {rec['step']}; chain: "
+                        f"{' <- '.join(rec['chain'][:5])}")
+    for rec in recs["READOUT"]:
+        if _site_key(rec["site"]) not in DDP_READOUT_SITES:
+            problems.append(f"[{rec['phase']}] host readout at {rec['site']} ({rec['combo']}) "
+                            f"is not a documented one")
+    assert not problems, "host syncs in the DDP hook (simulated CUDA path):\n" + \
+        "\n".join(problems[:30])

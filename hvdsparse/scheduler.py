@@ -230,6 +230,10 @@ class LayerScheduler:
             self._after_takes_param = "param" in sig
         except (TypeError, ValueError):
             self._after_takes_param = False
+        from .compressors.base import Compressor
+        # only a compressor that overrides after_exchange needs the unscaled gradient
+        self._has_after = getattr(type(compressor), "after_exchange", None) is not \
+            Compressor.after_exchange
 
     # settings read in the hot path
     @property
@@ -634,12 +638,12 @@ class LayerScheduler:
         skip = self._apply_nonfinite_policy(table, totals)
         if not skip:
             for spec, total in zip(self._specs, totals):
-                if self.grad_scaler is not None:
-                    inv = self._grad_scale()
-                    if inv is not None:   # back to the scaled units GradScaler expects
-                        total.div_(inv.to(total.device))
+                inv = self._grad_scale() if self.grad_scaler is not None else None
+                if inv is not None:   # back to the scaled units GradScaler expects
+                    inv = inv.to(total.device)
+                    total.div_(inv)
                 for name, view in zip(spec.names, spec.views(total)):
-                    self._apply(name, view)
+                    self._apply(name, view, inv)
         self._finish_sparse(write=not skip)
         self._retire_error_flag()
         n_total = sum(s.numel for s in self._specs)
@@ -759,7 +763,11 @@ class LayerScheduler:
                 p.grad = out.coalesce()
         self._sparse_handles.clear()
 
-    def _apply(self, name: str, g_flat: torch.Tensor):
+    def _apply(self, name: str, g_flat: torch.Tensor, inv: Optional[torch.Tensor] = None):
+        """Write the exchanged gradient ``g_flat`` (in GradScaler's scaled units when
+        ``inv`` = 1 / scale is given) into ``p.grad``. Dense-layer momentum (DGC) and
+        ``after_exchange`` (Slim-DP's core choice) work in unscaled units, like the
+        residuals: ``x * inv`` and ``x / inv`` are exact (a power of two)."""
         p = self.params[name]
         g = g_flat.view(p.shape)
         payload = self._payloads[name]
@@ -772,7 +780,13 @@ class LayerScheduler:
             lu = self.local_update
             if lu is not None and lu.momentum_correction and \
                     self.compressor.policy.is_dense(name, p.shape):
-                c = lu.dense_momentum(name, c, p)     # sent dense: ordinary momentum
+                # sent dense: ordinary momentum, its buffer in unscaled units (a buffer
+                # in scaled units would mix scales when the loss scale changes, and
+                # weight decay would be divided by the scale)
+                if inv is None:
+                    c = lu.dense_momentum(name, c, p)
+                else:
+                    c = lu.dense_momentum(name, c * inv, p) / inv
             with torch.no_grad():
                 if name in self._was_sparse:
                     p.grad = c.to(p.dtype).to_sparse()
@@ -780,6 +794,8 @@ class LayerScheduler:
                     p.grad.copy_(c)
                 else:
                     p.grad = c.to(p.dtype).clone()
+        if inv is not None and self._has_after:
+            g = g * inv                               # unscaled (Slim-DP: |w| + c |g|)
         if self._after_takes_param:
             self.compressor.after_exchange(name, g, self.step, param=p.detach())
         else:

@@ -1,6 +1,7 @@
 """Mixed precision (torch.amp.GradScaler) through hvdsparse at P=2, real horovodrun:
 residuals in unscaled units, an overflow step skipped by the scaler leaves residuals and
-parameters untouched, and the run equals a reference run without that step, bitwise.
+parameters untouched, and the run equals a reference run without that step, bitwise;
+with and without DGC momentum correction (weight decay on).
 See tests/workers/amp_worker.py."""
 from pathlib import Path
 

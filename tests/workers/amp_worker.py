@@ -8,6 +8,10 @@ Two replicas of the same model train side by side on every rank:
 * B: no scaler, and step ``BAD`` never happens (the reference run that GradScaler's skip
   should be equivalent to).
 
+Run twice: TopK(0.1) (momentum correction off by the default rule) and TopK(0.05) (on:
+the velocity and the dense layers' momentum buffers must live in unscaled units too;
+SGD has weight decay, which a buffer in scaled units would divide by the loss scale).
+
 Checked after every step, independently of the code under test: A's and B's
 parameters and residuals are bitwise equal (residuals in unscaled units whatever the
 loss scale; the overflow step left residuals untouched), residuals finite, replicas
@@ -39,11 +43,11 @@ class Net(nn.Module):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
 
 
-def build(scaler):
+def build(scaler, ratio):
     torch.manual_seed(1234)
     model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    comp = hvdsparse.TopK(0.1, exact=True)     # selection independent of the step seed
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    comp = hvdsparse.TopK(ratio, exact=True)   # selection independent of the step seed
     return model, comp, hvd.DistributedOptimizer(
         opt, named_parameters=model.named_parameters(), compression=comp,
         fusion_threshold=4096, grad_scaler=scaler)
@@ -60,53 +64,62 @@ def replicas_identical(model, tag):
     check(all(torch.equal(allp[0], allp[r]) for r in range(P)), f"replicas differ ({tag})")
 
 
-scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
-mA, cA, oA = build(scaler)
-mB, cB, oB = build(None)
-names = [n for n, _ in mA.named_parameters()]
+def run(ratio, tag):
+    """One A/B comparison; ``ratio`` 0.05 puts DGC momentum correction on (the default
+    rule for SGD momentum 0.9), 0.1 leaves it off."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
+    mA, cA, oA = build(scaler, ratio)
+    mB, cB, oB = build(None, ratio)
+    names = [n for n, _ in mA.named_parameters()]
 
-for step in range(STEPS):
-    gen = torch.Generator().manual_seed(1000 * step + R)
-    x = torch.randn(16, 24, generator=gen)
-    y = torch.randint(0, 3, (16,), generator=gen)
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(1000 * step + R)
+        x = torch.randn(16, 24, generator=gen)
+        y = torch.randint(0, 3, (16,), generator=gen)
 
-    # A: the AMP recipe
-    before = [p.detach().clone() for p in mA.parameters()]
-    scale_before = scaler.get_scale()
-    oA.zero_grad()
-    handle = None
-    if step == BAD and R == 1:
-        handle = mA.fc1.weight.register_hook(lambda g: g * float("inf"))
-    scaler.scale(F.cross_entropy(mA(x), y)).backward()
-    if handle is not None:
-        handle.remove()
-    oA.synchronize()
-    scaler.unscale_(oA)
-    with oA.skip_synchronize():
-        scaler.step(oA)
-    scaler.update()
+        # A: the AMP recipe
+        before = [p.detach().clone() for p in mA.parameters()]
+        scale_before = scaler.get_scale()
+        oA.zero_grad()
+        handle = None
+        if step == BAD and R == 1:
+            handle = mA.fc1.weight.register_hook(lambda g: g * float("inf"))
+        scaler.scale(F.cross_entropy(mA(x), y)).backward()
+        if handle is not None:
+            handle.remove()
+        oA.synchronize()
+        scaler.unscale_(oA)
+        with oA.skip_synchronize():
+            scaler.step(oA)
+        scaler.update()
 
-    if step == BAD:
-        check(scaler.get_scale() == scale_before / 2, "scaler did not back off")
-        check(all(torch.equal(a, b) for a, b in zip(before, mA.parameters())),
-              "the overflow step changed parameters")
-    else:
-        # B: plain hvdsparse, never sees step BAD
-        oB.zero_grad()
-        F.cross_entropy(mB(x), y).backward()
-        oB.step()
-        for (n, pa), pb in zip(mA.named_parameters(), mB.parameters()):
-            check(torch.equal(pa, pb), f"step {step}: {n} differs from the reference run")
-    replicas_identical(mA, step)
-    if step > BAD:
-        # residual of the skipped step was rolled back when step BAD+1 opened
-        for n in names:
-            ra, rb = cA.residual(n), cB.residual(n)
-            if ra is None and rb is None:
-                continue
-            check(ra is not None and rb is not None, f"{n}: residual missing")
-            check(bool(torch.isfinite(ra).all()), f"{n}: non-finite residual")
-            check(torch.equal(ra, rb), f"step {step}: residual of {n} differs from the "
-                                        f"reference (units or rollback)")
+        if step == BAD:
+            check(scaler.get_scale() == scale_before / 2, "scaler did not back off")
+            check(all(torch.equal(a, b) for a, b in zip(before, mA.parameters())),
+                  "the overflow step changed parameters")
+        else:
+            # B: plain hvdsparse, never sees step BAD
+            oB.zero_grad()
+            F.cross_entropy(mB(x), y).backward()
+            oB.step()
+            for (n, pa), pb in zip(mA.named_parameters(), mB.parameters()):
+                check(torch.equal(pa, pb), f"{tag} step {step}: {n} differs from the reference run")
+        replicas_identical(mA, f"{tag}.{step}")
+        if step > BAD:
+            # residual of the skipped step was rolled back when step BAD+1 opened
+            for n in names:
+                ra, rb = cA.residual(n), cB.residual(n)
+                if ra is None and rb is None:
+                    continue
+                check(ra is not None and rb is not None, f"{n}: residual missing")
+                check(bool(torch.isfinite(ra).all()), f"{n}: non-finite residual")
+                check(torch.equal(ra, rb), f"step {step}: residual of {n} differs from the "
+                                            f"reference (units or rollback)")
 
+    check((oA.scheduler.local_update is not None) == (ratio <= 0.05),
+          f"{tag}: momentum correction {'off' if ratio <= 0.05 else 'on'}")
+
+
+run(0.1, "plain")
+run(0.05, "momentum-correction")
 print(f"HVDSPARSE-OK rank={R}", flush=True)

@@ -512,7 +512,8 @@ def check_balanced_feedback():
 def check_grad_scaler():
     """torch.amp.GradScaler through the hook (``grad_scaler=``), PyTorch's usual loop
     (``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``), for SGD with
-    momentum (DGC momentum correction on by the default rule) and for Adam (the recipe,
+    momentum and weight decay (DGC momentum correction on by the default rule; the
+    biases are below min_numel, so the dense-layer momentum runs too) and for Adam (the recipe,
     warm-up 3 so its compressed phase runs). Run A uses the scaler, and at step ``BAD``
     rank P-1's gradient of fc1.weight overflows (an Inf injected during backward); run
     B has no scaler and never sees step ``BAD``. After every step A's parameters and
@@ -526,7 +527,8 @@ def check_grad_scaler():
             torch.manual_seed(11)
             net = Net()
             model = DDP(net, **SMALL)
-            opt = make_opt(model, kind)
+            opt = make_opt(model, kind) if kind == "adam" else torch.optim.SGD(
+                model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
             comp = hvdsparse.TopK(0.05, exact=True, min_numel=256)
             kw = dict(adam_warmup=3) if kind == "adam" else {}
             state = hvdsparse.ddp.State(comp, net.named_parameters(), optimizer=opt,

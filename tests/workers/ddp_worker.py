@@ -340,37 +340,50 @@ def check_unused():
 
 # ------------------------------------------------------------------ 5. checkpoint
 def check_checkpoint():
-    def fresh():
-        m, s = hooked(hvdsparse.TopK(0.05, min_numel=256), seed=5, ddp_kw=SMALL)
-        return m, s, make_opt(m, "sgd")
-    m, s, o = fresh()
-    for step in range(3):
-        train_step(m, o, step)
-    ck = dict(model={k: v.clone() for k, v in m.state_dict().items()},
-              opt=o.state_dict(), hook=s.state_dict())
+    """Resume from (model, optimizer, hook state) is bitwise identical to the
+    uninterrupted run; without and with ``optimizer=`` (DGC momentum correction on by
+    the default rule: the velocities are part of the hook state)."""
     import copy
-    ck = copy.deepcopy(ck)
-    for step in range(3, 7):
-        train_step(m, o, step)
-    m2, s2, o2 = fresh()
-    m2.load_state_dict(ck["model"])
-    o2.load_state_dict(ck["opt"])
-    s2.load_state_dict(ck["hook"])
-    check(s2.step == 3, f"resumed step {s2.step}")
-    for step in range(3, 7):
-        train_step(m2, o2, step)
-    check(torch.equal(flat_params(m), flat_params(m2)),
-          f"resume: max diff {float((flat_params(m) - flat_params(m2)).abs().max())}")
-    r1 = s.compressor.residual("module.fc2.weight")
-    r2 = s2.compressor.residual("module.fc2.weight")
-    check(r1 is not None and torch.equal(r1, r2), "resume: residuals differ")
-    # without loading the hook state the run differs (the check above can fail)
-    m3, s3, o3 = fresh()
-    m3.load_state_dict(ck["model"])
-    o3.load_state_dict(ck["opt"])
-    for step in range(3, 7):
-        train_step(m3, o3, step)
-    check(not torch.equal(flat_params(m), flat_params(m3)), "resume without state equal?")
+    for mc in (False, True):
+        def fresh():
+            model = make(5, **SMALL)
+            opt = make_opt(model, "sgd")
+            state = hvdsparse.ddp.State(hvdsparse.TopK(0.05, min_numel=256),
+                                        model.named_parameters(),
+                                        optimizer=opt if mc else None)
+            model.register_comm_hook(state, hvdsparse.ddp.hook)
+            check((state.local_update is not None) == mc, f"mc={mc}: momentum correction")
+            return model, state, opt
+        m, s, o = fresh()
+        for step in range(3):
+            train_step(m, o, step)
+        ck = copy.deepcopy(dict(model={k: v.clone() for k, v in m.state_dict().items()},
+                                opt=o.state_dict(), hook=s.state_dict()))
+        for step in range(3, 7):
+            train_step(m, o, step)
+        m2, s2, o2 = fresh()
+        m2.load_state_dict(ck["model"])
+        o2.load_state_dict(ck["opt"])
+        s2.load_state_dict(ck["hook"])
+        check(s2.step == 3, f"resumed step {s2.step}")
+        for step in range(3, 7):
+            train_step(m2, o2, step)
+        check(torch.equal(flat_params(m), flat_params(m2)),
+              f"mc={mc} resume: max diff {float((flat_params(m) - flat_params(m2)).abs().max())}")
+        r1 = s.compressor.residual("module.fc2.weight")
+        r2 = s2.compressor.residual("module.fc2.weight")
+        check(r1 is not None and torch.equal(r1, r2), f"mc={mc} resume: residuals differ")
+        if mc:
+            u1, u2 = s.local_update.u, s2.local_update.u
+            check(set(u1) == set(u2) and len(u1) > 0 and
+                  all(torch.equal(u1[k], u2[k]) for k in u1), "resume: velocities differ")
+        # without loading the hook state the run differs (the check above can fail)
+        m3, s3, o3 = fresh()
+        m3.load_state_dict(ck["model"])
+        o3.load_state_dict(ck["opt"])
+        for step in range(3, 7):
+            train_step(m3, o3, step)
+        check(not torch.equal(flat_params(m), flat_params(m3)), "resume without state equal?")
 
 
 # ------------------------------------------------------------------ 6. Join

@@ -83,8 +83,11 @@ class TorchrunHvd:
             opt.load_state_dict(sd)
 
 
-def wrap_model(args, model, compressor, device):
-    """DDP(model) with the hook that ``--compression`` asks for; returns (ddp, state)."""
+def wrap_model(args, model, compressor, device, optimizer=None, grad_scaler=None):
+    """DDP(model) with the hook that ``--compression`` asks for; returns (ddp, state).
+    ``optimizer`` (the SGD that steps the model) gives the hook DGC momentum correction
+    by the same rule as the Horovod path (and ``--momentum-correction`` /
+    ``--clip-grad-norm`` their meaning); ``grad_scaler``: ``--amp fp16``'s scaler."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     ids = [device.index] if device.type == "cuda" else None
     ddp = DDP(model, device_ids=ids)
@@ -95,7 +98,10 @@ def wrap_model(args, model, compressor, device):
     elif args.compression != "none":
         import hvdsparse.ddp
         state = hvdsparse.ddp.State(compressor, ddp.named_parameters(),
-                                    exchange=args.exchange)
+                                    exchange=args.exchange, optimizer=optimizer,
+                                    momentum_correction=args.momentum_correction,
+                                    clip_grad_norm=args.clip_grad_norm,
+                                    grad_scaler=grad_scaler)
         ddp.register_comm_hook(state, hvdsparse.ddp.hook)
     return ddp, state
 

@@ -47,7 +47,13 @@ and ``optimizer.stats()`` are called at epoch ends only, and per-step times are 
 timestamps. ``--profile`` asks for the per-step breakdown a benchmark needs (a device
 synchronize around forward/backward and ``optimizer.step()``, the optimizer's
 per-step bytes and compress / wait / decode times): ``scripts/bench_network.py``
-passes it.
+passes it. ``--amp fp16`` shows the mixed-precision loop for both launchers
+(``torch.autocast`` + ``torch.amp.GradScaler``, the scaler handed to hvdsparse as
+``grad_scaler=``; under Horovod ``synchronize()`` / ``unscale_`` /
+``skip_synchronize()``, under torchrun PyTorch's plain ``scaler.step``); ``--amp bf16``
+autocasts without a scaler. Under torchrun the hook gets the SGD optimizer
+(``optimizer=``), so momentum correction follows the same rule as under Horovod and the
+same command gives the same numbers under either launcher (tests/test_ddp.py).
 """
 from __future__ import annotations
 
@@ -146,6 +152,9 @@ def parse_args(argv=None):
                         "default: the library's rule (on for SGD momentum with a sparsifier)")
     g.add_argument("--clip-grad-norm", type=float, default=None,
                    help="hvdsparse: DGC local gradient clipping threshold")
+    g.add_argument("--amp", choices=("off", "fp16", "bf16"), default="off",
+                   help="mixed precision: torch.autocast in that dtype; fp16 adds a "
+                        "torch.amp.GradScaler handed to hvdsparse (grad_scaler=)")
 
     g = p.add_argument_group("output")
     g.add_argument("--json", default=None, help="write every metric to this JSON file (rank 0)")
@@ -225,7 +234,7 @@ def build_compressor(args):
         raise SystemExit(f"hvdsparse.{cls_name}({kwargs}) failed: {exc}")
 
 
-def build_optimizer(args, model, hvd):
+def build_optimizer(args, model, hvd, grad_scaler=None):
     base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                            weight_decay=args.weight_decay)
     if args.launcher == "torchrun":    # DDP + comm hook: see main() / torchrun_support
@@ -249,6 +258,8 @@ def build_optimizer(args, model, hvd):
         kwargs["momentum_correction"] = args.momentum_correction
     if args.clip_grad_norm is not None:
         kwargs["clip_grad_norm"] = args.clip_grad_norm
+    if grad_scaler is not None:
+        kwargs["grad_scaler"] = grad_scaler     # residuals in unscaled units (README)
     # The user's own line: `import hvdsparse` routes hvd.DistributedOptimizer calls whose
     # compression is an hvdsparse compressor to hvdsparse.DistributedOptimizer.
     opt = hvd.DistributedOptimizer(base, **kwargs)
@@ -473,10 +484,15 @@ def main(argv=None):
     xtr, ytr, xte, yte = load_data(args.seed)
     model = build_model(args.width).to(device)
     numel = sum(p.numel() for p in model.parameters())
-    opt, compressor = build_optimizer(args, model, hvd)
+    # mixed precision: autocast in --amp's dtype; fp16 also needs a loss scaler, which
+    # hvdsparse must know (grad_scaler=) so residuals stay in unscaled units
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
+    scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
+    opt, compressor = build_optimizer(args, model, hvd, scaler)
     if args.launcher == "torchrun":
         from torchrun_support import adapt_optimizer, wrap_model
-        model, ddp_state = wrap_model(args, model, compressor, device)
+        model, ddp_state = wrap_model(args, model, compressor, device, optimizer=opt,
+                                      grad_scaler=scaler)
         opt = adapt_optimizer(opt, ddp_state)
 
     steps_per_epoch = len(xtr) // (world * args.batch_size)
@@ -497,6 +513,8 @@ def main(argv=None):
             raise SystemExit("--resume needs a PATH or --checkpoint")
     if resume_path and os.path.exists(resume_path):
         meta = load_checkpoint(resume_path, hvd, model, opt, compressor, log)
+        if scaler is not None and meta.get("grad_scaler") is not None:
+            scaler.load_state_dict(meta["grad_scaler"])
         start_epoch, global_step = meta["epoch"], meta["global_step"]
         train_time, time_to_target = meta["train_time"], meta["time_to_target"]
         history = meta["history"]
@@ -575,11 +593,25 @@ def main(argv=None):
             step_sync()
             t0 = time.perf_counter()
             opt.zero_grad()
-            loss = F.cross_entropy(model(xb), yb)
-            loss.backward()
-            step_sync()
-            t1 = time.perf_counter()
-            opt.step()
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = F.cross_entropy(model(xb), yb)
+            if scaler is None:
+                loss.backward()
+                step_sync()
+                t1 = time.perf_counter()
+                opt.step()
+            else:                    # PyTorch's GradScaler loop, as in the README
+                scaler.scale(loss).backward()
+                step_sync()
+                t1 = time.perf_counter()
+                if args.launcher == "torchrun":
+                    scaler.step(opt)             # the hook already averaged
+                else:
+                    opt.synchronize()            # Horovod: exchange, then unscale
+                    scaler.unscale_(opt)
+                    with opt.skip_synchronize():
+                        scaler.step(opt)
+                scaler.update()
             step_sync()
             t2 = time.perf_counter()
             step_losses.append(loss.detach())      # read once per epoch, not per step
@@ -646,7 +678,8 @@ def main(argv=None):
                 writer.add_scalar("epoch/effective_compression", dense / sent, epoch + 1)
         if args.checkpoint:
             meta = {"epoch": epoch + 1, "global_step": global_step, "train_time": train_time,
-                    "time_to_target": time_to_target, "history": history, "args": vars(args)}
+                    "time_to_target": time_to_target, "history": history, "args": vars(args),
+                    "grad_scaler": scaler.state_dict() if scaler is not None else None}
             save_checkpoint(args.checkpoint, hvd, model, opt, compressor, meta,
                             keep_epoch=(epoch + 1) if args.keep_checkpoints else None)
         if stop:

@@ -4,6 +4,7 @@ graph; rebuilt buckets), every compressor trains with bitwise identical replicas
 no_sync accumulation, unused parameters, checkpoint/resume, Join, DGC momentum correction
 against a plain-torch replay, mismatched settings.
 See tests/workers/ddp_worker.py (one launch per world size runs every check)."""
+import json
 from pathlib import Path
 
 import pytest
@@ -57,10 +58,24 @@ def test_state_refuses_unsupported_settings():
     assert not dist.is_initialized()
 
 
-def test_train_script_under_torchrun():
-    """scripts/train.py --launcher torchrun: DDP + hvdsparse.ddp.hook, one epoch."""
+def test_train_script_under_torchrun(tmp_path):
+    """scripts/train.py --launcher torchrun (DDP + hvdsparse.ddp.hook) against the same
+    command under horovodrun, both with ``--amp fp16`` (GradScaler handed to hvdsparse)
+    and the default momentum-correction rule: the same figures, epoch by epoch -- the
+    two front doors share compressors, seeds and codec, and moving between launchers
+    does not change how gradients are compressed."""
+    from tests.hvdrun import run_horovod
     script = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
+    args = ["--compression", "topk", "--ratio", "0.05", "--epochs", "2", "--width", "64",
+            "--amp", "fp16", "--no-progress"]
     out = run_torchrun(script, nproc=2, timeout=300,
-                       args=["--launcher", "torchrun", "--compression", "topk",
-                             "--ratio", "0.05", "--epochs", "1"])
-    assert "epoch   1" in out and "vs dense fp32 allreduce" in out, out[-3000:]
+                       args=["--launcher", "torchrun", *args,
+                             "--json", str(tmp_path / "ddp.json")])
+    assert "epoch   2" in out and "vs dense fp32 allreduce" in out, out[-3000:]
+    run_horovod(script, np=2, timeout=300, args=[*args, "--json", str(tmp_path / "hvd.json")])
+    ddp = json.loads((tmp_path / "ddp.json").read_text())["summary"]
+    hvd = json.loads((tmp_path / "hvd.json").read_text())["summary"]
+    assert ddp["steps"] == hvd["steps"] > 0
+    for key in ("final_test_loss", "final_test_acc"):
+        assert ddp[key] == hvd[key], (key, ddp[key], hvd[key])
+    assert ddp["final_test_loss"] < 2.0, ddp["final_test_loss"]     # it trained

@@ -8,9 +8,10 @@ Two replicas of the same model train side by side on every rank:
 * B: no scaler, and step ``BAD`` never happens (the reference run that GradScaler's skip
   should be equivalent to).
 
-Run twice: TopK(0.1) (momentum correction off by the default rule) and TopK(0.05) (on:
-the velocity and the dense layers' momentum buffers must live in unscaled units too;
-SGD has weight decay, which a buffer in scaled units would divide by the loss scale).
+Run three times: TopK(0.1) (momentum correction off by the default rule), TopK(0.05)
+(on: the velocity and the dense layers' momentum buffers must live in unscaled units
+too; SGD has weight decay, which a buffer in scaled units would divide by the loss
+scale) and Slim-DP with a fixed ``c`` (its core choice must see the unscaled gradient).
 
 Checked after every step, independently of the code under test: A's and B's
 parameters and residuals are bitwise equal (residuals in unscaled units whatever the
@@ -43,11 +44,11 @@ class Net(nn.Module):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
 
 
-def build(scaler, ratio):
+def build(scaler, make_comp):
     torch.manual_seed(1234)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
-    comp = hvdsparse.TopK(ratio, exact=True)   # selection independent of the step seed
+    comp = make_comp()
     return model, comp, hvd.DistributedOptimizer(
         opt, named_parameters=model.named_parameters(), compression=comp,
         fusion_threshold=4096, grad_scaler=scaler)
@@ -64,15 +65,15 @@ def replicas_identical(model, tag):
     check(all(torch.equal(allp[0], allp[r]) for r in range(P)), f"replicas differ ({tag})")
 
 
-def run(ratio, tag):
-    """One A/B comparison; ``ratio`` 0.05 puts DGC momentum correction on (the default
-    rule for SGD momentum 0.9), 0.1 leaves it off."""
+def run(make_comp, tag, mc, steps=STEPS):
+    """One A/B comparison; ``mc``: DGC momentum correction expected on (the default
+    rule for SGD momentum 0.9)."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
-    mA, cA, oA = build(scaler, ratio)
-    mB, cB, oB = build(None, ratio)
+    mA, cA, oA = build(scaler, make_comp)
+    mB, cB, oB = build(None, make_comp)
     names = [n for n, _ in mA.named_parameters()]
 
-    for step in range(STEPS):
+    for step in range(steps):
         gen = torch.Generator().manual_seed(1000 * step + R)
         x = torch.randn(16, 24, generator=gen)
         y = torch.randint(0, 3, (16,), generator=gen)
@@ -116,10 +117,17 @@ def run(ratio, tag):
                 check(torch.equal(ra, rb), f"step {step}: residual of {n} differs from the "
                                             f"reference (units or rollback)")
 
-    check((oA.scheduler.local_update is not None) == (ratio <= 0.05),
-          f"{tag}: momentum correction {'off' if ratio <= 0.05 else 'on'}")
+    check((oA.scheduler.local_update is not None) == mc,
+          f"{tag}: momentum correction {'off' if mc else 'on'}")
 
 
-run(0.1, "plain")
-run(0.05, "momentum-correction")
+# TopK exact: the selection does not depend on the step seed (A's step counter is one
+# ahead of B's after the skipped step)
+run(lambda: hvdsparse.TopK(0.1, exact=True), "plain", mc=False)
+run(lambda: hvdsparse.TopK(0.05, exact=True), "momentum-correction", mc=True)
+# Slim-DP with a fixed c: its core (|w| + c |g|, re-chosen in after_exchange every 2
+# steps) must see the unscaled gradient. Steps before the overflow only: Slim-DP's
+# schedule is keyed by the step number, which a skipped step still uses up
+run(lambda: hvdsparse.SlimDP(alpha=0.3, beta=0.15, core_period=2, c=1.0, min_numel=256),
+    "slimdp", mc=False, steps=BAD)
 print(f"HVDSPARSE-OK rank={R}", flush=True)

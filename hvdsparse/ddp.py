@@ -77,7 +77,8 @@ identically.
 Non-finite gradients (NaN/Inf, counted per layer while compressing; nothing of them
 enters a residual; one small allgather per step gives every rank the same table):
 ``nonfinite="raise"`` (default): every rank raises ``FloatingPointError`` naming layers
-and ranks (on CUDA one step late, read without a stall). ``"propagate"``: element 0 of
+and ranks (on CUDA one step late, read without a stall, with the affected layers'
+gradients set to NaN meanwhile, as ``"propagate"`` does). ``"propagate"``: element 0 of
 every layer that held one on any rank becomes NaN in the averaged gradient on every
 rank, as DDP's dense allreduce of a NaN would, and training goes on (the optimizer
 decides). ``"skip"`` is refused: a comm hook cannot cancel the optimizer step; use
@@ -713,8 +714,9 @@ class State:
     def _nonfinite(self, items, results) -> Optional[torch.Tensor]:
         """One small allgather of every rank's per-layer non-finite counts (same table
         on every rank). ``raise``: CPU raises now, CUDA reads the table at the next
-        step without a stall. ``propagate``: element 0 of every flagged layer becomes
-        NaN in ``results`` on every rank (device ops, no read). Returns the per-layer
+        step without a stall. ``propagate`` (and ``raise`` on CUDA until the error is
+        raised): element 0 of every flagged layer becomes NaN in ``results`` on every
+        rank (device ops, no read). Returns the per-layer
         "flagged on some rank" vector (None with no layers)."""
         names = [n for it in items for n in it.names]
         counts = [pl.nonfinite for it in items for pl in it.payloads]
@@ -733,7 +735,9 @@ class State:
                 self._pending_reads.append(("nonfinite", self.step, HostReadout(table),
                                             names))
         flagged = table.sum(0) > 0
-        if self.nonfinite == "propagate":
+        # propagate; and raise on CUDA, whose error comes one step late: meanwhile the
+        # affected layers' gradients are NaN on every rank (as in the Horovod path)
+        if self.nonfinite == "propagate" or table.device.type != "cpu":
             j = 0
             for it, total in zip(items, results):
                 k = len(it.names)

@@ -765,16 +765,23 @@ class LayerScheduler:
 
     def _apply(self, name: str, g_flat: torch.Tensor, inv: Optional[torch.Tensor] = None):
         """Write the exchanged gradient ``g_flat`` (in GradScaler's scaled units when
-        ``inv`` = 1 / scale is given) into ``p.grad``. Dense-layer momentum (DGC) and
-        ``after_exchange`` (Slim-DP's core choice) work in unscaled units, like the
-        residuals: ``x * inv`` and ``x / inv`` are exact (a power of two)."""
+        ``inv`` = 1 / scale is given) into ``p.grad``. The local-gradient combination,
+        dense-layer momentum (DGC) and ``after_exchange`` (Slim-DP's core choice) work
+        in unscaled units, like the residuals and payloads: ``x * inv`` and ``x / inv``
+        are exact (a power of two)."""
         p = self.params[name]
         g = g_flat.view(p.shape)
         payload = self._payloads[name]
         if name not in self._frozen:
             if self.local is not None and p.grad is not None:
-                c = self.local.combine(name, g, p.grad, payload, self.compressor,
-                                       1.0 / self.world_size if self.average else 1.0)
+                s = 1.0 / self.world_size if self.average else 1.0
+                if inv is None:
+                    c = self.local.combine(name, g, p.grad, payload, self.compressor, s)
+                else:
+                    # the own payload ("partial") and the residual ("error") are in
+                    # unscaled units: combine there, back to the scaled units after
+                    c = self.local.combine(name, g * inv, p.grad * inv, payload,
+                                           self.compressor, s) / inv
             else:
                 c = g
             lu = self.local_update

@@ -8,10 +8,12 @@ Two replicas of the same model train side by side on every rank:
 * B: no scaler, and step ``BAD`` never happens (the reference run that GradScaler's skip
   should be equivalent to).
 
-Run three times: TopK(0.1) (momentum correction off by the default rule), TopK(0.05)
+Runs: TopK(0.1) (momentum correction off by the default rule), TopK(0.05)
 (on: the velocity and the dense layers' momentum buffers must live in unscaled units
 too; SGD has weight decay, which a buffer in scaled units would divide by the loss
-scale) and Slim-DP with a fixed ``c`` (its core choice must see the unscaled gradient).
+scale), Slim-DP with a fixed ``c`` (its core choice must see the unscaled gradient) and
+the three local-gradient modes (``partial`` / ``error`` combine with the own payload /
+the residual, which are in unscaled units).
 
 Checked after every step, independently of the code under test: A's and B's
 parameters and residuals are bitwise equal (residuals in unscaled units whatever the
@@ -44,14 +46,14 @@ class Net(nn.Module):
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
 
 
-def build(scaler, make_comp):
+def build(scaler, make_comp, **kw):
     torch.manual_seed(1234)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
     comp = make_comp()
     return model, comp, hvd.DistributedOptimizer(
         opt, named_parameters=model.named_parameters(), compression=comp,
-        fusion_threshold=4096, grad_scaler=scaler)
+        fusion_threshold=4096, grad_scaler=scaler, **kw)
 
 
 def check(cond, msg):
@@ -65,12 +67,12 @@ def replicas_identical(model, tag):
     check(all(torch.equal(allp[0], allp[r]) for r in range(P)), f"replicas differ ({tag})")
 
 
-def run(make_comp, tag, mc, steps=STEPS):
+def run(make_comp, tag, mc, steps=STEPS, **kw):
     """One A/B comparison; ``mc``: DGC momentum correction expected on (the default
     rule for SGD momentum 0.9)."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
-    mA, cA, oA = build(scaler, make_comp)
-    mB, cB, oB = build(None, make_comp)
+    mA, cA, oA = build(scaler, make_comp, **kw)
+    mB, cB, oB = build(None, make_comp, **kw)
     names = [n for n, _ in mA.named_parameters()]
 
     for step in range(steps):
@@ -105,7 +107,8 @@ def run(make_comp, tag, mc, steps=STEPS):
             oB.step()
             for (n, pa), pb in zip(mA.named_parameters(), mB.parameters()):
                 check(torch.equal(pa, pb), f"{tag} step {step}: {n} differs from the reference run")
-        replicas_identical(mA, f"{tag}.{step}")
+        if not kw.get("local_gradient"):      # local modes: replicas differ by design
+            replicas_identical(mA, f"{tag}.{step}")
         if step > BAD:
             # residual of the skipped step was rolled back when step BAD+1 opened
             for n in names:
@@ -130,4 +133,9 @@ run(lambda: hvdsparse.TopK(0.05, exact=True), "momentum-correction", mc=True)
 # schedule is keyed by the step number, which a skipped step still uses up
 run(lambda: hvdsparse.SlimDP(alpha=0.3, beta=0.15, core_period=2, c=1.0, min_numel=256),
     "slimdp", mc=False, steps=BAD)
+# local-gradient modes combine the exchanged gradient with the local one, the own
+# payload ("partial") or the residual ("error"): all in the same (unscaled) units
+for mode in ("sum", "partial", "error"):
+    run(lambda: hvdsparse.TopK(0.1, exact=True), f"local-{mode}", mc=False,
+        local_gradient=mode, sync_period=3)
 print(f"HVDSPARSE-OK rank={R}", flush=True)

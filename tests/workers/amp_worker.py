@@ -13,7 +13,7 @@ Runs: TopK(0.1) (momentum correction off by the default rule), TopK(0.05)
 too; SGD has weight decay, which a buffer in scaled units would divide by the loss
 scale), Slim-DP with a fixed ``c`` (its core choice must see the unscaled gradient) and
 the three local-gradient modes (``partial`` / ``error`` combine with the own payload /
-the residual, which are in unscaled units).
+the residual, which are in unscaled units), and the split / balanced exchanges.
 
 Checked after every step, independently of the code under test: A's and B's
 parameters and residuals are bitwise equal (residuals in unscaled units whatever the
@@ -138,4 +138,7 @@ run(lambda: hvdsparse.SlimDP(alpha=0.3, beta=0.15, core_period=2, c=1.0, min_num
 for mode in ("sum", "partial", "error"):
     run(lambda: hvdsparse.TopK(0.1, exact=True), f"local-{mode}", mc=False,
         local_gradient=mode, sync_period=3)
+# split / balanced: owners reduce; balanced hands back what it did not deliver
+for ex in ("split", "balanced"):
+    run(lambda: hvdsparse.TopK(0.05, exact=True), f"exchange-{ex}", mc=True, exchange=ex)
 print(f"HVDSPARSE-OK rank={R}", flush=True)

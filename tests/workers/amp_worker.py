@@ -13,7 +13,8 @@ Runs: TopK(0.1) (momentum correction off by the default rule), TopK(0.05)
 too; SGD has weight decay, which a buffer in scaled units would divide by the loss
 scale), Slim-DP with a fixed ``c`` (its core choice must see the unscaled gradient) and
 the three local-gradient modes (``partial`` / ``error`` combine with the own payload /
-the residual, which are in unscaled units), and the split / balanced exchanges.
+the residual, which are in unscaled units), the split / balanced exchanges, and
+``backward_passes_per_step=2`` (two scaled micro-batches accumulated, compressed once).
 
 Checked after every step, independently of the code under test: A's and B's
 parameters and residuals are bitwise equal (residuals in unscaled units whatever the
@@ -77,8 +78,9 @@ def run(make_comp, tag, mc, steps=STEPS, **kw):
 
     for step in range(steps):
         gen = torch.Generator().manual_seed(1000 * step + R)
-        x = torch.randn(16, 24, generator=gen)
-        y = torch.randint(0, 3, (16,), generator=gen)
+        passes = kw.get("backward_passes_per_step", 1)
+        xs = [torch.randn(16, 24, generator=gen) for _ in range(passes)]
+        ys = [torch.randint(0, 3, (16,), generator=gen) for _ in range(passes)]
 
         # A: the AMP recipe
         before = [p.detach().clone() for p in mA.parameters()]
@@ -87,9 +89,11 @@ def run(make_comp, tag, mc, steps=STEPS, **kw):
         handle = None
         if step == BAD and R == 1:
             handle = mA.fc1.weight.register_hook(lambda g: g * float("inf"))
-        scaler.scale(F.cross_entropy(mA(x), y)).backward()
-        if handle is not None:
-            handle.remove()
+        for x, y in zip(xs, ys):        # micro-batches accumulate (scaled) in p.grad
+            scaler.scale(F.cross_entropy(mA(x), y)).backward()
+            if handle is not None:
+                handle.remove()
+                handle = None
         oA.synchronize()
         scaler.unscale_(oA)
         with oA.skip_synchronize():
@@ -103,7 +107,8 @@ def run(make_comp, tag, mc, steps=STEPS, **kw):
         else:
             # B: plain hvdsparse, never sees step BAD
             oB.zero_grad()
-            F.cross_entropy(mB(x), y).backward()
+            for x, y in zip(xs, ys):
+                F.cross_entropy(mB(x), y).backward()
             oB.step()
             for (n, pa), pb in zip(mA.named_parameters(), mB.parameters()):
                 check(torch.equal(pa, pb), f"{tag} step {step}: {n} differs from the reference run")
@@ -141,4 +146,7 @@ for mode in ("sum", "partial", "error"):
 # split / balanced: owners reduce; balanced hands back what it did not deliver
 for ex in ("split", "balanced"):
     run(lambda: hvdsparse.TopK(0.05, exact=True), f"exchange-{ex}", mc=True, exchange=ex)
+# gradient accumulation: two scaled backward passes per step, compressed once
+run(lambda: hvdsparse.TopK(0.05, exact=True), "accumulate-2", mc=True,
+    backward_passes_per_step=2)
 print(f"HVDSPARSE-OK rank={R}", flush=True)

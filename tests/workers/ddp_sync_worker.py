@@ -133,8 +133,12 @@ def main():
     for (phase, site), n in sorted(det.fresh.items()):
         emit("FRESH", dict(rank=rank, phase=phase, site=site, n=n))
     out.close()
-    dist.destroy_process_group()
+    # end as ddp_worker does: the interpreter's teardown with Gloo / DDP threads alive
+    # aborted once ("terminate called without an active exception", after both OKs)
+    dist.barrier()
     print(f"HVDSPARSE-OK rank={rank}", flush=True)
+    dist.destroy_process_group()
+    os._exit(0)
 
 
 if __name__ == "__main__":

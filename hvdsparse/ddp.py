@@ -127,6 +127,7 @@ from typing import Dict, List, Optional
 import torch
 
 from . import codec
+from .compressors.base import inverse_loss_scale
 from .exchange import BucketSpec, BufferPool, ExchangeContext, HostReadout, cost_model
 from .exchange import launch as launch_exchange
 from .exchange.split import pair_dtype
@@ -582,7 +583,7 @@ class State:
             if self.local_update is not None:
                 self.local_update.begin_step()
             self._txn_open = self.grad_scaler is not None
-            self._inv = self._inv_scale(buf.device)
+            self._inv = inverse_loss_scale(self.grad_scaler, buf.device)
         if buf.is_sparse or any(g.is_sparse for g in bucket.gradients()):
             raise NotImplementedError("hvdsparse.ddp: sparse gradients are not supported")
         names = self._names(params)
@@ -671,7 +672,7 @@ class State:
         elif flagged.device.type == "cpu":
             self._close_txn(commit=not flagged.numpy().any())   # host memory: no sync
         else:                                     # CUDA: decided when the next step opens
-            self._txn_readout = (self.step, HostReadout(flagged.any().view(1)))
+            self._txn_readout = HostReadout(flagged.any().view(1))
         if self._error_flag is not None:
             self._pending_reads.append(("error", self.step, HostReadout(self._error_flag),
                                         None))
@@ -750,17 +751,6 @@ class State:
         return flagged
 
     # ------------------------------------------------------------------ transactions
-    def _inv_scale(self, device) -> Optional[torch.Tensor]:
-        """``1 / loss scale`` of ``grad_scaler`` as a device tensor (a power of two:
-        exact), or None (no scaler, disabled, or not initialised by ``scale()`` yet)."""
-        sc = self.grad_scaler
-        if sc is None or not sc.is_enabled():
-            return None
-        scale = getattr(sc, "_scale", None)
-        if scale is None:
-            return None
-        return torch.reciprocal(scale.float()).to(device)
-
     def _close_txn(self, commit: bool):
         """Commit (keep) or roll back the compressor's and the local update's step."""
         self._txn_open = False
@@ -780,8 +770,7 @@ class State:
         non-finite flag (copied to the host without a stall one step ago)."""
         if self._txn_readout is None:
             return
-        _, reader = self._txn_readout
-        self._txn_readout = None
+        reader, self._txn_readout = self._txn_readout, None
         self._close_txn(commit=not int(reader.get()[0]))
 
 

@@ -84,6 +84,7 @@ from . import codec
 from .exchange import ExchangeContext, BucketSpec, launch as launch_exchange
 from .exchange import cost_model
 from .exchange.base import BufferPool, HostReadout
+from .compressors.base import Compressor, inverse_loss_scale
 from .exchange.split import pair_dtype
 from .settings import ExchangeSettings, differences
 from .stats import add_totals, empty_totals
@@ -173,6 +174,7 @@ class LayerScheduler:
         self.local = local
         self.fingerprint = fingerprint if fingerprint is not None else {}
         self.grad_scaler = grad_scaler
+        self._inv: Optional[torch.Tensor] = None   # this step's 1 / loss scale
         self.local_update = local_update        # hvdsparse.momentum.LocalUpdate or None
         self.nonfinite = settings.nonfinite
         if grad_scaler is not None and settings.nonfinite == "raise":
@@ -230,7 +232,6 @@ class LayerScheduler:
             self._after_takes_param = "param" in sig
         except (TypeError, ValueError):
             self._after_takes_param = False
-        from .compressors.base import Compressor
         # only a compressor that overrides after_exchange needs the unscaled gradient
         self._has_after = getattr(type(compressor), "after_exchange", None) is not \
             Compressor.after_exchange
@@ -351,23 +352,21 @@ class LayerScheduler:
         for pend in self._inflight.values():
             pend.advance()
 
-    def _grad_scale(self) -> Optional[torch.Tensor]:
-        """1 / loss scale as a device tensor (a power of two: exact), or None."""
-        sc = self.grad_scaler
-        if sc is None or not sc.is_enabled():
+    def _grad_scale(self, device) -> Optional[torch.Tensor]:
+        """1 / loss scale on ``device`` (``inverse_loss_scale``), or None; computed once
+        per step (the scale changes only in ``scaler.update()``, after the step)."""
+        if self.grad_scaler is None:
             return None
-        scale = sc._scale if getattr(sc, "_scale", None) is not None else None
-        if scale is None:
-            return None
-        return torch.reciprocal(scale.float())
+        inv = self._inv
+        if inv is None or inv.device != device:
+            inv = self._inv = inverse_loss_scale(self.grad_scaler, device)
+        return inv
 
     def _compress(self, name: str):
         p = self.params[name]
         t0 = time.perf_counter()
         kw = {}
-        inv = self._grad_scale()
-        if inv is not None:
-            inv = inv.to(p.grad.device)
+        inv = self._grad_scale(p.grad.device)
         grad, nonfinite, lu = p.grad, None, self.local_update
         with torch.no_grad():
             if lu is not None and lu.wants(name):
@@ -638,9 +637,8 @@ class LayerScheduler:
         skip = self._apply_nonfinite_policy(table, totals)
         if not skip:
             for spec, total in zip(self._specs, totals):
-                inv = self._grad_scale() if self.grad_scaler is not None else None
+                inv = self._grad_scale(total.device)
                 if inv is not None:   # back to the scaled units GradScaler expects
-                    inv = inv.to(total.device)
                     total.div_(inv)
                 for name, view in zip(spec.names, spec.views(total)):
                     self._apply(name, view, inv)
@@ -669,6 +667,7 @@ class LayerScheduler:
         self._ready_count = [0] * len(self._specs)
         self._delay = {n: self.backward_passes_per_step for n in self.params}
         self._t_compress = 0.0
+        self._inv = None
         self._dirty = False
         self._clear_events = True
 

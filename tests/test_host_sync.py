@@ -183,6 +183,18 @@ def _parse(out: str, tag: str):
     return rows
 
 
+def _combo_problems(name: str, c: dict) -> list:
+    """What one worker's COMBO record shows wrong: replicas not identical after the
+    steps, or no hvdsparse op seen in backward (the hooks ran outside the detector)."""
+    out = []
+    if not c["replicas_equal"]:
+        out.append(f"{name}: replicas differ after the steps")
+    if c["hvd_ops"].get("backward", 0) == 0:
+        out.append(f"{name}: no hvdsparse op seen in backward (hooks not under the "
+                   f"detector?)")
+    return out
+
+
 def test_whole_steps_np2():
     pytest.importorskip("horovod.torch", reason="Horovod not installed: run scripts/setup_env.sh")
     from tests.hvdrun import run_horovod
@@ -197,11 +209,7 @@ def test_whole_steps_np2():
         if missing:
             problems.append(f"rank {r} did not run {sorted(missing)}")
         for name, c in seen.items():
-            if not c["replicas_equal"]:
-                problems.append(f"{name}: replicas differ after the steps")
-            if c["hvd_ops"].get("backward", 0) == 0:
-                problems.append(f"{name}: no hvdsparse op seen in backward (hooks not "
-                                f"under the detector?)")
+            problems += _combo_problems(name, c)
     # positive control: a compressor that calls .item() inside the hooks is caught there
     ctl_line = next(i for i, line in enumerate(WORKER.read_text().splitlines(), 1)
                     if line.rstrip().endswith("# [control-sync]"))
@@ -300,11 +308,7 @@ def test_ddp_hook_steps_np2(tmp_path):
         if set(seen) != names:
             problems.append(f"rank {r} ran {sorted(seen)}, not {sorted(names)}")
         for name, c in seen.items():
-            if not c["replicas_equal"]:
-                problems.append(f"{name}: replicas differ after the steps")
-            if c["hvd_ops"].get("backward", 0) == 0:
-                problems.append(f"{name}: no hvdsparse op seen in backward (hook not under "
-                                f"the detector?)")
+            problems += _combo_problems(name, c)
             if c["steps"] != STEPS:
                 problems.append(f"{name}: hook step counter {c['steps']} != {STEPS}")
             if name.split("/")[0] in ("TopK", "Threshold", "AdaComp") and not c["momentum"]:

@@ -227,6 +227,20 @@ def _snap_state(x):
     return x
 
 
+def inverse_loss_scale(grad_scaler, device) -> Optional[torch.Tensor]:
+    """``1 / scale`` of a ``torch.amp.GradScaler`` as the ``grad_scale`` that
+    ``compress`` takes (fp32, on ``device``; a power of two, so multiplying by it is
+    exact), or None: no scaler, a disabled one, or one whose scale ``scale()`` has not
+    created yet. Device ops only (no host read). Both front doors call it once per
+    step."""
+    if grad_scaler is None or not grad_scaler.is_enabled():
+        return None
+    scale = getattr(grad_scaler, "_scale", None)
+    if scale is None:
+        return None
+    return torch.reciprocal(scale.float()).to(device)
+
+
 def _check_grad_scale(name, grad_scale, device):
     """``grad_scale``: None or a 1-element fp32 tensor on the gradient's device (checked
     from metadata only: no host sync)."""

@@ -27,7 +27,7 @@ import time
 import torch
 
 from tests.workers.sync_worker import (HostSyncDetector, ReadoutRecorder,
-                                       control_compressor, make_model)
+                                       control_compressor, make_model, tag_new)
 
 STEPS = 3
 
@@ -109,13 +109,8 @@ def main():
                 else:
                     opt.step()
                 det.phase = None
-                for r in det.records[n_rec:]:
-                    r.setdefault("combo", combo)
-                    r.setdefault("step", step)
-                for r in readouts.records[n_ro:]:
-                    r.setdefault("combo", combo)
-                    r.setdefault("step", step)
-                n_rec, n_ro = len(det.records), len(readouts.records)
+                n_rec = tag_new(det.records, n_rec, combo=combo, step=step)
+                n_ro = tag_new(readouts.records, n_ro, combo=combo, step=step)
         sums = [None] * dist.get_world_size()
         dist.all_gather_object(sums, [float(p.detach().double().sum())
                                       for p in net.parameters()])

@@ -291,6 +291,15 @@ class ReadoutRecorder:
 
 # ---------------------------------------------------------------------------- worker
 
+def tag_new(records: list, start: int, **tags) -> int:
+    """Label the records appended since index ``start`` (``setdefault``: a record keeps
+    what it already has); returns the new length, the next call's ``start``."""
+    for r in records[start:]:
+        for k, v in tags.items():
+            r.setdefault(k, v)
+    return len(records)
+
+
 STEPS = 3
 EXCHANGES = ("allgather", "split", "dense", "auto")
 
@@ -370,13 +379,8 @@ def main():
                     det.phase = "step"
                     opt.step()
                     det.phase = None
-                    for r in det.records[n_rec:]:
-                        r.setdefault("combo", combo)
-                        r.setdefault("step", step)
-                    for r in readouts.records[n_ro:]:
-                        r.setdefault("combo", combo)
-                        r.setdefault("step", step)
-                    n_rec, n_ro = len(det.records), len(readouts.records)
+                    n_rec = tag_new(det.records, n_rec, combo=combo, step=step)
+                    n_ro = tag_new(readouts.records, n_ro, combo=combo, step=step)
             # the exchange really ran: replicas identical after the steps
             sums = hvd.allgather_object([float(p.detach().double().sum())
                                          for p in model.parameters()], name=f"chk.{combo}")

@@ -150,31 +150,19 @@ class _Layout:
     """Per bucket layout (keyed by its parameter names): the spec and the cost model's
     history."""
 
-    __slots__ = ("spec", "pairs", "reduced", "deferred", "nonempty", "_nan_index")
+    __slots__ = ("spec", "pairs", "reduced", "deferred", "_first")
 
     def __init__(self, spec: BucketSpec):
         self.spec = spec
         self.pairs: Optional[float] = None
         self.reduced: Optional[int] = None
         self.deferred = None           # DeferredFigures of the previous exchange (CUDA)
-        # nonfinite="propagate": the first element of every non-empty layer
-        self.nonempty = [j for j, k in enumerate(spec.numels) if k > 0]
-        self._nan_index: Optional[torch.Tensor] = None
+        self._first = None             # spec.first_elements(), for NaN marking
 
-    def nan_flags(self, flagged: torch.Tensor) -> torch.Tensor:
-        """This bucket's slice of the per-layer flags, non-empty layers only."""
-        if len(self.nonempty) == len(self.spec.numels):
-            return flagged
-        return flagged[torch.tensor(self.nonempty, dtype=torch.long, device=flagged.device)]
-
-    def nan_index(self, device) -> Optional[torch.Tensor]:
-        if not self.nonempty:
-            return None
-        if self._nan_index is None or self._nan_index.device != torch.device(device):
-            self._nan_index = torch.tensor(
-                [o for o, k in zip(self.spec.offsets, self.spec.numels) if k > 0],
-                dtype=torch.long, device=device)
-        return self._nan_index
+    def mark_nan(self, flat: torch.Tensor, flags: torch.Tensor) -> None:
+        if self._first is None or self._first.device != flat.device:
+            self._first = self.spec.first_elements(flat.device)
+        self.spec.mark_nan(flat, flags, self._first)
 
 
 class _InFlight:
@@ -741,13 +729,8 @@ class State:
         if self.nonfinite == "propagate" or table.device.type != "cpu":
             j = 0
             for it, total in zip(items, results):
-                k = len(it.names)
-                idx = it.layout.nan_index(total.device)
-                if idx is not None:
-                    f = it.layout.nan_flags(flagged[j:j + k]).to(total.device)
-                    total.index_copy_(0, idx, torch.where(
-                        f, torch.full_like(total[idx], float("nan")), total[idx]))
-                j += k
+                it.layout.mark_nan(total, flagged[j:j + len(it.names)])
+                j += len(it.names)
         return flagged
 
     # ------------------------------------------------------------------ transactions

@@ -198,7 +198,7 @@ class LayerScheduler:
         self._dense_order: List[str] = []
         self._history: List[_BucketHistory] = []
         self._buffers = BufferPool()     # exchange buffers reused step to step
-        self._nan_index: List[torch.Tensor] = []   # per bucket: its layers' first elements
+        self._nan_index: List[Optional[torch.Tensor]] = []   # per bucket: first elements
         self._delay = {n: self.backward_passes_per_step for n in self.params}
         self._payloads: Dict[str, object] = {}
         self._sparse_handles: Dict[str, object] = {}
@@ -528,8 +528,7 @@ class LayerScheduler:
         self._history = [_BucketHistory() for _ in self.plan]
         self._restore_history()
         dev = self._device()
-        self._nan_index = [torch.tensor(spec.offsets, dtype=torch.long, device=dev)
-                           for spec in self._specs]
+        self._nan_index = [spec.first_elements(dev) for spec in self._specs]
         self._ready_count = [0] * len(self.plan)
 
     # ------------------------------------------------------------------ step
@@ -747,10 +746,8 @@ class LayerScheduler:
         rank, as a dense allreduce of a NaN would), device-side."""
         j = 0
         for spec, total, idx in zip(self._specs, totals, self._nan_index):
-            f = flagged[j:j + len(spec.names)].to(total.device)
+            spec.mark_nan(total, flagged[j:j + len(spec.names)], idx)
             j += len(spec.names)
-            total.index_copy_(0, idx, torch.where(
-                f, torch.full_like(total[idx], float("nan")), total[idx]))
 
     # ------------------------------------------------------------------ writing p.grad
     def _finish_sparse(self, write: bool = True):

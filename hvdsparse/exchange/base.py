@@ -70,6 +70,34 @@ class BucketSpec:
         """Per-layer 1-D views into a flat bucket vector."""
         return [flat[o:o + n] for o, n in zip(self.offsets, self.numels)]
 
+    def nonempty_layers(self) -> List[int]:
+        """Positions (in ``names``) of the layers with at least one element."""
+        return [j for j, n in enumerate(self.numels) if n > 0]
+
+    def first_elements(self, device) -> Optional[torch.Tensor]:
+        """int64 bucket offsets of the non-empty layers' first elements on ``device``
+        (for :meth:`mark_nan`; build once per bucket layout), None if all are empty."""
+        keep = self.nonempty_layers()
+        if not keep:
+            return None
+        return torch.tensor([self.offsets[j] for j in keep], dtype=torch.long,
+                            device=device)
+
+    def mark_nan(self, flat: torch.Tensor, flags: torch.Tensor,
+                 first: Optional[torch.Tensor]) -> None:
+        """Element 0 of every layer whose ``flags`` entry (bool, one per layer in
+        ``names`` order) is set becomes NaN in the flat bucket vector ``flat``, as a
+        dense allreduce of a NaN would make it; empty layers have no element to mark.
+        ``first``: :meth:`first_elements` on ``flat``'s device. Device ops only."""
+        if first is None:
+            return
+        keep = self.nonempty_layers()
+        f = flags.to(flat.device)
+        if len(keep) != len(self.numels):
+            f = f[torch.tensor(keep, dtype=torch.long, device=flat.device)]
+        flat.index_copy_(0, first, torch.where(
+            f, torch.full_like(flat[first], float("nan")), flat[first]))
+
 
 @dataclass
 class ExchangeContext:

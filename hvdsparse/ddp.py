@@ -653,10 +653,8 @@ class State:
                 it.future.set_result(total)
             else:
                 it.future.set_result(it.buffer.copy_(total))
-        if not self._txn_open:
+        if not self._txn_open or flagged is None:   # no scaler, or no layer compared
             self._close_txn(commit=True)
-        elif flagged is None:
-            self._close_txn(commit=True)          # nothing compared: nothing to skip
         elif flagged.device.type == "cpu":
             self._close_txn(commit=not flagged.numpy().any())   # host memory: no sync
         else:                                     # CUDA: decided when the next step opens

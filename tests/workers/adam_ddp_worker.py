@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hvdsparse
 import hvdsparse.ddp
 from tests.workers.adam_replay import AdamReplay, adacomp, topk_exact
+from tests.workers.torchrun_exit import finish
 
 dist.init_process_group("gloo")
 R, P = dist.get_rank(), dist.get_world_size()
@@ -104,6 +105,4 @@ for step in range(3, 6):
     step_once(net2, model2, opt2, step)
 for (n, a), b in zip(net.named_parameters(), net2.parameters()):
     check(torch.equal(a, b), f"resume: {n} differs from the uninterrupted run")
-print(f"HVDSPARSE-OK rank={R}", flush=True)
-dist.barrier()
-dist.destroy_process_group()
+finish(R)

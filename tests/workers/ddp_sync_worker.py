@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from tests.workers.torchrun_exit import finish
 from tests.workers.sync_worker import (HostSyncDetector, ReadoutRecorder,
                                        control_compressor, make_model, tag_new)
 
@@ -128,12 +129,7 @@ def main():
     for (phase, site), n in sorted(det.fresh.items()):
         emit("FRESH", dict(rank=rank, phase=phase, site=site, n=n))
     out.close()
-    # end as ddp_worker does: the interpreter's teardown with Gloo / DDP threads alive
-    # aborted once ("terminate called without an active exception", after both OKs)
-    dist.barrier()
-    print(f"HVDSPARSE-OK rank={rank}", flush=True)
-    dist.destroy_process_group()
-    os._exit(0)
+    finish(rank)
 
 
 if __name__ == "__main__":

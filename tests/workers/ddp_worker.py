@@ -28,7 +28,6 @@ one launch. Each rank draws its own data (seeded by step and rank). Checks:
 
 Prints ``HVDSPARSE-OK rank=<r>``.
 """
-import os
 import sys
 import time
 
@@ -40,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hvdsparse
 import hvdsparse.ddp
+from tests.workers.torchrun_exit import finish
 
 dist.init_process_group("gloo")
 R, P = dist.get_rank(), dist.get_world_size()
@@ -629,6 +629,4 @@ if __name__ == "__main__":
         dist.barrier()
         if R == 0:
             print(f"passed {fn.__name__} ({time.perf_counter() - t0:.1f} s)", flush=True)
-    print(f"HVDSPARSE-OK rank={R}", flush=True)
-    dist.destroy_process_group()
-    os._exit(0)
+    finish(R)

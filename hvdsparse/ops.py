@@ -44,7 +44,7 @@ __all__ = [
     "residual_add", "residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
     "sign_unpack", "scatter_add_decode", "philox_uniform", "use_triton", "pack_bits",
     "unpack_bits", "row_threshold_kernel", "row_threshold_max_d", "count_abs_ge",
-    "has_cpu_path", "binned_select", "select_if_in_range",
+    "has_cpu_path", "binned_select", "select_if_in_range", "refine_topk_threshold",
 ]
 
 _KERNELS = None
@@ -159,6 +159,57 @@ def count_abs_ge(x: torch.Tensor, threshold: torch.Tensor, *, same_as=None,
     ge = torch.ge(a, threshold, out=mask_out) if mask_out is not None else a >= threshold
     # count_nonzero, not bool .sum(): the latter is ~7x slower on CPU (int64 cast)
     return torch.count_nonzero(ge).to(torch.float32)
+
+
+def refine_topk_threshold(acc: torch.Tensor, v: torch.Tensor, k: int, capacity: int,
+                          r0: int, rounds: int, *, counts: Optional[torch.Tensor] = None
+                          ) -> torch.Tensor:
+    """TopK's threshold refinement (plain definition: :func:`hvdsparse.oracle.
+    refine_topk_threshold`): ``rounds`` counting passes of ``|acc| >= t`` over the layer,
+    each moving ``t`` along ``v`` (the sample's largest magnitudes, descending) unless
+    the count is in ``[k, capacity]``. Returns a 0-d fp32 device tensor, no host sync.
+    Triton: one launch per round plus one (``kernels/refine.py``; ``counts`` an optional
+    int32[>= rounds] scratch). Elsewhere: the same rule as device ops (``abs`` once,
+    then ~14 small ops per round)."""
+    if not isinstance(acc, torch.Tensor) or acc.dim() != 1 or acc.dtype != torch.float32:
+        raise ValueError(f"refine_topk_threshold: acc must be a 1-D fp32 tensor, got "
+                         f"{getattr(acc, 'dtype', type(acc))} of shape "
+                         f"{tuple(getattr(acc, 'shape', ()))}")
+    if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.dtype != torch.float32 \
+            or v.device != acc.device or v.numel() == 0:
+        raise ValueError("refine_topk_threshold: v must be a non-empty 1-D fp32 tensor on "
+                         "acc's device")
+    m = v.numel()
+    if not (1 <= int(r0) <= m):
+        raise ValueError(f"refine_topk_threshold: r0 must be in [1, {m}], got {r0!r}")
+    if not (0 <= int(k) <= int(capacity)):
+        raise ValueError(f"refine_topk_threshold: need 0 <= k <= capacity, got k={k}, "
+                         f"capacity={capacity}")
+    if not (0 <= int(rounds) <= 16):
+        raise ValueError(f"refine_topk_threshold: rounds must be in [0, 16], got {rounds}")
+    if use_triton(acc):
+        if acc.numel() >= 2**31 or m >= 2**22:
+            raise ValueError(f"refine_topk_threshold: acc has {acc.numel()} elements and v "
+                             f"{m}; the kernel counts in int32 (< 2**31) and needs "
+                             f"m < 2**22")
+        return _kernels().refine_topk_threshold(acc.contiguous(), v.contiguous(), int(k),
+                                                int(capacity), int(r0), int(rounds),
+                                                counts=counts)
+    target = 0.5 * (k + capacity)
+    t = v[r0 - 1]
+    r = torch.full((), float(r0), dtype=torch.float32, device=acc.device)
+    a = acc.abs() if rounds > 0 else None
+    for _ in range(rounds):
+        # count_nonzero, not bool .sum(): the latter is ~7x slower on CPU (int64 cast)
+        c = torch.count_nonzero(a >= t).to(torch.float32)
+        ok = (c >= k) & (c <= capacity)
+        r_new = (r * target / c.clamp_min(1.0)).round().clamp(1.0, float(m))
+        # index_select with a 1-element tensor: indexing with a 0-d tensor would be
+        # treated as a Python int (a host sync on CUDA)
+        t_new = v.index_select(0, (r_new - 1).to(torch.long).reshape(1)).reshape(())
+        t = torch.where(ok, t, t_new)
+        r = torch.where(ok, r, r_new)
+    return t.clamp_min(float(torch.finfo(torch.float32).tiny))
 
 
 def has_cpu_path(t: torch.Tensor) -> bool:

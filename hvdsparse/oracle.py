@@ -196,6 +196,29 @@ def row_threshold(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     return cols, mask
 
 
+def refine_topk_threshold(acc: torch.Tensor, v: torch.Tensor, k: int, capacity: int,
+                          r0: int, rounds: int) -> torch.Tensor:
+    """TopK's threshold refinement. ``v``: the ``m`` largest ``|sample|``, descending;
+    ``target = (k + capacity) / 2``; start at sample rank ``r = r0``, ``t = v[r - 1]``;
+    each round counts ``c = #{|acc| >= t}`` and, unless ``k <= c <= capacity``, moves
+    to ``r = clamp(round(r * target / max(c, 1)), 1, m)`` (round half to even),
+    ``t = v[r - 1]``. Returns ``max(t, smallest normal fp32)``, 0-d fp32. Every value
+    is an fp32 tensor, so each product and quotient is one fp32 rounding."""
+    one = torch.tensor(1.0, dtype=torch.float32)
+    target = torch.tensor(0.5 * (k + capacity), dtype=torch.float32)
+    kf = torch.tensor(float(k), dtype=torch.float32)
+    capf = torch.tensor(float(capacity), dtype=torch.float32)
+    r = torch.tensor(float(r0), dtype=torch.float32)
+    t = v[r0 - 1].clone()
+    for _ in range(rounds):
+        c = (acc.abs() >= t).sum().to(torch.float32)
+        if bool(c >= kf) and bool(c <= capf):
+            continue
+        r = torch.round(r * target / torch.maximum(c, one)).clamp(1.0, float(v.numel()))
+        t = v[int(r) - 1].clone()
+    return torch.maximum(t, torch.tensor(torch.finfo(torch.float32).tiny))
+
+
 __all__: List[str] = ["philox_uint32", "philox_uniform", "residual_add_binmax",
                       "select_compact", "quantize", "pack", "unpack", "dequantize",
-                      "scatter_add_decode", "row_threshold"]
+                      "scatter_add_decode", "row_threshold", "refine_topk_threshold"]

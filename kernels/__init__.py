@@ -11,6 +11,8 @@ from .select import select_compact
 from .quantize import quantize_pack, dequantize_unpack, sign_unpack, philox_uniform
 from .scatter import scatter_add_decode
 from . import rowthreshold
+from .refine import refine_topk_threshold
 
 __all__ = ["residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
-           "sign_unpack", "philox_uniform", "scatter_add_decode", "rowthreshold"]
+           "sign_unpack", "philox_uniform", "scatter_add_decode", "rowthreshold",
+           "refine_topk_threshold"]

@@ -17,7 +17,9 @@ What it does (the engine of ``tests/test_compile_offline.py``):
 3. Inspects the result and writes a JSON report: compile errors, registers, spill bytes,
    grid sizes, 128-bit global loads (``ld.global.v4``) in the PTX, atomic semantics
    (every ``atom``/``red`` relaxed, no ``fence``), FMA instructions where a product
-   feeds a sum (``fma.rn.f32`` must not appear in the no-contraction kernels), and the
+   feeds a sum (``fma.rn.f32`` must not appear in the no-contraction kernels), fp32
+   divisions that are not IEEE-rounded (``div.full`` / ``div.approx`` / ``rcp.approx``
+   must not appear there either), and the
    integer width of every tensor pointer offset in the Triton IR (``tt.addptr`` with
    ``i32`` offsets would overflow past 2**31 bytes/elements).
 
@@ -62,15 +64,19 @@ K = ops._kernels()
 KERNELS = [("residual", "_residual_tile_kernel"), ("residual", "_residual_flat_kernel"),
            ("select", "_select_compact_kernel"), ("quantize", "_quantize_pack_kernel"),
            ("quantize", "_unpack_kernel"), ("quantize", "_philox_uniform_kernel"),
-           ("scatter", "_scatter_row_kernel"), ("rowthreshold", "_row_threshold_kernel")]
+           ("scatter", "_scatter_row_kernel"), ("rowthreshold", "_row_threshold_kernel"),
+           ("refine", "_refine_count_kernel"), ("refine", "_refine_final_kernel")]
 #: kernels that stream over a whole layer: grid >= 1000 programs at 25M elements, and
 #: 128-bit loads of aligned fp32 inputs
 STREAMING = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
+             "_refine_count_kernel",
              "_quantize_pack_kernel", "_unpack_kernel", "_philox_uniform_kernel"}
 VECTOR_LOADS = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
+                "_refine_count_kernel",
                 "_quantize_pack_kernel"}
 #: kernels where a product feeds a sum and the math says two roundings
-NO_FMA = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel"}
+NO_FMA = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
+          "_refine_count_kernel", "_refine_final_kernel"}
 BIG = 25_000_000
 
 RECORDS: list = []
@@ -261,9 +267,38 @@ def _inspect(ptx: str, ttir: str) -> dict:
         nonrelaxed_atomics=sorted({a for a in atoms if ".relaxed" not in a}),
         fences=sorted(set(re.findall(r"\b(fence\.[\w.]+|membar\.[\w.]+)", ptx))),
         fma_f32=len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
+        # fp32 division that is not IEEE round-to-nearest (Triton's plain ``/`` may
+        # lower to div.full.f32, ~2 ulp): the kernels whose math is exact use div_rn
+        approx_div_f32=len(re.findall(r"\b(?:div\.(?:approx|full)(?:\.ftz)?\.f32|"
+                                      r"rcp\.approx(?:\.ftz)?\.f32)\b", ptx)),
         i32_tensor_offsets=sorted(set(re.findall(
             r"tt\.addptr [^:]*: tensor<[0-9x]+x!tt\.ptr<\w+>>, tensor<[0-9x]+xi32>", ttir))),
     )
+
+
+def _controls() -> dict:
+    """Positive controls of the PTX inspection: a kernel with a plain fp32 ``/`` must be
+    reported as approximate division (Triton lowers it to ``div.full.f32``), the same
+    with ``tl.math.div_rn`` must not. Proves the check can fail."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def plain_div(x_ptr, y_ptr, o_ptr):
+        tl.store(o_ptr, tl.load(x_ptr) / tl.load(y_ptr))
+
+    @triton.jit
+    def rn_div(x_ptr, y_ptr, o_ptr):
+        tl.store(o_ptr, tl.math.div_rn(tl.load(x_ptr), tl.load(y_ptr)))
+
+    sig = {"x_ptr": "*fp32", "y_ptr": "*fp32", "o_ptr": "*fp32"}
+    out = {}
+    for fn in (plain_div, rn_div):
+        k = triton.compile(ASTSource(fn, sig, {}), target=GPUTarget("cuda", 80, 32))
+        out[fn.__name__] = _inspect(k.asm["ptx"], k.asm["ttir"])["approx_div_f32"]
+    return out
 
 
 def compile_all(full: bool, ccs=(80, 90)) -> dict:
@@ -322,6 +357,7 @@ def compile_all(full: bool, ccs=(80, 90)) -> dict:
     return dict(full=full, triton=triton.__version__, torch=torch.__version__,
                 drive_seconds=round(t_drive, 1), total_seconds=round(time.time() - t0, 1),
                 errors=errors, launches=launches, specializations=out,
+                controls=_controls(),
                 streaming=sorted(STREAMING), vector_loads=sorted(VECTOR_LOADS),
                 no_fma=sorted(NO_FMA), big=BIG)
 

@@ -15,10 +15,11 @@ asserted here:
 * 128-bit global loads (``ld.global.v4``) in the streaming kernels whose fp32 inputs
   are aligned (layer sizes divisible by 16);
 * every atomic relaxed and no fence anywhere;
-* no ``fma.rn.f32`` in the kernels whose math is two separate roundings;
+* no ``fma.rn.f32`` in the kernels whose math is two separate roundings, and no
+  approximate fp32 division (``div.full`` / ``div.approx``) there either;
 * every tensor pointer offset in the Triton IR is 64-bit.
 
-Default: a representative subset (46 specialisations; about 40 s with a cold cache on
+Default: a representative subset (54 specialisations; about 40 s with a cold cache on
 2 cores, 10-15 s warm; the cache is ``~/.cache/hvdsparse/triton`` unless
 ``TRITON_CACHE_DIR`` is set). The full matrix (every compressor, encoding and bucket)
 runs with ``HVDSPARSE_COMPILE_FULL=1``.
@@ -59,7 +60,8 @@ def test_every_launch_binds_and_compiles(report):
     assert kinds >= {"_residual_flat_kernel", "_residual_tile_kernel",
                      "_select_compact_kernel", "_quantize_pack_kernel", "_unpack_kernel",
                      "_scatter_row_kernel", "_row_threshold_kernel",
-                     "_philox_uniform_kernel"}, kinds
+                     "_philox_uniform_kernel", "_refine_count_kernel",
+                     "_refine_final_kernel"}, kinds
     bad = [(s["kernel"], s["cc"], s.get("error")) for s in report["specializations"]
            if not s["ok"]]
     assert not bad, bad
@@ -85,18 +87,22 @@ def test_grids(report):
 
 
 def test_vector_loads_on_aligned_fp32(report):
-    """On the 25M-element layer (5000 x 5000) residual add (fp32 grad), select and the
-    dense quantiser (QSGD) read their fp32 inputs with ld.global.v4; residual add and
-    select also on an odd-sized layer (4999 x 5001: full blocks are unmasked)."""
+    """On the 25M-element layer (5000 x 5000) residual add (fp32 grad), select, TopK's
+    refinement count and the dense quantiser (QSGD) read their fp32 inputs with
+    ld.global.v4; residual add, select and the count also on an odd-sized layer
+    (4999 x 5001: full blocks are unmasked)."""
     def specs(kernel, scen):
         return [s for s in _specs(report, {kernel}) if scen in s["scenarios"]]
     for kernel, scen in (("_residual_flat_kernel", "TopK-fp32@25M"),
                          ("_select_compact_kernel", "TopK-fp32@25M"),
+                         ("_refine_count_kernel", "TopK-fp32@25M"),
+                         ("_refine_count_kernel", "TopK-fp32@odd25M"),
                          ("_residual_flat_kernel", "TopK-fp32@odd25M"),   # 16 does not
                          ("_select_compact_kernel", "TopK-fp32@odd25M"),  # divide n
                          ("_quantize_pack_kernel", "QSGD-4@25M")):
         got = specs(kernel, scen)
-        assert len(got) == 2, (kernel, scen)                       # sm_80 and sm_90
+        # sm_80 and sm_90 (the refinement count: one specialisation per round each)
+        assert {s["cc"] for s in got} == {80, 90}, (kernel, scen)
         for s in got:
             assert s["v4_loads"] > 0, (kernel, s["cc"])
 
@@ -113,6 +119,17 @@ def test_no_fma_where_two_roundings(report):
     for s in _specs(report, set(report["no_fma"])):
         assert s["enable_fp_fusion"] is False, s["kernel"]
         assert s["fma_f32"] == 0, (s["kernel"], s["cc"], s["fma_f32"])
+
+
+def test_no_approximate_division_where_exact(report):
+    """The interpreter divides in IEEE fp32; on the GPU Triton's plain ``/`` is
+    ``div.full.f32`` (about 2 ulp). Kernels whose math must match the CPU path bit for
+    bit (the no-FMA set, e.g. TopK's refinement ``r * target / c``) use ``div_rn``.
+    The controls show the check sees a plain ``/``."""
+    assert report["controls"]["plain_div"] > 0, report["controls"]
+    assert report["controls"]["rn_div"] == 0, report["controls"]
+    for s in _specs(report, set(report["no_fma"])):
+        assert s["approx_div_f32"] == 0, (s["kernel"], s["cc"], s["approx_div_f32"])
 
 
 def test_64bit_offsets(report):

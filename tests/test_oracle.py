@@ -366,3 +366,119 @@ def test_row_threshold(K, seed, dtype):
             assert torch.equal(cols.cpu().long(), want_cols), (B, d, k, seed)
             assert torch.equal(mask.cpu(), want_mask.to(torch.uint8)), (B, d, k, seed)
             assert _bits_equal(vals, torch.gather(x, 1, want_cols)), (B, d, k, seed)
+
+
+# ------------------------------------------------------- TopK's threshold refinement
+def _refine_numpy(acc, v, k, cap, r0, rounds):
+    """The rule once more, in numpy float32 scalars and Python integers (independent of
+    the oracle's torch code): counts by numpy, rank moves by float32 arithmetic and
+    numpy's round-half-even."""
+    import numpy as np
+    a, vv = np.abs(acc.numpy()), v.numpy()
+    f32 = np.float32
+    target = f32(0.5 * (k + cap))
+    r, t = f32(r0), vv[r0 - 1]
+    for _ in range(rounds):
+        c = f32(int(np.count_nonzero(a >= t)))
+        if f32(k) <= c <= f32(cap):
+            continue
+        x = f32(f32(r * target) / max(c, f32(1.0)))
+        r = f32(min(max(np.rint(x), f32(1.0)), f32(vv.size)))
+        t = vv[int(r) - 1]
+    return torch.tensor(max(t, np.finfo(np.float32).tiny), dtype=torch.float32)
+
+
+def test_refine_topk_threshold(K, seed):
+    """Kernel (one launch per round + one) == ops' device-op path == oracle == a numpy
+    replay, bit for bit, on normal / heavy-tailed / tied data, with first sample ranks
+    off on purpose so that the rounds move the threshold (asserted: some cases move,
+    some stop early). Poisoned count scratch."""
+    g = torch.Generator().manual_seed(seed)
+    moved = kept = 0
+    for case in range(12):
+        n = _n(g, 9000, 40000) if not GPU else _n(g)
+        x = torch.randn(n, generator=g)
+        if case % 3 == 1:
+            x = x / (torch.rand(n, generator=g) + 1e-3)
+        elif case % 3 == 2:
+            x = torch.randint(-8, 9, (n,), generator=g).float()   # heavy ties
+        s = 4096
+        k = max(1, int(n * (0.002, 0.01, 0.05, 0.2)[case % 4]))
+        cap = min(n, -(-3 * k // 2))
+        target = 0.5 * (k + cap)
+        r0 = max(1, min(s, round(target * s / n)))
+        r0 = max(1, (r0 * (1, 3, 1, 1))[case % 4] // (1, 1, 4, 1)[case % 4])
+        m = min(s, 4 * r0 + 16)
+        v = torch.topk(x[int(torch.randint(0, n // s, (1,), generator=g))::n // s][:s].abs(),
+                       m, sorted=True).values
+        for rounds in (0, 1, 2, 3):
+            want = oracle.refine_topk_threshold(x, v, k, cap, r0, rounds)
+            assert torch.equal(want, _refine_numpy(x, v, k, cap, r0, rounds)), (case, rounds)
+            counts = torch.full((4,), -123456, dtype=torch.int32, device=DEV)
+            got = K.refine_topk_threshold(_dev(x), _dev(v), k, cap, r0, rounds,
+                                          counts=counts)
+            assert got.dim() == 0 and _bits_equal(got, want), (case, rounds, got, want, seed)
+            dev_ops = ops.refine_topk_threshold(x, v, k, cap, r0, rounds)   # CPU tensors
+            assert _bits_equal(dev_ops, want), (case, rounds, dev_ops, want, seed)
+            if rounds == 3:
+                first = torch.maximum(v[r0 - 1], torch.tensor(torch.finfo(torch.float32).tiny))
+                moved += not torch.equal(want, first)
+                kept += torch.equal(want, first)
+    assert moved >= 3 and kept >= 1, (moved, kept)
+
+
+def test_refine_topk_threshold_boundaries(K, seed):
+    """Hand-made cases at the rule's edges, with the answer worked out by hand: a count
+    equal to ``capacity`` or to ``k`` keeps the threshold; a rank move landing exactly
+    on ``x.5`` rounds half to even (2.5 -> 2, 3.5 -> 4); a count of 0 divides by 1."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.arange(40, 0, -1, dtype=torch.float32)            # v[j] = 40 - j
+    k, cap = 10, 15                                             # target 12.5
+
+    def layer(*groups):
+        """|acc| < 0.5 noise plus ``cnt`` elements of magnitude ``mag`` (random signs
+        and places)."""
+        n = 9000 + int(torch.randint(0, 3000, (1,), generator=g))
+        x = (torch.rand(n, generator=g) - 0.5) * 0.9
+        pos = torch.randperm(n, generator=g)
+        at = 0
+        for mag, cnt in groups:
+            sign = torch.where(torch.rand(cnt, generator=g) < 0.5, -1.0, 1.0)
+            x[pos[at:at + cnt]] = sign * mag
+            at += cnt
+        return x
+
+    cases = [
+        # count at t = v[4] = 36 is exactly cap (15) / exactly k (10): kept
+        (layer((36.5, 15)), 5, 36.0),
+        (layer((36.5, 10)), 5, 36.0),
+        # r0 = 5: c = 25 -> 5 * 12.5 / 25 = 2.5 -> r = 2 (half to even), t = v[1] = 39;
+        # then c(39) = 0 -> r = round(2 * 12.5 / 1) = 25 -> t = v[24] = 16, c(16) = 25
+        # -> 25 * 12.5 / 25 = 12.5 -> 12 -> t = v[11] = 29
+        (layer((36.5, 25)), 5, 29.0),
+        # r0 = 7: c(34) = 25 -> 7 * 12.5 / 25 = 3.5 -> r = 4 (half to even) -> t = 37;
+        # c(37) = 12 (the 37.5s) is in [10, 15]: kept
+        (layer((37.5, 12), (34.5, 13)), 7, 37.0),
+    ]
+    for x, r0, want in cases:
+        got_o = oracle.refine_topk_threshold(x, v, k, cap, r0, 3)
+        assert float(got_o) == want, (r0, float(got_o), want)
+        got = K.refine_topk_threshold(_dev(x), _dev(v), k, cap, r0, 3,
+                                      counts=torch.full((3,), 77, dtype=torch.int32,
+                                                        device=DEV))
+        assert float(got) == want, (r0, float(got), want, seed)
+        assert float(ops.refine_topk_threshold(x, v, k, cap, r0, 3)) == want
+
+
+def test_refine_topk_threshold_errors():
+    x, v = torch.randn(5000), torch.rand(40).sort(descending=True).values
+    for kw, what in ((dict(r0=0), "r0"), (dict(r0=41), "r0"), (dict(k=10, capacity=5), "k"),
+                     (dict(rounds=17), "rounds")):
+        args = dict(k=5, capacity=8, r0=3, rounds=2)
+        args.update(kw)
+        with pytest.raises(ValueError, match=what):
+            ops.refine_topk_threshold(x, v, **args)
+    with pytest.raises(ValueError, match="acc"):
+        ops.refine_topk_threshold(x.double(), v, 5, 8, 3, 2)
+    with pytest.raises(ValueError, match="v must"):
+        ops.refine_topk_threshold(x, v[:0], 5, 8, 1, 2)

@@ -29,7 +29,9 @@ default: sampled threshold estimate + fused select (no sort of the whole layer)
     4. ``rounds`` (default 2) refinement rounds, each one counting pass over the layer:
        ``c = #{|acc| >= tau}``; if ``k <= c <= C`` keep ``tau``; else move along the
        sample's empirical CDF, ``r <- clamp(round(r * m / c), 1, len(v))``,
-       ``tau = v[r]``. All on the device, no host synchronisation (``torch.where``).
+       ``tau = v[r]``. All on the device, no host synchronisation: on the Triton path
+       one launch per round plus one for the result (``kernels/refine.py``), on the CPU
+       path one fused chunked counting pass per round.
     5. ``tau = max(tau, TINY)``; ``ops.select_compact(acc, tau, C)`` writes indices,
        values, ``count = [sent, selected]`` and the residual in the same pass.
 
@@ -104,15 +106,15 @@ def _check_quant_bucket(x, where=""):
 def estimate_topk_threshold(acc: torch.Tensor, k: int, capacity: int, offset: int = 0,
                             rounds: int = 2, sample_min: int = 4096,
                             sample_above: int = 256, abs_out: Optional[torch.Tensor] = None,
-                            mask_out: Optional[torch.Tensor] = None,
+                            counts: Optional[torch.Tensor] = None,
                             first_count=None) -> torch.Tensor:
     """Sampled estimate of a threshold ``tau`` with ``k <= #{|acc| >= tau} <= capacity``
     (see the module docstring for the algorithm and its guarantees). Returns a 0-d fp32
     device tensor ``>= TINY``; never synchronises with the host.
 
-    ``abs_out`` (fp32[n]) and ``mask_out`` (bool[n]): optional reused buffers for
-    ``|acc|`` and the per-round comparison, so a step allocates no full-size
-    temporaries (the compressors pass their scratch buffers).
+    ``abs_out`` (fp32[n]): optional reused buffer for ``|acc|`` when the whole layer is
+    the sample; ``counts`` (int32[>= rounds]): optional reused scratch for the Triton
+    path's per-round counts (the compressors pass their scratch buffers).
 
     ``first_count``: CPU path only, optional callable ``t -> count`` used for the first
     refinement round's count of the sampled estimate instead of a counting pass (TopK
@@ -131,30 +133,22 @@ def estimate_topk_threshold(acc: torch.Tensor, k: int, capacity: int, offset: in
     r0 = max(1, min(s, round(target * s / n)))
     m = min(s, 4 * r0 + 16)
     v = torch.topk(sample, m, sorted=True).values       # descending
-    t = v[r0 - 1]
-    r = torch.full((), float(r0), dtype=torch.float32, device=acc.device)
     # CPU: each count is one fused chunked pass, skipped when tau did not move (the
     # count of an unchanged tau is the previous count: same result, one pass fewer when
-    # the first estimate is already in range). Elsewhere |acc| once, then ge + count.
-    fused = not ops.use_triton(acc) and acc.device.type == "cpu"
-    a = None
-    if rounds > 0 and not fused:
-        a = torch.abs(acc, out=abs_out) if abs_out is not None else acc.abs()
+    # the first estimate is already in range). Elsewhere ops.refine_topk_threshold:
+    # on the Triton path one launch per round and one for the result.
+    if not ops.has_cpu_path(acc):
+        return ops.refine_topk_threshold(acc, v, k, capacity, r0, rounds, counts=counts)
+    t = v[r0 - 1]
+    r = torch.full((), float(r0), dtype=torch.float32, device=acc.device)
     prev = None
     for _ in range(rounds):
-        if fused:
-            c = first_count(t) if first_count is not None and prev is None else None
-            if c is None:
-                c = ops.count_abs_ge(acc, t, same_as=prev)
-            prev = (t, c)
-        else:
-            # count_nonzero, not bool .sum(): the latter is ~7x slower on CPU (int64 cast)
-            ge = torch.ge(a, t, out=mask_out) if mask_out is not None else a >= t
-            c = torch.count_nonzero(ge).to(torch.float32)
+        c = first_count(t) if first_count is not None and prev is None else None
+        if c is None:
+            c = ops.count_abs_ge(acc, t, same_as=prev)
+        prev = (t, c)
         ok = (c >= k) & (c <= capacity)
         r_new = (r * target / c.clamp_min(1.0)).round().clamp(1.0, float(m))
-        # index_select with a 1-element tensor: indexing with a 0-d tensor would be
-        # treated as a Python int (a host sync on CUDA)
         t_new = v.index_select(0, (r_new - 1).to(torch.long).reshape(1)).reshape(())
         t = torch.where(ok, t, t_new)
         r = torch.where(ok, r, r_new)
@@ -274,7 +268,7 @@ class TopK(Compressor):
         thr = estimate_topk_threshold(
             acc, k, cap, offset=self._seed(name, step, PURPOSE_SAMPLE), rounds=cfg["rounds"],
             abs_out=self._scratch_buf("abs", n, torch.float32, acc.device),
-            mask_out=self._scratch_buf("mask", n, torch.bool, acc.device),
+            counts=self._scratch_buf("rounds", max(1, cfg["rounds"]), torch.int32, acc.device),
             first_count=first)
         seg, cnt = self._select(acc, thr, cap, enc, qseed, qb, ef,
                                 done=kept[0] if kept else None)

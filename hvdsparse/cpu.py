@@ -173,6 +173,69 @@ def _check_residual_args(grad, residual, bin_size, out, grad_scale, nonfinite):
     return n, L, nbins
 
 
+def _check_clean_args(grad, grad_scale, nonfinite):
+    """Validation shared by :func:`clean_grad` and ops (kernel)."""
+    _check_1d("grad", grad, _FLOAT_DTYPES)
+    _check_grad_scale(grad_scale, grad.device)
+    if nonfinite is not None:
+        if not isinstance(nonfinite, torch.Tensor) or nonfinite.dtype != torch.int32 \
+                or nonfinite.numel() < 1 or not nonfinite.is_contiguous():
+            raise TypeError("nonfinite must be None or a contiguous int32 tensor with >= 1 "
+                            "element")
+        if nonfinite.device != grad.device:
+            raise ValueError(f"nonfinite is on {nonfinite.device} but grad is on "
+                             f"{grad.device}")
+
+
+def clean_grad(grad: torch.Tensor, *, grad_scale: Optional[torch.Tensor] = None,
+               nonfinite: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``d = fp32(grad) * grad_scale``; returns ``where(isfinite(d), d, +0.0)`` (a new fp32
+    tensor; -0.0 stays -0.0) and adds ``#non-finite(d)`` to ``nonfinite[0]`` -- the
+    residual add's rule (:func:`residual_add_binmax`) for gradients that go elsewhere.
+    Torch ops (any device, no host sync); the Triton kernel is ``kernels/clean.py``."""
+    _check_clean_args(grad, grad_scale, nonfinite)
+    d = grad.float() if grad_scale is None else grad.float() * grad_scale.reshape(1)
+    fin = torch.isfinite(d)
+    if nonfinite is not None:
+        nonfinite[:1].add_((~fin).sum(dtype=torch.int32).reshape(1))
+    return torch.where(fin, d, torch.zeros((), dtype=torch.float32, device=d.device))
+
+
+def _check_zero_slots_args(flat, positions, count):
+    """Validation shared by :func:`zero_slots` and ops (kernel)."""
+    if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError("zero_slots: flat must be a contiguous 1-D tensor")
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 1 \
+            or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError("zero_slots: positions must be a 1-D int32 / int64 tensor")
+    if not isinstance(count, torch.Tensor) or count.numel() != 1 \
+            or count.dtype not in (torch.int32, torch.int64):
+        raise ValueError("zero_slots: count must be a 1-element int32 / int64 tensor")
+    if positions.device != flat.device or count.device != flat.device:
+        raise ValueError(f"zero_slots: positions ({positions.device}) and count "
+                         f"({count.device}) must be on flat's device ({flat.device})")
+
+
+def zero_slots(flat: torch.Tensor, positions: torch.Tensor, count: torch.Tensor) -> None:
+    """``flat[positions[j]] = 0`` for ``j < count`` (DGC's momentum-factor masking of one
+    own payload segment), device ops only (no host sync): slots at or past ``count``
+    are pointed at slot 0's position and write what is there (0 when ``count > 0``:
+    slot 0 is then a sent one; its old value otherwise). An out-of-range position of a
+    sent slot raises (index_put_). The Triton kernel is ``kernels/masking.py``."""
+    _check_zero_slots_args(flat, positions, count)
+    C = positions.numel()
+    if C == 0 or flat.numel() == 0:
+        return
+    pos = positions.long()
+    cnt = count.reshape(()).long()
+    first = pos[:1].clamp(0, flat.numel() - 1)
+    valid = torch.arange(C, device=flat.device) < cnt
+    target = torch.where(valid, pos, first)
+    fill = torch.where(cnt > 0, torch.zeros((), dtype=flat.dtype, device=flat.device),
+                       flat[first])
+    flat.index_put_((target,), fill.expand(C))
+
+
 def _check_grad_scale(grad_scale, device) -> None:
     if grad_scale is None:
         return

@@ -115,38 +115,28 @@ def clean_local_gradient(grad: torch.Tensor, grad_scale: Optional[torch.Tensor],
     finite (a NaN or an infinity makes any sum non-finite), so the usual case reads the
     layer once and allocates nothing; the element-wise check runs only when the sum is
     not finite (which includes finite elements whose sum overflows). Reading the sum is
-    not a host synchronisation on the CPU. The device path (``ops.use_triton``): the
-    element-wise check, no host sync."""
-    g = grad.detach().float()
-    if grad_scale is not None:
-        g = g * grad_scale
-    if not ops.use_triton(g) and bool(torch.isfinite(g.sum())):   # the CPU path
-        nonfinite = torch.zeros(1, dtype=torch.int32)
+    not a host synchronisation on the CPU. The device path (``ops.use_triton``): one
+    launch (``ops.clean_grad``, ``kernels/clean.py``) plus the counter's zeroing, no
+    host sync."""
+    if ops.use_triton(grad):
+        # one launch (kernels/clean.py): scale, count, zero the non-finite elements
+        nonfinite = torch.zeros(1, dtype=torch.int32, device=grad.device)
+        g = ops.clean_grad(grad.detach().reshape(-1), grad_scale=grad_scale,
+                           nonfinite=nonfinite).view(grad.shape)
     else:
-        fin = torch.isfinite(g)
-        nonfinite = (~fin).sum(dtype=torch.int32).reshape(1)
-        g = torch.where(fin, g, torch.zeros((), dtype=g.dtype, device=g.device))
+        g = grad.detach().float()
+        if grad_scale is not None:
+            g = g * grad_scale
+        if bool(torch.isfinite(g.sum())):     # the CPU path: every element finite
+            nonfinite = torch.zeros(1, dtype=torch.int32)
+        else:
+            fin = torch.isfinite(g)
+            nonfinite = (~fin).sum(dtype=torch.int32).reshape(1)
+            g = torch.where(fin, g, torch.zeros((), dtype=g.dtype, device=g.device))
     if clip is not None:
         norm = torch.linalg.vector_norm(g)
         g = g * torch.clamp(clip / (norm + 1e-6), max=1.0)
     return g, nonfinite
-
-
-def _zero_slots(flat: torch.Tensor, positions: torch.Tensor, count: torch.Tensor):
-    """``flat[positions[j]] = 0`` for ``j < count`` on the device (no host sync):
-    slots at or past ``count`` are pointed at slot 0's position and write what is there
-    (0 when ``count > 0``: slot 0 is then a sent one; its old value otherwise)."""
-    C = positions.numel()
-    if C == 0:
-        return
-    pos = positions.reshape(-1).long()
-    cnt = count.reshape(()).long()
-    first = pos[:1].clamp(0, flat.numel() - 1)
-    valid = torch.arange(C, device=flat.device) < cnt
-    target = torch.where(valid, pos, first)
-    fill = torch.where(cnt > 0, torch.zeros((), dtype=flat.dtype, device=flat.device),
-                       flat[first])
-    flat.index_put_((target,), fill.expand(C))
 
 
 class _Group:
@@ -249,7 +239,7 @@ class LocalUpdate:
             return
         flat = u.view(-1)
         for positions, count in codec.sent_positions(payload):
-            _zero_slots(flat, positions, count)
+            ops.zero_slots(flat, positions, count)
 
     #: the scheduler's local-update interface, used by the Adam recipe (hvdsparse.adam)
     zero_fills_absent = False

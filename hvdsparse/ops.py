@@ -45,6 +45,7 @@ __all__ = [
     "sign_unpack", "scatter_add_decode", "philox_uniform", "use_triton", "pack_bits",
     "unpack_bits", "row_threshold_kernel", "row_threshold_max_d", "count_abs_ge",
     "has_cpu_path", "binned_select", "select_if_in_range", "refine_topk_threshold",
+    "clean_grad", "zero_slots",
 ]
 
 _KERNELS = None
@@ -128,6 +129,30 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
     _ref._check_residual_args(grad, residual, bin_size, out, grad_scale, nonfinite)
     return _kernels().residual_add_binmax(grad, residual, bin_size, out=out,
                                           grad_scale=grad_scale, nonfinite=nonfinite)
+
+
+def clean_grad(grad: torch.Tensor, *, grad_scale: Optional[torch.Tensor] = None,
+               nonfinite: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``where(isfinite(d), d, 0)`` with ``d = fp32(grad) * grad_scale`` (a new fp32
+    tensor), non-finite elements added to ``nonfinite[0]``: see
+    :func:`hvdsparse.cpu.clean_grad`. Triton: one launch (``kernels/clean.py``) instead
+    of ~8 device ops; elsewhere torch ops. No host sync on either."""
+    if not use_triton(grad):
+        return _ref.clean_grad(grad, grad_scale=grad_scale, nonfinite=nonfinite)
+    _ref._check_clean_args(grad, grad_scale, nonfinite)
+    return _kernels().clean_grad(grad.contiguous(), grad_scale=grad_scale,
+                                 nonfinite=nonfinite)
+
+
+def zero_slots(flat: torch.Tensor, positions: torch.Tensor, count: torch.Tensor) -> None:
+    """``flat[positions[j]] = 0`` for ``j < count[0]`` (momentum-factor masking), no
+    host sync: see :func:`hvdsparse.cpu.zero_slots`. Triton: one launch
+    (``kernels/masking.py``) instead of ~10 device ops."""
+    if not use_triton(flat):
+        _ref.zero_slots(flat, positions, count)
+        return
+    _ref._check_zero_slots_args(flat, positions, count)
+    _kernels().zero_slots(flat, positions.contiguous(), count.reshape(1))
 
 
 def residual_add(grad: torch.Tensor, residual: torch.Tensor, *,

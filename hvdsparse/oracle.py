@@ -72,6 +72,31 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
     return new, _bin_absmax(new, bin_size), int((~fin).sum())
 
 
+def clean_grad(grad: torch.Tensor, grad_scale: Optional[torch.Tensor] = None
+               ) -> Tuple[torch.Tensor, int]:
+    """``d = fp32(grad) * s`` (``s = grad_scale[0]``, no multiply without one); each
+    element kept if ``|d| < inf`` else +0.0. Returns (fp32 tensor, number of non-finite
+    elements), element by element in Python floats rounded to fp32."""
+    g = grad.float().tolist()
+    s = None if grad_scale is None else float(grad_scale.reshape(-1)[0])
+    out, bad = [], 0
+    for x in g:
+        d = x if s is None else float(torch.tensor(x, dtype=torch.float32) *
+                                      torch.tensor(s, dtype=torch.float32))
+        if abs(d) < float("inf"):
+            out.append(d)
+        else:
+            out.append(0.0)
+            bad += 1
+    return torch.tensor(out, dtype=torch.float32), bad
+
+def zero_slots(flat: torch.Tensor, positions: torch.Tensor, count: int) -> torch.Tensor:
+    """A copy of ``flat`` with ``flat[positions[j]] = 0`` for every slot ``j < count``."""
+    out = flat.clone()
+    for j in range(min(int(count), positions.numel())):
+        out[int(positions[j])] = 0
+    return out
+
 def _bin_absmax(x: torch.Tensor, L: int) -> torch.Tensor:
     """``max |x[b*L:(b+1)*L]|`` per bin (last bin partial): zero-padded to whole bins
     (0 never exceeds an absolute value), then ``torch.amax`` per row (NaN propagates)."""
@@ -221,4 +246,5 @@ def refine_topk_threshold(acc: torch.Tensor, v: torch.Tensor, k: int, capacity: 
 
 __all__: List[str] = ["philox_uint32", "philox_uniform", "residual_add_binmax",
                       "select_compact", "quantize", "pack", "unpack", "dequantize",
-                      "scatter_add_decode", "row_threshold", "refine_topk_threshold"]
+                      "scatter_add_decode", "row_threshold", "refine_topk_threshold",
+                      "clean_grad", "zero_slots"]

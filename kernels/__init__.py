@@ -12,7 +12,9 @@ from .quantize import quantize_pack, dequantize_unpack, sign_unpack, philox_unif
 from .scatter import scatter_add_decode
 from . import rowthreshold
 from .refine import refine_topk_threshold
+from .clean import clean_grad
+from .masking import zero_slots
 
 __all__ = ["residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
            "sign_unpack", "philox_uniform", "scatter_add_decode", "rowthreshold",
-           "refine_topk_threshold"]
+           "refine_topk_threshold", "clean_grad", "zero_slots"]

@@ -65,14 +65,15 @@ KERNELS = [("residual", "_residual_tile_kernel"), ("residual", "_residual_flat_k
            ("select", "_select_compact_kernel"), ("quantize", "_quantize_pack_kernel"),
            ("quantize", "_unpack_kernel"), ("quantize", "_philox_uniform_kernel"),
            ("scatter", "_scatter_row_kernel"), ("rowthreshold", "_row_threshold_kernel"),
-           ("refine", "_refine_count_kernel"), ("refine", "_refine_final_kernel")]
+           ("refine", "_refine_count_kernel"), ("refine", "_refine_final_kernel"),
+           ("clean", "_clean_kernel"), ("masking", "_zero_slots_kernel")]
 #: kernels that stream over a whole layer: grid >= 1000 programs at 25M elements, and
 #: 128-bit loads of aligned fp32 inputs
 STREAMING = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
-             "_refine_count_kernel",
+             "_refine_count_kernel", "_clean_kernel",
              "_quantize_pack_kernel", "_unpack_kernel", "_philox_uniform_kernel"}
 VECTOR_LOADS = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
-                "_refine_count_kernel",
+                "_refine_count_kernel", "_clean_kernel",
                 "_quantize_pack_kernel"}
 #: kernels where a product feeds a sum and the math says two roundings
 NO_FMA = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
@@ -160,6 +161,26 @@ def drive(full: bool, errors: list):
     # ``offs < n`` alone would forbid 128-bit loads)
     run("TopK-fp32@odd25M", lambda: hvdsparse.TopK(0.01).compress(
         "odd", torch.zeros(4999, 5001), 0))
+    # the clean gradient (policy-dense layers, momentum correction, the Adam recipe)
+    run("clean-fp32@25M", lambda: ops.clean_grad(
+        torch.zeros(BIG), grad_scale=torch.ones(1),
+        nonfinite=torch.zeros(1, dtype=torch.int32)))
+    run("clean-bf16@odd25M", lambda: ops.clean_grad(
+        torch.zeros(BIG - 1, dtype=torch.bfloat16)))
+    run("clean-meta-2^31+5", lambda: ops.clean_grad(
+        torch.empty((1 << 31) + 5, device=torch.device("meta"))))
+    # momentum-factor masking of a 1% payload of the 25M layer; int64 positions; and a
+    # flat tensor past 2**31 elements
+    run("zero_slots@25M", lambda: ops.zero_slots(
+        torch.zeros(BIG), torch.zeros(BIG // 100, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32)))
+    run("zero_slots-i64@25M", lambda: ops.zero_slots(
+        torch.zeros(BIG), torch.zeros(BIG // 100, dtype=torch.int64),
+        torch.zeros(1, dtype=torch.int32)))
+    run("zero_slots-meta-2^31+5", lambda: ops.zero_slots(
+        torch.empty((1 << 31) + 5, device=torch.device("meta")),
+        torch.empty(1000, dtype=torch.int64, device=torch.device("meta")),
+        torch.empty(1, dtype=torch.int32, device=torch.device("meta"))))
     dtypes = [torch.float16, torch.bfloat16] if full else [torch.bfloat16]
     for dt in dtypes:
         run(f"TopK-grad-{dt}@25M",

@@ -719,8 +719,9 @@ def test_uncached_temporaries_decode_alike(monkeypatch):
 def test_sent_positions_and_momentum_masking(ie):
     """``codec.sent_positions`` (used by DGC's momentum masking) names exactly the
     elements of the generator's truth, for every index encoding and count (0, full,
-    random); ``momentum._zero_slots`` zeroes exactly those and nothing else."""
-    from hvdsparse.momentum import _zero_slots
+    random); ``ops.zero_slots`` (the CPU path here) zeroes exactly those and nothing
+    else."""
+    from hvdsparse.ops import zero_slots as _zero_slots
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     for ve in ALL_VE:

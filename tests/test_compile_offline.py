@@ -19,7 +19,7 @@ asserted here:
   approximate fp32 division (``div.full`` / ``div.approx``) there either;
 * every tensor pointer offset in the Triton IR is 64-bit.
 
-Default: a representative subset (54 specialisations; about 40 s with a cold cache on
+Default: a representative subset (68 specialisations; about 40 s with a cold cache on
 2 cores, 10-15 s warm; the cache is ``~/.cache/hvdsparse/triton`` unless
 ``TRITON_CACHE_DIR`` is set). The full matrix (every compressor, encoding and bucket)
 runs with ``HVDSPARSE_COMPILE_FULL=1``.
@@ -61,7 +61,8 @@ def test_every_launch_binds_and_compiles(report):
                      "_select_compact_kernel", "_quantize_pack_kernel", "_unpack_kernel",
                      "_scatter_row_kernel", "_row_threshold_kernel",
                      "_philox_uniform_kernel", "_refine_count_kernel",
-                     "_refine_final_kernel"}, kinds
+                     "_refine_final_kernel", "_clean_kernel",
+                     "_zero_slots_kernel"}, kinds
     bad = [(s["kernel"], s["cc"], s.get("error")) for s in report["specializations"]
            if not s["ok"]]
     assert not bad, bad
@@ -81,7 +82,8 @@ def test_grids(report):
         assert 1 <= g[0] < 2**31 and all(1 <= x <= 65535 for x in g[1:]), l
     big = [l for l in report["launches"] if l["kernel"] in report["streaming"]
            and (l.get("n") or 0) >= report["big"]]
-    assert len({l["kernel"] for l in big}) >= 4, big     # residual x2, select, quantize
+    # residual x2, select, quantize, refinement count, clean
+    assert len({l["kernel"] for l in big}) >= 6, big
     small = [l for l in big if l["grid"][0] < 1000]
     assert not small, small
 
@@ -97,6 +99,7 @@ def test_vector_loads_on_aligned_fp32(report):
                          ("_select_compact_kernel", "TopK-fp32@25M"),
                          ("_refine_count_kernel", "TopK-fp32@25M"),
                          ("_refine_count_kernel", "TopK-fp32@odd25M"),
+                         ("_clean_kernel", "clean-fp32@25M"),
                          ("_residual_flat_kernel", "TopK-fp32@odd25M"),   # 16 does not
                          ("_select_compact_kernel", "TopK-fp32@odd25M"),  # divide n
                          ("_quantize_pack_kernel", "QSGD-4@25M")):

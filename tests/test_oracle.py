@@ -482,3 +482,57 @@ def test_refine_topk_threshold_errors():
         ops.refine_topk_threshold(x.double(), v, 5, 8, 3, 2)
     with pytest.raises(ValueError, match="v must"):
         ops.refine_topk_threshold(x, v[:0], 5, 8, 1, 2)
+
+
+# ------------------------------------------------------------- clean gradient
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_clean_grad(K, seed, dtype, scaled):
+    """Kernel (kernels/clean.py) and the CPU path == oracle, bit for bit: NaN / +-Inf /
+    values that overflow only after the scale become +0.0 and are counted (added to the
+    counter's old value), -0.0 stays -0.0; poisoned output."""
+    g = torch.Generator().manual_seed(seed)
+    n = _n(g, 1000, 3000) if not GPU else _n(g)
+    x = (torch.randn(n, generator=g) * 3).to(dtype)
+    pos = torch.randperm(n, generator=g)[:12]
+    x[pos[0]], x[pos[1]], x[pos[2]], x[pos[3]] = float("nan"), float("inf"), \
+        -float("inf"), -0.0
+    x[pos[4]] = torch.finfo(dtype).max
+    s = torch.tensor([2.0 ** 120]) if scaled else None    # finfo.max * s overflows fp32
+    want, bad = oracle.clean_grad(x, s)
+    for path in ("kernel", "cpu"):
+        nf = torch.tensor([5, -1], dtype=torch.int32, device=DEV if path == "kernel" else "cpu")
+        if path == "kernel":
+            out = torch.full((n,), float("nan"), device=DEV)
+            got = K.clean_grad(_dev(x), grad_scale=None if s is None else _dev(s),
+                               nonfinite=nf, out=out)
+            assert got.data_ptr() == out.data_ptr()
+        else:
+            got = cpu.clean_grad(x, grad_scale=s, nonfinite=nf)
+        assert _bits_equal(got, want), (path, seed)
+        assert int(nf[0]) == 5 + bad and int(nf[1]) == -1, (path, nf, bad)
+    assert bad >= 3 + (1 if scaled else 0)
+
+
+# ------------------------------------------------------------- momentum masking
+def test_zero_slots(K, seed):
+    """Kernel (kernels/masking.py) and the CPU path == oracle, bit for bit: counts 0,
+    full, past capacity and random; int32 and int64 positions; slots at or past the
+    count (filled with junk positions, in range) leave their elements alone."""
+    g = torch.Generator().manual_seed(seed)
+    for case in range(8):
+        n = _n(g, 500, 4000) if not GPU else _n(g)
+        C = int(torch.randint(1, min(n, 2500), (1,), generator=g))
+        pos = torch.randperm(n, generator=g)[:C]
+        pos = pos.to(torch.int32 if case % 2 else torch.int64)
+        count = (0, C, C + 5, int(torch.randint(1, C + 1, (1,), generator=g)))[case % 4]
+        flat = torch.randn(n, generator=g) + 10.0            # no zeros before masking
+        want = oracle.zero_slots(flat, pos, count)
+        cnt = torch.tensor([count], dtype=torch.int32)
+        got_k = _dev(flat)
+        K.zero_slots(got_k, _dev(pos), _dev(cnt))
+        got_c = flat.clone()
+        cpu.zero_slots(got_c, pos, cnt)
+        assert _bits_equal(got_k, want), (case, n, C, count, seed)
+        assert _bits_equal(got_c, want), (case, n, C, count, seed)
+        assert int((want == 0).sum()) == min(count, C)

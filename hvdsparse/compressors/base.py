@@ -262,13 +262,11 @@ def clean_grad(flat: torch.Tensor, grad_scale, nonfinite: Optional[torch.Tensor]
                count: bool = True) -> torch.Tensor:
     """``d = fp32(g) * grad_scale``, then ``where(isfinite(d), d, 0)`` (a new fp32
     tensor) and, with ``count``, ``nonfinite[0] += #non-finite(d)`` -- the same rule as
-    ``ops.residual_add_binmax``, in torch ops on the device (no host sync), for the
-    paths whose gradient does not go through that kernel."""
-    d = flat.float() if grad_scale is None else flat.float() * grad_scale
-    fin = torch.isfinite(d)
-    if count and nonfinite is not None:
-        nonfinite.add_((~fin).sum(dtype=torch.int32).reshape(1))
-    return torch.where(fin, d, torch.zeros((), dtype=torch.float32, device=d.device))
+    ``ops.residual_add_binmax`` (``ops.clean_grad``: one launch on the Triton path, torch
+    ops elsewhere, no host sync), for the paths whose gradient does not go through that
+    kernel."""
+    return ops.clean_grad(flat.reshape(-1), grad_scale=grad_scale,
+                          nonfinite=nonfinite if count else None)
 
 
 def residual_add(flat: torch.Tensor, residual: torch.Tensor, bin_size: int, grad_scale,

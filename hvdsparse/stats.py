@@ -3,7 +3,8 @@
 Cheap on the hot path: a compressor calls :meth:`StatsCollector.record` with the
 payload it just produced and the *device* tensors it already has (the ``count`` of each
 segment, the ``selected`` count, the threshold). Nothing is copied to the host there;
-running sums are kept as device tensors (one tiny device add per step and layer).
+running sums are kept as device tensors (two tiny device ops per step and segment: a
+copy of the count and one add; bytes are derived on the host when read).
 :meth:`StatsCollector.as_dict` converts everything to Python numbers, and that is where
 the (single) host synchronisation happens: every device tensor of every layer is
 flattened into one float64 vector per device and copied to the host at once
@@ -132,7 +133,14 @@ def _nest(vals: list, shape: tuple):
 
 
 class LayerStats:
-    """Statistics of one layer: the latest step plus running sums (device tensors)."""
+    """Statistics of one layer: the latest step plus running sums (device tensors).
+
+    Device work per recorded segment: two ops -- a copy of its ``count`` (the latest
+    step's value, kept apart from a buffer a compressor may reuse) and one in-place add
+    of the count into the running sum of counts for the segment's slot size. Everything
+    derived (``sent`` as the sum over segments, effective bytes = slot bytes x count +
+    fixed bytes, their running totals) is computed from those on the host, in
+    :meth:`as_dict` / :meth:`state` (host-known slot and fixed sizes)."""
 
     def __init__(self, numel: int):
         self.numel = int(numel)
@@ -140,31 +148,41 @@ class LayerStats:
         self.last: dict = {}
         self.total_payload_bytes = 0
         self.total_dense_bytes = 0
-        self._total_effective: Optional[torch.Tensor] = None
-        self._total_sent: Optional[torch.Tensor] = None
+        # running sums: slot bytes -> int64[1] device sum of counts; fixed bytes (host)
+        self._count_sums: Dict[float, torch.Tensor] = {}
+        self._fixed_total = 0
+        # totals carried in from a checkpoint (``from_state``), added to the sums above
+        self._base_effective: Optional[torch.Tensor] = None
+        self._base_sent: Optional[torch.Tensor] = None
+        self._last_counts: list = []       # [(count copy int32[1], slot bytes)]
+        self._last_fixed = 0
 
     def record(self, step: int, payload: LayerPayload, selected: Optional[torch.Tensor],
                threshold=None, density: Optional[float] = None, extra: Optional[dict] = None):
         segs = payload.segments
         pbytes = sum(segment_nbytes(s) for s in segs)
         dbytes = 4 * self.numel
-        sent = None
-        eff = None
+        counts = []
+        fixed = 0
         for s in segs:
-            c = s.count.reshape(-1)[:1].to(torch.float64)
-            sent = c if sent is None else sent + c
-            e = c * segment_slot_bytes(s) + segment_fixed_bytes(s)
-            eff = e if eff is None else eff + e
-        if selected is None:
-            selected = sent
+            c = s.count.reshape(-1)[:1].clone()
+            sb = segment_slot_bytes(s)
+            acc = self._count_sums.get(sb)
+            if acc is None:
+                self._count_sums[sb] = c.to(torch.int64)
+            else:
+                acc.add_(c)
+            counts.append((c, sb))
+            fixed += segment_fixed_bytes(s)
         self.steps += 1
         self.total_payload_bytes += pbytes
         self.total_dense_bytes += dbytes
-        self._total_effective = eff if self._total_effective is None else self._total_effective + eff
-        self._total_sent = sent if self._total_sent is None else self._total_sent + sent
+        self._fixed_total += fixed
+        self._last_counts = counts
+        self._last_fixed = fixed
         self.last = dict(step=int(step), capacity=sum(int(s.capacity) for s in segs),
-                         segments=len(segs), sent=sent, selected=selected,
-                         payload_bytes=pbytes, dense_bytes=dbytes, effective_bytes=eff,
+                         segments=len(segs), selected=selected,
+                         payload_bytes=pbytes, dense_bytes=dbytes,
                          threshold=threshold, density=density,
                          index_encodings=[IndexEncoding(s.index_encoding).name for s in segs],
                          value_encodings=[ValueEncoding(s.value_encoding).name for s in segs])
@@ -173,7 +191,9 @@ class LayerStats:
 
     def _tensors(self) -> list:
         ts = [v for v in self.last.values() if isinstance(v, torch.Tensor)]
-        ts += [t for t in (self._total_effective, self._total_sent) if t is not None]
+        ts += [c for c, _ in self._last_counts]
+        ts += list(self._count_sums.values())
+        ts += [t for t in (self._base_effective, self._base_sent) if t is not None]
         return ts
 
     @staticmethod
@@ -182,13 +202,29 @@ class LayerStats:
             return host[id(x)]
         return x
 
+    def _totals(self, host: Dict[int, object]):
+        """(total effective bytes, total sent) as host numbers."""
+        eff = float(self._fixed_total) + sum(sb * host[id(t)]
+                                             for sb, t in self._count_sums.items())
+        sent = sum(int(host[id(t)]) for t in self._count_sums.values())
+        if self._base_effective is not None:
+            eff += float(host[id(self._base_effective)])
+        if self._base_sent is not None:
+            sent += int(host[id(self._base_sent)])
+        return eff, sent
+
     def as_dict(self, _host: Optional[Dict[int, object]] = None) -> dict:
         """Host copy of everything (one batched device-to-host copy, see
         :func:`host_values`; ``StatsCollector.as_dict`` batches all layers at once)."""
         host = host_values(self._tensors()) if _host is None else _host
         d = {k: self._num(v, host) for k, v in self.last.items()}
-        if "sent" in d and d["sent"] is not None:
-            d["sent"] = int(d["sent"])
+        if self.last:
+            sent = sum(int(host[id(c)]) for c, _ in self._last_counts)
+            d["sent"] = sent
+            d["effective_bytes"] = float(self._last_fixed) + sum(
+                sb * host[id(c)] for c, sb in self._last_counts)
+            if d.get("selected") is None:
+                d["selected"] = sent
         if d.get("selected") is not None:
             d["selected"] = int(d["selected"])
         pb, db, eb = d.get("payload_bytes"), d.get("dense_bytes"), d.get("effective_bytes")
@@ -198,24 +234,33 @@ class LayerStats:
         d["steps"] = self.steps
         d["total_payload_bytes"] = self.total_payload_bytes
         d["total_dense_bytes"] = self.total_dense_bytes
-        te = self._num(self._total_effective, host) if self._total_effective is not None \
-            else 0.0
+        te, ts = self._totals(host)
         d["total_effective_bytes"] = te
-        d["total_sent"] = int(self._num(self._total_sent, host)) \
-            if self._total_sent is not None else 0
+        d["total_sent"] = ts
         d["mean_compression_rate"] = (self.total_dense_bytes / self.total_payload_bytes
                                       if self.total_payload_bytes else math.inf)
         d["mean_effective_rate"] = self.total_dense_bytes / te if te else math.inf
         return d
 
     def state(self) -> dict:
+        """Checkpoint form (unchanged since version 1): running totals as fp64 / int64
+        one-element tensors on the stats' device (device ops, no host read)."""
+        eff = sent = None
+        for sb, t in self._count_sums.items():
+            e = t.to(torch.float64) * sb
+            eff = e if eff is None else eff + e
+            sent = t.clone() if sent is None else sent + t
+        if eff is not None:
+            eff = eff + float(self._fixed_total)
+        if self._base_effective is not None:
+            eff = self._base_effective.clone() if eff is None else \
+                eff + self._base_effective.to(eff.device)
+            sent = self._base_sent.clone() if sent is None else \
+                sent + self._base_sent.to(sent.device)
         return dict(numel=self.numel, steps=self.steps,
                     total_payload_bytes=self.total_payload_bytes,
                     total_dense_bytes=self.total_dense_bytes,
-                    total_effective=None if self._total_effective is None
-                    else self._total_effective.detach().clone(),
-                    total_sent=None if self._total_sent is None
-                    else self._total_sent.detach().clone())
+                    total_effective=eff, total_sent=sent)
 
     @classmethod
     def from_state(cls, st: dict) -> "LayerStats":
@@ -223,9 +268,17 @@ class LayerStats:
         s.steps = st["steps"]
         s.total_payload_bytes = st["total_payload_bytes"]
         s.total_dense_bytes = st["total_dense_bytes"]
-        s._total_effective = st["total_effective"]
-        s._total_sent = st["total_sent"]
+        s._base_effective = st["total_effective"]
+        s._base_sent = st["total_sent"]
         return s
+
+    def total_effective_tensors(self) -> list:
+        """Tensors :meth:`total_effective` reads (for one batched host copy)."""
+        return [t for t in (*self._count_sums.values(), self._base_effective,
+                            self._base_sent) if t is not None]
+
+    def total_effective(self, host: Dict[int, object]) -> float:
+        return self._totals(host)[0]
 
 
 class StatsCollector:
@@ -250,10 +303,9 @@ class StatsCollector:
         """Whole-model sums over all layers and steps."""
         pb = sum(s.total_payload_bytes for s in self.layers.values())
         db = sum(s.total_dense_bytes for s in self.layers.values())
-        eff = [s._total_effective for s in self.layers.values()
-               if s._total_effective is not None]
-        host = host_values(eff)
-        eb = float(sum(host[id(t)] for t in eff))
+        host = host_values([t for s in self.layers.values()
+                            for t in s.total_effective_tensors()])
+        eb = float(sum(s.total_effective(host) for s in self.layers.values()))
         return dict(payload_bytes=pb, dense_bytes=db, effective_bytes=eb,
                     compression_rate=db / pb if pb else math.inf,
                     effective_rate=db / eb if eb else math.inf)

@@ -847,6 +847,41 @@ def test_stats_fields():
     assert tot["dense_bytes"] == 3 * (40000 + 400)
 
 
+def test_stats_bytes_and_totals_against_payloads():
+    """Per-layer stats against the payloads themselves, computed here on the host: the
+    latest step's ``sent`` and effective bytes (slot bytes x count + fixed bytes, over
+    every segment) and the running totals, through a warm-up that changes the layer's
+    encoding (dense steps, then sparse), for a one-segment (TopK) and a binned (AdaComp)
+    compressor; a checkpoint of the stats continues with the same totals."""
+    from hvdsparse.stats import segment_fixed_bytes, segment_slot_bytes
+    g = gen("stats-bytes")
+    for make in (lambda: TopK(0.02, warmup=("rt", 6)), lambda: AdaComp()):
+        comp, comp2 = make(), None
+        want_eff = want_sent = 0
+        encs = set()
+        for t in range(8):
+            if t == 5:                                       # resume from a checkpoint
+                comp2 = make()
+                comp2.load_state_dict(comp.state_dict())
+            c = comp if comp2 is None else comp2
+            p = c.compress("w", torch.randn(80, 90, generator=g), t)
+            eff = sum(segment_slot_bytes(sg) * int(sg.count.reshape(-1)[0]) +
+                      segment_fixed_bytes(sg) for sg in p.segments)
+            sent = sum(int(sg.count.reshape(-1)[0]) for sg in p.segments)
+            want_eff += eff
+            want_sent += sent
+            encs.add(tuple(int(sg.index_encoding) for sg in p.segments))
+            st = c.stats()["w"]
+            assert st["sent"] == sent and st["effective_bytes"] == pytest.approx(eff), t
+            assert st["total_sent"] == want_sent, t
+            assert st["total_effective_bytes"] == pytest.approx(want_eff), t
+            assert st["steps"] == t + 1
+            tot = c.stats_totals()
+            assert tot["effective_bytes"] == pytest.approx(want_eff), t
+        if isinstance(comp, TopK):
+            assert len(encs) >= 2, encs                      # dense warm-up, then sparse
+
+
 def test_no_host_sync_helpers_in_compress(monkeypatch):
     """compress() / after_exchange() must not pull tensor values to the host themselves
     (.item, .tolist, int/float/bool of a tensor, nonzero); the CPU reference ops may.

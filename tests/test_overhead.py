@@ -285,3 +285,25 @@ def test_bench_overhead_smoke(tmp_path):
     for m in ("topk1", "adacomp", "qsgd4"):
         assert s[m]["compress_ms"] > 0 and s[m]["aten_ops_extra"] > 0, (m, s[m])
         assert s[m]["n_steps"] == 2
+
+
+def test_device_ops_per_layer_budget(tmp_path):
+    """scripts/count_device_ops.py (the whole step on the forced-Triton path: hooks,
+    compress, encode, exchange, decode, masking, step) on 2 Linear layers: what
+    hvdsparse adds per layer (one compressed weight with TopK 1% and momentum correction
+    plus one dense bias) must stay within 40 device ops + Triton launches per step
+    (measured 35 after the refinement / clean / masking kernels and the stats diet; 100
+    before them)."""
+    out = tmp_path / "dev"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "count_device_ops.py"),
+                        "--methods", "none,topk1+mc", "--layers", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((tmp_path / "dev.json").read_text())["results"]["here"]
+
+    def total(m):
+        return sum(res[m]["aten"].values()) + sum(res[m]["triton"].values())
+    assert res["topk1+mc"]["triton"].get("synchronize", 0) > 0      # the kernels ran
+    per_layer = (total("topk1+mc") - total("none")) / 2
+    assert 5 < per_layer <= 40, (per_layer, res)

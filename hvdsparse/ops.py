@@ -45,7 +45,7 @@ __all__ = [
     "sign_unpack", "scatter_add_decode", "philox_uniform", "use_triton", "pack_bits",
     "unpack_bits", "row_threshold_kernel", "row_threshold_max_d", "count_abs_ge",
     "has_cpu_path", "binned_select", "select_if_in_range", "refine_topk_threshold",
-    "clean_grad", "zero_slots",
+    "clean_grad", "zero_slots", "binned_pack", "binned_max_bin",
 ]
 
 _KERNELS = None
@@ -250,6 +250,43 @@ def binned_select(acc, grad, h_scale, threshold, bin_size, c, grad_scale=None):
                            "compressors.base.binned_topc")
     return _ref.binned_select(acc, grad, h_scale, threshold, bin_size, c,
                               grad_scale=grad_scale)
+
+
+def binned_pack(acc, grad, h_scale, threshold, bin_size, c, scale, grad_scale=None):
+    """Triton only (``use_triton(acc)``, bins of at most ``kernels/binned.py``'s
+    ``MAX_BIN`` elements): AdaComp's selection (:func:`hvdsparse.cpu.binned_select`'s
+    rule, bit for bit) plus packing (bin-relative indices, sign bits) and the residue
+    update ``acc[i] -= q_i`` in two launches. Returns ``(rel, sign_bytes, count,
+    bin_counts, selected)``; see the kernel module."""
+    if not use_triton(acc):
+        raise RuntimeError("ops.binned_pack is the Triton path; on the CPU use "
+                           "ops.binned_select")
+    n = acc.numel()
+    L = int(bin_size)
+    if not isinstance(acc, torch.Tensor) or acc.dim() != 1 or acc.dtype != torch.float32:
+        raise ValueError("binned_pack: acc must be a 1-D fp32 tensor")
+    if not isinstance(grad, torch.Tensor) or grad.numel() != n or grad.device != acc.device:
+        raise ValueError("binned_pack: grad must have acc's elements and device")
+    if not 1 <= L <= binned_max_bin():
+        raise ValueError(f"binned_pack: bin_size must be in [1, {binned_max_bin()}], "
+                         f"got {bin_size}")
+    nb = -(-n // L) if n else 0
+    if threshold.numel() != nb or threshold.dtype != torch.float32:
+        raise ValueError(f"binned_pack: threshold must be fp32 with {nb} bins, got "
+                         f"{threshold.numel()} {threshold.dtype}")
+    if not (isinstance(c, int) and 1 <= c <= L):
+        raise ValueError(f"binned_pack: c must be an int in [1, {L}], got {c!r}")
+    if n >= 2**31:
+        raise ValueError(f"binned_pack: acc has {n} elements (int32 slot counts)")
+    _ref._check_grad_scale(grad_scale, acc.device)
+    return _kernels().binned_pack(acc, grad.reshape(-1).contiguous(), h_scale,
+                                  threshold.contiguous(), L, c, scale,
+                                  grad_scale=grad_scale)
+
+
+def binned_max_bin() -> int:
+    """Largest bin :func:`binned_pack` takes (the kernel's tile width)."""
+    return 4096
 
 
 def select_if_in_range(acc, threshold, k, capacity):

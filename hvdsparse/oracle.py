@@ -97,6 +97,43 @@ def zero_slots(flat: torch.Tensor, positions: torch.Tensor, count: int) -> torch
         out[int(positions[j])] = 0
     return out
 
+def binned_pack(acc: torch.Tensor, grad: torch.Tensor, h_scale: float,
+                threshold: torch.Tensor, bin_size: int, c: int, scale: torch.Tensor,
+                grad_scale: Optional[torch.Tensor] = None):
+    """AdaComp's pack of one layer. ``d = fp32(grad) * grad_scale`` (0 if not finite),
+    ``h = acc + d * (h_scale - 1)``. Per bin ``b`` (``bin_size`` consecutive elements,
+    last one partial) the elements with ``|h| >= threshold[b]`` pass; the ``c`` with the
+    largest ``|h|`` (ties: lower index) are sent in that order, bins one after another.
+    Sent element ``i``: sign bit ``acc_i < 0``, residue ``acc_i + (-q)``, ``q = -s`` if
+    negative else ``s`` (``s = scale``). Returns ``(new acc, rel int64[nb*c], negative
+    bool[nb*c], count, bin_counts list, selected)``; unused slots 0 / False."""
+    n, L = acc.numel(), int(bin_size)
+    nb = -(-n // L)
+    d = grad.reshape(-1).float()
+    if grad_scale is not None:
+        d = d * grad_scale.reshape(1)
+    d = torch.where(torch.isfinite(d), d, torch.zeros(()))
+    h = (acc + d * torch.tensor(float(h_scale) - 1.0)).abs()
+    out = acc.clone()
+    rel = torch.zeros(nb * c, dtype=torch.int64)
+    neg = torch.zeros(nb * c, dtype=torch.bool)
+    s = scale.reshape(()).float()
+    slot, selected, bin_counts = 0, 0, []
+    for b in range(nb):
+        lo, hi = b * L, min(n, (b + 1) * L)
+        passing = [i for i in range(lo, hi) if float(h[i]) >= float(threshold[b])]
+        selected += len(passing)
+        passing.sort(key=lambda i: (-float(h[i]), i))
+        sent = passing[:c]
+        bin_counts.append(len(sent))
+        for i in sent:
+            ng = bool(acc[i] < 0)
+            q = -s if ng else s
+            out[i] = acc[i] + (-q)
+            rel[slot], neg[slot] = i - lo, ng
+            slot += 1
+    return out, rel, neg, slot, bin_counts, selected
+
 def _bin_absmax(x: torch.Tensor, L: int) -> torch.Tensor:
     """``max |x[b*L:(b+1)*L]|`` per bin (last bin partial): zero-padded to whole bins
     (0 never exceeds an absolute value), then ``torch.amax`` per row (NaN propagates)."""
@@ -247,4 +284,4 @@ def refine_topk_threshold(acc: torch.Tensor, v: torch.Tensor, k: int, capacity: 
 __all__: List[str] = ["philox_uint32", "philox_uniform", "residual_add_binmax",
                       "select_compact", "quantize", "pack", "unpack", "dequantize",
                       "scatter_add_decode", "row_threshold", "refine_topk_threshold",
-                      "clean_grad", "zero_slots"]
+                      "clean_grad", "zero_slots", "binned_pack"]

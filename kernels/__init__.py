@@ -14,7 +14,9 @@ from . import rowthreshold
 from .refine import refine_topk_threshold
 from .clean import clean_grad
 from .masking import zero_slots
+from .binned import binned_pack
 
 __all__ = ["residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
            "sign_unpack", "philox_uniform", "scatter_add_decode", "rowthreshold",
-           "refine_topk_threshold", "clean_grad", "zero_slots"]
+           "refine_topk_threshold", "clean_grad", "zero_slots",
+           "binned_pack"]

@@ -66,18 +66,21 @@ KERNELS = [("residual", "_residual_tile_kernel"), ("residual", "_residual_flat_k
            ("quantize", "_unpack_kernel"), ("quantize", "_philox_uniform_kernel"),
            ("scatter", "_scatter_row_kernel"), ("rowthreshold", "_row_threshold_kernel"),
            ("refine", "_refine_count_kernel"), ("refine", "_refine_final_kernel"),
-           ("clean", "_clean_kernel"), ("masking", "_zero_slots_kernel")]
+           ("clean", "_clean_kernel"), ("masking", "_zero_slots_kernel"),
+           ("binned", "_binned_count_kernel"), ("binned", "_binned_pack_kernel")]
 #: kernels that stream over a whole layer: grid >= 1000 programs at 25M elements, and
 #: 128-bit loads of aligned fp32 inputs
 STREAMING = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
-             "_refine_count_kernel", "_clean_kernel",
+             "_refine_count_kernel", "_clean_kernel", "_binned_count_kernel",
+             "_binned_pack_kernel",
              "_quantize_pack_kernel", "_unpack_kernel", "_philox_uniform_kernel"}
 VECTOR_LOADS = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
                 "_refine_count_kernel", "_clean_kernel",
                 "_quantize_pack_kernel"}
 #: kernels where a product feeds a sum and the math says two roundings
 NO_FMA = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
-          "_refine_count_kernel", "_refine_final_kernel"}
+          "_refine_count_kernel", "_refine_final_kernel", "_binned_count_kernel",
+          "_binned_pack_kernel"}
 BIG = 25_000_000
 
 RECORDS: list = []
@@ -157,6 +160,9 @@ def drive(full: bool, errors: list):
             for step in range(2 if full else 1):
                 c.compress("layer25M", g_big, step)
         run(f"{name}@25M", f)
+    # AdaComp on a conv weight (bins of 50, u8 indices)
+    run("AdaComp-conv@25M", lambda: hvdsparse.AdaComp().compress(
+        "conv", torch.zeros(5000, 125, 40, 1), 0))
     # an odd-sized layer (24,999,999 elements: 16 does not divide n, so a mask
     # ``offs < n`` alone would forbid 128-bit loads)
     run("TopK-fp32@odd25M", lambda: hvdsparse.TopK(0.01).compress(

@@ -19,7 +19,7 @@ asserted here:
   approximate fp32 division (``div.full`` / ``div.approx``) there either;
 * every tensor pointer offset in the Triton IR is 64-bit.
 
-Default: a representative subset (68 specialisations; about 40 s with a cold cache on
+Default: a representative subset (76 specialisations; about 40 s with a cold cache on
 2 cores, 10-15 s warm; the cache is ``~/.cache/hvdsparse/triton`` unless
 ``TRITON_CACHE_DIR`` is set). The full matrix (every compressor, encoding and bucket)
 runs with ``HVDSPARSE_COMPILE_FULL=1``.
@@ -62,7 +62,8 @@ def test_every_launch_binds_and_compiles(report):
                      "_scatter_row_kernel", "_row_threshold_kernel",
                      "_philox_uniform_kernel", "_refine_count_kernel",
                      "_refine_final_kernel", "_clean_kernel",
-                     "_zero_slots_kernel"}, kinds
+                     "_zero_slots_kernel", "_binned_count_kernel",
+                     "_binned_pack_kernel"}, kinds
     bad = [(s["kernel"], s["cc"], s.get("error")) for s in report["specializations"]
            if not s["ok"]]
     assert not bad, bad

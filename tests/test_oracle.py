@@ -536,3 +536,49 @@ def test_zero_slots(K, seed):
         assert _bits_equal(got_k, want), (case, n, C, count, seed)
         assert _bits_equal(got_c, want), (case, n, C, count, seed)
         assert int((want == 0).sum()) == min(count, C)
+
+
+# ------------------------------------------------------------- AdaComp's pack
+@pytest.mark.parametrize("L,c", [(50, 4), (500, 10), (37, 3), (7, 7)])
+def test_binned_pack(K, seed, L, c):
+    """Kernel (kernels/binned.py) == oracle, bit for bit: slots, sign bits, counts,
+    selected and the residue. Crafted: coarse values (ties in |h| inside over-full bins),
+    accumulated values that are exactly 0 or -0.0 where the gradient is large (sent
+    with a positive sign), NaN / Inf gradient elements, fp16 / bf16 gradients, a loss
+    scale, and a partial last bin. Poisoned: nothing is read back that the kernel did
+    not write (unused slots must come back 0)."""
+    g = torch.Generator().manual_seed(seed)
+    over = 0
+    for case in range(4):
+        n = _n(g, 300, 1500) if not GPU else _n(g)
+        acc = torch.round(torch.randn(n, generator=g) * 4) / 4
+        dt = (torch.float32, torch.float16, torch.bfloat16, torch.float32)[case]
+        grad = (torch.round(torch.randn(n, generator=g) * 4) / 4).to(dt)
+        zpos = torch.randperm(n, generator=g)[:max(2, n // 50)]
+        acc[zpos] = 0.0
+        acc[zpos[::2]] = -0.0
+        grad[zpos] = 8.0
+        grad[int(torch.randint(0, n, (1,), generator=g))] = float("nan")
+        grad[int(torch.randint(0, n, (1,), generator=g))] = -float("inf")
+        gs = torch.tensor([0.5]) if case == 3 else None
+        hs = (2.0, 2.0, 3.0, 1.0)[case]
+        nb = -(-n // L)
+        pad = torch.cat([acc.abs(), acc.new_zeros(nb * L - n)]).view(nb, L)
+        thr = pad.amax(1).clamp_min(torch.finfo(torch.float32).tiny)
+        scale = thr.mean()
+        w_acc, w_rel, w_neg, w_cnt, w_bc, w_sel = oracle.binned_pack(
+            acc, grad, hs, thr, L, c, scale, grad_scale=gs)
+        a = _dev(acc)
+        rel, signs, cnt, bc, sel = K.binned_pack(
+            a, _dev(grad), hs, _dev(thr), L, c, _dev(scale),
+            grad_scale=None if gs is None else _dev(gs))
+        ctx = (L, c, case, seed)
+        assert int(cnt[0]) == w_cnt and bc.cpu().tolist() == w_bc, ctx
+        assert int(sel[0]) == w_sel, ctx
+        got_rel = rel.cpu().to(torch.int64) & 0xFFFF
+        assert torch.equal(got_rel, w_rel), ctx
+        bits = ops.unpack_bits(signs.cpu(), 1, nb * c).bool()
+        assert torch.equal(bits, w_neg), ctx
+        assert _bits_equal(a, w_acc), ctx
+        over += w_sel > w_cnt
+    assert over >= 1 or L == c                        # over-full bins were exercised

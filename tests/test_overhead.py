@@ -267,6 +267,59 @@ def test_adacomp_cpu_path_end_to_end(seed):
         prev = r.clone()
 
 
+def test_adacomp_triton_path_equals_cpu_path(monkeypatch, seed):
+    """AdaComp on the Triton path (kernels/binned.py, interpreter) against the CPU path
+    (chunked numpy, itself checked against the definition above), bit for bit over
+    several steps (the residue evolves): count, per-bin counts, bin-relative indices,
+    sign bytes, scale, selected and the residual. Bins of 50 (conv, u8 indices), 500
+    (FC, u16) and odd sizes with a partial last bin; fp16 / bf16 gradients; a loss
+    scale; NaN / Inf gradient elements; coarse values, so |H| ties inside bins with more
+    passing elements than slots (ties go to the lower index on both paths)."""
+    K = ops._kernels()
+    assert ops.binned_max_bin() == K.binned.MAX_BIN
+    calls = []
+    real = K.binned_pack
+    monkeypatch.setattr(K, "binned_pack", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = _gen(seed)
+    cases = [((40, 50), dict(bin_size=None), torch.float32, False),        # L = 500
+             ((8, 4, 5, 5), dict(), torch.float32, True),                  # conv: L = 50
+             ((3, 1001), dict(bin_size=37, max_per_bin=3), torch.bfloat16, False),
+             ((7, 301), dict(bin_size=300, scale=3.0), torch.float16, True),
+             ((2000,), dict(bin_size=500, max_per_bin=12), torch.float32, False)]
+    checked_ties = 0
+    for shape, kw, dt, scaled in cases:
+        comps = {}
+        for path in ("cpu", "triton"):
+            comps[path] = AdaComp(min_numel=1, compress_1d=True, **kw)
+        for step in range(3):
+            x = torch.randn(*shape, generator=g)
+            x = (torch.round(x * 4) / 4).to(dt)                 # coarse: many ties
+            flat = x.reshape(-1)
+            if step == 1:
+                flat[3], flat[-2] = float("nan"), float("inf")
+            gs = torch.tensor([0.5]) if scaled else None
+            outs = {}
+            for path, comp in comps.items():
+                if path == "triton":
+                    monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")
+                else:
+                    monkeypatch.delenv("HVDSPARSE_FORCE_TRITON", raising=False)
+                p = comp.compress("w", x.clone(), step, grad_scale=gs)
+                outs[path] = (p.segments[0], comp.stats()["w"], comp.residual("w").clone())
+            (a, sa, ra), (b, sb, rb) = outs["cpu"], outs["triton"]
+            ctx = (shape, kw, dt, scaled, step, seed)
+            assert torch.equal(a.count, b.count), ctx
+            assert torch.equal(a.bin_counts, b.bin_counts), ctx
+            assert a.indices.dtype == b.indices.dtype and torch.equal(a.indices, b.indices), ctx
+            assert torch.equal(a.values, b.values), ctx
+            assert torch.equal(a.scales, b.scales), ctx
+            assert sa["selected"] == sb["selected"] and sa["sent"] == sb["sent"], ctx
+            assert torch.equal(ra.view(torch.int32), rb.view(torch.int32)), ctx
+            checked_ties += int(sa["selected"] > sa["sent"])
+    assert checked_ties >= 3       # bins with more passing elements than slots
+    assert len(calls) == 3 * len(cases)              # the kernel path did run
+
+
 # ------------------------------------------------------------------ the benchmark
 
 def test_bench_overhead_smoke(tmp_path):

@@ -115,6 +115,17 @@ class AdaComp(Compressor):
         G, gmax = self._acc(name, flat, L, True)             # G = residue + dW, in place
         scale = gmax.mean()                                  # one scale per layer
         thr = gmax.clamp_min(TINY).unsqueeze(1)
+        if ops.use_triton(G) and L <= ops.binned_max_bin():
+            # two launches: per-bin counts, then pick + pack + residue (kernels/binned.py)
+            rel, signs, count, bin_counts, selected = ops.binned_pack(
+                G, flat.reshape(-1), cfg["scale"], thr.reshape(-1), L, c, scale,
+                grad_scale=self._call.grad_scale)
+            seg = Segment(numel=n, capacity=cap, index_encoding=ienc,
+                          value_encoding=ValueEncoding.SIGN1, count=count, values=signs,
+                          indices=rel, scales=scale.reshape(1).clone(),
+                          bin_counts=bin_counts, bin_size=L)
+            return LayerPayload(name, shape, [seg]), dict(selected=selected,
+                                                          threshold=scale)
         if ops.has_cpu_path(G):
             # CPU: H, |H|, the compare and the per-bin cap in one chunked numpy pass
             # plus a sort of the passing elements (no per-bin topk over the layer)
@@ -130,8 +141,10 @@ class AdaComp(Compressor):
         g = G[gidx]
         neg = (g < 0) & vmask
         q = torch.where(neg, -scale, scale)
-        zero = torch.zeros((), dtype=G.dtype, device=G.device)
-        G.index_add_(0, gidx, torch.where(vmask, -q, zero))  # residue = G - Q(G) if sent
+        # residue = G - Q(G) if sent; unused slots (index 0) add -0.0, which leaves any
+        # value as it is, -0.0 included (the kernel path does not touch them at all)
+        nzero = torch.full((), -0.0, dtype=G.dtype, device=G.device)
+        G.index_add_(0, gidx, torch.where(vmask, -q, nzero))
         seg = Segment(numel=n, capacity=cap, index_encoding=ienc,
                       value_encoding=ValueEncoding.SIGN1, count=count,
                       values=pack_signs(neg), indices=rel, scales=scale.reshape(1).clone(),

@@ -427,7 +427,7 @@ def adacomp_breakdown(data):
     if not out:
         return out, ""
     lines = ["| method | layer (kind) | elements | bin L | slots/bin | indices | "
-             "bin counts (int32) | signs | scale + count | bytes/step (model / measured) | "
+             "bin counts (u8 / u16 / i32 by bin size) | signs | scale + count | bytes/step (model / measured) | "
              "rate | + codec framing | rate framed | sent/bin | paper-style rate |",
              "|" + "---|" * 15]
     for x in out:

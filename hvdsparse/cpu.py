@@ -218,13 +218,25 @@ def _check_zero_slots_args(flat, positions, count):
 
 def zero_slots(flat: torch.Tensor, positions: torch.Tensor, count: torch.Tensor) -> None:
     """``flat[positions[j]] = 0`` for ``j < count`` (DGC's momentum-factor masking of one
-    own payload segment), device ops only (no host sync): slots at or past ``count``
+    own payload segment). CPU tensors: numpy (the count is read from host memory).
+    Other devices: device ops only (no host sync): slots at or past ``count``
     are pointed at slot 0's position and write what is there (0 when ``count > 0``:
     slot 0 is then a sent one; its old value otherwise). An out-of-range position of a
     sent slot raises (index_put_). The Triton kernel is ``kernels/masking.py``."""
     _check_zero_slots_args(flat, positions, count)
     C = positions.numel()
     if C == 0 or flat.numel() == 0:
+        return
+    if flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64):
+        # host memory: read the count and zero the sent slots directly (numpy fancy
+        # indexing; ~5x fewer passes than the device-op form below)
+        c = min(int(count.reshape(-1).numpy()[0]), C)
+        if c > 0:
+            pn = positions.numpy()[:c]
+            if int(pn.min()) < 0 or int(pn.max()) >= flat.numel():
+                raise IndexError(f"zero_slots: a sent position is outside [0, "
+                                 f"{flat.numel()})")
+            flat.detach().numpy()[pn] = 0
         return
     pos = positions.long()
     cnt = count.reshape(()).long()

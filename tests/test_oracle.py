@@ -536,6 +536,10 @@ def test_zero_slots(K, seed):
         assert _bits_equal(got_k, want), (case, n, C, count, seed)
         assert _bits_equal(got_c, want), (case, n, C, count, seed)
         assert int((want == 0).sum()) == min(count, C)
+        # the device-op form (taken for dtypes numpy does not hold, and off the CPU)
+        half = flat.to(torch.bfloat16)
+        cpu.zero_slots(half, pos, cnt)
+        assert _bits_equal(half, oracle.zero_slots(flat.to(torch.bfloat16), pos, count))
 
 
 # ------------------------------------------------------------- AdaComp's pack

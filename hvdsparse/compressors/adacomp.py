@@ -25,8 +25,11 @@ Deviations (documented):
   ``nbins * max_per_bin``. When more elements of a bin pass the compare, the
   ``max_per_bin`` with the largest ``|H|`` are sent (so the element holding ``gmax``
   on a zero-residue step -- ``|H| = 2 gmax``, the largest -- always is) and the others
-  keep ``G`` in their residue (error feedback: deferred, not lost). Selection per bin
-  uses ``torch.topk(|H|.view(nbins, L), max_per_bin)``, O(N), no global sort.
+  keep ``G`` in their residue (error feedback: deferred, not lost); ties in ``|H|`` go
+  to the lower index. O(N), no global sort: on the CPU one chunked numpy pass plus a
+  sort of the passing elements (``ops.binned_select``), on the Triton path two launches
+  (``ops.binned_pack``, ``kernels/binned.py``; bins up to 4096 elements), elsewhere
+  ``torch.topk(|H|.view(nbins, L), max_per_bin)`` (tie order unspecified there).
 * **Zero bins.** ``gmax`` is clamped to ``TINY``, so an all-zero bin sends nothing
   (the paper's ``>=`` against ``gmax = 0`` would send every element as ``+-s``).
 * **Effective compression rate** (the paper's figure of merit) is reported per layer by

@@ -162,29 +162,28 @@ def _check_residual_args(grad, residual, bin_size, out, grad_scale, nonfinite):
         if out.device != residual.device:
             raise ValueError(f"out is on {out.device} but residual is on {residual.device}")
     _check_grad_scale(grad_scale, residual.device)
-    if nonfinite is not None:
-        if not isinstance(nonfinite, torch.Tensor) or nonfinite.dtype != torch.int32 \
-                or nonfinite.numel() < 1 or not nonfinite.is_contiguous():
-            raise TypeError("nonfinite must be None or a contiguous int32 tensor with >= 1 "
-                            "element")
-        if nonfinite.device != residual.device:
-            raise ValueError(f"nonfinite is on {nonfinite.device} but residual is on "
-                             f"{residual.device}")
+    _check_nonfinite(nonfinite, "residual", residual.device)
     return n, L, nbins
+
+
+def _check_nonfinite(nonfinite, what: str, device) -> None:
+    """``nonfinite``: None or a contiguous int32[>= 1] counter on ``device`` (the device
+    of the tensor named ``what``)."""
+    if nonfinite is None:
+        return
+    if not isinstance(nonfinite, torch.Tensor) or nonfinite.dtype != torch.int32 \
+            or nonfinite.numel() < 1 or not nonfinite.is_contiguous():
+        raise TypeError("nonfinite must be None or a contiguous int32 tensor with >= 1 "
+                        "element")
+    if nonfinite.device != device:
+        raise ValueError(f"nonfinite is on {nonfinite.device} but {what} is on {device}")
 
 
 def _check_clean_args(grad, grad_scale, nonfinite):
     """Validation shared by :func:`clean_grad` and ops (kernel)."""
     _check_1d("grad", grad, _FLOAT_DTYPES)
     _check_grad_scale(grad_scale, grad.device)
-    if nonfinite is not None:
-        if not isinstance(nonfinite, torch.Tensor) or nonfinite.dtype != torch.int32 \
-                or nonfinite.numel() < 1 or not nonfinite.is_contiguous():
-            raise TypeError("nonfinite must be None or a contiguous int32 tensor with >= 1 "
-                            "element")
-        if nonfinite.device != grad.device:
-            raise ValueError(f"nonfinite is on {nonfinite.device} but grad is on "
-                             f"{grad.device}")
+    _check_nonfinite(nonfinite, "grad", grad.device)
 
 
 def clean_grad(grad: torch.Tensor, *, grad_scale: Optional[torch.Tensor] = None,

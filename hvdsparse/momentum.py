@@ -118,21 +118,19 @@ def clean_local_gradient(grad: torch.Tensor, grad_scale: Optional[torch.Tensor],
     not a host synchronisation on the CPU. The device path (``ops.use_triton``): one
     launch (``ops.clean_grad``, ``kernels/clean.py``) plus the counter's zeroing, no
     host sync."""
-    if ops.use_triton(grad):
-        # one launch (kernels/clean.py): scale, count, zero the non-finite elements
-        nonfinite = torch.zeros(1, dtype=torch.int32, device=grad.device)
-        g = ops.clean_grad(grad.detach().reshape(-1), grad_scale=grad_scale,
-                           nonfinite=nonfinite).view(grad.shape)
-    else:
+    g = None
+    if not ops.use_triton(grad):
         g = grad.detach().float()
         if grad_scale is not None:
             g = g * grad_scale
-        if bool(torch.isfinite(g.sum())):     # the CPU path: every element finite
-            nonfinite = torch.zeros(1, dtype=torch.int32)
-        else:
-            fin = torch.isfinite(g)
-            nonfinite = (~fin).sum(dtype=torch.int32).reshape(1)
-            g = torch.where(fin, g, torch.zeros((), dtype=g.dtype, device=g.device))
+        if not bool(torch.isfinite(g.sum())):   # the CPU path: not every element finite
+            g = None
+    nonfinite = torch.zeros(1, dtype=torch.int32, device=grad.device)
+    if g is None:
+        # the element-wise rule: scale, count, zero the non-finite elements (Triton: one
+        # launch, kernels/clean.py)
+        g = ops.clean_grad(grad.detach().reshape(-1), grad_scale=grad_scale,
+                           nonfinite=nonfinite).view(grad.shape)
     if clip is not None:
         norm = torch.linalg.vector_norm(g)
         g = g * torch.clamp(clip / (norm + 1e-6), max=1.0)

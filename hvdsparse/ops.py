@@ -187,15 +187,18 @@ def count_abs_ge(x: torch.Tensor, threshold: torch.Tensor, *, same_as=None,
 
 
 def refine_topk_threshold(acc: torch.Tensor, v: torch.Tensor, k: int, capacity: int,
-                          r0: int, rounds: int, *, counts: Optional[torch.Tensor] = None
-                          ) -> torch.Tensor:
+                          r0: int, rounds: int, *, counts: Optional[torch.Tensor] = None,
+                          first_count=None) -> torch.Tensor:
     """TopK's threshold refinement (plain definition: :func:`hvdsparse.oracle.
     refine_topk_threshold`): ``rounds`` counting passes of ``|acc| >= t`` over the layer,
     each moving ``t`` along ``v`` (the sample's largest magnitudes, descending) unless
     the count is in ``[k, capacity]``. Returns a 0-d fp32 device tensor, no host sync.
     Triton: one launch per round plus one (``kernels/refine.py``; ``counts`` an optional
-    int32[>= rounds] scratch). Elsewhere: the same rule as device ops (``abs`` once,
-    then ~14 small ops per round)."""
+    int32[>= rounds] scratch). Elsewhere the same rule as device ops, each count on the
+    CPU path one fused chunked pass (:func:`count_abs_ge`, skipped when ``t`` did not
+    move), on other devices ``abs`` once then ``ge`` + ``count_nonzero`` per round.
+    ``first_count`` (CPU path only): optional callable ``t -> count`` used instead of the
+    first round's counting pass; it must return exactly ``#{|acc| >= t}``."""
     if not isinstance(acc, torch.Tensor) or acc.dim() != 1 or acc.dtype != torch.float32:
         raise ValueError(f"refine_topk_threshold: acc must be a 1-D fp32 tensor, got "
                          f"{getattr(acc, 'dtype', type(acc))} of shape "
@@ -220,13 +223,19 @@ def refine_topk_threshold(acc: torch.Tensor, v: torch.Tensor, k: int, capacity: 
         return _kernels().refine_topk_threshold(acc.contiguous(), v.contiguous(), int(k),
                                                 int(capacity), int(r0), int(rounds),
                                                 counts=counts)
+    cpu = has_cpu_path(acc)
     target = 0.5 * (k + capacity)
     t = v[r0 - 1]
     r = torch.full((), float(r0), dtype=torch.float32, device=acc.device)
-    a = acc.abs() if rounds > 0 else None
+    a = acc.abs() if rounds > 0 and not cpu else None
+    prev = None
     for _ in range(rounds):
-        # count_nonzero, not bool .sum(): the latter is ~7x slower on CPU (int64 cast)
-        c = torch.count_nonzero(a >= t).to(torch.float32)
+        c = first_count(t) if first_count is not None and prev is None else None
+        if c is None:
+            # count_nonzero, not bool .sum(): the latter is ~7x slower on CPU (int64 cast)
+            c = count_abs_ge(acc, t, same_as=prev) if cpu else \
+                torch.count_nonzero(a >= t).to(torch.float32)
+        prev = (t, c)
         ok = (c >= k) & (c <= capacity)
         r_new = (r * target / c.clamp_min(1.0)).round().clamp(1.0, float(m))
         # index_select with a 1-element tensor: indexing with a 0-d tensor would be

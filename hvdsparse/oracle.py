@@ -90,12 +90,14 @@ def clean_grad(grad: torch.Tensor, grad_scale: Optional[torch.Tensor] = None
             bad += 1
     return torch.tensor(out, dtype=torch.float32), bad
 
+
 def zero_slots(flat: torch.Tensor, positions: torch.Tensor, count: int) -> torch.Tensor:
     """A copy of ``flat`` with ``flat[positions[j]] = 0`` for every slot ``j < count``."""
     out = flat.clone()
     for j in range(min(int(count), positions.numel())):
         out[int(positions[j])] = 0
     return out
+
 
 def binned_pack(acc: torch.Tensor, grad: torch.Tensor, h_scale: float,
                 threshold: torch.Tensor, bin_size: int, c: int, scale: torch.Tensor,
@@ -133,6 +135,7 @@ def binned_pack(acc: torch.Tensor, grad: torch.Tensor, h_scale: float,
             rel[slot], neg[slot] = i - lo, ng
             slot += 1
     return out, rel, neg, slot, bin_counts, selected
+
 
 def _bin_absmax(x: torch.Tensor, L: int) -> torch.Tensor:
     """``max |x[b*L:(b+1)*L]|`` per bin (last bin partial): zero-padded to whole bins

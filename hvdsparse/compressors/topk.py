@@ -133,26 +133,10 @@ def estimate_topk_threshold(acc: torch.Tensor, k: int, capacity: int, offset: in
     r0 = max(1, min(s, round(target * s / n)))
     m = min(s, 4 * r0 + 16)
     v = torch.topk(sample, m, sorted=True).values       # descending
-    # CPU: each count is one fused chunked pass, skipped when tau did not move (the
-    # count of an unchanged tau is the previous count: same result, one pass fewer when
-    # the first estimate is already in range). Elsewhere ops.refine_topk_threshold:
-    # on the Triton path one launch per round and one for the result.
-    if not ops.has_cpu_path(acc):
-        return ops.refine_topk_threshold(acc, v, k, capacity, r0, rounds, counts=counts)
-    t = v[r0 - 1]
-    r = torch.full((), float(r0), dtype=torch.float32, device=acc.device)
-    prev = None
-    for _ in range(rounds):
-        c = first_count(t) if first_count is not None and prev is None else None
-        if c is None:
-            c = ops.count_abs_ge(acc, t, same_as=prev)
-        prev = (t, c)
-        ok = (c >= k) & (c <= capacity)
-        r_new = (r * target / c.clamp_min(1.0)).round().clamp(1.0, float(m))
-        t_new = v.index_select(0, (r_new - 1).to(torch.long).reshape(1)).reshape(())
-        t = torch.where(ok, t, t_new)
-        r = torch.where(ok, r, r_new)
-    return t.clamp_min(TINY)
+    # the refinement: on the CPU each count is one fused chunked pass, skipped when tau
+    # did not move; on the Triton path one launch per round and one for the result
+    return ops.refine_topk_threshold(acc, v, k, capacity, r0, rounds, counts=counts,
+                                     first_count=first_count)
 
 
 class TopK(Compressor):

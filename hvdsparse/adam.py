@@ -18,12 +18,11 @@ hyper-parameters of ``p``'s param group):
   no residual), the exchange averages it into ``G`` and the wrapped optimizer's own
   ``step()`` runs: exact Adam, ``m`` and ``v`` updated as usual (``foreach`` / ``fused``
   honoured).
-* **after warm-up** (``s >= T_w``): on every rank ``i``
+* **after warm-up** (``s >= T_w``), ``wire="gradient"`` (the default): on every rank ``i``
 
       g_i <- g_i + wd * p                 (Adam's L2 weight decay; not for AdamW)
       g_i <- -g_i                         (maximize=True)
-      m_i  = beta1 * m + (1 - beta1) * g_i     (m = state["exp_avg"], same on all ranks)
-      x_i  = m_i / D,   D = max(h, f * mean(h)) + eps,   h = sqrt(v / bc2)
+      x_i  = g_i / D,   D = max(h, f * mean(h)) + eps,   h = sqrt(v / bc2)
 
   ``x_i`` is handed to the compressor as its "gradient" (error feedback = the
   compressor's residual: ``acc = r + x_i``, sends ``C(acc)``, ``r = acc - C(acc)``); the
@@ -31,14 +30,39 @@ hyper-parameters of ``p``'s param group):
   (bitwise identical on every rank), and every rank applies
 
       p <- p * (1 - lr * wd)              (AdamW's decoupled decay, as torch does it)
-      m <- X * D;   state["step"] <- s + 1;   v = state["exp_avg_sq"] unchanged (frozen)
-      p <- p - lr / bc1 * X               (= lr / bc1 * m / D: Adam with v frozen)
-      bc1 = 1 - beta1 ** (s + 1),   bc2 = 1 - beta2 ** T_w,   f = 0.1 (mean over the layer)
+      m <- beta1 * m + (1 - beta1) * X * D     (m = state["exp_avg"])
+      state["step"] <- s + 1;   v = state["exp_avg_sq"] unchanged (frozen)
+      p <- p - lr / bc1 * m / D           (Adam with v frozen)
+      bc1 = 1 - beta1 ** (s + 1),   bc2 = 1 - beta2 ** c,   f = 0.1 (mean over the layer)
+
+  ``c`` = the steps ``v`` averages: ``T_w``, plus ``R`` per refresh done (below).
+  ``D`` is frozen, so the update is linear in ``X``: momentum SGD on the preconditioned
+  gradient, with the momentum applied *after* the exchange on the synchronised ``X``.
+
+  ``wire="momentum"`` (1-bit Adam as published, measured worse here): the momentum
+  travels instead, ``x_i = m_i / D`` with ``m_i = beta1 * m + (1 - beta1) * g_i``, and
+  every rank sets ``m <- X * D``, ``p <- p - lr / bc1 * X``. Measured on text-lm (P = 4,
+  900 steps, BENCHMARKS.md 4b) the gradient wire roughly halves the loss gap to dense at
+  the same bytes: with the momentum on the wire, the sparsifier's budget goes to
+  re-sending the decaying momentum of recently sent coordinates -- which every rank
+  already holds in ``m`` -- instead of new gradient mass.
+
+* **variance refresh** (``refresh=R``, 0/1 Adam's idea on a fixed period; off by
+  default): the ``R``-th, ``2R``-th, ... step after the warm-up (``(s + 1 - T_w) % R ==
+  0``) travels dense and exact (no residual added or taken) as a warm-up step does, and
+  every rank applies, with the averaged gradient ``G`` (plus ``wd * p`` for Adam):
+
+      D_old = D of this step;   v <- beta2^R * v + (1 - beta2^R) * G^2   (R steps of G)
+      m <- beta1 * m + (1 - beta1) * G;   p <- p - lr / bc1 * m / D_new
+      r_i <- r_i * D_old / D_new          (the residual holds g / D units: same mass)
+
+  ``v`` stays an average with weights summing to ``1 - beta2^(c + R)``, so ``bc2``
+  follows ``c``. It costs one dense step in ``R``.
 
   Two deviations from 1-bit Adam as published (which compresses ``m_i`` itself and
   divides by ``sqrt(v)`` after the exchange), both measured in ``docs/bench/adam/``
-  (``scripts/study_adam.py``, variants ``.../raw``): (1) the momentum is compressed in
-  Adam's step units, ``m_i / D``. ``D`` is frozen, so this is a fixed per-coordinate
+  (``scripts/study_adam.py``, variants ``.../raw``): (1) what travels is in Adam's step
+  units, divided by ``D``. ``D`` is frozen, so this is a fixed per-coordinate
   scaling and error feedback stays exact; but a compressor's error (AdaComp's one
   scale per layer, a quantiser's rounding, TopK's choice) is then bounded in *parameter
   step* units rather than gradient units -- with ``m_i`` compressed, a coordinate whose
@@ -54,7 +78,7 @@ Bias correction: torch.optim.Adam divides ``m`` by ``1 - beta1^t`` and ``v`` by
 ``denom = sqrt(v) / sqrt(bc2) + eps``, ``p -= lr / bc1 * m / denom``. The momentum keeps
 averaging after the warm-up, so its correction keeps following the step (``t = s + 1``).
 ``v`` stopped averaging at step ``T_w``: its unbiased value is ``v / (1 - beta2^T_w)``,
-so ``bc2`` is frozen with it (continuing ``bc2`` with ``t`` would inflate the update by
+so ``bc2`` is frozen with it (and moves only at a refresh) (continuing ``bc2`` with ``t`` would inflate the update by
 ``sqrt(bc2(t) / bc2(T_w))``, 1.8x at T_w = 300, t = 1000, beta2 = 0.999). The 1-bit Adam
 paper and DeepSpeed's ``OnebitAdam`` use no bias correction at all (``x -= lr * m /
 sqrt(v_Tw)``); with the correction above the first compressed step continues the warm-up's
@@ -65,30 +89,32 @@ layers) get exact Adam on the averaged dense gradient, ``v`` keeps updating: the
 no compression error, so nothing argues for freezing their variance, and exact Adam is
 what the dense baseline does.
 
-State, where the user expects it: ``state[p]["exp_avg"]`` (= the synchronised momentum
-``X * D`` after the warm-up), ``["exp_avg_sq"]`` (frozen after ``T_w``) and ``["step"]`` stay
+State, where the user expects it: ``state[p]["exp_avg"]`` (the synchronised momentum),
+``["exp_avg_sq"]`` (frozen after ``T_w`` but for the refreshes) and ``["step"]`` stay
 Adam's, so ``optimizer.state_dict()`` checkpoints and resumes the recipe; the phase of
-every parameter follows from its ``step`` and ``T_w``. Nothing else is kept between
-steps (``compression_state_dict()`` records the warm-up length under ``"adam_recipe"``
-and warns when a checkpoint was saved with another). The per-rank residuals are the
+every parameter (and ``c``) follows from its ``step``, ``T_w`` and ``R``. Nothing else is
+kept between steps (``compression_state_dict()`` records ``T_w``, ``R`` and the wire
+under ``"adam_recipe"`` and warns when a checkpoint was saved with others). The per-rank residuals are the
 compressor's, saved by ``compression_state_dict()`` as usual.
 
 Transactions: nothing of this module's state changes before the optimizer applies a
-step (``m_i`` is computed from ``exp_avg`` without being stored; ``m``, ``step`` and the
-parameter change in ``step()`` only), so a step that GradScaler or
+step (``x_i`` is computed without being stored; ``m``, ``v``, ``step``, the host copy of
+``step`` and the parameter change in ``step()`` only), so a step that GradScaler or
 ``nonfinite="skip"`` skips leaves it as it was; the compressor's residuals are rolled
 back by the compressor's own transaction. ``begin_step`` / ``commit`` / ``rollback`` are
 therefore no-ops (kept for the scheduler's local-update interface).
 
 A trainable parameter without a gradient on a rank (unused on that rank) is a zero
 gradient there, as Horovod's and DDP's zero-fill make it for dense Adam: that rank
-contributes ``m_i = beta1 * m`` (during warm-up: a dense zero). A parameter frozen
+contributes ``g_i = 0`` to the formulas above (during warm-up and refreshes: a dense
+zero). A parameter frozen
 with ``requires_grad=False`` is left alone.
 
-What ``p.grad`` holds after ``synchronize()``: the averaged gradient ``G`` for warm-up
-and dense layers, the averaged scaled momentum ``X`` for recipe layers after the warm-up
+What ``p.grad`` holds after ``synchronize()``: the averaged gradient ``G`` for warm-up,
+refresh and dense layers, the averaged scaled gradient (or momentum) ``X`` for recipe
+layers after the warm-up
 (so clipping ``p.grad`` between ``synchronize()`` and ``step()`` clips the step; use
-``clip_grad_norm=`` -- local clipping of ``g_i`` before it enters ``m_i`` -- instead).
+``clip_grad_norm=`` -- local clipping of ``g_i`` before it is sent -- instead).
 
 Not supported (``ValueError``): ``amsgrad=True`` (its max of ``v`` has no frozen
 counterpart), ``differentiable=True``, complex parameters, ``local_gradient``,
@@ -156,11 +182,22 @@ def check_warmup(warmup) -> int:
     return warmup
 
 
+def check_refresh(refresh) -> Optional[int]:
+    if refresh is None:
+        return None
+    if not isinstance(refresh, int) or isinstance(refresh, bool) or refresh < 1:
+        raise ValueError(f"adam_refresh must be None (variance frozen after the warm-up) "
+                         f"or an int >= 1 (steps between variance refreshes), got "
+                         f"{refresh!r}")
+    return refresh
+
+
 def adam_setup(optimizer, compression, adam_recipe, adam_warmup, *, local_gradient=None,
-               momentum_correction=False) -> Optional[int]:
-    """Validate the ``adam_recipe`` / ``adam_warmup`` arguments of a front door; return
-    the warm-up length when the recipe is on, None when it is off. ``adam_recipe=None``
-    (auto): on for ``torch.optim.Adam`` / ``AdamW`` with a compressor that compresses."""
+               momentum_correction=False, adam_refresh=None) -> Optional[int]:
+    """Validate the ``adam_recipe`` / ``adam_warmup`` / ``adam_refresh`` arguments of a
+    front door; return the warm-up length when the recipe is on, None when it is off.
+    ``adam_recipe=None`` (auto): on for ``torch.optim.Adam`` / ``AdamW`` with a compressor
+    that compresses."""
     if adam_recipe not in (None, True, False):
         raise ValueError(f"adam_recipe must be None (auto), True or False, got "
                          f"{adam_recipe!r}")
@@ -170,6 +207,11 @@ def adam_setup(optimizer, compression, adam_recipe, adam_warmup, *, local_gradie
     else:
         on = adam_recipe
     if not on:
+        if adam_refresh is not None:
+            raise ValueError(f"adam_refresh={adam_refresh!r} is given but the Adam recipe "
+                             f"is off (adam_recipe={adam_recipe!r}, optimizer "
+                             f"{type(optimizer).__name__}, compression "
+                             f"{type(compression).__name__})")
         if adam_warmup is not None:
             raise ValueError(f"adam_warmup={adam_warmup!r} is given but the Adam recipe is "
                              f"off (adam_recipe={adam_recipe!r}, optimizer "
@@ -177,6 +219,7 @@ def adam_setup(optimizer, compression, adam_recipe, adam_warmup, *, local_gradie
                              f"{type(compression).__name__})")
         return None
     warmup = check_warmup(adam_warmup)
+    check_refresh(adam_refresh)
     check_adam(optimizer)
     if local_gradient is not None:
         raise ValueError(f"local_gradient={local_gradient!r} cannot be combined with the "
@@ -219,7 +262,8 @@ class AdamRecipe:
 
     def __init__(self, optimizer, params: Dict[str, torch.Tensor], world_size: int,
                  compressed, *, warmup: int, clip_grad_norm: Optional[float] = None,
-                 precondition: bool = True, floor: float = 0.1):
+                 precondition: bool = True, floor: float = 0.1, wire: str = "gradient",
+                 refresh: Optional[int] = None, residual=None):
         self.optimizer = optimizer
         self.params = dict(params)
         self.world_size = int(world_size)
@@ -227,12 +271,23 @@ class AdamRecipe:
         self.warmup = check_warmup(warmup)
         self.clip = None if clip_grad_norm is None else \
             float(clip_grad_norm) / (self.world_size ** 0.5)
-        #: compress ``m_i / D`` (True, the default) or ``m_i`` itself (1-bit Adam as
+        #: compress ``x / D`` (True, the default) or ``x`` itself (1-bit Adam as
         #: published; measured in docs/bench/adam/: diverges with AdaComp)
         self.precondition = bool(precondition)
         #: lower bound of every coordinate's frozen ``sqrt(v_hat)``, as a fraction of the
         #: layer's mean ``sqrt(v_hat)`` (0 = none; see the module docstring)
         self.floor = float(floor)
+        if wire not in ("momentum", "gradient"):
+            raise ValueError(f"wire must be 'momentum' or 'gradient', got {wire!r}")
+        #: what travels after the warm-up: ``m_i / D`` (1-bit Adam) or ``g_i / D`` with
+        #: the momentum applied to the exchanged average on every rank
+        self.wire = wire
+        #: variance refresh period R (None: v frozen for good): every R-th step after
+        #: the warm-up travels dense and updates ``v`` as R steps of that gradient
+        self.refresh = check_refresh(refresh)
+        #: name -> the compressor's residual of that layer (rescaled when D changes)
+        self._residual = residual or (lambda name: None)
+        self._steps: dict = {}       # name -> Adam step before this step (host copy)
         self.u: dict = {}            # no DGC velocity: nothing to mask
         self.transactional = False
         self._after: set = set()     # layers known to be past their warm-up (cache)
@@ -248,18 +303,38 @@ class AdamRecipe:
         if not self._compressed(name):
             return False
         st = self.optimizer.state.get(self.params[name])
-        if not st or "step" not in st or _value(st["step"]) < self.warmup:
+        if not st or "step" not in st:
+            return False
+        s = _value(st["step"])
+        if s < self.warmup:
             return False
         self._after.add(name)
+        self._steps[name] = int(s)   # counted on the host from here (_update)
         return True
 
     def forget(self):
         """The optimizer's state was replaced (load_state_dict): re-read every phase."""
         self._after.clear()
+        self._steps.clear()
+
+    def refreshing(self, name: str) -> bool:
+        """This step of the recipe layer ``name`` refreshes its variance: it is the
+        ``R``-th, ``2R``-th, ... step after the warm-up (``(s + 1 - T_w) % R == 0``)."""
+        if self.refresh is None or not self.frozen(name):
+            return False
+        return (self._steps[name] + 1 - self.warmup) % self.refresh == 0
+
+    def _v_count(self, s: int) -> int:
+        """How many steps the frozen ``v`` stands for before step ``s``: ``T_w`` plus
+        ``R`` per refresh done (its bias correction is ``1 - beta2^count``)."""
+        if self.refresh is None or s < self.warmup:
+            return self.warmup
+        return self.warmup + self.refresh * ((s - self.warmup) // self.refresh)
 
     def sends_dense(self, name: str) -> bool:
-        """Warm-up of a recipe layer: its gradient travels dense (exact Adam)."""
-        return self._compressed(name) and not self.frozen(name)
+        """Warm-up (exact Adam) or a variance refresh of a recipe layer: its gradient
+        travels dense, without the residual."""
+        return self._compressed(name) and (not self.frozen(name) or self.refreshing(name))
 
     # ----------------------------------------------------------------- transactions
     def begin_step(self):
@@ -278,10 +353,10 @@ class AdamRecipe:
     def corrected(self, name: str, grad: torch.Tensor, param: torch.Tensor, dense: bool,
                   grad_scale: Optional[torch.Tensor]):
         """``(x, nonfinite)``: what travels for this layer -- the (unscaled, clipped)
-        gradient in warm-up and for dense layers, ``m_i`` after the warm-up -- and the
+        gradient in warm-up, refreshes and for dense layers, ``x_i`` after the warm-up -- and the
         int32[1] count of non-finite elements of ``grad`` (zeroed here)."""
         g, nonfinite = clean_local_gradient(grad, grad_scale, self.clip)
-        if dense or not self.frozen(name):
+        if dense or not self.frozen(name) or self.refreshing(name):
             return g, nonfinite
         group = self._groups.of(param)
         wd = group.get("weight_decay", 0.0)
@@ -291,16 +366,21 @@ class AdamRecipe:
             g = -g
         b1 = _value(group["betas"][0])
         st = self.optimizer.state[self.params[name]]
+        if self.wire == "gradient":
+            if self.precondition:
+                return g / self._denom(st, group, self._steps[name]), nonfinite
+            return g, nonfinite
         mi = st["exp_avg"].float() * b1 + g * (1.0 - b1)
         if self.precondition:
-            return mi / self._denom(st, group), nonfinite
+            return mi / self._denom(st, group, self._steps[name]), nonfinite
         return mi, nonfinite
 
-    def _denom(self, st: dict, group: dict) -> torch.Tensor:
-        """``D = max(s, floor * mean(s)) + eps`` with ``s = sqrt(v) / sqrt(1 - beta2^T_w)``
-        (v frozen: the same every step; the mean over the layer stays on the device)."""
+    def _denom(self, st: dict, group: dict, step: int) -> torch.Tensor:
+        """``D = max(s, floor * mean(s)) + eps`` with ``s = sqrt(v) / sqrt(1 - beta2^c)``,
+        ``c`` = :meth:`_v_count` of the step (v frozen between refreshes: the same every
+        step; the mean over the layer stays on the device)."""
         b2 = _value(group["betas"][1])
-        s = st["exp_avg_sq"].float().sqrt() / math.sqrt(1 - b2 ** self.warmup)
+        s = st["exp_avg_sq"].float().sqrt() / math.sqrt(1 - b2 ** self._v_count(step))
         if self.floor > 0:
             s = torch.maximum(s, s.mean() * self.floor)
         return s.add_(group["eps"])
@@ -338,16 +418,26 @@ class AdamRecipe:
         if ok:
             with torch.no_grad():
                 for name, p, M in stash:
-                    self._update(p, M)
+                    self._update(name, p, M)
         for _, p, M in stash:
             p.grad = M
 
-    def _update(self, p: torch.Tensor, M: torch.Tensor):
+    def _update(self, name: str, p: torch.Tensor, M: torch.Tensor):
         group = self._groups.of(p)
         st = self.optimizer.state[p]
         lr = group["lr"]
         b1 = _value(group["betas"][0])
         wd = group.get("weight_decay", 0.0)
+        s = self._steps[name]
+        refresh = self.refreshing(name)
+        self._steps[name] = s + 1
+        if refresh:                                   # before step / p change
+            G = M.float()
+            if wd and not group.get("decoupled_weight_decay", False):
+                G = G + wd * p.detach().float()
+            if group.get("maximize", False):
+                G = -G
+            d_old = self._denom(st, group, s)
         step_t = st["step"]
         if isinstance(step_t, torch.Tensor):
             step_t += 1                               # in place, as torch's Adam does
@@ -360,7 +450,18 @@ class AdamRecipe:
         else:
             bc1 = 1 - b1 ** _value(step_t)
         step_size = lr / bc1
-        denom = self._denom(st, group)
+        if refresh:
+            self._refresh(name, st, group, G, d_old, s, step_size, p)
+            return
+        denom = self._denom(st, group, s)
+        if self.wire == "gradient":                   # M holds X = avg C(g_i [/ D])
+            m = st["exp_avg"]
+            m.mul_(b1).add_(M * denom if self.precondition else M, alpha=1 - b1)
+            if isinstance(step_size, torch.Tensor):
+                p.sub_(m / denom * step_size.to(p.device))
+            else:
+                p.addcdiv_(m, denom, value=-step_size)
+            return
         if self.precondition:                         # M holds X = avg C(m_i / D)
             st["exp_avg"].copy_(M * denom)
             if isinstance(step_size, torch.Tensor):
@@ -374,17 +475,46 @@ class AdamRecipe:
         else:                                         # torch's single-tensor form
             p.addcdiv_(st["exp_avg"], denom, value=-step_size)
 
+    def _refresh(self, name, st, group, G, d_old, s, step_size, p):
+        """A variance refresh (the averaged gradient ``G`` arrived dense):
+        ``v <- beta2^R v + (1 - beta2^R) G^2`` (R steps of ``G``, so ``v`` stays Adam's
+        average with bias correction ``1 - beta2^(c + R)``), ``m <- beta1 m + (1 - beta1)
+        G``, ``p <- p - lr / bc1 * m / D_new``: exact Adam with the refreshed ``v``. The
+        residual holds ``g / D_old`` units: it is rescaled by ``D_old / D_new``, so the
+        gradient mass it carries is unchanged."""
+        b1 = _value(group["betas"][0])
+        b2R = _value(group["betas"][1]) ** self.refresh
+        st["exp_avg_sq"].mul_(b2R).addcmul_(G, G, value=1 - b2R)
+        d_new = self._denom(st, group, s + 1)
+        m = st["exp_avg"]
+        m.mul_(b1).add_(G, alpha=1 - b1)
+        if isinstance(step_size, torch.Tensor):
+            p.sub_(m / d_new * step_size.to(p.device))
+        else:
+            p.addcdiv_(m, d_new, value=-step_size)
+        r = self._residual(name)
+        if r is not None and self.precondition:
+            r.mul_((d_old / d_new).reshape(r.shape))
+
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
-        return dict(warmup=self.warmup)
+        return dict(warmup=self.warmup, refresh=self.refresh, wire=self.wire)
 
     def load_state_dict(self, sd: dict):
+        import warnings
         saved = sd.get("warmup")
         if saved is not None and int(saved) != self.warmup:
-            import warnings
             warnings.warn(f"hvdsparse: the compression state was saved with adam_warmup="
                           f"{saved}; this run uses {self.warmup} (parameters whose step is "
                           f"past {self.warmup} use the frozen variance)")
+        if "refresh" in sd and sd["refresh"] != self.refresh:
+            warnings.warn(f"hvdsparse: the compression state was saved with adam_refresh="
+                          f"{sd['refresh']}; this run uses {self.refresh} (the frozen "
+                          f"variance's bias correction assumes this run's period)")
+        if "wire" in sd and sd["wire"] != self.wire:
+            warnings.warn(f"hvdsparse: the compression state was saved with the Adam "
+                          f"recipe's wire={sd['wire']!r}; this run uses {self.wire!r} (the "
+                          f"residuals hold the other quantity)")
         self.forget()
 
 

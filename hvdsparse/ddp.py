@@ -195,11 +195,12 @@ class State:
             applied in the hook and set to 0 for the duration of its ``step()``
             (optimizer step pre/post hooks; ``param_groups`` and checkpoints keep the
             user's values).
-        adam_recipe, adam_warmup: the Adam / AdamW recipe (:mod:`hvdsparse.adam`), as
+        adam_recipe, adam_warmup, adam_refresh: the Adam / AdamW recipe
+            (:mod:`hvdsparse.adam`), as
             for :func:`hvdsparse.DistributedOptimizer`: on by default when
             ``optimizer=`` is a ``torch.optim.Adam`` / ``AdamW`` (the hook cannot see
-            the optimizer otherwise: without ``optimizer=`` it is off); the momentum is
-            compressed in the hook after the dense warm-up, and the recipe's update
+            the optimizer otherwise: without ``optimizer=`` it is off); the scaled
+            gradient is compressed in the hook after the dense warm-up, and the recipe's update
             replaces Adam's for those parameters around the optimizer's ``step()``
             (step pre/post hooks).
         grad_scaler: the ``torch.amp.GradScaler`` of the training loop (see "Mixed
@@ -211,7 +212,7 @@ class State:
                  settings: Optional[ExchangeSettings] = None,
                  transport: Optional[Transport] = None, optimizer=None,
                  momentum_correction=None, clip_grad_norm=None, adam_recipe=None,
-                 adam_warmup=None, grad_scaler=None, **kwargs):
+                 adam_warmup=None, adam_refresh=None, grad_scaler=None, **kwargs):
         from .compressors import Compressor
         if isinstance(compression, type) and issubclass(compression, Compressor):
             raise TypeError(f"compression must be an hvdsparse compressor instance, got the "
@@ -306,14 +307,18 @@ class State:
             raise ValueError(f"clip_grad_norm must be None or a number > 0, got "
                              f"{clip_grad_norm!r}")
         from .adam import adam_setup
-        if optimizer is None and (adam_recipe or adam_warmup is not None):
-            raise ValueError("adam_recipe / adam_warmup need optimizer= (the "
+        if optimizer is None and (adam_recipe or adam_warmup is not None or
+                                  adam_refresh is not None):
+            raise ValueError("adam_recipe / adam_warmup / adam_refresh need optimizer= (the "
                              "torch.optim.Adam / AdamW that steps the DDP model)")
         adam_warmup = adam_setup(optimizer, compression, adam_recipe, adam_warmup,
-                                 momentum_correction=momentum_correction) \
+                                 momentum_correction=momentum_correction,
+                                 adam_refresh=adam_refresh) \
             if optimizer is not None else None
+        if adam_warmup is None:
+            adam_refresh = None
         if adam_warmup is not None:
-            self._setup_adam(optimizer, adam_warmup, clip_grad_norm)
+            self._setup_adam(optimizer, adam_warmup, adam_refresh, clip_grad_norm)
         elif momentum_correction or clip_grad_norm is not None:
             self._setup_local_update(optimizer, momentum_correction, clip_grad_norm)
         elif optimizer is not None and not isinstance(optimizer, torch.optim.SGD):
@@ -329,6 +334,7 @@ class State:
         self.fingerprint["momentum_correction"] = bool(momentum_correction)
         self.fingerprint["clip_grad_norm"] = clip_grad_norm
         self.fingerprint["adam_warmup"] = adam_warmup
+        self.fingerprint["adam_refresh"] = adam_refresh
         self.fingerprint["grad_scaler"] = grad_scaler is not None
         self._hooks = []
         for n, p in self.params.items():
@@ -369,7 +375,7 @@ class State:
             self._opt_hooks = [optimizer.register_step_pre_hook(pre),
                                optimizer.register_step_post_hook(post)]
 
-    def _setup_adam(self, optimizer, warmup, clip_grad_norm):
+    def _setup_adam(self, optimizer, warmup, refresh, clip_grad_norm):
         """The Adam recipe (:mod:`hvdsparse.adam`): momentum compressed in the hook, the
         recipe's update applied around the optimizer's ``step()`` (pre/post hooks)."""
         from .adam import AdamRecipe
@@ -383,7 +389,8 @@ class State:
         shapes = {n: p.shape for n, p in self.params.items()}
         lu = AdamRecipe(optimizer, self.params, self.world_size,
                         lambda n: not pol.is_dense(n, shapes[n]), warmup=warmup,
-                        clip_grad_norm=clip_grad_norm)
+                        refresh=refresh, clip_grad_norm=clip_grad_norm,
+                        residual=self.compressor.residual)
         self.local_update = lu
         if self.world_size > 1:
             self._opt_hooks = [

@@ -53,7 +53,7 @@ def _compressor_base():
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, settings, grad_scaler,
-                 momentum_correction, clip_grad_norm, adam_warmup):
+                 momentum_correction, clip_grad_norm, adam_warmup, adam_refresh=None):
         import horovod.torch as hvd
         super(self.__class__, self).__init__(params)
         self._compression = compression
@@ -108,7 +108,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self, dict(optimised), size,
                 lambda n, _s={k: v.shape for k, v in optimised}:
                     not compression.policy.is_dense(n, _s[n]),
-                warmup=adam_warmup, clip_grad_norm=clip_grad_norm)
+                warmup=adam_warmup, refresh=adam_refresh, clip_grad_norm=clip_grad_norm,
+                residual=compression.residual)
         elif momentum_correction or clip_grad_norm is not None:
             self._local_update = LocalUpdate(
                 self, dict(optimised), size,
@@ -117,6 +118,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._fingerprint["momentum_correction"] = bool(momentum_correction)
         self._fingerprint["clip_grad_norm"] = clip_grad_norm
         self._fingerprint["adam_warmup"] = adam_warmup
+        self._fingerprint["adam_refresh"] = adam_refresh
         self._hvdsparse = LayerScheduler(
             optimised, compression, settings, rank=rank, world_size=size, prefix=prefix,
             local=self._local, fingerprint=self._fingerprint, grad_scaler=grad_scaler,
@@ -302,7 +304,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          sync_period=500, dense_dtype="fp32", split_dense_bits=0,
                          quant_bucket=512, validate=None, alpha_bytes=0.0,
                          nonfinite="raise", grad_scaler=None, momentum_correction=None,
-                         clip_grad_norm=None, adam_recipe=None, adam_warmup=None, num_groups=0, groups=None, sparse_as_dense=False,
+                         clip_grad_norm=None, adam_recipe=None, adam_warmup=None,
+                         adam_refresh=None, num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=None):
     """Wrap ``optimizer`` so that gradients are compressed and exchanged sparsely.
 
@@ -355,6 +358,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             parameter, counted by Adam's ``state["step"]``); ``None`` =
             :data:`hvdsparse.adam.DEFAULT_WARMUP`. Scale it to ~25-30% of the run
             (measured: BENCHMARKS.md 6).
+        adam_refresh: ``None`` (default: the variance stays frozen after the warm-up) or
+            ``R``: every ``R``-th step after the warm-up travels dense and refreshes the
+            variance (:mod:`hvdsparse.adam`; costs one dense step in ``R``).
     """
     import horovod.torch as hvd
     if op is None:
@@ -405,7 +411,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          f"{clip_grad_norm!r}")
     adam_warmup = adam_setup(optimizer, compression, adam_recipe, adam_warmup,
                              local_gradient=local_gradient,
-                             momentum_correction=momentum_correction)
+                             momentum_correction=momentum_correction,
+                             adam_refresh=adam_refresh)
     settings = ExchangeSettings.from_args(
         exchange=exchange, fusion_threshold=fusion_threshold, average=(op == hvd.Average),
         gradient_predivide_factor=gradient_predivide_factor,
@@ -423,7 +430,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     cls.__module__ = "horovod.torch.optimizer"
     cls.__qualname__ = f"hvdsparse.DistributedOptimizer[{optimizer.__class__.__name__}]"
     return cls(optimizer.param_groups, named_parameters, compression, settings, grad_scaler,
-               momentum_correction, clip_grad_norm, adam_warmup)
+               momentum_correction, clip_grad_norm, adam_warmup,
+               adam_refresh if adam_warmup is not None else None)
 
 
 # ---------------------------------------------------------------------- routing

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import inspect
 import json
 import math
 import os
@@ -94,6 +95,8 @@ def parse_method(spec):
             pass
         if k.startswith("opt."):
             okw[k[4:]] = v
+        elif k.startswith("recipe."):             # an attribute of the Adam recipe
+            okw.setdefault("_recipe", {})[k[7:]] = v
         else:
             kw[k] = v
     return name, okw, kw
@@ -126,9 +129,17 @@ def worker(args):
                 opt = hvd.DistributedOptimizer(base, named_parameters=named)
             else:
                 cls, pos = COMPRESSORS[name]
-                comp = getattr(hvdsparse, cls)(*pos, **kw)
+                klass = getattr(hvdsparse, cls)
+                # a keyword naming a positional default replaces it (topk:ratio=1.0)
+                names = list(inspect.signature(klass.__init__).parameters)[1:]
+                pos = tuple(kw.pop(n) if n in kw else v for n, v in zip(names, pos))
+                comp = klass(*pos, **kw)
+                extra_okw = dict(extra_okw)
+                recipe_attrs = extra_okw.pop("_recipe", {})
                 okw = dict(named_parameters=named, compression=comp, **extra_okw)
                 opt = hvdsparse.DistributedOptimizer(base, **okw)
+                for k, v in recipe_attrs.items():       # study knobs (Adam recipe)
+                    setattr(opt._local_update, k, v)
             evals = []
             step, t0, tl = 0, time.time(), []
 

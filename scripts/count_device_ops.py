@@ -32,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from collections import Counter
 from pathlib import Path
 
@@ -77,12 +78,21 @@ def _worker(args):
             self.phase = None
             self.aten = Counter()
             self.names = Counter()
+            self.sites = Counter()
 
         def __torch_dispatch__(self, func, types, a=(), kw=None):
             name = func.overloadpacket.__name__
             if self.phase and not Count.inside and name not in NO_LAUNCH:
                 self.aten[self.phase] += 1
                 self.names[name] += 1
+                if args.where:                  # innermost hvdsparse frame issuing it
+                    site = "torch / model"
+                    for fr in reversed(traceback.extract_stack()[:-1]):
+                        if "/hvdsparse/" in fr.filename:
+                            site = (f"{Path(fr.filename).name}:{fr.lineno} "
+                                    f"{fr.name}")
+                            break
+                    self.sites[f"{name} @ {site}"] += 1
             return func(*a, **(kw or {}))
 
     launches = Counter()
@@ -144,6 +154,8 @@ def _worker(args):
             step(cnt)
         out[label] = dict(aten=dict(cnt.aten), triton=dict(launches),
                           top_aten=cnt.names.most_common(15))
+        if args.where:
+            out[label]["sites"] = cnt.sites.most_common()
     print("RESULT " + json.dumps(out))
 
 
@@ -155,6 +167,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--out", default=None, help="path stem for .json / .md")
+    ap.add_argument("--where", action="store_true",
+                    help="also list where (hvdsparse file:line) every counted op is issued")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tree-path", default=str(ROOT), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -166,7 +180,7 @@ def main(argv=None):
     for label, path in trees:
         cmd = [sys.executable, __file__, "--worker", "--tree-path", path, "--layers",
                str(args.layers), "--width", str(args.width), "--methods",
-               ",".join(args.methods)]
+               ",".join(args.methods)] + (["--where"] if args.where else [])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, os.environ.get(
             "PYTHONPATH", "")]))
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
@@ -187,6 +201,12 @@ def main(argv=None):
                       str(a.get("step", 0)), str(tr), str(sum(a.values()) + tr)]
         rows.append("| " + " | ".join(cells) + " |")
     table = "\n".join(rows)
+    if args.where:                   # where the ops come from, per tree and method
+        for t, _ in trees:
+            for m in args.methods:
+                print(f"\n{t} / {m}: aten ops per step by issuing site")
+                for site, n in results[t][m].get("sites", []):
+                    print(f"  {n:5d}  {site}")
     print(f"device ops + Triton launches per step, {args.layers} Linear({args.width}, "
           f"{args.width}) layers ({args.layers} compressed weights, {args.layers} dense "
           f"biases), world size 1, forced Triton (interpreter)")

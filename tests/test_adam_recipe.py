@@ -33,7 +33,8 @@ class SimRanks:
     """P ranks of the recipe in one process (one optimizer: its state is the same on every
     rank; one compressor per rank)."""
 
-    def __init__(self, model, opt, make_comp, P, warmup, precondition=True, floor=0.1):
+    def __init__(self, model, opt, make_comp, P, warmup, precondition=True, floor=0.1,
+                 wire=None, refresh=None):
         self.model, self.opt, self.P = model, opt, P
         self.named = dict(model.named_parameters())
         self.comps = [make_comp().bind(r, P) for r in range(P)]
@@ -41,8 +42,15 @@ class SimRanks:
         self.recipe = AdamRecipe(opt, self.named, P,
                                  lambda n: not pol.is_dense(n, self.named[n].shape),
                                  warmup=warmup, precondition=precondition,
-                                 floor=floor)
+                                 floor=floor, refresh=refresh,
+                                 residual=self._residuals,
+                                 **({} if wire is None else dict(wire=wire)))
         self.t = 0
+
+    def _residuals(self, name):
+        """Every simulated rank's residual of ``name`` (one recipe serves them all)."""
+        rs = [c.residual(name) for c in self.comps]
+        return None if any(r is None for r in rs) else _AllRanks(rs)
 
     def step(self, everyone):
         rc, P = self.recipe, self.P
@@ -59,6 +67,17 @@ class SimRanks:
         with rc.neutralised():
             self.opt.step()
         self.t += 1
+
+
+class _AllRanks:
+    """The P residuals of one layer, rescaled together (a real rank has one)."""
+
+    def __init__(self, rs):
+        self.rs, self.shape = rs, rs[0].shape
+
+    def mul_(self, f):
+        for r in self.rs:
+            r.mul_(f)
 
 
 def grads(model, P, step, seed):
@@ -80,11 +99,12 @@ def _close(sim, rep, what):
             f"{what}: {n} differs from the replay by {err:.3g}"
 
 
+@pytest.mark.parametrize("wire", ["gradient", "momentum"])
 @pytest.mark.parametrize("kind,comp,pre", [("adam", "topk", True), ("adamw", "topk", True),
                                            ("adam", "adacomp", True),
                                            ("adamw", "topk", False),
                                            ("adam", "adacomp", False)])
-def test_recipe_matches_replay(seed, kind, comp, pre):
+def test_recipe_matches_replay(seed, kind, comp, pre, wire):
     torch.manual_seed(seed)
     P, warmup, lr, wd, betas, eps = 3, 3, 3e-3, 1e-2, (0.9, 0.99), 1e-8
     model = Net()
@@ -96,8 +116,9 @@ def test_recipe_matches_replay(seed, kind, comp, pre):
         make, sel, dw = hvdsparse.AdaComp, adacomp(), True
     rep = AdamReplay(dict(model.named_parameters()), P, lr=lr, betas=betas, eps=eps, wd=wd,
                      decoupled=kind == "adamw", warmup=warmup, select=sel, needs_dw=dw,
-                     precondition=pre, floor=0.1 if pre else 0.0)
-    sim = SimRanks(model, opt, make, P, warmup, precondition=pre, floor=0.1 if pre else 0.0)
+                     precondition=pre, floor=0.1 if pre else 0.0, wire=wire)
+    sim = SimRanks(model, opt, make, P, warmup, precondition=pre, floor=0.1 if pre else 0.0,
+                   wire=wire)
     for step in range(9):
         everyone = grads(model, P, step, seed)
         sim.step(everyone)
@@ -110,6 +131,54 @@ def test_recipe_matches_replay(seed, kind, comp, pre):
         assert torch.allclose(st["exp_avg"], rep.m[n], rtol=1e-5, atol=1e-7), n
         assert torch.allclose(st["exp_avg_sq"], rep.v[n], rtol=1e-5, atol=1e-10), n
     assert sim.recipe.frozen("fc1.weight") and not sim.recipe.frozen("fc3.weight")
+
+
+@pytest.mark.parametrize("wire", ["gradient", "momentum"])
+@pytest.mark.parametrize("kind,comp,pre", [("adam", "topk", True), ("adamw", "adacomp", True),
+                                           ("adamw", "topk", False)])
+def test_refresh_matches_replay(seed, kind, comp, pre, wire):
+    """adam_refresh=R: every R-th step after the warm-up is exact Adam on the dense
+    average with v advanced by R steps of it; D's bias correction counts the refreshes;
+    the residuals are rescaled by D_old / D_new."""
+    torch.manual_seed(seed)
+    P, warmup, R, lr, wd, betas, eps = 3, 3, 3, 3e-3, 1e-2, (0.9, 0.99), 1e-8
+    model = Net()
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+    opt = cls(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    if comp == "topk":
+        make, sel, dw = (lambda: hvdsparse.TopK(0.05, exact=True)), topk_exact(0.05), False
+    else:
+        make, sel, dw = hvdsparse.AdaComp, adacomp(), True
+    floor = 0.1 if pre else 0.0
+    rep = AdamReplay(dict(model.named_parameters()), P, lr=lr, betas=betas, eps=eps, wd=wd,
+                     decoupled=kind == "adamw", warmup=warmup, select=sel, needs_dw=dw,
+                     precondition=pre, floor=floor, wire=wire, refresh=R)
+    sim = SimRanks(model, opt, make, P, warmup, precondition=pre, floor=floor, wire=wire,
+                   refresh=R)
+    refreshed = []
+    for step in range(12):
+        refreshed.append(sim.recipe.refreshing("fc1.weight"))
+        everyone = grads(model, P, step, seed)
+        sim.step(everyone)
+        rep.step(everyone)
+        _close(sim, rep, f"{kind}/{comp} R={R} step {step}")
+        v1 = opt.state[sim.named["fc1.weight"]]["exp_avg_sq"]
+        if step == warmup - 1:
+            frozen_v = v1.clone()
+        elif step == 4:
+            assert torch.equal(v1, frozen_v), "v moved between refreshes"
+        elif step == 5:
+            assert not torch.equal(v1, frozen_v), "the refresh left v as it was"
+        for r in range(P):
+            for n in ("fc1.weight", "fc2.weight"):
+                if step >= warmup:
+                    torch.testing.assert_close(sim.comps[r].residual(n).view(-1),
+                                               rep.e[r][n].view(-1), rtol=1e-4, atol=1e-5)
+    # steps 5, 8, 11 (the 3rd, 6th, 9th after the 3-step warm-up) refresh
+    assert [i for i, f in enumerate(refreshed) if f] == [5, 8, 11]
+    for n, p in sim.named.items():
+        torch.testing.assert_close(opt.state[p]["exp_avg_sq"], rep.v[n], rtol=1e-5,
+                                   atol=1e-10)
 
 
 def test_warmup_is_exact_adam(seed):
@@ -131,13 +200,14 @@ def test_warmup_is_exact_adam(seed):
             assert torch.equal(a, b), f"warm-up step {step}: {n} differs from torch Adam"
 
 
-def test_unused_layer_is_a_zero_gradient(seed):
-    """A trainable layer without a gradient on a rank contributes m_i = beta1 * m (sent
-    as m_i / D)."""
+@pytest.mark.parametrize("wire", ["gradient", "momentum"])
+def test_unused_layer_is_a_zero_gradient(seed, wire):
+    """A trainable layer without a gradient on a rank is a zero g_i: it sends x_i = 0 on
+    the gradient wire, m_i / D = beta1 * m / D on the momentum wire."""
     torch.manual_seed(seed)
     model = Net()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    sim = SimRanks(model, opt, lambda: hvdsparse.TopK(1.0), 2, warmup=1)
+    sim = SimRanks(model, opt, lambda: hvdsparse.TopK(1.0), 2, warmup=1, wire=wire)
     sim.step(grads(model, 2, 0, seed))
     p = sim.named["fc1.weight"]
     m = opt.state[p]["exp_avg"].clone()
@@ -145,7 +215,10 @@ def test_unused_layer_is_a_zero_gradient(seed):
     x, _ = sim.recipe.corrected("fc1.weight", torch.zeros_like(p), p, False, None)
     s = v.sqrt() / math.sqrt(1 - 0.999)                  # frozen after T_w = 1 step
     D = torch.clamp(s, min=float(0.1 * s.mean())) + 1e-8
-    assert torch.allclose(x, m * 0.9 / D, rtol=1e-6, atol=0)
+    if wire == "gradient":
+        assert torch.equal(x, torch.zeros_like(x))
+    else:
+        assert torch.allclose(x, m * 0.9 / D, rtol=1e-6, atol=0)
 
 
 def test_setup_checks():
@@ -170,12 +243,15 @@ def test_setup_checks():
         (dict(adam_recipe=False, adam_warmup=10), "recipe is off"),
         (dict(local_gradient="partial"), "local_gradient"),
         (dict(momentum_correction=True), "momentum_correction"),
+        (dict(adam_refresh=0), "adam_refresh"),
+        (dict(adam_refresh=2.0), "adam_refresh"),
+        (dict(adam_recipe=False, adam_refresh=50), "recipe is off"),
     ]
     for kw, words in bad:
         args = dict(optimizer=adam, compression=topk, adam_recipe=None, adam_warmup=None)
         args.update(kw)
-        extra = {k: args.pop(k) for k in ("local_gradient", "momentum_correction")
-                 if k in args}
+        extra = {k: args.pop(k) for k in ("local_gradient", "momentum_correction",
+                                          "adam_refresh") if k in args}
         with pytest.raises(ValueError, match=words):
             adam_setup(args["optimizer"], args["compression"], args["adam_recipe"],
                        args["adam_warmup"], **extra)

@@ -1,7 +1,8 @@
 """The Adam recipe in hvdsparse's DDP communication hook under real torchrun (run at P=2):
 ``State(..., optimizer=adam)`` turns it on by default. Against an independent plain-torch
 replay of the recipe (tests/workers/adam_replay.py) from every rank's raw local gradient,
-for Adam with L2 decay + TopK(0.05, exact) and AdamW + AdaComp; parameters bitwise
+for Adam with L2 decay + TopK(0.05, exact) and AdamW + AdaComp with adam_refresh=2;
+parameters bitwise
 identical across ranks; a checkpoint (model, optimizer, hook state) resumes bitwise
 identically. Prints ``HVDSPARSE-OK rank=<r>``.
 """
@@ -44,12 +45,13 @@ def batch(step):
     return torch.randn(12, 24, generator=g), torch.randint(0, 5, (12,), generator=g)
 
 
-def build(cls, comp, wd, seed=4):
+def build(cls, comp, wd, seed=4, refresh=None):
     torch.manual_seed(seed)
     net = Net()
     model = DDP(net, bucket_cap_mb=0.01)
     opt = cls(model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=wd)
-    state = hvdsparse.ddp.State(comp, net.named_parameters(), optimizer=opt, adam_warmup=2)
+    state = hvdsparse.ddp.State(comp, net.named_parameters(), optimizer=opt, adam_warmup=2,
+                                adam_refresh=refresh)
     model.register_comm_hook(state, hvdsparse.ddp.hook)
     return net, model, opt, state
 
@@ -78,26 +80,27 @@ def step_once(net, model, opt, step, replay=None):
     check(all(torch.equal(out[0], o) for o in out), f"step {step}: replicas differ")
 
 
-for cls, comp, sel, dw, wd in ((torch.optim.Adam, hvdsparse.TopK(0.05, exact=True),
-                                topk_exact(0.05), False, 1e-2),
-                               (torch.optim.AdamW, hvdsparse.AdaComp(), adacomp(), True,
-                                1e-2)):
-    net, model, opt, state = build(cls, comp, wd)
+for cls, comp, sel, dw, wd, R_ in ((torch.optim.Adam, hvdsparse.TopK(0.05, exact=True),
+                                    topk_exact(0.05), False, 1e-2, None),
+                                   (torch.optim.AdamW, hvdsparse.AdaComp(), adacomp(), True,
+                                    1e-2, 2)):
+    net, model, opt, state = build(cls, comp, wd, refresh=R_)
     check(type(state.local_update).__name__ == "AdamRecipe", "recipe not on by default")
     rep = AdamReplay(dict(net.named_parameters()), P, lr=3e-3, betas=(0.9, 0.99), eps=1e-8,
                      wd=wd, decoupled=cls is torch.optim.AdamW, warmup=2, select=sel,
-                     needs_dw=dw)
-    for step in range(5):
+                     needs_dw=dw, refresh=R_)
+    for step in range(6):
         step_once(net, model, opt, step, rep)
 
-# checkpoint / resume
-net, model, opt, state = build(torch.optim.AdamW, hvdsparse.TopK(0.05), 0.0)
+# checkpoint / resume (with refreshes at steps 3 and 5: the resumed run starts on one)
+net, model, opt, state = build(torch.optim.AdamW, hvdsparse.TopK(0.05), 0.0, refresh=2)
 for step in range(3):
     step_once(net, model, opt, step)
 saved = copy.deepcopy((net.state_dict(), opt.state_dict(), state.state_dict()))
 for step in range(3, 6):
     step_once(net, model, opt, step)
-net2, model2, opt2, state2 = build(torch.optim.AdamW, hvdsparse.TopK(0.05), 0.0, seed=9)
+net2, model2, opt2, state2 = build(torch.optim.AdamW, hvdsparse.TopK(0.05), 0.0, seed=9,
+                                   refresh=2)
 net2.load_state_dict(saved[0])
 opt2.load_state_dict(saved[1])
 state2.load_state_dict(saved[2])

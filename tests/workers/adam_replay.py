@@ -14,6 +14,16 @@ Per layer with ``t`` its Adam step count before this step:
   ``e_r = acc - sent``; ``X = (sum_r sent_r) / P``; (AdamW: ``w *= 1 - lr wd``)
   ``t += 1``, ``v`` unchanged; precondition: ``m = X * D``, ``w -= lr / (1 - b1^t) * X``;
   else ``m = X``, ``w -= lr / (1 - b1^t) * X / D``.
+* after, ``wire="gradient"``: the same with ``x_r = (g_r [+ wd w]) / D`` (or ``g_r``
+  without ``precondition``), and then ``m = b1 m + (1 - b1) X D`` (or ``... + (1 - b1) X``),
+  ``w -= lr / (1 - b1^t) * m / D``: the momentum is applied after the exchange.
+* ``refresh=R``: the steps with ``t >= T_w`` and ``(t + 1 - T_w) % R == 0`` are exact
+  dense steps that refresh ``v``: ``G`` as in warm-up (residuals untouched and not sent),
+  ``D_old`` = ``D`` of this step, ``v = b2^R v + (1 - b2^R) G^2``, ``m = b1 m + (1 - b1) G``,
+  ``t += 1``, ``D_new`` from the new ``v`` with ``s = sqrt(v) / sqrt(1 - b2^t)``,
+  ``w -= lr / (1 - b1^t) * m / D_new``, every ``e_r *= D_old / D_new`` (precondition).
+  Between refreshes ``D`` uses ``s = sqrt(v) / sqrt(1 - b2^c)`` with ``c = T_w + R *
+  floor((t - T_w) / R)``, the number of steps the frozen ``v`` stands for.
 
 ``select``: :func:`topk_exact` (TopK(ratio, exact=True)) or :func:`adacomp` (AdaComp's
 pack(), Algorithm 2 of the AdaComp paper with this project's fixed per-bin capacity).
@@ -63,7 +73,9 @@ def adacomp(bin_size=500, scale=2.0, max_per_bin=None):
 
 class AdamReplay:
     def __init__(self, weights, P, *, lr, betas, eps, wd, decoupled, warmup, select,
-                 dense_below=1024, needs_dw=False, precondition=True, floor=0.1):
+                 dense_below=1024, needs_dw=False, precondition=True, floor=0.1,
+                 wire="gradient", refresh=None):
+        self.wire, self.refresh = wire, refresh
         self.W = {n: w.detach().clone().float() for n, w in weights.items()}
         self.P, self.lr, self.eps, self.wd = P, lr, eps, wd
         self.b1, self.b2 = betas
@@ -74,6 +86,10 @@ class AdamReplay:
         self.v = {n: torch.zeros_like(w) for n, w in self.W.items()}
         self.t = {n: 0 for n in self.W}
         self.e = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
+
+    def _D(self, n, count):
+        s = self.v[n].sqrt() / math.sqrt(1 - self.b2 ** count)
+        return torch.clamp(s, min=float(self.floor * s.mean())) + self.eps
 
     def dense(self, n):
         W = self.W[n]
@@ -96,14 +112,30 @@ class AdamReplay:
                 denom = self.v[n].sqrt() / math.sqrt(1 - b2 ** t) + eps
                 self.W[n] = W - lr / (1 - b1 ** t) * self.m[n] / denom
                 continue
-            s = self.v[n].sqrt() / math.sqrt(1 - b2 ** self.warmup)
-            D = torch.clamp(s, min=float(self.floor * s.mean())) + eps
+            t0, Tw, R = self.t[n], self.warmup, self.refresh
+            count = Tw if R is None else Tw + R * ((t0 - Tw) // R)
+            D = self._D(n, count)
+            if R is not None and (t0 + 1 - Tw) % R == 0:
+                G = sum(everyone[r][n].float() for r in range(P)) * (1.0 / P)
+                if self.decoupled:
+                    W = W * (1 - lr * wd)
+                elif wd:
+                    G = G + wd * W
+                self.v[n] = b2 ** R * self.v[n] + (1 - b2 ** R) * G * G
+                self.m[n] = b1 * self.m[n] + (1 - b1) * G
+                self.t[n] = t = t0 + 1
+                D_new = self._D(n, t)
+                self.W[n] = W - lr / (1 - b1 ** t) * self.m[n] / D_new
+                if self.precondition:
+                    for r in range(P):
+                        self.e[r][n] = self.e[r][n] * (D / D_new)
+                continue
             X = torch.zeros_like(W)
             for r in range(P):
                 g = everyone[r][n].float()
                 if wd and not self.decoupled:
                     g = g + wd * W
-                xr = b1 * self.m[n] + (1 - b1) * g
+                xr = g if self.wire == "gradient" else b1 * self.m[n] + (1 - b1) * g
                 if self.precondition:
                     xr = xr / D
                 acc = self.e[r][n] + xr
@@ -115,7 +147,10 @@ class AdamReplay:
                 W = W * (1 - lr * wd)
             self.t[n] += 1
             t = self.t[n]
-            if self.precondition:
+            if self.wire == "gradient":
+                self.m[n] = b1 * self.m[n] + (1 - b1) * (X * D if self.precondition else X)
+                self.W[n] = W - lr / (1 - b1 ** t) * self.m[n] / D
+            elif self.precondition:
                 self.m[n] = X * D
                 self.W[n] = W - lr / (1 - b1 ** t) * X
             else:

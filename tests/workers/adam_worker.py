@@ -10,6 +10,7 @@ Checks, each at every step:
   elsewhere) and a NaN on rank 1 at one step under nonfinite="skip" (skipped on every
   rank, residuals rolled back); AdaComp() with AdamW: parameters bitwise identical
   across ranks and equal to the replay;
+* adam_refresh=2 (dense variance refreshes between compressed steps): equals the replay;
 * GradScaler: an overflow step on rank 1 is skipped by the scaler everywhere and rolled
   back; the run equals the replay without that step;
 * checkpoint: optimizer.state_dict() + compression_state_dict() saved mid-run and loaded
@@ -94,10 +95,11 @@ def make(cls=torch.optim.Adam, comp=None, seed=3, **kw):
     return model, opt
 
 
-def replay_for(model, select, *, warmup, wd=0.0, decoupled=False, needs_dw=False):
+def replay_for(model, select, *, warmup, wd=0.0, decoupled=False, needs_dw=False,
+               refresh=None):
     return AdamReplay(dict(model.named_parameters()), P, lr=3e-3, betas=(0.9, 0.99),
                       eps=1e-8, wd=wd, decoupled=decoupled, warmup=warmup, select=select,
-                      needs_dw=needs_dw)
+                      needs_dw=needs_dw, refresh=refresh)
 
 
 # 1. TopK(1.0): warm-up longer than the run = Horovod's dense Adam
@@ -139,6 +141,17 @@ model, opt = make(torch.optim.AdamW, comp=hvdsparse.AdaComp(), adam_warmup=2,
                   weight_decay=1e-2)
 train(opt, model, 6, replay=replay_for(model, adacomp(), warmup=2, wd=1e-2, decoupled=True,
                                        needs_dw=True), tag="adacomp")
+
+# 2a. adam_refresh=2: every 2nd step after the warm-up travels dense and refreshes v
+# (a dense exchange between compressed ones, the rank-0-only layer a dense zero elsewhere)
+model, opt = make(comp=hvdsparse.TopK(0.05, exact=True), adam_warmup=2, adam_refresh=2,
+                  weight_decay=1e-2)
+rep = replay_for(model, topk_exact(0.05), warmup=2, wd=1e-2, refresh=2)
+train(opt, model, 7, side=True, replay=rep, tag="refresh")
+check(torch.allclose(opt.state[model.fc1.weight]["exp_avg_sq"], rep.v["fc1.weight"],
+                     rtol=1e-5, atol=1e-10), "refresh: v differs from the replay's")
+check(opt.compression_state_dict().get("adam_recipe", {}).get("refresh") == 2,
+      "refresh: the period is not in compression_state_dict()")
 
 # 2b. GradScaler (the README's AMP recipe): an overflow on rank 1 at step 4 is skipped by
 # the scaler on every rank and rolled back; the rest equals the replay

@@ -503,9 +503,10 @@ def main(argv=None):
         other = json.loads(Path(f).read_text())
         if not all(data[k] == other[k] for k in ("workload", "np", "steps", "optimizer")):
             raise SystemExit(f"--merge {f}: other settings")
-        keep = {(r["method"], r["seed"]) for r in other["runs"]}
-        data["runs"] = [r for r in data["runs"] if (r["method"], r["seed"]) not in keep] \
-            + other["runs"]
+        # add the runs this file lacks; a (method, seed) it has is its own (never
+        # replaced by an older file's run of the same name)
+        have = {(r["method"], r["seed"]) for r in data["runs"]}
+        data["runs"] += [r for r in other["runs"] if (r["method"], r["seed"]) not in have]
         data.setdefault("commands", []).extend(other.get("commands", []))
     rows, kinds = summarise(data)
     data["rows"], data["kinds"] = rows, kinds

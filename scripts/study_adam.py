@@ -11,7 +11,9 @@ Adam (Horovod's own DistributedOptimizer, no compression) in the same launch:
   freezing the variance alone costs, without compression;
 * ``.../raw``: the recipe as 1-bit Adam publishes it (``m_i`` compressed, no floor under
   the frozen ``sqrt(v_hat)``; set on the recipe object after construction) instead of
-  hvdsparse's default (``m_i / D`` compressed, floor 0.1 x the layer mean).
+  hvdsparse's default (``g_i / D`` compressed, momentum applied after the exchange,
+  floor 0.1 x the layer mean; the tables in docs/bench/adam/ were measured when the
+  default sent ``m_i / D``).
 
 Workloads (offline data, 2 real ranks under horovodrun, Gloo, CPU):
 
@@ -198,6 +200,7 @@ def worker(args):
             opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                            compression=comp, **kw)
             if recipe == "raw":     # 1-bit Adam as published: m_i compressed, no floor
+                opt._local_update.wire = "momentum"
                 opt._local_update.precondition = False
                 opt._local_update.floor = 0.0
         it = batches(args.seed)

@@ -1,6 +1,7 @@
-"""The Adam / AdamW recipe: a dense warm-up, then frozen variance and compressed momentum
-(1-bit Adam, Tang et al. 2021, Algorithm 1; DeepSpeed's ``OnebitAdam``; 0/1 Adam, Lu et
-al. 2022, uses the same frozen-variance idea with a variance refreshed on a schedule).
+"""The Adam / AdamW recipe: a dense warm-up, then a frozen variance and the gradient,
+scaled by it, compressed with error feedback (after 1-bit Adam, Tang et al. 2021,
+Algorithm 1, and DeepSpeed's ``OnebitAdam``, which compress the momentum instead; 0/1
+Adam, Lu et al. 2022, refreshes the variance on a schedule: ``refresh=``).
 
 Why: Adam divides every coordinate by its own ``sqrt(v)``. With error feedback a small
 coordinate of a compressed *gradient* waits in the residual and then arrives in one
@@ -228,7 +229,8 @@ def adam_setup(optimizer, compression, adam_recipe, adam_warmup, *, local_gradie
                          f"adam_recipe=False to use the local-gradient modes")
     if momentum_correction:
         raise ValueError("momentum_correction is DGC's for torch.optim.SGD; with Adam / "
-                         "AdamW the Adam recipe compresses the momentum (adam_recipe)")
+                         "AdamW the Adam recipe applies the momentum after the exchange "
+                         "(adam_recipe)")
     return warmup
 
 
@@ -297,7 +299,7 @@ class AdamRecipe:
     # ----------------------------------------------------------------- phase
     def frozen(self, name: str) -> bool:
         """True when ``name`` is a recipe layer past its warm-up (``step >= T_w``):
-        compressed momentum, frozen variance. Identical on every rank."""
+        compressed scaled gradient, frozen variance. Identical on every rank."""
         if name in self._after:
             return True
         if not self._compressed(name):

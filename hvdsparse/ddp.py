@@ -108,11 +108,12 @@ exchanged average inside the hook.
 
 The Adam recipe (``optimizer=`` a ``torch.optim.Adam`` / ``AdamW``; on by default
 then, ``adam_recipe=False`` turns it off): the same :class:`hvdsparse.adam.AdamRecipe`
-as the Horovod path -- dense exact warm-up, then each rank's momentum compressed in the
-hook and the frozen-variance update applied around the optimizer's ``step()``. With
-``torch.amp.GradScaler``, pass it (``grad_scaler=``): the hook must know the loss scale,
-or the momentum would mix scaled gradients into the unscaled ``exp_avg``. A parameter unused on every rank keeps ``p.grad = None`` (DDP), so
-it is not stepped, but its zero-gradient momentum was still compressed into its residual.
+as the Horovod path -- dense exact warm-up, then each rank's gradient scaled by the
+frozen ``1 / D`` compressed in the hook and the frozen-variance update applied around the
+optimizer's ``step()``. With ``torch.amp.GradScaler``, pass it (``grad_scaler=``): the
+hook must know the loss scale, or scaled gradients would enter the unscaled ``exp_avg``.
+A parameter unused on every rank keeps ``p.grad = None`` (DDP), so it is not stepped,
+but its zero gradient was still compressed into its residual.
 
 Host synchronisation (CUDA): as in the Horovod path, except the split strategy, whose
 variable-size alltoalls need one small size exchange each on torch.distributed
@@ -376,7 +377,7 @@ class State:
                                optimizer.register_step_post_hook(post)]
 
     def _setup_adam(self, optimizer, warmup, refresh, clip_grad_norm):
-        """The Adam recipe (:mod:`hvdsparse.adam`): momentum compressed in the hook, the
+        """The Adam recipe (:mod:`hvdsparse.adam`): scaled gradient compressed in the hook, the
         recipe's update applied around the optimizer's ``step()`` (pre/post hooks)."""
         from .adam import AdamRecipe
         owned = {id(p) for g in optimizer.param_groups for p in g["params"]}

@@ -349,7 +349,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         clip_grad_norm: DGC's local gradient clipping: each layer's local gradient is
             clipped to norm ``clip_grad_norm / sqrt(size)`` before it is accumulated.
         adam_recipe: the Adam / AdamW recipe (:mod:`hvdsparse.adam`, 1-bit Adam's
-            frozen variance and compressed momentum after a dense warm-up). ``None``
+            frozen variance and compressed, scaled gradient after a dense warm-up). ``None``
             (default): on when ``optimizer`` is ``torch.optim.Adam`` / ``AdamW`` and the
             compressor compresses (not ``NoCompression``); ``True``: on (Adam / AdamW
             only); ``False``: off (the gradient is compressed and Adam applied to the

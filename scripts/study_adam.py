@@ -6,7 +6,7 @@ Adam (Horovod's own DistributedOptimizer, no compression) in the same launch:
 * ``grad``: today's behaviour (``adam_recipe=False``): the gradient is compressed with
   error feedback and Adam is applied to the exchanged average;
 * ``Tw=<n>``: the recipe (:mod:`hvdsparse.adam`, 1-bit Adam's frozen variance and
-  compressed momentum) after ``n`` dense warm-up steps;
+  compressed scaled gradient) after ``n`` dense warm-up steps;
 * ``uncompressed/Tw=<n>``: the recipe with ``TopK(1.0)`` (everything sent): what
   freezing the variance alone costs, without compression;
 * ``.../raw``: the recipe as 1-bit Adam publishes it (``m_i`` compressed, no floor under

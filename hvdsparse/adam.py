@@ -139,7 +139,8 @@ from .param_groups import GroupLookup
 __all__ = ["AdamRecipe", "DEFAULT_WARMUP", "adam_setup", "check_adam", "is_adam"]
 
 #: warm-up steps when the user gives none: ~30% of the 300-330-step runs measured in
-#: docs/bench/adam/ (BENCHMARKS.md 6); scale it to ~25-30% of the run
+#: docs/bench/adam/ (BENCHMARKS.md 6); on a 900-step run 300 was no better than 100
+#: with the gradient wire (BENCHMARKS.md 4b)
 DEFAULT_WARMUP = 100
 
 

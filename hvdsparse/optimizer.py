@@ -356,7 +356,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             exchanged average, as before).
         adam_warmup: dense, exact Adam steps before the variance is frozen (per
             parameter, counted by Adam's ``state["step"]``); ``None`` =
-            :data:`hvdsparse.adam.DEFAULT_WARMUP`. Scale it to ~25-30% of the run
+            :data:`hvdsparse.adam.DEFAULT_WARMUP`. Not much under ~30% of a short run
             (measured: BENCHMARKS.md 6).
         adam_refresh: ``None`` (default: the variance stays frozen after the warm-up) or
             ``R``: every ``R``-th step after the warm-up travels dense and refreshes the

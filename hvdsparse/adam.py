@@ -260,6 +260,9 @@ class AdamRecipe:
     ``g_i`` to ``c / sqrt(P)`` per layer before it enters the momentum."""
 
     state_key = "adam_recipe"
+    #: a refresh rescales the residual by ``D_old / D_new`` (study knob: False keeps the
+    #: residual in the old ``g / D_old`` units; see BENCHMARKS.md 4b)
+    rescale_residual = True
     momentum_correction = False      # no DGC velocity (scheduler: no dense momentum)
     zero_fills_absent = True         # a trainable layer without a gradient is zero
 
@@ -496,7 +499,7 @@ class AdamRecipe:
         else:
             p.addcdiv_(m, d_new, value=-step_size)
         r = self._residual(name)
-        if r is not None and self.precondition:
+        if r is not None and self.precondition and self.rescale_residual:
             r.mul_((d_old / d_new).reshape(r.shape))
 
     # ----------------------------------------------------------------- checkpoints

@@ -598,10 +598,12 @@ class State:
                     # Adam recipe: the local momentum (dense gradient in its warm-up)
                     dense = self.compressor.policy.is_dense(name, p.shape)
                     x, nonfinite = lu.corrected(name, g.view(p.shape), p, dense, self._inv)
-                    pl = lu.dense_payload(name, x) if lu.sends_dense(name) else \
-                        self.compressor.compress(name, x, self.step, param=p.detach())
-                    pl.nonfinite = nonfinite if pl.nonfinite is None \
-                        else pl.nonfinite + nonfinite
+                    if lu.sends_dense(name):
+                        pl = lu.dense_payload(name, x)
+                        pl.nonfinite = nonfinite
+                    else:     # one counter: the compressor adds its count into it
+                        pl = self.compressor.compress(name, x, self.step,
+                                                      param=p.detach(), nonfinite=nonfinite)
                     payloads.append(pl)
                 elif used:
                     kw = {} if self._inv is None else {"grad_scale": self._inv}

@@ -377,12 +377,11 @@ class LayerScheduler:
                 kw["grad_scale"] = inv
             if lu is not None and lu.sends_dense(name):   # Adam recipe warm-up: exact
                 payload = lu.dense_payload(name, grad)
+                payload.nonfinite = nonfinite
             else:
+                # the local update's counter, if any, collects the compressor's count too
                 payload = self.compressor.compress(name, grad, self.step, param=p.detach(),
-                                                   **kw)
-            if nonfinite is not None:
-                payload.nonfinite = nonfinite if payload.nonfinite is None \
-                    else payload.nonfinite + nonfinite
+                                                   nonfinite=nonfinite, **kw)
         self._t_compress += time.perf_counter() - t0
         self._payloads[name] = payload
         self._ready_order.append(name)

@@ -313,7 +313,8 @@ class Compressor:
     ``error_feedback=False``, AdaComp's ``H``, warm-up dense steps, Slim-DP, QSGD). The
     number of such elements is counted on the device into ``payload.nonfinite``
     (int32[1]); what to do about them (raise, skip the step) is the caller's policy.
-    ``stats()[name]["nonfinite"]`` is the count of the layer's latest step.
+    ``stats()[name]["nonfinite"]`` is the count of the layer's latest step (with a
+    ``nonfinite=`` counter passed in, the caller's earlier count included).
 
     Loss scaling
     ------------
@@ -532,14 +533,25 @@ class Compressor:
     # ------------------------------------------------------------------ public API
     def compress(self, name: str, grad: torch.Tensor, step: int,
                  param: Optional[torch.Tensor] = None,
-                 grad_scale: Optional[torch.Tensor] = None) -> LayerPayload:
+                 grad_scale: Optional[torch.Tensor] = None,
+                 nonfinite: Optional[torch.Tensor] = None) -> LayerPayload:
         """Compress one layer's gradient for this step (see the class docstring).
         ``payload.nonfinite`` counts the non-finite elements of ``grad`` (int32[1],
-        device)."""
+        device). ``nonfinite``: an int32[1] device counter that already holds this
+        layer's count of an earlier stage (the local update's clean gradient); the
+        compressor adds into it and returns it as ``payload.nonfinite`` (saves a
+        zeroed counter and a sum per layer)."""
         self._check_args(name, grad, step, "grad")
         grad_scale = _check_grad_scale(name, grad_scale, grad.device)
+        if nonfinite is not None and (not isinstance(nonfinite, torch.Tensor) or
+                                      nonfinite.dtype != torch.int32 or
+                                      nonfinite.numel() != 1 or
+                                      nonfinite.device != grad.device):
+            raise TypeError(f"layer {name!r}: nonfinite must be an int32[1] tensor on "
+                            f"{grad.device}, got {nonfinite!r}")
         self._touch(name)
-        return self._compress_layer(name, grad, step, param, grad_scale, record=True)
+        return self._compress_layer(name, grad, step, param, grad_scale, record=True,
+                                    nonfinite=nonfinite)
 
     def compress_absent(self, name: str, like: torch.Tensor, step: int,
                         param: Optional[torch.Tensor] = None) -> LayerPayload:
@@ -582,10 +594,11 @@ class Compressor:
         if not _is_int(step) or step < 0:
             raise ValueError(f"layer {name!r}: step must be an int >= 0, got {step!r}")
 
-    def _compress_layer(self, name, grad, step, param, grad_scale, record):
+    def _compress_layer(self, name, grad, step, param, grad_scale, record, nonfinite=None):
         shape = grad.shape
         flat = grad.detach().reshape(-1)
-        nonfinite = torch.zeros(1, dtype=torch.int32, device=flat.device)
+        if nonfinite is None:
+            nonfinite = torch.zeros(1, dtype=torch.int32, device=flat.device)
         self._call = _Call(grad_scale, nonfinite)
         try:
             if flat.numel() == 0:

@@ -357,11 +357,13 @@ class AdamRecipe:
         return name in self.params
 
     def corrected(self, name: str, grad: torch.Tensor, param: torch.Tensor, dense: bool,
-                  grad_scale: Optional[torch.Tensor]):
+                  grad_scale: Optional[torch.Tensor], nonfinite: Optional[torch.Tensor] = None):
         """``(x, nonfinite)``: what travels for this layer -- the (unscaled, clipped)
         gradient in warm-up, refreshes and for dense layers, ``x_i`` after the warm-up -- and the
-        int32[1] count of non-finite elements of ``grad`` (zeroed here)."""
-        g, nonfinite = clean_local_gradient(grad, grad_scale, self.clip)
+        int32[1] count of non-finite elements of ``grad`` (zeroed here). ``nonfinite``: a
+        zeroed int32[1] counter to count into (the scheduler's slice of the step's
+        counter tensor, ``clean_local_gradient``); None: a new one."""
+        g, nonfinite = clean_local_gradient(grad, grad_scale, self.clip, nonfinite)
         if dense or not self.frozen(name) or self.refreshing(name):
             return g, nonfinite
         group = self._groups.of(param)

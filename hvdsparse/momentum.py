@@ -103,21 +103,23 @@ def resolve_momentum_correction(momentum_correction, optimizer, compression,
 
 
 def clean_local_gradient(grad: torch.Tensor, grad_scale: Optional[torch.Tensor],
-                         clip: Optional[float]):
+                         clip: Optional[float], nonfinite: Optional[torch.Tensor] = None):
     """The first part of every local update, on the device: ``g = grad * grad_scale``
     (AMP's inverse scale) in fp32, non-finite elements counted (int32[1]) and zeroed
     (they would poison a velocity or momentum forever), then DGC's local clipping of
     the layer to norm ``clip`` (already ``c / sqrt(P)``) when ``clip`` is set.
     Returns ``(g, nonfinite)``; ``g`` may be ``grad`` itself (fp32, no scale, all
-    finite, no clipping): callers must not write to it.
+    finite, no clipping): callers must not write to it. ``nonfinite``: an int32[1]
+    counter on ``grad``'s device to add the count into (the scheduler's slice of one
+    zeroed per-step tensor), returned as the second element; None: a new zeroed one.
 
     CPU: one reduction decides: a finite sum of the elements means every element is
     finite (a NaN or an infinity makes any sum non-finite), so the usual case reads the
     layer once and allocates nothing; the element-wise check runs only when the sum is
     not finite (which includes finite elements whose sum overflows). Reading the sum is
     not a host synchronisation on the CPU. The device path (``ops.use_triton``): one
-    launch (``ops.clean_grad``, ``kernels/clean.py``) plus the counter's zeroing, no
-    host sync."""
+    launch (``ops.clean_grad``, ``kernels/clean.py``) plus the counter's zeroing (none
+    with a ``nonfinite`` passed in), no host sync."""
     g = None
     if not ops.use_triton(grad):
         g = grad.detach().float()
@@ -125,7 +127,8 @@ def clean_local_gradient(grad: torch.Tensor, grad_scale: Optional[torch.Tensor],
             g = g * grad_scale
         if not bool(torch.isfinite(g.sum())):   # the CPU path: not every element finite
             g = None
-    nonfinite = torch.zeros(1, dtype=torch.int32, device=grad.device)
+    if nonfinite is None:
+        nonfinite = torch.zeros(1, dtype=torch.int32, device=grad.device)
     if g is None:
         # the element-wise rule: scale, count, zero the non-finite elements (Triton: one
         # launch, kernels/clean.py)
@@ -190,11 +193,13 @@ class LocalUpdate:
 
     # ----------------------------------------------------------------- before compress
     def corrected(self, name: str, grad: torch.Tensor, param: torch.Tensor, dense: bool,
-                  grad_scale: Optional[torch.Tensor]):
+                  grad_scale: Optional[torch.Tensor], nonfinite: Optional[torch.Tensor] = None):
         """What the compressor receives for this layer: ``(x, nonfinite)`` where ``x`` is
         the (clipped, decayed, momentum-corrected) fp32 gradient and ``nonfinite`` an
-        int32[1] device count of the non-finite elements of ``grad`` (zeroed here)."""
-        g, nonfinite = clean_local_gradient(grad, grad_scale, self.clip)
+        int32[1] device count of the non-finite elements of ``grad`` (zeroed here).
+        ``nonfinite``: a zeroed int32[1] counter to count into (see
+        :func:`clean_local_gradient`); None: a new one."""
+        g, nonfinite = clean_local_gradient(grad, grad_scale, self.clip, nonfinite)
         h = _Group(self._groups.of(self.params[name]))
         if not self.momentum_correction or h.momentum == 0.0 or dense:
             return g, nonfinite

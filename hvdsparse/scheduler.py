@@ -235,6 +235,18 @@ class LayerScheduler:
         # only a compressor that overrides after_exchange needs the unscaled gradient
         self._has_after = getattr(type(compressor), "after_exchange", None) is not \
             Compressor.after_exchange
+        # Non-finite counters: once the plan exists, every layer of the step counts into
+        # its slice of one zeroed int32[len(_dense_order)] tensor made at the step's first
+        # compress (one allocation per step instead of one per layer), which is then
+        # also the row the non-finite allgather sends (no stack): _launch_nonfinite.
+        self._nf_slot: Dict[str, int] = {}          # layer -> index in _dense_order
+        self._nf_step: Optional[torch.Tensor] = None
+        self._nf_given: Dict[str, torch.Tensor] = {}  # layer -> slice handed out this step
+        try:
+            self._lu_takes_nf = local_update is not None and "nonfinite" in \
+                inspect.signature(local_update.corrected).parameters
+        except (TypeError, ValueError):
+            self._lu_takes_nf = False
 
     # settings read in the hot path
     @property
@@ -367,12 +379,21 @@ class LayerScheduler:
         t0 = time.perf_counter()
         kw = {}
         inv = self._grad_scale(p.grad.device)
-        grad, nonfinite, lu = p.grad, None, self.local_update
+        grad, lu = p.grad, self.local_update
+        wants = lu is not None and lu.wants(name)
+        # this step's counter slice (None before the plan, or for a local update whose
+        # corrected() takes no counter: it makes its own)
+        nonfinite = self._nonfinite_counter(name, grad.device) \
+            if not wants or self._lu_takes_nf else None
         with torch.no_grad():
-            if lu is not None and lu.wants(name):
+            if wants:
                 # DGC: clip, fold in weight decay, accumulate the velocity locally
                 dense = self.compressor.policy.is_dense(name, p.shape)
-                grad, nonfinite = lu.corrected(name, p.grad, p, dense, inv)
+                if nonfinite is None:
+                    grad, nonfinite = lu.corrected(name, p.grad, p, dense, inv)
+                else:
+                    grad, nonfinite = lu.corrected(name, p.grad, p, dense, inv,
+                                                   nonfinite=nonfinite)
             elif inv is not None:
                 kw["grad_scale"] = inv
             if lu is not None and lu.sends_dense(name):   # Adam recipe warm-up: exact
@@ -386,6 +407,23 @@ class LayerScheduler:
         self._payloads[name] = payload
         self._ready_order.append(name)
         self.events.append(("ready", name))
+
+    def _nonfinite_counter(self, name: str, device) -> Optional[torch.Tensor]:
+        """Layer ``name``'s int32[1] non-finite counter for this step: its slice of the
+        step's zeroed counter tensor (made here at the step's first call), or None
+        (no plan yet, a layer outside the plan, another device): then the callee makes
+        its own and ``_launch_nonfinite`` stacks as before."""
+        j = self._nf_slot.get(name)
+        if j is None or name in self._nf_given:
+            return None
+        buf = self._nf_step
+        if buf is None:
+            buf = self._nf_step = torch.zeros(len(self._dense_order), dtype=torch.int32,
+                                              device=self._device())
+        if buf.device != device:
+            return None
+        view = self._nf_given[name] = buf[j:j + 1]
+        return view
 
     def _densify(self, name: str, p):
         """``sparse_as_dense``: the sparse gradient becomes dense and is compressed like any
@@ -406,6 +444,12 @@ class LayerScheduler:
         with torch.no_grad():
             payload = self.compressor.compress_absent(name, p.detach(), self.step,
                                                       param=p.detach())
+            # its count is 0 like the (untouched) slot of the step's counter tensor:
+            # keep the non-finite row unstacked (_launch_nonfinite)
+            zero = self._nonfinite_counter(name, payload.nonfinite.device) \
+                if payload.nonfinite is not None else None
+            if zero is not None:
+                payload.nonfinite = zero
         self._payloads[name] = payload
         self._ready_order.append(name)
         self.events.append(("absent", name))
@@ -524,6 +568,9 @@ class LayerScheduler:
                        for b, names in enumerate(self.plan)]
         self._bucket_of = {n: b for b, names in enumerate(self.plan) for n in names}
         self._dense_order = order
+        self._nf_slot = {n: j for j, n in enumerate(order)}
+        self._nf_step = None
+        self._nf_given.clear()
         self._history = [_BucketHistory() for _ in self.plan]
         self._restore_history()
         dev = self._device()
@@ -666,6 +713,8 @@ class LayerScheduler:
         self._delay = {n: self.backward_passes_per_step for n in self.params}
         self._t_compress = 0.0
         self._inv = None
+        self._nf_step = None        # the next step counts into a new tensor
+        self._nf_given.clear()
         self._dirty = False
         self._clear_events = True
 
@@ -700,11 +749,18 @@ class LayerScheduler:
         import horovod.torch as hvd
         if not self._dense_order:
             return None
-        dev = self._device()
-        zero = torch.zeros((), dtype=torch.int32, device=dev)
-        counts = [self._payloads[n].nonfinite if self._payloads[n].nonfinite is not None
-                  else zero for n in self._dense_order]
-        mine = torch.stack([c.reshape(()).to(torch.int32) for c in counts]).view(1, -1)
+        buf, given = self._nf_step, self._nf_given
+        if buf is not None and all(
+                self._payloads[n].nonfinite is given.get(n) for n in self._dense_order):
+            # every layer counted into its slice of the step's tensor (a layer whose
+            # payload has no counter was handed none: its slot stayed 0): send it as is
+            mine = buf.view(1, -1)
+        else:
+            dev = self._device()
+            zero = torch.zeros((), dtype=torch.int32, device=dev)
+            counts = [self._payloads[n].nonfinite if self._payloads[n].nonfinite is not None
+                      else zero for n in self._dense_order]
+            mine = torch.stack([c.reshape(()).to(torch.int32) for c in counts]).view(1, -1)
         return hvd.allgather_async(mine, name=f"{self.prefix}.nonfinite")
 
     def _finish_nonfinite(self, handle):
@@ -836,6 +892,8 @@ class LayerScheduler:
         self._frozen.clear()
         self._ready_order.clear()
         self._inflight.clear()
+        self._nf_step = None
+        self._nf_given.clear()
         self._dirty = False
         self._step_open = False
         self._await_step = False

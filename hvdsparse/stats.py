@@ -3,8 +3,11 @@
 Cheap on the hot path: a compressor calls :meth:`StatsCollector.record` with the
 payload it just produced and the *device* tensors it already has (the ``count`` of each
 segment, the ``selected`` count, the threshold). Nothing is copied to the host there;
-running sums are kept as device tensors (two tiny device ops per step and segment: a
-copy of the count and one add; bytes are derived on the host when read).
+running sums are kept as device tensors, and a :class:`StatsCollector` folds every
+layer's counts of a step into them at once (:meth:`StatsCollector.fold`, at the
+compressor's next ``begin_step`` or read: two tiny device ops per step and device, a
+copy of all counts and one add, instead of two per segment; bytes are derived on the
+host when read).
 :meth:`StatsCollector.as_dict` converts everything to Python numbers, and that is where
 the (single) host synchronisation happens: every device tensor of every layer is
 flattened into one float64 vector per device and copied to the host at once
@@ -135,12 +138,15 @@ def _nest(vals: list, shape: tuple):
 class LayerStats:
     """Statistics of one layer: the latest step plus running sums (device tensors).
 
-    Device work per recorded segment: two ops -- a copy of its ``count`` (the latest
-    step's value, kept apart from a buffer a compressor may reuse) and one in-place add
-    of the count into the running sum of counts for the segment's slot size. Everything
-    derived (``sent`` as the sum over segments, effective bytes = slot bytes x count +
-    fixed bytes, their running totals) is computed from those on the host, in
-    :meth:`as_dict` / :meth:`state` (host-known slot and fixed sizes)."""
+    Device work per recorded segment, :meth:`record` on its own: two ops -- a copy of
+    its ``count`` (the latest step's value, kept apart from a buffer a compressor may
+    reuse) and one in-place add of the count into the running sum of counts for the
+    segment (keyed by its position and slot size). Through a :class:`StatsCollector`
+    the same copy and add are done for all layers of a step at once
+    (:meth:`StatsCollector.fold`). Everything derived (``sent`` as the sum over
+    segments, effective bytes = slot bytes x count + fixed bytes, their running totals)
+    is computed from those on the host, in :meth:`as_dict` / :meth:`state` (host-known
+    slot and fixed sizes)."""
 
     def __init__(self, numel: int):
         self.numel = int(numel)
@@ -148,8 +154,9 @@ class LayerStats:
         self.last: dict = {}
         self.total_payload_bytes = 0
         self.total_dense_bytes = 0
-        # running sums: slot bytes -> int64[1] device sum of counts; fixed bytes (host)
-        self._count_sums: Dict[float, torch.Tensor] = {}
+        # running sums: (segment position, slot bytes) -> int64[1] device sum of counts
+        # (through a StatsCollector: a view of its per-device vector); fixed bytes (host)
+        self._count_sums: Dict[tuple, torch.Tensor] = {}
         self._fixed_total = 0
         # totals carried in from a checkpoint (``from_state``), added to the sums above
         self._base_effective: Optional[torch.Tensor] = None
@@ -159,26 +166,36 @@ class LayerStats:
 
     def record(self, step: int, payload: LayerPayload, selected: Optional[torch.Tensor],
                threshold=None, density: Optional[float] = None, extra: Optional[dict] = None):
+        last = []
+        for key, c in self._note(step, payload, selected, threshold, density, extra):
+            c = c.clone()
+            acc = self._count_sums.get(key)
+            if acc is None:
+                self._count_sums[key] = c.to(torch.int64)
+            else:
+                acc.add_(c)
+            last.append((c, key[1]))
+        self._last_counts = last
+
+    def _note(self, step: int, payload: LayerPayload, selected: Optional[torch.Tensor],
+              threshold=None, density: Optional[float] = None,
+              extra: Optional[dict] = None) -> list:
+        """The host part of :meth:`record`; returns ``[(key, count)]`` per segment,
+        ``count`` the payload's own int32[1] view (not copied yet, not yet in the running
+        sums), ``key`` = (segment position, slot bytes)."""
         segs = payload.segments
         pbytes = sum(segment_nbytes(s) for s in segs)
         dbytes = 4 * self.numel
         counts = []
         fixed = 0
-        for s in segs:
-            c = s.count.reshape(-1)[:1].clone()
-            sb = segment_slot_bytes(s)
-            acc = self._count_sums.get(sb)
-            if acc is None:
-                self._count_sums[sb] = c.to(torch.int64)
-            else:
-                acc.add_(c)
-            counts.append((c, sb))
+        for i, s in enumerate(segs):
+            counts.append(((i, segment_slot_bytes(s)), s.count.reshape(-1)[:1]))
             fixed += segment_fixed_bytes(s)
         self.steps += 1
         self.total_payload_bytes += pbytes
         self.total_dense_bytes += dbytes
         self._fixed_total += fixed
-        self._last_counts = counts
+        self._last_counts = [(c, key[1]) for key, c in counts]
         self._last_fixed = fixed
         self.last = dict(step=int(step), capacity=sum(int(s.capacity) for s in segs),
                          segments=len(segs), selected=selected,
@@ -188,6 +205,7 @@ class LayerStats:
                          value_encodings=[ValueEncoding(s.value_encoding).name for s in segs])
         if extra:
             self.last.update(extra)
+        return counts
 
     def _tensors(self) -> list:
         ts = [v for v in self.last.values() if isinstance(v, torch.Tensor)]
@@ -204,8 +222,8 @@ class LayerStats:
 
     def _totals(self, host: Dict[int, object]):
         """(total effective bytes, total sent) as host numbers."""
-        eff = float(self._fixed_total) + sum(sb * host[id(t)]
-                                             for sb, t in self._count_sums.items())
+        eff = float(self._fixed_total) + sum(key[1] * host[id(t)]
+                                             for key, t in self._count_sums.items())
         sent = sum(int(host[id(t)]) for t in self._count_sums.values())
         if self._base_effective is not None:
             eff += float(host[id(self._base_effective)])
@@ -246,7 +264,7 @@ class LayerStats:
         """Checkpoint form (unchanged since version 1): running totals as fp64 / int64
         one-element tensors on the stats' device (device ops, no host read)."""
         eff = sent = None
-        for sb, t in self._count_sums.items():
+        for (_, sb), t in self._count_sums.items():
             e = t.to(torch.float64) * sb
             eff = e if eff is None else eff + e
             sent = t.clone() if sent is None else sent + t
@@ -286,21 +304,83 @@ class StatsCollector:
 
     def __init__(self):
         self.layers: Dict[str, LayerStats] = {}
+        self._reset_sums()
+
+    def _reset_sums(self):
+        # recorded since the last fold: [(name, LayerStats, [(key, count view)])]
+        self._pending: list = []
+        self._pending_names: set = set()
+        # per device: one int64 vector holding every layer's running sums of counts, and
+        # (layer name, key) -> its index (LayerStats._count_sums holds views of it)
+        self._sums: Dict[torch.device, torch.Tensor] = {}
+        self._slots: Dict[torch.device, Dict[tuple, int]] = {}
 
     def record(self, name: str, step: int, payload: LayerPayload,
                selected: Optional[torch.Tensor] = None, threshold=None,
                density: Optional[float] = None, extra: Optional[dict] = None):
+        """Host bookkeeping now; the segment counts (device tensors) are copied and added
+        into the running sums at the next :meth:`fold`, together with every other layer
+        recorded since. The payload's ``count`` tensors must not change until then: a
+        compressor folds at ``begin_step`` and before compressing a layer again."""
+        if name in self._pending_names:
+            self.fold()
         st = self.layers.get(name)
         if st is None:
             st = self.layers[name] = LayerStats(payload.numel)
-        st.record(step, payload, selected, threshold, density, extra)
+        counts = st._note(step, payload, selected, threshold, density, extra)
+        self._pending.append((name, st, counts))
+        self._pending_names.add(name)
+
+    def pending(self, name: str) -> bool:
+        """Whether ``name``'s last recorded counts are not folded in yet."""
+        return name in self._pending_names
+
+    def fold(self):
+        """Copy the counts recorded since the last fold and add them into the running
+        sums, per device with one ``cat`` (the copies: the latest counts, kept apart from
+        the payloads' tensors, which a compressor may reuse later) and one ``add_`` into
+        the slice of the sums vector they occupy (in the steady state every step records
+        the same layers and segments in the same order); a step whose layout differs
+        (first step, warm-up, a layer absent) adds per segment. Device ops only."""
+        if not self._pending:
+            return
+        pending, self._pending, self._pending_names = self._pending, [], set()
+        by_dev: Dict[torch.device, list] = {}
+        for name, st, counts in pending:
+            for key, c in counts:
+                by_dev.setdefault(c.device, []).append(((name, key), c))
+        copy_of: Dict[int, torch.Tensor] = {}
+        for dev, items in by_dev.items():
+            slots = self._slots.setdefault(dev, {})
+            idx = [slots.setdefault(k, len(slots)) for k, _ in items]
+            copies = torch.cat([c for _, c in items])
+            sums = self._sums.get(dev)
+            if sums is None or sums.numel() < len(slots):
+                grown = torch.zeros(len(slots), dtype=torch.int64, device=dev)
+                if sums is not None:
+                    grown[:sums.numel()].copy_(sums)
+                sums = self._sums[dev] = grown
+                for (n, key), i in slots.items():
+                    self.layers[n]._count_sums[key] = sums[i:i + 1]
+            a, n = idx[0], len(idx)
+            if idx == list(range(a, a + n)):
+                sums[a:a + n].add_(copies)
+            else:
+                for j, i in enumerate(idx):
+                    sums[i:i + 1].add_(copies[j:j + 1])
+            for j, (_, c) in enumerate(items):
+                copy_of[id(c)] = copies[j:j + 1]
+        for name, st, counts in pending:
+            st._last_counts = [(copy_of[id(c)], key[1]) for key, c in counts]
 
     def as_dict(self) -> Dict[str, dict]:
+        self.fold()
         host = host_values([t for st in self.layers.values() for t in st._tensors()])
         return {name: st.as_dict(host) for name, st in self.layers.items()}
 
     def totals(self) -> dict:
         """Whole-model sums over all layers and steps."""
+        self.fold()
         pb = sum(s.total_payload_bytes for s in self.layers.values())
         db = sum(s.total_dense_bytes for s in self.layers.values())
         host = host_values([t for s in self.layers.values()
@@ -311,9 +391,11 @@ class StatsCollector:
                     effective_rate=db / eb if eb else math.inf)
 
     def state_dict(self) -> dict:
+        self.fold()
         return {n: s.state() for n, s in self.layers.items()}
 
     def load_state_dict(self, sd: dict):
+        self._reset_sums()
         self.layers = {n: LayerStats.from_state(st) for n, st in sd.items()}
 
 

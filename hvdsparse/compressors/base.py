@@ -337,7 +337,9 @@ class Compressor:
     used again). ``compress``/``after_exchange`` while ``transactional`` is set but no
     step is open, ``begin_step`` while one is open, and ``commit``/``rollback`` with
     none open raise ``RuntimeError``. With ``transactional=False`` (default)
-    ``begin_step``/``commit``/``rollback`` are no-ops and nothing is copied.
+    ``begin_step``/``commit``/``rollback`` are no-ops and nothing is copied (except
+    that ``begin_step`` folds the last step's counts into ``stats()``, device ops only:
+    :meth:`hvdsparse.stats.StatsCollector.fold`).
     """
 
     _settings: tuple = ()
@@ -469,6 +471,7 @@ class Compressor:
     # ------------------------------------------------------------------ transactions
     def begin_step(self, step: int):
         """Open step ``step`` (before its first ``compress``); see the class docstring."""
+        self._stats.fold()      # last step's counts into the statistics (device ops)
         if not self.transactional:
             return
         if self._txn is not None:
@@ -549,6 +552,8 @@ class Compressor:
                                       nonfinite.device != grad.device):
             raise TypeError(f"layer {name!r}: nonfinite must be an int32[1] tensor on "
                             f"{grad.device}, got {nonfinite!r}")
+        if self._stats.pending(name):   # called without begin_step: fold the last counts
+            self._stats.fold()          # before this layer's payload is made again
         self._touch(name)
         return self._compress_layer(name, grad, step, param, grad_scale, record=True,
                                     nonfinite=nonfinite)
@@ -563,6 +568,8 @@ class Compressor:
         ones). Changes nothing: residuals (kept for when the parameter is unfrozen),
         thresholds, cores, statistics, transactions."""
         self._check_args(name, like, step, "like")
+        if self._stats.pending(name):
+            self._stats.fold()
         saved = (self._residuals, self._layers)
         st = self._layers.get(name)
         # run the ordinary path on a zero gradient against scratch state: a zero

@@ -358,3 +358,54 @@ def test_parse_pair_rows_any_count(vdtype, m):
     got_i, got_v = split.parse_pair_rows(rows, vdtype)
     assert torch.equal(got_i, idx.to(torch.int64))
     assert torch.equal(got_v, vals.float())
+
+
+@pytest.mark.parametrize("strategy", ["split", "balanced"])
+def test_wait_is_not_counted_as_decode(strategy):
+    """The two-phase strategies book a collective's wait in ``wait_s`` only: with one
+    rank arriving 0.6 s late, the other's ``wait_s`` holds that wait and ``wait_s +
+    decode_s`` never exceeds the wall time of its ``finish()`` (before, ``finish``
+    added the earlier phases' whole time, their alltoall wait included, to
+    ``decode_s`` as well)."""
+    import threading
+    import time
+
+    import hvdsparse
+    from hvdsparse.exchange import split as S
+    from hvdsparse.exchange.base import BucketSpec, BufferPool, ExchangeContext
+    mod = S if strategy == "split" else B
+    P = 2
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, (1,))))
+    numels = [int(x) for x in torch.randint(2000, 5000, (2,), generator=gen)]
+    names = ["a", "b"]
+    spec = BucketSpec.build(0, names, numels)
+    payloads = []
+    for r in range(P):
+        comp = hvdsparse.TopK(0.05, compress_1d=True)
+        payloads.append([comp.compress(n, torch.randn(k, generator=gen), 0)
+                         for n, k in zip(names, numels)])
+    hub, out, errors = _Hub(P), [None] * P, []
+
+    def rank(r):
+        try:
+            if r == 1:
+                time.sleep(0.6)
+            ctx = ExchangeContext(rank=r, world_size=P, prefix="t", validate=True,
+                                  transport=_ThreadTransport(hub, r), buffers=BufferPool())
+            pend = mod.launch(spec, payloads[r], ctx)
+            t0 = time.perf_counter()
+            pend.finish()
+            out[r] = (time.perf_counter() - t0, pend.wait_s, pend.decode_s)
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            errors.append((r, e))
+    th = [threading.Thread(target=rank, args=(r,)) for r in range(P)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join(120)
+    assert not errors, errors
+    for r, (wall, wait, dec) in enumerate(out):
+        assert wait >= 0 and dec >= 0, (r, wait, dec)
+        assert wait + dec <= wall + 1e-3, (r, wall, wait, dec)
+    wall0, wait0, dec0 = out[0]
+    assert wait0 >= 0.3, out[0]          # rank 0 waited for the late rank

@@ -530,10 +530,18 @@ def binned_select(acc: torch.Tensor, grad: torch.Tensor, h_scale: float,
         cv = np.concatenate(cand_v)
         selected = ci.shape[0]
         cb = ci // L
-        # by bin, then |h| descending, then index ascending (lexsort is stable)
-        order = np.lexsort((ci, -cv, cb))
+        # by bin, then |h| descending, then index ascending: one stable sort of the key
+        # bin * 2^32 + ~bits(|h|) (|h| >= 0 is never NaN here, and the bits of a
+        # non-negative fp32 grow with its value, so ~bits falls as |h| grows); the
+        # candidates come in ascending index order, which the stable sort keeps among
+        # equal keys (the order of np.lexsort((ci, -cv, cb)), ~10x faster)
+        key = (cb.astype(np.uint64) << np.uint64(32)) | \
+            np.invert(cv.view(np.uint32)).astype(np.uint64)
+        order = np.argsort(key, kind="stable")
         ci, cb = ci[order], cb[order]
-        first = np.searchsorted(cb, cb, side="left")
+        # slot of each candidate within its bin: its position minus where the bin starts
+        per_bin = np.bincount(cb, minlength=nb)
+        first = (np.cumsum(per_bin) - per_bin)[cb]
         keep = (np.arange(ci.shape[0]) - first) < c
         ci, cb = ci[keep], cb[keep]
         count = ci.shape[0]

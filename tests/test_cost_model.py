@@ -47,14 +47,17 @@ def test_split_margin_is_the_documented_one():
         g = BucketFigures(world_size=4, numel=N, capacity=10_000,
                           wire_nbytes=int(c["split"] / ratio / 3))
         assert choose(g) == want, (ratio, costs(g))
-    # balanced (all strategies allowed) must beat half of split's bytes even when the
+    # balanced (all strategies allowed) must beat 0.4x split's bytes even when the
     # margin passes split over: at P = 4 with split at 0.80x allgather it is not taken
-    # (BENCHMARKS 5b: taking it there cost time and accuracy)
+    # (BENCHMARKS 5b and 1: taking it there cost time and accuracy)
+    from hvdsparse.exchange.cost_model import LOSSY_MARGIN
+    assert LOSSY_MARGIN == 0.4
     g = BucketFigures(world_size=4, numel=N, capacity=10_000,
                       wire_nbytes=int(c["split"] / 0.80 / 3))
     cg = costs(g)
-    want = "balanced" if cg["balanced"] < 0.5 * min(cg["allgather"], cg["split"],
+    want = "balanced" if cg["balanced"] < 0.4 * min(cg["allgather"], cg["split"],
                                                      cg["dense"]) else "allgather"
+    assert want == "allgather"
     assert _choose(g) == want, cg
 
 

@@ -882,6 +882,50 @@ def test_stats_bytes_and_totals_against_payloads():
             assert len(encs) >= 2, encs                      # dense warm-up, then sparse
 
 
+def test_stats_deferred_fold_over_many_layers_and_steps():
+    """The statistics fold a step's counts into the running sums later (at the next
+    ``begin_step``, a layer's next compress, or a read). Read only every few steps, over
+    layers that change layout (TopK's dense warm-up, then sparse), a layer that is absent
+    in some steps (``compress_absent``: not recorded), with and without
+    ``begin_step``, each layer's latest ``sent`` and every total must equal the sums of
+    the payloads' own counts, computed here on the host when each payload was made."""
+    from hvdsparse.stats import segment_fixed_bytes, segment_slot_bytes
+    g = gen("stats-fold")
+    shapes = {"a": (60, 70), "b": (300,), "c": (40, 90), "d": (90, 11)}
+    for make, use_steps in ((lambda: TopK(0.03, warmup=("rt", 4)), True),
+                            (lambda: AdaComp(), False),
+                            (lambda: TopK(0.05), False)):
+        comp = make()
+        want = {n: [0, 0.0, None, 0] for n in shapes}     # total sent, eff, last, steps
+        for t in range(9):
+            if use_steps:
+                comp.begin_step(t)
+            names = [n for n in shapes if not (n == "c" and t % 3 == 1)]
+            for n in names:
+                p = comp.compress(n, torch.randn(*shapes[n], generator=g), t)
+                sent = sum(int(sg.count.reshape(-1)[0]) for sg in p.segments)
+                eff = sum(segment_slot_bytes(sg) * int(sg.count.reshape(-1)[0]) +
+                          segment_fixed_bytes(sg) for sg in p.segments)
+                w = want[n]
+                w[0] += sent
+                w[1] += eff
+                w[2] = sent
+                w[3] += 1
+            if "c" not in names:
+                comp.compress_absent("c", torch.zeros(shapes["c"]), t)
+            if use_steps:
+                comp.commit()
+            if t % 4 == 3 or t == 8:
+                st = comp.stats()
+                for n, (tsent, teff, last, steps) in want.items():
+                    assert st[n]["sent"] == last, (t, n)
+                    assert st[n]["total_sent"] == tsent, (t, n)
+                    assert st[n]["total_effective_bytes"] == pytest.approx(teff), (t, n)
+                    assert st[n]["steps"] == steps, (t, n)
+                assert comp.stats_totals()["effective_bytes"] == pytest.approx(
+                    sum(w[1] for w in want.values()))
+
+
 def test_no_host_sync_helpers_in_compress(monkeypatch):
     """compress() / after_exchange() must not pull tensor values to the host themselves
     (.item, .tolist, int/float/bool of a tensor, nonzero); the CPU reference ops may.

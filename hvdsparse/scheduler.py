@@ -242,11 +242,6 @@ class LayerScheduler:
         self._nf_slot: Dict[str, int] = {}          # layer -> index in _dense_order
         self._nf_step: Optional[torch.Tensor] = None
         self._nf_given: Dict[str, torch.Tensor] = {}  # layer -> slice handed out this step
-        try:
-            self._lu_takes_nf = local_update is not None and "nonfinite" in \
-                inspect.signature(local_update.corrected).parameters
-        except (TypeError, ValueError):
-            self._lu_takes_nf = False
 
     # settings read in the hot path
     @property
@@ -380,20 +375,14 @@ class LayerScheduler:
         kw = {}
         inv = self._grad_scale(p.grad.device)
         grad, lu = p.grad, self.local_update
-        wants = lu is not None and lu.wants(name)
-        # this step's counter slice (None before the plan, or for a local update whose
-        # corrected() takes no counter: it makes its own)
-        nonfinite = self._nonfinite_counter(name, grad.device) \
-            if not wants or self._lu_takes_nf else None
+        # this step's counter slice (None before the plan: the callee makes its own)
+        nonfinite = self._nonfinite_counter(name, grad.device)
         with torch.no_grad():
-            if wants:
+            if lu is not None and lu.wants(name):
                 # DGC: clip, fold in weight decay, accumulate the velocity locally
                 dense = self.compressor.policy.is_dense(name, p.shape)
-                if nonfinite is None:
-                    grad, nonfinite = lu.corrected(name, p.grad, p, dense, inv)
-                else:
-                    grad, nonfinite = lu.corrected(name, p.grad, p, dense, inv,
-                                                   nonfinite=nonfinite)
+                grad, nonfinite = lu.corrected(name, p.grad, p, dense, inv,
+                                               nonfinite=nonfinite)
             elif inv is not None:
                 kw["grad_scale"] = inv
             if lu is not None and lu.sends_dense(name):   # Adam recipe warm-up: exact

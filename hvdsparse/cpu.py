@@ -492,33 +492,34 @@ def binned_select(acc: torch.Tensor, grad: torch.Tensor, h_scale: float,
     ch = max(1, _CHUNK // L) * L
     tn, mn = _chunk_scratch(min(ch, n) if n else 1)
     cand_i, cand_v = [], []
+
+    def h_abs(st: int, e: int, zero_nonfinite: bool) -> np.ndarray:
+        """|h| of elements [st, e) into the chunk scratch; non-finite d as 0 if asked."""
+        d = tn[:e - st]
+        if s32 is not None:
+            np.multiply(gn[st:e], s32, out=d, dtype=np.float32)
+        else:
+            d[:] = gn[st:e]                   # fp16 -> fp32 is exact
+        if zero_nonfinite:
+            fin = np.isfinite(d, out=mn[:e - st])
+            np.copyto(d, np.float32(0.0), where=~fin)
+        np.multiply(d, hm1, out=d)
+        np.add(an[st:e], d, out=d)
+        return np.abs(d, out=d)
+
     for st in range(0, n, ch):
         e = min(st + ch, n)
         m = e - st
-        d = tn[:m]
-
-        def h_abs(zero_nonfinite: bool):
-            if s32 is not None:
-                np.multiply(gn[st:e], s32, out=d, dtype=np.float32)
-            else:
-                d[:] = gn[st:e]               # fp16 -> fp32 is exact
-            if zero_nonfinite:
-                fin = np.isfinite(d, out=mn[:m])
-                np.copyto(d, np.float32(0.0), where=~fin)
-            np.multiply(d, hm1, out=d)
-            np.add(an[st:e], d, out=d)
-            np.abs(d, out=d)
-
         # the common case in one reduction, after the fact: a NaN / Inf in d makes its
         # |h| NaN or Inf (hm1 * Inf is Inf, or NaN for hm1 = 0; NaN stays NaN), which
         # the max (NaN-propagating, ~3x cheaper than a sum here) shows; then the chunk
         # is redone with the element-wise rule. A finite d whose h overflows is redone
         # too and gives the same bits (nothing to zero)
         with np.errstate(invalid="ignore", over="ignore"):
-            h_abs(False)
-            top = np.maximum.reduce(d) if m else np.float32(0.0)
+            d = h_abs(st, e, False)
+            top = np.maximum.reduce(d)
         if not np.isfinite(top):
-            h_abs(True)
+            d = h_abs(st, e, True)
         mk = mn[:m]
         b0 = st // L
         nfull = m // L

@@ -138,12 +138,11 @@ def _nest(vals: list, shape: tuple):
 class LayerStats:
     """Statistics of one layer: the latest step plus running sums (device tensors).
 
-    Device work per recorded segment, :meth:`record` on its own: two ops -- a copy of
-    its ``count`` (the latest step's value, kept apart from a buffer a compressor may
-    reuse) and one in-place add of the count into the running sum of counts for the
-    segment (keyed by its position and slot size). Through a :class:`StatsCollector`
-    the same copy and add are done for all layers of a step at once
-    (:meth:`StatsCollector.fold`). Everything derived (``sent`` as the sum over
+    Filled through a :class:`StatsCollector`: :meth:`_note` books a step on the host,
+    and :meth:`StatsCollector.fold` later copies every layer's segment ``count`` (the
+    latest step's value, kept apart from a buffer a compressor may reuse) and adds it
+    into the running sum of counts for the segment (keyed by its position and slot
+    size), for all layers of a step at once. Everything derived (``sent`` as the sum over
     segments, effective bytes = slot bytes x count + fixed bytes, their running totals)
     is computed from those on the host, in :meth:`as_dict` / :meth:`state` (host-known
     slot and fixed sizes)."""
@@ -164,25 +163,13 @@ class LayerStats:
         self._last_counts: list = []       # [(count copy int32[1], slot bytes)]
         self._last_fixed = 0
 
-    def record(self, step: int, payload: LayerPayload, selected: Optional[torch.Tensor],
-               threshold=None, density: Optional[float] = None, extra: Optional[dict] = None):
-        last = []
-        for key, c in self._note(step, payload, selected, threshold, density, extra):
-            c = c.clone()
-            acc = self._count_sums.get(key)
-            if acc is None:
-                self._count_sums[key] = c.to(torch.int64)
-            else:
-                acc.add_(c)
-            last.append((c, key[1]))
-        self._last_counts = last
-
     def _note(self, step: int, payload: LayerPayload, selected: Optional[torch.Tensor],
               threshold=None, density: Optional[float] = None,
               extra: Optional[dict] = None) -> list:
-        """The host part of :meth:`record`; returns ``[(key, count)]`` per segment,
-        ``count`` the payload's own int32[1] view (not copied yet, not yet in the running
-        sums), ``key`` = (segment position, slot bytes)."""
+        """Book one step on the host; returns ``[(key, count)]`` per segment for
+        :meth:`StatsCollector.fold`: ``count`` the payload's own int32[1] view (not
+        copied yet, not yet in the running sums), ``key`` = (segment position, slot
+        bytes)."""
         segs = payload.segments
         pbytes = sum(segment_nbytes(s) for s in segs)
         dbytes = 4 * self.numel

@@ -246,8 +246,9 @@ class _ThreadTransport:
         return torch.cat(parts), torch.tensor(recv, dtype=torch.int32)
 
 
-def _run_balanced(P, payloads_of, spec):
-    """Launch + finish the real exchange on P threads; returns [(sum, undelivered)]."""
+def _on_threads(P, body):
+    """``body(r, ctx)`` for every rank r on its own thread, each with an exchange
+    context over the in-process transport; returns the P results (rank order)."""
     import threading
     from hvdsparse.exchange.base import BufferPool, ExchangeContext
     hub, out, errors = _Hub(P), [None] * P, []
@@ -256,10 +257,7 @@ def _run_balanced(P, payloads_of, spec):
         try:
             ctx = ExchangeContext(rank=r, world_size=P, prefix="t", validate=True,
                                   transport=_ThreadTransport(hub, r), buffers=BufferPool())
-            pend = B.launch(spec, payloads_of[r], ctx)
-            total = pend.finish().clone()
-            back = None if pend.undelivered is None else pend.undelivered.clone()
-            out[r] = (total, back, dict(pend.figures))
+            out[r] = body(r, ctx)
         except Exception as e:  # noqa: BLE001 - re-raised below
             errors.append((r, e))
     th = [threading.Thread(target=rank, args=(r,)) for r in range(P)]
@@ -269,6 +267,16 @@ def _run_balanced(P, payloads_of, spec):
         t.join(120)
     assert not errors, errors
     return out
+
+
+def _run_balanced(P, payloads_of, spec):
+    """Launch + finish the real exchange on P threads; returns [(sum, undelivered)]."""
+    def body(r, ctx):
+        pend = B.launch(spec, payloads_of[r], ctx)
+        total = pend.finish().clone()
+        back = None if pend.undelivered is None else pend.undelivered.clone()
+        return total, back, dict(pend.figures)
+    return _on_threads(P, body)
 
 
 @pytest.mark.parametrize("P,values", [(2, "fp32"), (3, "fp32"), (5, "fp16"), (8, "int8")])
@@ -367,12 +375,11 @@ def test_wait_is_not_counted_as_decode(strategy):
     decode_s`` never exceeds the wall time of its ``finish()`` (before, ``finish``
     added the earlier phases' whole time, their alltoall wait included, to
     ``decode_s`` as well)."""
-    import threading
     import time
 
     import hvdsparse
     from hvdsparse.exchange import split as S
-    from hvdsparse.exchange.base import BucketSpec, BufferPool, ExchangeContext
+    from hvdsparse.exchange.base import BucketSpec
     mod = S if strategy == "split" else B
     P = 2
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, (1,))))
@@ -384,26 +391,15 @@ def test_wait_is_not_counted_as_decode(strategy):
         comp = hvdsparse.TopK(0.05, compress_1d=True)
         payloads.append([comp.compress(n, torch.randn(k, generator=gen), 0)
                          for n, k in zip(names, numels)])
-    hub, out, errors = _Hub(P), [None] * P, []
 
-    def rank(r):
-        try:
-            if r == 1:
-                time.sleep(0.6)
-            ctx = ExchangeContext(rank=r, world_size=P, prefix="t", validate=True,
-                                  transport=_ThreadTransport(hub, r), buffers=BufferPool())
-            pend = mod.launch(spec, payloads[r], ctx)
-            t0 = time.perf_counter()
-            pend.finish()
-            out[r] = (time.perf_counter() - t0, pend.wait_s, pend.decode_s)
-        except Exception as e:  # noqa: BLE001 - re-raised below
-            errors.append((r, e))
-    th = [threading.Thread(target=rank, args=(r,)) for r in range(P)]
-    for t in th:
-        t.start()
-    for t in th:
-        t.join(120)
-    assert not errors, errors
+    def body(r, ctx):
+        if r == 1:
+            time.sleep(0.6)
+        pend = mod.launch(spec, payloads[r], ctx)
+        t0 = time.perf_counter()
+        pend.finish()
+        return time.perf_counter() - t0, pend.wait_s, pend.decode_s
+    out = _on_threads(P, body)
     for r, (wall, wait, dec) in enumerate(out):
         assert wait >= 0 and dec >= 0, (r, wait, dec)
         assert wait + dec <= wall + 1e-3, (r, wall, wait, dec)

@@ -357,11 +357,7 @@ class BalancedPending(Pending):
         self.deferred_figures = d
         if v.device.type == "cpu":
             self.figures.update(d.get())
-        # the earlier phases' time not booked by them (building and launching their
-        # messages) is decode work; their waits are already in wait_s, not counted twice
-        earlier = (t0b - t0) - (self.wait_s + self.decode_s - booked)
-        self.wait_s += t1 - t0b
-        self.decode_s += earlier + time.perf_counter() - t1
+        self._book_finish(t0, booked, t0b, t1)
         self.result = flat
         return flat
 

@@ -39,6 +39,7 @@ valid until the next launch of the same bucket** (the scheduler copies it into
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -193,6 +194,17 @@ class Pending:
 
     def finish(self) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _book_finish(self, t0: float, booked: float, t0b: float, t1: float) -> None:
+        """Time accounting of a multi-phase ``finish()`` that started at ``t0`` (when
+        ``wait_s + decode_s`` was ``booked``), ran the earlier phases until ``t0b``
+        (each books its own collective wait and decode), waited for the last
+        collective until ``t1`` and decoded until now. The earlier phases' time they did
+        not book themselves (building and launching their messages) is decode work;
+        their waits are in ``wait_s`` already and are not counted twice."""
+        earlier = (t0b - t0) - (self.wait_s + self.decode_s - booked)
+        self.wait_s += t1 - t0b
+        self.decode_s += earlier + time.perf_counter() - t1
 
     def _defer_figures(self, values: torch.Tensor,
                        convert: Callable[[List[int]], Dict[str, float]]) -> None:

@@ -423,11 +423,7 @@ class SplitPending(Pending):
             sums = h.sum(0)
             self._defer_figures(sums, lambda v, P=P: dict(pairs=float(v[1]) / P,
                                                           reduced=int(v[0])))
-        # the earlier phases' time not booked by them (building and launching their
-        # messages) is decode work; their waits are already in wait_s, not counted twice
-        earlier = (t0b - t0) - (self.wait_s + self.decode_s - booked)
-        self.wait_s += t1 - t0b
-        self.decode_s += earlier + time.perf_counter() - t1
+        self._book_finish(t0, booked, t0b, t1)
         self.result = flat
         return flat
 

@@ -289,9 +289,9 @@ class State:
         self._inv: Optional[torch.Tensor] = None   # 1 / loss scale of the open step
         self.skipped_steps = 0          # overflow steps rolled back (grad_scaler)
         _bind(compression, self)
-        check_names = getattr(compression, "check_names", None)
-        if callable(check_names):
-            check_names(list(self.params))
+        register = getattr(compression, "register_layers", None)
+        if callable(register):
+            register([(n, p.shape) for n, p in self.params.items()])
         try:
             self._after_takes_param = "param" in inspect.signature(
                 compression.after_exchange).parameters

@@ -101,7 +101,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         rank, size = hvd.rank(), hvd.size()
         prefix = f"hvdsparse.o{next(_instance_counter)}"
         _bind(compression, rank, size, prefix)
-        compression.check_names([k for k, _ in optimised])
+        compression.register_layers([(k, v.shape) for k, v in optimised])
         self._local_update = None
         if adam_warmup is not None:        # the Adam recipe (hvdsparse.adam)
             self._local_update = AdamRecipe(

@@ -66,7 +66,8 @@ SGD_METHODS = ["dense", "topk", "topk+mc", "threshold", "threshold+mc", "adacomp
                "adacomp+mc", "slimdp", "qsgd"]
 ADAM_METHODS = ["dense", "topk", "threshold", "adacomp", "slimdp", "qsgd"]
 #: workload -> (epochs, evaluate every N steps, default methods)
-DEFAULTS = {"digits-mlp": (15, 11, SGD_METHODS), "digits-cnn": (15, 11, SGD_METHODS),
+DEFAULTS = {"digits-mlp": (15, 11, SGD_METHODS), "digits-wide": (10, 11, SGD_METHODS),
+            "digits-cnn": (15, 11, SGD_METHODS),
             "text-lm": (12, 25, ADAM_METHODS)}
 TOL_ACC_PP = 0.5
 TOL_LOSS = 0.02

@@ -75,6 +75,9 @@ METHODS = {
     "dense": ("dense allreduce (fp32)", ["--compression", "none"]),
     "fp16": ("Horovod fp16 allreduce", ["--compression", "fp16"]),
     "topk1": ("TopK 1%", ["--compression", "topk", "--ratio", "0.01"]),
+    # the output layer (4.weight, 20 K of 4.35 M elements) at 10%: BENCHMARKS.md 4b
+    "topk1_head": ("TopK 1%, output layer 10%", ["--compression", "topk", "--ratio", "0.01",
+                                                 "--override", "4.weight:ratio=0.1"]),
     "threshold99": ("Threshold 99%", ["--compression", "threshold", "--sparsity", "0.99"]),
     "adacomp": ("AdaComp", ["--compression", "adacomp"]),
     "slimdp": ("Slim-DP (alpha 0.2, beta 0.1)", ["--compression", "slimdp", "--alpha", "0.2",

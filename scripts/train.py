@@ -141,6 +141,10 @@ def parse_args(argv=None):
                    help="randomk: every rank picks the same indices (no index traffic)")
     g.add_argument("--bits", type=int, default=None, help="qsgd: 8, 4 or 2")
     g.add_argument("--bucket-size", type=int, default=None, help="qsgd: quantisation bucket")
+    g.add_argument("--override", action="append", default=None, metavar="PATTERN:KEY=VALUE",
+                   help="per-layer compressor setting (repeatable), e.g. '4.weight:ratio=0.1' "
+                        "gives the wide/digits MLP's output layer 10%% (README: the output "
+                        "layer); becomes overrides={PATTERN: {KEY: VALUE}}")
     g.add_argument("--backward-passes-per-step", type=int, default=1)
     g.add_argument("--local-gradient", default=None,
                    help="hvdsparse local-gradient mode (sum | partial | error)")
@@ -211,6 +215,25 @@ def build_model(width):
 
 # ----------------------------------------------------------------------------- optimizer
 
+def parse_overrides(items):
+    """``["PATTERN:KEY=VALUE", ...]`` -> ``{PATTERN: {KEY: VALUE}}`` (values read as
+    Python literals where they parse: 0.1, True, 'int4')."""
+    import ast
+    out = {}
+    for item in items:
+        pat, sep, setting = item.rpartition(":")
+        key, eq, value = setting.partition("=")
+        if not sep or not pat or not eq or not key:
+            raise SystemExit(f"--override {item!r}: expected PATTERN:KEY=VALUE, "
+                             f"e.g. '4.weight:ratio=0.1'")
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            pass
+        out.setdefault(pat, {})[key] = value
+    return out
+
+
 def build_compressor(args):
     try:
         import hvdsparse
@@ -228,6 +251,8 @@ def build_compressor(args):
               if getattr(args, opt) is not None}
     if "c" in kwargs and kwargs["c"] != "auto":
         kwargs["c"] = float(kwargs["c"])
+    if args.override:
+        kwargs["overrides"] = parse_overrides(args.override)
     try:
         return cls(**kwargs)
     except TypeError as exc:

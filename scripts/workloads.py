@@ -4,6 +4,8 @@ Three workloads, each a :class:`Workload` (one object per process, data loaded o
 
 * ``digits-mlp``: MLP 64-512-512-10 (301 K parameters) on scikit-learn's 8x8 digits,
   SGD momentum 0.9, lr 0.1, batch 32 per rank. Metric: held-out accuracy.
+* ``digits-wide``: the same with MLP 64-2048-2048-10 (4.35 M parameters: train.py's
+  ``wide`` model, the network benchmark's), same optimizer and batches.
 * ``digits-cnn``: CNN on the same images as 1x8x8: conv 1->16 3x3 (144 weights: under
   the 1024-element size floor, travels dense), conv 16->32 3x3 (4608), max-pool to 4x4,
   conv 32->64 3x3 (18432), max-pool to 2x2, FC 256->10 (2560); 26 K parameters, two
@@ -199,6 +201,14 @@ class DigitsMLP(_Digits):
         return MLP(512)
 
 
+class DigitsWide(_Digits):
+    """train.py's ``wide`` model (the network benchmark's): MLP 64-2048-2048-10."""
+    name = "digits-wide"
+
+    def _model(self):
+        return MLP(2048)
+
+
 class DigitsCNN(_Digits):
     name = "digits-cnn"
     lr = 0.05
@@ -260,7 +270,7 @@ class TextLM(Workload):
         return dict(loss=loss, ppl=math.exp(loss))
 
 
-WORKLOADS = {w.name: w for w in (DigitsMLP, DigitsCNN, TextLM)}
+WORKLOADS = {w.name: w for w in (DigitsMLP, DigitsWide, DigitsCNN, TextLM)}
 
 
 def make_workload(name, rank=0, world=1) -> Workload:

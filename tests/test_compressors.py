@@ -978,3 +978,41 @@ def test_without_error_feedback_nothing_is_remembered():
         dec, sent, _ = ref_decode(tk.compress("w", y, t))
         assert set(sent.nonzero().reshape(-1).tolist()) == \
             set(torch.topk(y.reshape(-1).abs(), math.ceil(0.05 * n)).indices.tolist())
+
+
+def test_topk_output_layer_ratio():
+    """``output_ratio``: the last registered layer that is compressed (policy) gets
+    ``max(ratio, output_ratio)``; biases / small layers after it are skipped, an override
+    that sets its ratio wins, ``None`` turns the rule off, every other layer keeps
+    ``ratio``. The selection itself is checked against torch.topk on fresh data."""
+    g = gen("outlayer")
+    n_hid, n_out = 40_000 + int(torch.randint(0, 999, (1,), generator=g)), 5120
+    layers = [("fc1.weight", (n_hid // 40, 40)), ("fc1.bias", (n_hid // 40,)),
+              ("fc2.weight", (10, n_out // 10)), ("fc2.bias", (10,))]
+    comp = TopK(0.01, exact=True)
+    comp.register_layers(layers)
+    assert comp.output_layer == "fc2.weight"
+    assert comp.capacity(n_out, 0, "fc2.weight") == math.ceil(0.1 * n_out)
+    assert comp.capacity(n_hid // 40 * 40, 0, "fc1.weight") == math.ceil(0.01 * (n_hid // 40 * 40))
+    for name, shape in (layers[0], layers[2]):
+        x = torch.randn(shape, generator=g)
+        p = comp.compress(name, x, 0)
+        k = math.ceil((0.1 if name == "fc2.weight" else 0.01) * x.numel() - 1e-9)
+        _, sent, _ = ref_decode(p)
+        assert set(sent.nonzero().reshape(-1).tolist()) == \
+            set(torch.topk(x.reshape(-1).abs(), k).indices.tolist()), name
+    # a larger ratio is not lowered; an override of the head's ratio wins; None: off
+    big = TopK(0.2)
+    big.register_layers(layers)
+    assert big.capacity(n_out, 0, "fc2.weight") == math.ceil(1.5 * math.ceil(0.2 * n_out))
+    ov = TopK(0.01, overrides={"fc2.*": dict(ratio=0.02)})
+    ov.register_layers(layers)
+    assert ov.output_layer is None
+    assert ov.capacity(n_out, 0, "fc2.weight") == math.ceil(1.5 * math.ceil(0.02 * n_out))
+    off = TopK(0.01, output_ratio=None)
+    off.register_layers(layers)
+    assert off.output_layer is None
+    assert off.capacity(n_out, 0, "fc2.weight") == math.ceil(1.5 * math.ceil(0.01 * n_out))
+    assert comp.config()["args"]["output_ratio"] == 0.1 and off.config()["args"]["output_ratio"] is None
+    with pytest.raises(ValueError, match="output_ratio"):
+        TopK(0.01, output_ratio=1.5)

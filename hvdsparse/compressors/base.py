@@ -299,7 +299,10 @@ class Compressor:
     Interface for the optimizer / scheduler (all of it on the calling thread; nothing
     here talks to Horovod except through the ``broadcast`` callable given to ``bind``):
 
-    * ``bind(rank, world_size, *, broadcast=None, owner=None)``, ``check_names(names)``,
+    * ``bind(rank, world_size, *, broadcast=None, owner=None)``,
+      ``register_layers(named_shapes)`` (once, every optimised ``(name, shape)`` in the
+      optimizer's order: checks the override patterns, lets a compressor derive
+      per-layer settings such as TopK's output layer), ``check_names(names)``,
       ``config()``, ``steady_state_step()``;
     * per step: ``begin_step(step)``; ``compress(name, grad, step, param=None,
       grad_scale=None)`` or ``compress_absent(name, like, step, param=None)`` per layer;
@@ -403,6 +406,17 @@ class Compressor:
             cfg = self._validate_cfg(cfg, where=f"layer {name!r}: ")
             self._cfg_cache[name] = cfg
         return cfg
+
+    def register_layers(self, named_shapes) -> None:
+        """Called once by the front door with every optimised ``(name, shape)`` in the
+        optimizer's order (the same on every rank): :meth:`check_names`, then the
+        compressor's own per-layer derivations (``_register_layers``)."""
+        named_shapes = [(str(n), tuple(int(d) for d in s)) for n, s in named_shapes]
+        self.check_names([n for n, _ in named_shapes])
+        self._register_layers(named_shapes)
+
+    def _register_layers(self, named_shapes) -> None:
+        """Subclass hook of :meth:`register_layers` (default: nothing)."""
 
     def check_names(self, names) -> None:
         """Raise ``ValueError`` when an ``overrides`` pattern matches none of ``names``

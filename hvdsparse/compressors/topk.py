@@ -70,6 +70,21 @@ quantisation error; we keep it.)
 
 ``error_feedback=False`` drops what is not sent (plain top-k, biased).
 
+The output layer (``output_ratio``, default 0.1): the model's last compressed parameter
+in the optimizer's order (``model.named_parameters()``: the classifier / LM head of
+almost every model) is sent at ``max(ratio, output_ratio)``. Its gradient is dense --
+every example moves every class row -- so at 1% each of its coordinates waits ~100
+steps in the residual and then lands as one large, stale step; the curves oscillate.
+Measured with SGD momentum + momentum correction (BENCHMARKS.md 4b, seventh session),
+the head at 10% against 1%: digits MLP P = 4 -1.71 -> -0.23 pp vs dense and 1.92x ->
+1.66x dense's steps to 95%, for +14% bytes; the network benchmark's 4.35 M MLP P = 4
+-3.52 -> -0.46 pp and 1.94x -> 1.22x for +4% bytes; CNN P = 4 -2.73 -> -1.20 pp;
+MLP P = 2 -0.83 -> -0.42 pp, 2.84x -> 1.55x. The layer is chosen once, from the
+names and shapes the optimizer registers (:meth:`register_layers`), identically on
+every rank; an ``overrides`` entry that sets ``ratio`` for it wins, and
+``output_ratio=None`` turns the rule off (e.g. for a model whose last registered
+weight is not its output layer, such as one with a head tied to its embedding).
+
 If the fixed-capacity sparse payload would not be smaller than the dense layer in the
 same value encoding (e.g. densities > ~0.5 during warm-up), the layer goes dense
 (DENSE segment in the value encoding, the residual flushed to its quantisation error).
@@ -145,17 +160,28 @@ class TopK(Compressor):
 
     ``ratio`` in (0, 1]: target density k/n. ``warmup``: a schedule from
     :mod:`.warmup` (``RtWarmup(T)``, ``ExponentialWarmup(T, stages)``) or
-    ``("rt", T)`` / ``("exp", T, stages)``. Policy keywords: ``min_numel``,
-    ``compress_1d``, ``overrides``, ``seed``. See the module docstring for the math.
+    ``("rt", T)`` / ``("exp", T, stages)``. ``output_ratio`` (default 0.1, ``None``:
+    off): density floor of the output layer (module docstring). Policy keywords:
+    ``min_numel``, ``compress_1d``, ``overrides``, ``seed``. See the module docstring
+    for the math.
     """
 
     _settings = ("ratio", "exact", "values", "per_bucket", "slack", "rounds",
                  "quant_bucket", "error_feedback")
+    _extra_args = ("output_ratio",)
+    #: class defaults: a subclass that does not run TopK.__init__ (Threshold) has no rule
+    output_ratio = None
+    output_layer = None
 
     def __init__(self, ratio: float, exact: bool = False, values="fp32", per_bucket=None,
                  slack: float = 1.5, rounds: int = 2, quant_bucket: int = 512,
-                 warmup=None, error_feedback: bool = True, **kw):
+                 warmup=None, error_feedback: bool = True, output_ratio=0.1, **kw):
         super().__init__(**kw)
+        if output_ratio is not None:
+            output_ratio = _check_density(output_ratio, "output_ratio")
+        self.output_ratio = output_ratio
+        #: the layer ``output_ratio`` applies to (set by :meth:`register_layers`)
+        self.output_layer = None
         cfg = self._validate_cfg(dict(ratio=ratio, exact=exact, values=values,
                                       per_bucket=per_bucket, slack=slack, rounds=rounds,
                                       quant_bucket=quant_bucket,
@@ -184,6 +210,28 @@ class TopK(Compressor):
             raise ValueError(f"{where}rounds must be an int in [0, 16], got {r!r}")
         _check_quant_bucket(cfg["quant_bucket"], where)
         _check_bool(cfg["error_feedback"], "error_feedback", where)
+        return cfg
+
+    def _register_layers(self, named_shapes):
+        """The output layer: the last registered layer this compressor compresses
+        (policy), unless an override sets its ``ratio``."""
+        self.output_layer = None
+        if self.output_ratio is None:
+            return
+        for name, shape in reversed(named_shapes):
+            if self.policy.is_dense(name, shape):
+                continue
+            if "ratio" not in self.policy.match(name):
+                self.output_layer = name
+            break
+        self._cfg_cache.clear()
+
+    def layer_cfg(self, name: str) -> dict:
+        cfg = self._cfg_cache.get(name)
+        if cfg is None:
+            cfg = super().layer_cfg(name)
+            if name == self.output_layer and self.output_ratio > cfg.get("ratio", 1.0):
+                cfg = self._cfg_cache[name] = dict(cfg, ratio=self.output_ratio)
         return cfg
 
     def density(self, step: int, ratio=None) -> float:

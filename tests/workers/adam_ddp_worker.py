@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hvdsparse
 import hvdsparse.ddp
-from tests.workers.adam_replay import AdamReplay, adacomp, topk_exact
+from tests.workers.adam_replay import AdamReplay, adacomp, out_layer, topk_exact
 from tests.workers.torchrun_exit import finish
 
 dist.init_process_group("gloo")
@@ -81,10 +81,12 @@ def step_once(net, model, opt, step, replay=None):
 
 
 for cls, comp, sel, dw, wd, R_ in ((torch.optim.Adam, hvdsparse.TopK(0.05, exact=True),
-                                    topk_exact(0.05), False, 1e-2, None),
+                                    "topk", False, 1e-2, None),
                                    (torch.optim.AdamW, hvdsparse.AdaComp(), adacomp(), True,
                                     1e-2, 2)):
     net, model, opt, state = build(cls, comp, wd, refresh=R_)
+    if sel == "topk":
+        sel = topk_exact(0.05, output=out_layer(net))
     check(type(state.local_update).__name__ == "AdamRecipe", "recipe not on by default")
     rep = AdamReplay(dict(net.named_parameters()), P, lr=3e-3, betas=(0.9, 0.99), eps=1e-8,
                      wd=wd, decoupled=cls is torch.optim.AdamW, warmup=2, select=sel,

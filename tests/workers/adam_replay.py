@@ -33,10 +33,20 @@ import math
 import torch
 
 
-def topk_exact(ratio):
-    def select(acc):
+def out_layer(model, min_numel=1024):
+    """TopK's output layer under the default policy: the last registered parameter
+    with >= ``min_numel`` elements and more than one dimension."""
+    return [n for n, p in model.named_parameters() if p.numel() >= min_numel
+            and p.dim() > 1][-1]
+
+
+def topk_exact(ratio, output=None, output_ratio=0.1):
+    """TopK(ratio, exact=True); the layer called ``output`` (TopK's output layer: the
+    last compressed one) at ``max(ratio, output_ratio)``."""
+    def select(acc, name=None):
         flat = acc.reshape(-1)
-        k = max(1, min(flat.numel(), math.ceil(ratio * flat.numel() - 1e-9)))
+        r = max(ratio, output_ratio) if name is not None and name == output else ratio
+        k = max(1, min(flat.numel(), math.ceil(r * flat.numel() - 1e-9)))
         idx = torch.topk(flat.abs(), k).indices
         idx = idx[flat[idx] != 0]
         sent = torch.zeros_like(flat)
@@ -139,7 +149,7 @@ class AdamReplay:
                 if self.precondition:
                     xr = xr / D
                 acc = self.e[r][n] + xr
-                sent = self.select(acc, xr) if self.needs_dw else self.select(acc)
+                sent = self.select(acc, xr) if self.needs_dw else self.select(acc, name=n)
                 self.e[r][n] = acc - sent
                 X = X + sent
             X = X * (1.0 / P)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import horovod.torch as hvd
 import hvdsparse
-from tests.workers.adam_replay import AdamReplay, adacomp, topk_exact
+from tests.workers.adam_replay import AdamReplay, adacomp, out_layer, topk_exact
 
 hvd.init()
 R, P = hvd.rank(), hvd.size()
@@ -128,7 +128,7 @@ train(opt, model, 4, replay=replay_for(model, topk_exact(1.0), warmup=2), tag="a
 # 2. TopK(0.05) + Adam L2 + a rank-0-only layer + a skipped NaN step; AdaComp + AdamW
 model, opt = make(comp=hvdsparse.TopK(0.05, exact=True), adam_warmup=3, weight_decay=1e-2,
                   nonfinite="skip")
-rep = replay_for(model, topk_exact(0.05), warmup=3, wd=1e-2)
+rep = replay_for(model, topk_exact(0.05, output=out_layer(model)), warmup=3, wd=1e-2)
 train(opt, model, 8, side=True, nan_at=5, replay=rep, tag="topk")
 check(opt.scheduler.skipped_steps == 1, "the NaN step was not skipped")
 check(int(opt.state[model.fc1.weight]["step"]) == 7, "Adam step count after a skip")
@@ -146,7 +146,8 @@ train(opt, model, 6, replay=replay_for(model, adacomp(), warmup=2, wd=1e-2, deco
 # (a dense exchange between compressed ones, the rank-0-only layer a dense zero elsewhere)
 model, opt = make(comp=hvdsparse.TopK(0.05, exact=True), adam_warmup=2, adam_refresh=2,
                   weight_decay=1e-2)
-rep = replay_for(model, topk_exact(0.05), warmup=2, wd=1e-2, refresh=2)
+rep = replay_for(model, topk_exact(0.05, output=out_layer(model)), warmup=2, wd=1e-2,
+                 refresh=2)
 train(opt, model, 7, side=True, replay=rep, tag="refresh")
 check(torch.allclose(opt.state[model.fc1.weight]["exp_avg_sq"], rep.v["fc1.weight"],
                      rtol=1e-5, atol=1e-10), "refresh: v differs from the replay's")
@@ -159,7 +160,8 @@ model, opt = make(torch.optim.AdamW, comp=hvdsparse.TopK(0.05, exact=True), adam
                   weight_decay=1e-2, grad_scaler=torch.amp.GradScaler(
                       "cpu", init_scale=2.0 ** 8, growth_interval=1000))
 scaler = opt.scheduler.grad_scaler
-rep = replay_for(model, topk_exact(0.05), warmup=2, wd=1e-2, decoupled=True)
+rep = replay_for(model, topk_exact(0.05, output=out_layer(model)), warmup=2, wd=1e-2,
+                 decoupled=True)
 for step in range(7):
     x, y = batch(step)
     opt.zero_grad()

@@ -5,6 +5,8 @@ Per compressed layer and rank r: g <- clip(g, c/sqrt(P)) + wd*w; u <- m*u + g (N
 x = g + m*u, else x = u); v <- v + x; send the exact top-k of |v|; v[S] = 0; u[S] = 0;
 G = (sum of sent) / P; w <- w - lr*G. Layers under ``dense_below`` elements (sent dense by
 the compressor's size policy) are clipped too and keep ordinary SGD momentum on G.
+TopK's output-layer rule: the last compressed layer (in ``weights`` order) takes
+``max(ratio, output_ratio)``.
 """
 import math
 
@@ -12,7 +14,8 @@ import torch
 
 
 class DGCReplay:
-    def __init__(self, weights, P, *, lr, m, wd, nesterov, clip, ratio, dense_below=1024):
+    def __init__(self, weights, P, *, lr, m, wd, nesterov, clip, ratio, dense_below=1024,
+                 output_ratio=0.1):
         self.W = {n: w.detach().clone() for n, w in weights.items()}
         self.P, self.lr, self.m, self.wd = P, lr, m, wd
         self.nesterov, self.clip, self.ratio, self.dense_below = nesterov, clip, ratio, \
@@ -20,6 +23,10 @@ class DGCReplay:
         self.u = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
         self.v = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
         self.buf = {}
+        compressed = [n for n, w in self.W.items() if w.numel() >= dense_below]
+        self.layer_ratio = {n: ratio for n in compressed}
+        if compressed and output_ratio is not None:
+            self.layer_ratio[compressed[-1]] = max(ratio, output_ratio)
 
     def _clipped(self, g):
         if self.clip is None:
@@ -44,7 +51,7 @@ class DGCReplay:
                 g = self._clipped(everyone[r][n].float()) + wd * W
                 u[n] = u[n] * m + g
                 v[n] = v[n] + (g + m * u[n] if self.nesterov else u[n])
-                k = max(1, math.ceil(self.ratio * W.numel() - 1e-9))
+                k = max(1, math.ceil(self.layer_ratio[n] * W.numel() - 1e-9))
                 S = torch.topk(v[n].abs().reshape(-1), k).indices
                 sent = torch.zeros(W.numel())
                 sent[S] = v[n].reshape(-1)[S]

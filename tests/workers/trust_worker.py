@@ -608,6 +608,14 @@ def matrix_case(cname, exchange):
     if not case.check(hasattr(opt, "scheduler"), "routing did not reach hvdsparse"):
         return case.finish()
     names = [n for n, _ in model.named_parameters()]
+    # TopK's output layer (its docstring): the last registered parameter the policy
+    # compresses is sent at max(ratio, output_ratio = 0.1)
+    out_name = None
+    if kind in ("topk", "topk_pb"):
+        out_name = [n for n, p in model.named_parameters()
+                    if not comp.policy.is_dense(n, p.shape)][-1]
+        case.check(comp.output_layer == out_name, f"output layer {comp.output_layer!r}, "
+                   f"expected {out_name!r}")
     replay = Replay()
     bitwise_all, worst = True, 0.0
     sgd_par = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -643,7 +651,8 @@ def matrix_case(cname, exchange):
                         ok = torch.equal(rbz, rr)
                     case.check(ok, f"step {step} {name}: residual before the step != the "
                                f"replay's carried residual (max diff {maxdiff(rbz, rr)})")
-                sent[name] = check_layer(case, kind, cfg, name, step, cap.raw[name],
+                lcfg = dict(cfg, ratio=max(cfg["ratio"], 0.1)) if name == out_name else cfg
+                sent[name] = check_layer(case, kind, lcfg, name, step, cap.raw[name],
                                          cap.rbefore[name], comp.residual(name),
                                          cap.payloads[name], replay, pd,
                                          delivered=(p.grad.detach() != 0) if bal else None)

@@ -1016,3 +1016,29 @@ def test_topk_output_layer_ratio():
     assert comp.config()["args"]["output_ratio"] == 0.1 and off.config()["args"]["output_ratio"] is None
     with pytest.raises(ValueError, match="output_ratio"):
         TopK(0.01, output_ratio=1.5)
+
+
+def test_threshold_output_layer_sparsity():
+    """Threshold's output rule: the last compressed layer runs at sparsity
+    min(sparsity, 1 - output_ratio); its capacity and its first-step selection (the exact
+    k-th largest |acc| as the first threshold) follow; None: off; an override of the
+    head's sparsity wins."""
+    g = gen("thr_out")
+    layers = [("fc1.weight", (64, 80)), ("fc2.weight", (10, 512)), ("fc2.bias", (10,))]
+    comp = Threshold(0.99)
+    comp.register_layers(layers)
+    assert comp.output_layer == "fc2.weight"
+    assert comp.capacity(5120, 0, "fc2.weight") == math.ceil(2.0 * math.ceil(0.1 * 5120 - 1e-9))
+    assert comp.capacity(5120, 0, "fc1.weight") == math.ceil(2.0 * math.ceil(0.01 * 5120 - 1e-9))
+    x = torch.randn(10, 512, generator=g)
+    _, sent, _ = ref_decode(comp.compress("fc2.weight", x, 0))
+    k = math.ceil(0.1 * 5120 - 1e-9)
+    assert set(sent.nonzero().reshape(-1).tolist()) == \
+        set(torch.topk(x.reshape(-1).abs(), k).indices.tolist())
+    off = Threshold(0.99, output_ratio=None)
+    off.register_layers(layers)
+    assert off.output_layer is None
+    ov = Threshold(0.99, overrides={"fc2.*": dict(sparsity=0.95)})
+    ov.register_layers(layers)
+    assert ov.output_layer is None
+    assert ov.capacity(5120, 0, "fc2.weight") == math.ceil(2.0 * math.ceil(0.05 * 5120 - 1e-9))

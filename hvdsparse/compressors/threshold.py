@@ -51,7 +51,7 @@ import torch
 from ..payload import LayerPayload
 from .base import PURPOSE_QUANT, TINY, check_values, k_of
 from .topk import TopK, _check_bool, _check_quant_bucket, _wrap
-from .warmup import make_warmup
+from .warmup import _check_density, make_warmup
 
 __all__ = ["Threshold"]
 
@@ -59,18 +59,25 @@ __all__ = ["Threshold"]
 class Threshold(TopK):
     """``Threshold(sparsity, life_span=1000, values="fp32", slack=2.0, quant_bucket=512,
     warmup=None, error_feedback=True, record_true_threshold=False, max_history=10000,
-    overflow_guard=True, **policy)`` -- DCT-DP; see the module docstring."""
+    overflow_guard=True, output_ratio=0.1, **policy)`` -- DCT-DP; see the module
+    docstring. ``output_ratio``: as TopK's, the output layer (the last compressed
+    parameter) runs at sparsity ``min(sparsity, 1 - output_ratio)``; ``None``: off."""
 
     _settings = ("sparsity", "life_span", "values", "slack", "quant_bucket",
                  "error_feedback")
-    _extra_args = ("record_true_threshold", "max_history", "overflow_guard")
+    _extra_args = ("record_true_threshold", "max_history", "overflow_guard", "output_ratio")
+    _density_key = "sparsity"
 
     def __init__(self, sparsity: float, life_span: int = 1000, values="fp32",
                  slack: float = 2.0, quant_bucket: int = 512, warmup=None,
                  error_feedback: bool = True, record_true_threshold: bool = False,
-                 max_history: int = 10000, overflow_guard: bool = True, **kw):
+                 max_history: int = 10000, overflow_guard: bool = True, output_ratio=0.1,
+                 **kw):
         # bypass TopK.__init__ (different settings), keep its helpers
         super(TopK, self).__init__(**kw)
+        if output_ratio is not None:
+            output_ratio = _check_density(output_ratio, "output_ratio")
+        self.output_ratio = output_ratio
         cfg = self._validate_cfg(dict(sparsity=sparsity, life_span=life_span, values=values,
                                       slack=slack, quant_bucket=quant_bucket,
                                       error_feedback=error_feedback))
@@ -103,6 +110,9 @@ class Threshold(TopK):
         _check_quant_bucket(cfg["quant_bucket"], where)
         _check_bool(cfg["error_feedback"], "error_feedback", where)
         return cfg
+
+    def _output_cfg(self, cfg: dict) -> dict:
+        return dict(cfg, sparsity=min(cfg["sparsity"], 1.0 - self.output_ratio))
 
     def density(self, step: int, sparsity=None) -> float:
         d = 1.0 - (self.sparsity if sparsity is None else sparsity)

@@ -169,8 +169,6 @@ class TopK(Compressor):
     _settings = ("ratio", "exact", "values", "per_bucket", "slack", "rounds",
                  "quant_bucket", "error_feedback")
     _extra_args = ("output_ratio",)
-    #: class defaults: a subclass that does not run TopK.__init__ (Threshold) has no rule
-    output_ratio = None
     output_layer = None
 
     def __init__(self, ratio: float, exact: bool = False, values="fp32", per_bucket=None,
@@ -221,17 +219,24 @@ class TopK(Compressor):
         for name, shape in reversed(named_shapes):
             if self.policy.is_dense(name, shape):
                 continue
-            if "ratio" not in self.policy.match(name):
+            if self._density_key not in self.policy.match(name):
                 self.output_layer = name
             break
         self._cfg_cache.clear()
+
+    #: the setting that sets a layer's density (an override of it disables the rule)
+    _density_key = "ratio"
+
+    def _output_cfg(self, cfg: dict) -> dict:
+        """The output layer's settings: density at least ``output_ratio``."""
+        return dict(cfg, ratio=max(cfg["ratio"], self.output_ratio))
 
     def layer_cfg(self, name: str) -> dict:
         cfg = self._cfg_cache.get(name)
         if cfg is None:
             cfg = super().layer_cfg(name)
-            if name == self.output_layer and self.output_ratio > cfg.get("ratio", 1.0):
-                cfg = self._cfg_cache[name] = dict(cfg, ratio=self.output_ratio)
+            if name == self.output_layer:
+                cfg = self._cfg_cache[name] = self._output_cfg(cfg)
         return cfg
 
     def density(self, step: int, ratio=None) -> float:

@@ -608,10 +608,10 @@ def matrix_case(cname, exchange):
     if not case.check(hasattr(opt, "scheduler"), "routing did not reach hvdsparse"):
         return case.finish()
     names = [n for n, _ in model.named_parameters()]
-    # TopK's output layer (its docstring): the last registered parameter the policy
-    # compresses is sent at max(ratio, output_ratio = 0.1)
+    # TopK's / Threshold's output layer (topk.py's docstring): the last registered
+    # parameter the policy compresses is sent at density >= output_ratio = 0.1
     out_name = None
-    if kind in ("topk", "topk_pb"):
+    if kind in ("topk", "topk_pb", "threshold"):
         out_name = [n for n, p in model.named_parameters()
                     if not comp.policy.is_dense(n, p.shape)][-1]
         case.check(comp.output_layer == out_name, f"output layer {comp.output_layer!r}, "
@@ -651,7 +651,11 @@ def matrix_case(cname, exchange):
                         ok = torch.equal(rbz, rr)
                     case.check(ok, f"step {step} {name}: residual before the step != the "
                                f"replay's carried residual (max diff {maxdiff(rbz, rr)})")
-                lcfg = dict(cfg, ratio=max(cfg["ratio"], 0.1)) if name == out_name else cfg
+                lcfg = cfg
+                if name == out_name and "ratio" in cfg:
+                    lcfg = dict(cfg, ratio=max(cfg["ratio"], 0.1))
+                elif name == out_name:
+                    lcfg = dict(cfg, sparsity=min(cfg["sparsity"], 0.9))
                 sent[name] = check_layer(case, kind, lcfg, name, step, cap.raw[name],
                                          cap.rbefore[name], comp.residual(name),
                                          cap.payloads[name], replay, pd,

@@ -555,6 +555,10 @@ def main(argv=None):
             f"({numel * 4 / 1e6:.1f} MB fp32) world={world} device={device} "
             f"compression={args.compression} exchange={args.exchange} "
             f"steps/epoch={steps_per_epoch}")
+        out = getattr(compressor, "output_layer", None)
+        if out is not None:       # TopK / Threshold: README, "The output layer"
+            log(f"output layer {out!r} sent at density >= {compressor.output_ratio} "
+                f"(output_ratio=None turns this off)")
 
     xte_local, yte_local = xte[rank::world].to(device), yte[rank::world].to(device)
 

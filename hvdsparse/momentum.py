@@ -170,6 +170,14 @@ class LocalUpdate:
         self.buf: Dict[str, torch.Tensor] = {}      # momentum buffer of dense layers
         self._snap: Optional[dict] = None
         self.transactional = False
+        self._masks: Dict[str, torch.Tensor] = {}  # reused bool scratch of mask()
+
+    def _mask_buf(self, n: int, device) -> torch.Tensor:
+        """A reused bool buffer of at least ``n`` elements on ``device``."""
+        b = self._masks.get(str(device))
+        if b is None or b.numel() < n:
+            b = self._masks[str(device)] = torch.empty(n, dtype=torch.bool, device=device)
+        return b[:n]
 
     # ----------------------------------------------------------------- transactions
     def begin_step(self):
@@ -228,19 +236,28 @@ class LocalUpdate:
         into the residual, so its velocity is kept too. Called after the exchange.
 
         Cost: O(capacity) per segment (``codec.sent_positions``: no dense decode, no
-        full-size temporary, no host sync) except with ``undelivered``, where the
-        payload is decoded to find the delivered elements."""
+        full-size temporary, no host sync). With ``undelivered``: a sent slot whose
+        element came back (``undelivered != 0`` there: only a non-zero own value can)
+        keeps its velocity; the slots are marked in a reused bool[n + 1] (one byte per
+        element, the spare one takes the kept and padding slots) and ``u`` is
+        masked-filled: two light passes, no decode of the payload."""
         u = self.u.get(name)
         if u is None:
             return
         self._touch(self.u, name)
-        if undelivered is not None:
-            sent = codec.payload_to_dense(payload)
-            hit = (sent.view(u.shape) != 0) & (undelivered.view(u.shape) == 0)
-            self.u[name] = torch.where(hit, torch.zeros((), dtype=u.dtype, device=u.device),
-                                       u)
-            return
         flat = u.view(-1)
+        if undelivered is not None:
+            n = flat.numel()
+            back = undelivered.reshape(-1)
+            hit = self._mask_buf(n + 1, flat.device).zero_()
+            for positions, count in codec.sent_positions(payload):
+                pos = positions.to(torch.int64)
+                slot = torch.arange(pos.numel(), device=pos.device)
+                safe = pos.clamp(0, max(n - 1, 0))
+                take = (slot < count) & (pos >= 0) & (pos < n) & (back[safe] == 0)
+                hit.index_fill_(0, torch.where(take, pos, torch.full_like(pos, n)), True)
+            flat.masked_fill_(hit[:n], 0.0)
+            return
         for positions, count in codec.sent_positions(payload):
             ops.zero_slots(flat, positions, count)
 

@@ -51,7 +51,7 @@ import torch
 from ..payload import LayerPayload
 from .base import PURPOSE_QUANT, TINY, check_values, k_of
 from .topk import TopK, _check_bool, _check_quant_bucket, _wrap
-from .warmup import _check_density, make_warmup
+from .warmup import make_warmup
 
 __all__ = ["Threshold"]
 
@@ -75,9 +75,7 @@ class Threshold(TopK):
                  **kw):
         # bypass TopK.__init__ (different settings), keep its helpers
         super(TopK, self).__init__(**kw)
-        if output_ratio is not None:
-            output_ratio = _check_density(output_ratio, "output_ratio")
-        self.output_ratio = output_ratio
+        self._set_output_ratio(output_ratio)
         cfg = self._validate_cfg(dict(sparsity=sparsity, life_span=life_span, values=values,
                                       slack=slack, quant_bucket=quant_bucket,
                                       error_feedback=error_feedback))

@@ -169,17 +169,14 @@ class TopK(Compressor):
     _settings = ("ratio", "exact", "values", "per_bucket", "slack", "rounds",
                  "quant_bucket", "error_feedback")
     _extra_args = ("output_ratio",)
+    #: the layer ``output_ratio`` applies to (set by :meth:`register_layers`)
     output_layer = None
 
     def __init__(self, ratio: float, exact: bool = False, values="fp32", per_bucket=None,
                  slack: float = 1.5, rounds: int = 2, quant_bucket: int = 512,
                  warmup=None, error_feedback: bool = True, output_ratio=0.1, **kw):
         super().__init__(**kw)
-        if output_ratio is not None:
-            output_ratio = _check_density(output_ratio, "output_ratio")
-        self.output_ratio = output_ratio
-        #: the layer ``output_ratio`` applies to (set by :meth:`register_layers`)
-        self.output_layer = None
+        self._set_output_ratio(output_ratio)
         cfg = self._validate_cfg(dict(ratio=ratio, exact=exact, values=values,
                                       per_bucket=per_bucket, slack=slack, rounds=rounds,
                                       quant_bucket=quant_bucket,
@@ -209,6 +206,12 @@ class TopK(Compressor):
         _check_quant_bucket(cfg["quant_bucket"], where)
         _check_bool(cfg["error_feedback"], "error_feedback", where)
         return cfg
+
+    def _set_output_ratio(self, output_ratio) -> None:
+        """Validate and keep ``output_ratio`` (None, or a density in (0, 1])."""
+        if output_ratio is not None:
+            output_ratio = _check_density(output_ratio, "output_ratio")
+        self.output_ratio = output_ratio
 
     def _register_layers(self, named_shapes):
         """The output layer: the last registered layer this compressor compresses

@@ -705,8 +705,8 @@ class State:
             for name, pl, back in zip(it.names, it.payloads, views):
                 if back is not None:
                     self.compressor.take_back(name, back)
-                if lu is not None and name in lu.u:
-                    lu.mask(name, pl, back)   # momentum masking
+                if lu is not None and name in lu.u:   # momentum masking
+                    lu.mask(name, pl, back, self.compressor.warmup_density(name, self.step))
 
     def _nonfinite(self, items, results) -> Optional[torch.Tensor]:
         """One small allgather of every rank's per-layer non-finite counts (same table

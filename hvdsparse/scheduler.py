@@ -722,7 +722,8 @@ class LayerScheduler:
                 if back is not None:
                     self.compressor.take_back(name, back)
                 if lu is not None and name in lu.u:
-                    lu.mask(name, self._payloads[name], back)
+                    lu.mask(name, self._payloads[name], back,
+                            self.compressor.warmup_density(name, self.step))
 
     def step_applied(self):
         """The optimizer applied the exchanged gradients: commit the compressor's step."""

@@ -1042,3 +1042,34 @@ def test_threshold_output_layer_sparsity():
     ov.register_layers(layers)
     assert ov.output_layer is None
     assert ov.capacity(5120, 0, "fc2.weight") == math.ceil(2.0 * math.ceil(0.05 * 5120 - 1e-9))
+
+
+def test_warmup_density_while_warming_only():
+    """``Compressor.warmup_density`` (read by momentum correction to suspend masking):
+    the layer's warm-up density while it is above the layer's own target (overrides and
+    the output-layer rule applied), ``None`` without a warm-up, after it, or at the
+    target; the same value the compressor sizes its capacity with."""
+    T = 6 + int(torch.randint(0, 5, (1,), generator=gen("wdens")))
+    layers = [("fc1.weight", (300, 40)), ("fc2.weight", (10, 300))]
+    for comp, target in (
+            (TopK(0.01, exact=True, warmup=ExponentialWarmup(T, stages=3)),
+             {"fc1.weight": 0.01, "fc2.weight": 0.1}),
+            (Threshold(0.99, warmup=("exp", T, 3), overrides={"fc1.*": dict(sparsity=0.98)}),
+             {"fc1.weight": 0.02, "fc2.weight": 0.1}),
+            (RandomK(0.05, warmup=RtWarmup(T)), {"fc1.weight": 0.05, "fc2.weight": 0.05})):
+        comp.register_layers(layers)
+        for name, r in target.items():
+            for step in range(T + 3):
+                wd = comp.warmup_density(name, step)
+                want = comp.warmup(step, r)
+                if step >= T or want <= r:
+                    assert wd is None, (type(comp).__name__, name, step, wd)
+                else:
+                    assert wd == pytest.approx(want, rel=1e-12) and wd > r
+        assert comp.warmup_density("fc1.weight", 0) is not None
+    plain = TopK(0.01)
+    plain.register_layers(layers)
+    assert all(plain.warmup_density("fc1.weight", s) is None for s in range(5))
+    ada = AdaComp()
+    ada.register_layers(layers)
+    assert ada.warmup_density("fc1.weight", 0) is None

@@ -475,6 +475,26 @@ class Compressor:
             return mix_seed(self.seed, step, name_hash(name), purpose)
         return mix_seed(self.seed, step, name_hash(name), purpose, 0x5EED + self.rank)
 
+    def warmup_density(self, name: str, step: int) -> Optional[float]:
+        """The layer's density at ``step`` while a density warm-up holds it above the
+        layer's own target density; ``None`` otherwise (no warm-up, the warm-up is over,
+        or a compressor without a target density). Read by momentum correction, which
+        suspends DGC's momentum-factor masking while this is above ``(1 - m) / 2``
+        (:meth:`hvdsparse.momentum.LocalUpdate.mask`)."""
+        w = getattr(self, "warmup", None)
+        if w is None or step >= w.T:
+            return None
+        target = self._target_density(name)
+        if target is None:
+            return None
+        d = w(step, target)
+        return d if d > target else None
+
+    def _target_density(self, name: str) -> Optional[float]:
+        """The layer's density after any warm-up (its settings and overrides applied);
+        ``None`` for a compressor without one."""
+        return None
+
     def steady_state_step(self) -> int:
         """The first step from which capacities and layouts no longer change: the end of
         the density warm-up (0 without one). Plan buckets with

@@ -53,6 +53,9 @@ class RandomK(Compressor):
         _check_bool(cfg["error_feedback"], "error_feedback", where)
         return cfg
 
+    def _target_density(self, name: str) -> float:
+        return self.layer_cfg(name)["ratio"]
+
     def density(self, step: int, ratio=None) -> float:
         ratio = self.ratio if ratio is None else ratio
         return self.warmup(step, ratio) if self.warmup is not None else ratio

@@ -112,6 +112,9 @@ class Threshold(TopK):
     def _output_cfg(self, cfg: dict) -> dict:
         return dict(cfg, sparsity=min(cfg["sparsity"], 1.0 - self.output_ratio))
 
+    def _target_density(self, name: str) -> float:
+        return 1.0 - self.layer_cfg(name)["sparsity"]
+
     def density(self, step: int, sparsity=None) -> float:
         d = 1.0 - (self.sparsity if sparsity is None else sparsity)
         return self.warmup(step, d) if self.warmup is not None else d

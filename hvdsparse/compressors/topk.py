@@ -242,6 +242,9 @@ class TopK(Compressor):
                 cfg = self._cfg_cache[name] = self._output_cfg(cfg)
         return cfg
 
+    def _target_density(self, name: str) -> float:
+        return self.layer_cfg(name)["ratio"]
+
     def density(self, step: int, ratio=None) -> float:
         """Target density at ``step`` (warm-up applied)."""
         ratio = self.ratio if ratio is None else ratio

@@ -423,18 +423,20 @@ def check_momentum_correction():
     import copy
     from tests.workers.dgc_replay import DGCReplay
     lr, m, wd, ratio = 0.1, 0.9, 1e-3, 0.05
-    for nesterov, clip in ((False, None), (True, 0.5)):
+    # the second case warms up (2 stages over 4 steps: no masking while above (1 - m) / 2)
+    for nesterov, clip, warm in ((False, None, None), (True, 0.5, (4, 2))):
         torch.manual_seed(8)
         net = Net()
         model = DDP(net)
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=m, nesterov=nesterov,
                               weight_decay=wd)
-        state = hvdsparse.ddp.State(hvdsparse.TopK(ratio, exact=True),
-                                    net.named_parameters(), optimizer=opt,
+        comp = hvdsparse.TopK(ratio, exact=True, warmup=None if warm is None else
+                              hvdsparse.ExponentialWarmup(warm[0], stages=warm[1]))
+        state = hvdsparse.ddp.State(comp, net.named_parameters(), optimizer=opt,
                                     momentum_correction=True, clip_grad_norm=clip)
         model.register_comm_hook(state, hvdsparse.ddp.hook)
         replay = DGCReplay(dict(net.named_parameters()), P, lr=lr, m=m, wd=wd,
-                           nesterov=nesterov, clip=clip, ratio=ratio)
+                           nesterov=nesterov, clip=clip, ratio=ratio, warmup=warm)
         for step in range(5):
             x, y = batch(step)
             plain = copy.deepcopy(net)

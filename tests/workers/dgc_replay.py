@@ -6,7 +6,10 @@ x = g + m*u, else x = u); v <- v + x; send the exact top-k of |v|; v[S] = 0; u[S
 G = (sum of sent) / P; w <- w - lr*G. Layers under ``dense_below`` elements (sent dense by
 the compressor's size policy) are clipped too and keep ordinary SGD momentum on G.
 TopK's output-layer rule: the last compressed layer (in ``weights`` order) takes
-``max(ratio, output_ratio)``.
+``max(ratio, output_ratio)``. ``warmup=(T, S)``: DGC's exponential density warm-up in
+``S`` stages over ``T`` steps (density ``r^((s+1)/(S+1))`` at stage ``s = floor(t S / T)``
+for a layer of target density ``r``, then ``r``); while it holds a layer above both ``r``
+and ``(1 - m) / 2`` that layer's velocity is not masked.
 """
 import math
 
@@ -15,7 +18,7 @@ import torch
 
 class DGCReplay:
     def __init__(self, weights, P, *, lr, m, wd, nesterov, clip, ratio, dense_below=1024,
-                 output_ratio=0.1):
+                 output_ratio=0.1, warmup=None):
         self.W = {n: w.detach().clone() for n, w in weights.items()}
         self.P, self.lr, self.m, self.wd = P, lr, m, wd
         self.nesterov, self.clip, self.ratio, self.dense_below = nesterov, clip, ratio, \
@@ -23,6 +26,7 @@ class DGCReplay:
         self.u = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
         self.v = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
         self.buf = {}
+        self.warmup, self.t = warmup, 0
         compressed = [n for n, w in self.W.items() if w.numel() >= dense_below]
         self.layer_ratio = {n: ratio for n in compressed}
         if compressed and output_ratio is not None:
@@ -34,9 +38,20 @@ class DGCReplay:
         c = self.clip / math.sqrt(self.P)
         return g * torch.clamp(c / (torch.linalg.vector_norm(g) + 1e-6), max=1.0)
 
+    def _density(self, r):
+        """(density at this step, whether masking applies) for target density ``r``."""
+        if self.warmup is None or self.t >= self.warmup[0]:
+            return r, True
+        T, S = self.warmup
+        d = max(r, min(1.0, r ** ((self.t * S // T + 1) / (S + 1))))
+        return d, not (d > r and d > (1.0 - self.m) / 2)
+
     def step(self, everyone):
         """``everyone``: every rank's raw local gradients ``{name: tensor}``, in rank order."""
-        P, m, wd, lr = self.P, self.m, self.wd, self.lr
+        self._step(everyone, self.P, self.m, self.wd, self.lr)
+        self.t += 1
+
+    def _step(self, everyone, P, m, wd, lr):
         for n, W in self.W.items():
             if W.numel() < self.dense_below:
                 G = sum(self._clipped(everyone[r][n].float()) for r in range(P)) * (1.0 / P)
@@ -51,11 +66,13 @@ class DGCReplay:
                 g = self._clipped(everyone[r][n].float()) + wd * W
                 u[n] = u[n] * m + g
                 v[n] = v[n] + (g + m * u[n] if self.nesterov else u[n])
-                k = max(1, math.ceil(self.layer_ratio[n] * W.numel() - 1e-9))
+                d, masked = self._density(self.layer_ratio[n])
+                k = max(1, math.ceil(d * W.numel() - 1e-9))
                 S = torch.topk(v[n].abs().reshape(-1), k).indices
                 sent = torch.zeros(W.numel())
                 sent[S] = v[n].reshape(-1)[S]
                 v[n].view(-1)[S] = 0
-                u[n].view(-1)[S] = 0
+                if masked:
+                    u[n].view(-1)[S] = 0
                 sent_sum = sent_sum + sent.view_as(W)
             self.W[n] = W - lr * (sent_sum * (1.0 / P))

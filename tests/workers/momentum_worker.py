@@ -6,7 +6,8 @@ plain torch and for every rank, DGC's rule (Lin et al. 2018): g <- clip(g, c/sqr
 g <- g + wd*w; u <- m*u + g (nesterov: u <- m*u + g, x = g + m*u); v <- v + x; send the
 exact top-k of |v|; v[S] = 0; u[S] = 0; G = (sum of sent) / P; w <- w - lr*G. Layers
 the compressor sends dense (size < min_numel) are clipped too and keep ordinary SGD
-momentum on G. The
+momentum on G. With a density warm-up a layer's velocity is not masked while the warm-up
+holds it above its target and (1 - m) / 2. The
 parameters must match the replay (and be bitwise identical across ranks) at every step.
 Prints ``HVDSPARSE-OK rank=<r>``.
 """
@@ -39,14 +40,15 @@ class Net(nn.Module):
         return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
 
 
-def run(nesterov, clip, ratio=0.05, lr=0.1, m=0.9, wd=1e-3, steps=8, tag=""):
+def run(nesterov, clip, ratio=0.05, lr=0.1, m=0.9, wd=1e-3, steps=8, tag="", warmup=None):
     torch.manual_seed(7)
     model = Net()
     replay = DGCReplay({n: p for n, p in model.named_parameters()}, P, lr=lr, m=m, wd=wd,
-                       nesterov=nesterov, clip=clip, ratio=ratio)
+                       nesterov=nesterov, clip=clip, ratio=ratio, warmup=warmup)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=m, nesterov=nesterov,
                           weight_decay=wd)
-    comp = hvdsparse.TopK(ratio, exact=True)
+    comp = hvdsparse.TopK(ratio, exact=True, warmup=None if warmup is None else
+                          hvdsparse.ExponentialWarmup(warmup[0], stages=warmup[1]))
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                    compression=comp, momentum_correction=True,
                                    clip_grad_norm=clip, fusion_threshold=2048)
@@ -77,4 +79,7 @@ def run(nesterov, clip, ratio=0.05, lr=0.1, m=0.9, wd=1e-3, steps=8, tag=""):
 run(nesterov=False, clip=None, tag="plain")
 run(nesterov=True, clip=None, tag="nesterov")
 run(nesterov=False, clip=0.5, tag="clip")
+# a 2-stage warm-up over 4 steps: fc1 at 0.368 / 0.136, the output layer fc2.weight at
+# 0.464 / 0.215 (unmasked: above (1 - m) / 2 = 0.05), then 0.05 / 0.1 masked
+run(nesterov=True, clip=None, tag="warmup", warmup=(4, 2))
 print(f"HVDSPARSE-OK rank={R}", flush=True)

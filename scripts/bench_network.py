@@ -78,6 +78,10 @@ METHODS = {
     # the output layer (4.weight, 20 K of 4.35 M elements) at 10%: BENCHMARKS.md 4b
     "topk1_head": ("TopK 1%, output layer 10%", ["--compression", "topk", "--ratio", "0.01",
                                                  "--override", "4.weight:ratio=0.1"]),
+    # DGC's 4-stage exponential density warm-up over the first 20 steps (BENCHMARKS.md 4b)
+    "topk1_warmup": ("TopK 1%, warm-up exp(20, 4 stages)", ["--compression", "topk",
+                                                            "--ratio", "0.01",
+                                                            "--warmup", "exp,20,4"]),
     "threshold99": ("Threshold 99%", ["--compression", "threshold", "--sparsity", "0.99"]),
     "adacomp": ("AdaComp", ["--compression", "adacomp"]),
     "slimdp": ("Slim-DP (alpha 0.2, beta 0.1)", ["--compression", "slimdp", "--alpha", "0.2",
@@ -90,7 +94,7 @@ METHODS = {
     "topk5_int4": ("TopK 5% + int4", ["--compression", "topk", "--ratio", "0.05",
                                       "--values", "int4"]),
 }
-DEFAULT_METHODS = [m for m in METHODS if not m.startswith("topk5")]
+DEFAULT_METHODS = [m for m in METHODS if not m.startswith("topk5") and m != "topk1_warmup"]
 
 
 def parse_args(argv=None):

@@ -141,6 +141,9 @@ def parse_args(argv=None):
                    help="randomk: every rank picks the same indices (no index traffic)")
     g.add_argument("--bits", type=int, default=None, help="qsgd: 8, 4 or 2")
     g.add_argument("--bucket-size", type=int, default=None, help="qsgd: quantisation bucket")
+    g.add_argument("--warmup", default=None, metavar="exp,T[,S] | rt,T",
+                   help="topk / threshold / randomk: density warm-up over T steps "
+                        "(ExponentialWarmup(T, stages=S) or RtWarmup(T))")
     g.add_argument("--override", action="append", default=None, metavar="PATTERN:KEY=VALUE",
                    help="per-layer compressor setting (repeatable), e.g. '4.weight:ratio=0.1' "
                         "gives the wide/digits MLP's output layer 10%% (README: the output "
@@ -253,6 +256,16 @@ def build_compressor(args):
         kwargs["c"] = float(kwargs["c"])
     if args.override:
         kwargs["overrides"] = parse_overrides(args.override)
+    if args.warmup:
+        if args.compression not in ("topk", "threshold", "randomk"):
+            raise SystemExit(f"--warmup applies to topk / threshold / randomk, not "
+                             f"--compression {args.compression}")
+        kind, *nums = args.warmup.split(",")
+        try:
+            kwargs["warmup"] = (kind, *[int(x) for x in nums])
+        except ValueError:
+            raise SystemExit(f"--warmup must be exp,T[,S] or rt,T with integers, "
+                             f"got {args.warmup!r}")
     try:
         return cls(**kwargs)
     except TypeError as exc:

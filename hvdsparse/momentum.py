@@ -38,7 +38,7 @@ velocity is linear in the gradients, so the sum of the ranks' sent velocities is
 dense momentum update). So masking is suspended there and resumes when the warm-up has
 lowered the density (``Compressor.warmup_density``). Measured (BENCHMARKS.md 4b, 4.35 M
 MLP, P = 4, 3 seeds): DGC's 4-stage warm-up with masking throughout fell behind no
-warm-up (steps to 95 % accuracy 70 vs 63, dense 48); with masking suspended, 53, and
+warm-up (steps to 95 % accuracy 70 vs 63, dense 48); with masking suspended, 50, and
 the first 20 steps track dense.
 
 What the user writes stays the same: ``torch.optim.SGD(params, lr, momentum=0.9,

@@ -48,10 +48,7 @@ class DGCReplay:
 
     def step(self, everyone):
         """``everyone``: every rank's raw local gradients ``{name: tensor}``, in rank order."""
-        self._step(everyone, self.P, self.m, self.wd, self.lr)
-        self.t += 1
-
-    def _step(self, everyone, P, m, wd, lr):
+        P, m, wd, lr = self.P, self.m, self.wd, self.lr
         for n, W in self.W.items():
             if W.numel() < self.dense_below:
                 G = sum(self._clipped(everyone[r][n].float()) for r in range(P)) * (1.0 / P)
@@ -76,3 +73,4 @@ class DGCReplay:
                     u[n].view(-1)[S] = 0
                 sent_sum = sent_sum + sent.view_as(W)
             self.W[n] = W - lr * (sent_sum * (1.0 / P))
+        self.t += 1

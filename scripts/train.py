@@ -262,6 +262,8 @@ def build_compressor(args):
                              f"--compression {args.compression}")
         kind, *nums = args.warmup.split(",")
         try:
+            if kind not in ("exp", "rt") or not 1 <= len(nums) <= (2 if kind == "exp" else 1):
+                raise ValueError
             kwargs["warmup"] = (kind, *[int(x) for x in nums])
         except ValueError:
             raise SystemExit(f"--warmup must be exp,T[,S] or rt,T with integers, "

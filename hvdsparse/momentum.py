@@ -243,6 +243,32 @@ class LocalUpdate:
             x = u      # read by the compressor before the next write to u (mask)
         return x, nonfinite
 
+    def bucket_spec(self, name: str, grad: torch.Tensor, dense: bool):
+        """The bucket path's form of :meth:`corrected` (``compressors/topk_bucket.py``
+        folds the velocity update into its residual add): ``(fusable, spec)``.
+        ``fusable`` is False when the layer needs the per-layer path (local clipping
+        reads the layer's norm first); ``spec`` is None when no momentum is corrected
+        for it (the compressor then accumulates the clean gradient), else a
+        ``MomentumSpec`` holding the velocity (created as zeros on first use, snapshot
+        for a rollback as in :meth:`corrected`)."""
+        from .compressors.topk_bucket import MomentumSpec
+        if self.clip is not None:
+            return False, None
+        h = _Group(self._groups.of(self.params[name]))
+        if not self.momentum_correction or h.momentum == 0.0 or dense:
+            return True, None
+        self._touch(self.u, name)
+        u = self.u.get(name)
+        if u is None:
+            u = self.u[name] = torch.zeros(grad.shape, dtype=torch.float32,
+                                           device=grad.device)
+        return True, MomentumSpec(u, h.momentum, h.dampening, h.nesterov, h.weight_decay)
+
+    def masks_now(self, name: str, warmup_density: Optional[float]) -> bool:
+        """Whether :meth:`mask` masks layer ``name`` at this step (the warm-up rule)."""
+        return warmup_density is None or warmup_density <= \
+            (1.0 - _Group(self._groups.of(self.params[name])).momentum) / 2.0
+
     def mask(self, name: str, payload, undelivered: Optional[torch.Tensor] = None,
              warmup_density: Optional[float] = None):
         """Momentum-factor masking: ``u[sent] = 0`` for every element this rank's
@@ -265,8 +291,7 @@ class LocalUpdate:
         u = self.u.get(name)
         if u is None:
             return
-        if warmup_density is not None and warmup_density > \
-                (1.0 - _Group(self._groups.of(self.params[name])).momentum) / 2.0:
+        if not self.masks_now(name, warmup_density):
             return
         self._touch(self.u, name)
         flat = u.view(-1)

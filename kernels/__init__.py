@@ -15,8 +15,9 @@ from .refine import refine_topk_threshold
 from .clean import clean_grad
 from .masking import zero_slots
 from .binned import binned_pack
+from . import bucket_topk
 
 __all__ = ["residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
            "sign_unpack", "philox_uniform", "scatter_add_decode", "rowthreshold",
            "refine_topk_threshold", "clean_grad", "zero_slots",
-           "binned_pack"]
+           "binned_pack", "bucket_topk"]

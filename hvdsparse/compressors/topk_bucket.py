@@ -1,0 +1,212 @@
+"""TopK for a whole fusion bucket on the device path: the layers of a bucket compressed
+together in a fixed number of launches (``kernels/bucket_topk.py``), instead of ~25
+launches per layer (issue 13, item 2).
+
+Same math, same bits as :class:`~hvdsparse.compressors.topk.TopK`'s per-layer path
+(``TopK._compress`` after ``LocalUpdate.corrected``): error feedback, momentum
+correction (plain / Nesterov, dampening, weight decay), AMP's inverse loss scale,
+non-finite counting, the sampled threshold estimate with its refinement rounds, the exact
+route of small layers, fp32 / fp16 / bf16 values. A layer takes this path when
+:func:`layer_plan` says it can; everything else (quantised values, ``exact``,
+``per_bucket``, no error feedback, a layer that goes dense this step, local clipping, the
+Adam recipe, the CPU path) stays per layer. tests/test_bucket_topk.py compares the two
+paths bit for bit on fresh data; tests/test_paths_agree.py trains through it at P = 2.
+
+Host work per bucket and step: the segment table (sizes, capacities, sample layout,
+tensor addresses; a few host integers per layer, no device read) and one host-to-device
+copy of it (pinned, non-blocking on CUDA). No host synchronisation.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from .. import ops
+from ..payload import FLOAT_DTYPES, IndexEncoding, LayerPayload, Segment, ValueEncoding
+from .base import PURPOSE_SAMPLE, k_of
+
+__all__ = ["MomentumSpec", "BucketItem", "BucketBatch", "layer_plan", "compress_bucket"]
+
+#: elements per program of the streaming kernels
+BLOCK = 4096
+_VE_CODE = {ValueEncoding.FP32: 0, ValueEncoding.FP16: 1, ValueEncoding.BF16: 2}
+
+
+class MomentumSpec(NamedTuple):
+    """DGC's velocity update folded into the residual add (``LocalUpdate.fused``):
+    ``u = u * m + (1 - dampening) * (g + weight_decay * param)``, the compressor
+    receives ``u`` (or ``g + m * u`` with Nesterov)."""
+    u: torch.Tensor
+    momentum: float
+    dampening: float
+    nesterov: bool
+    weight_decay: float
+
+
+class BucketItem(NamedTuple):
+    name: str
+    grad: torch.Tensor
+    param: torch.Tensor
+    nonfinite: torch.Tensor          # int32[1] counter on the gradient's device
+    momentum: Optional[MomentumSpec]  # None: plain error feedback of the gradient
+
+
+class BucketBatch(NamedTuple):
+    """What the masking after the exchange needs (``LocalUpdate.mask_bucket``)."""
+    names: List[str]
+    table: torch.Tensor      # int64 [L, W] on the device
+    indices: torch.Tensor    # int32, every segment's slots
+    counts: torch.Tensor     # int32 [L, 2]: [sent, selected]
+    capmax: int
+    momentum: bool           # some segment has a velocity
+
+
+def _bits(x: float) -> int:
+    return int(np.array([x], dtype=np.float32).view(np.int32)[0])
+
+
+def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
+               momentum: Optional[MomentumSpec] = None) -> Optional[dict]:
+    """Host integers of layer ``name`` at ``step`` when the bucket path can compress it
+    with exactly the per-layer result, else None (the caller compresses it per layer)."""
+    from .topk import TopK
+    if not isinstance(comp, TopK) or type(comp)._compress is not TopK._compress:
+        return None
+    if not ops.use_triton(grad) or grad.is_sparse or not grad.is_contiguous():
+        return None
+    n = grad.numel()
+    if n == 0 or n >= 2 ** 31 or grad.dtype not in (torch.float32, torch.float16,
+                                                     torch.bfloat16):
+        return None
+    if comp.policy.is_dense(name, grad.shape):
+        return None
+    cfg = comp.layer_cfg(name)
+    enc = cfg["values"]
+    if cfg["exact"] or cfg["per_bucket"] or not cfg["error_feedback"] or \
+            enc not in _VE_CODE:
+        return None
+    if momentum is not None and momentum.weight_decay and \
+            (param is None or param.dtype != grad.dtype or not param.is_contiguous()
+             or param.device != grad.device):
+        return None
+    d = comp.density(step, cfg["ratio"])
+    k = k_of(d, n)
+    cap = min(n, math.ceil(cfg["slack"] * k))
+    if not comp._sparse_is_worth_it(n, cap, enc):
+        return None
+    # estimate_topk_threshold's sample layout (defaults sample_min=4096, above=256)
+    target = 0.5 * (k + cap)
+    s = min(n, max(4096, math.ceil(256 * n / target)))
+    if 2 * s > n:       # the exact route: the whole layer, t = the k-th largest |acc|
+        return dict(n=n, k=k, cap=cap, d=d, enc=enc, rounds=cfg["rounds"], exact=1,
+                    s=n, stride=1, off=0, r0=k, m=k, rk=0, rcap=2 ** 31 - 1,
+                    target=target, qb=cfg["quant_bucket"])
+    stride = n // s
+    off = comp._seed(name, step, PURPOSE_SAMPLE) % stride
+    r0 = max(1, min(s, round(target * s / n)))
+    return dict(n=n, k=k, cap=cap, d=d, enc=enc, rounds=cfg["rounds"], exact=0, s=s,
+                stride=stride, off=off, r0=r0, m=min(s, 4 * r0 + 16), rk=k, rcap=cap,
+                target=target, qb=cfg["quant_bucket"])
+
+
+def group_key(plan: dict, item: BucketItem):
+    """Layers compressed in one launch sequence share these."""
+    return (item.grad.dtype, item.grad.device, plan["enc"], plan["rounds"])
+
+
+_BLOCKS: Dict[tuple, torch.Tensor] = {}
+
+
+def _block_table(ns: List[int], device) -> torch.Tensor:
+    """int32 [sum ceil(n_j / BLOCK)]: the segment of every program (cached: layer sizes
+    never change)."""
+    key = (tuple(ns), str(device))
+    t = _BLOCKS.get(key)
+    if t is None:
+        nblk = [-(-n // BLOCK) for n in ns]
+        t = torch.repeat_interleave(torch.arange(len(ns), dtype=torch.int32),
+                                    torch.tensor(nblk)).to(device)
+        if len(_BLOCKS) > 256:
+            _BLOCKS.clear()
+        _BLOCKS[key] = t
+    return t
+
+
+def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
+                    grad_scale: Optional[torch.Tensor] = None):
+    """Compress ``items`` (one group: same gradient dtype, device, value encoding and
+    rounds; ``plans`` from :func:`layer_plan`) at ``step``. Returns ``(payloads by name,
+    BucketBatch)``; records each layer's statistics as ``compress`` does."""
+    K = ops._kernels().bucket_topk
+    L = len(items)
+    dev = items[0].grad.device
+    tab = np.zeros((L, K.W), dtype=np.int64)
+    out = 0
+    blk0 = 0
+    has_mom = False
+    for j, (it, pl) in enumerate(zip(items, plans)):
+        name = it.name
+        if comp._stats.pending(name):
+            comp._stats.fold()
+        comp._touch(name)
+        r = comp._residual_for(name, it.grad.reshape(-1))
+        row = tab[j]
+        row[K.C_G] = it.grad.data_ptr()
+        row[K.C_R] = r.data_ptr()
+        row[K.C_N] = pl["n"]
+        row[K.C_NF] = it.nonfinite.data_ptr()
+        ms = it.momentum
+        if ms is not None:
+            has_mom = True
+            mode = K.MODE_MOMENTUM
+            row[K.C_U] = ms.u.data_ptr()
+            row[K.C_M] = _bits(ms.momentum)
+            row[K.C_C] = _bits(1.0 - ms.dampening)
+            if ms.nesterov:
+                mode |= K.MODE_NESTEROV
+            if ms.weight_decay:
+                mode |= K.MODE_WD
+                row[K.C_WD] = _bits(ms.weight_decay)
+                row[K.C_P] = it.param.data_ptr()
+            row[K.C_MODE] = mode
+        row[K.C_RK], row[K.C_RCAP], row[K.C_CAP] = pl["rk"], pl["rcap"], pl["cap"]
+        row[K.C_STRIDE], row[K.C_OFF], row[K.C_S] = pl["stride"], pl["off"], pl["s"]
+        row[K.C_R0], row[K.C_MLEN], row[K.C_EXACT] = pl["r0"], pl["m"], pl["exact"]
+        row[K.C_TGT] = _bits(pl["target"])
+        row[K.C_OUT] = out
+        row[K.C_BLK0] = blk0
+        out += pl["cap"]
+        blk0 += -(-pl["n"] // BLOCK)
+    t = torch.from_numpy(tab)
+    table = t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+    blk = _block_table([pl["n"] for pl in plans], dev)
+    K.accumulate(table, blk, grad_scale, K.GDT_CODE[items[0].grad.dtype], block=BLOCK)
+    enc = plans[0]["enc"]
+    idx, vals, cnt, tau = K.threshold_and_select(
+        table, blk, L, max(pl["s"] for pl in plans), max(pl["m"] for pl in plans),
+        plans[0]["rounds"], out, _VE_CODE[enc], block=BLOCK)
+    payloads = {}
+    for j, (it, pl) in enumerate(zip(items, plans)):
+        o, cap = int(tab[j, K.C_OUT]), pl["cap"]
+        seg = Segment(numel=pl["n"], capacity=cap, index_encoding=IndexEncoding.INT32,
+                      value_encoding=enc, count=cnt[j, 0:1], values=vals[o:o + cap],
+                      indices=idx[o:o + cap], scales=None, quant_bucket=pl["qb"])
+        payload = LayerPayload(it.name, it.grad.shape, [seg])
+        payload.nonfinite = it.nonfinite
+        comp._stats.record(it.name, step, payload, extra=dict(nonfinite=it.nonfinite),
+                           selected=cnt[j, 1:2], threshold=tau[j], density=pl["d"])
+        payloads[it.name] = payload
+    batch = BucketBatch([it.name for it in items], table, idx, cnt,
+                        max(pl["cap"] for pl in plans), has_mom)
+    return payloads, batch
+
+
+def mask_bucket(batch: BucketBatch) -> None:
+    """DGC's momentum-factor masking for every momentum segment of ``batch``: ``u[sent]
+    = 0`` (one launch)."""
+    if batch.momentum:
+        ops._kernels().bucket_topk.mask(batch.table, batch.indices, batch.counts,
+                                        len(batch.names), batch.capmax)

@@ -1,0 +1,277 @@
+"""TopK over a whole bucket: every layer of a fusion bucket compressed in a fixed number
+of launches (issue 13: launches per step proportional to buckets, not layers x ops).
+
+The per-layer path (``kernels/clean.py``, ``residual.py``, ``refine.py``,
+``select.py``, ``masking.py`` plus ~12 torch ops) issues ~25 launches per layer. Here the
+layers of a bucket are *segments* described by one int64 table ``tab[L, W]`` (one
+host-to-device copy per bucket and step) whose rows hold each segment's tensor
+addresses (gradient, residual, velocity, parameter, non-finite counter: the tensors stay
+where they are, so residuals, checkpoints and rollbacks are unchanged) and its host
+integers (size, capacity, the threshold estimate's sample layout); fp32 scalars travel
+as their bit patterns. A cached int32 ``blk[nblocks]`` maps each program of the
+streaming kernels to its segment; the segment's first program is ``tab[j, BLK0]``.
+
+Per bucket and step (``hvdsparse.bucket_topk`` drives them)::
+
+    accumulate  1 launch   per element of segment j (bit for bit the per-layer path):
+                           d = fp32(grad) * s                     (s: AMP scale, or none)
+                           fin = |d| < inf;  nonfinite_j += #not fin
+                           momentum segments (DGC momentum correction):
+                             g = fin ? d : +0;  g = g + fp32(wd) * fp32(param)  (if wd)
+                             u = u * m;  u = u + c * g            (c = fp32(1 - dampening))
+                             x = nesterov ? g + m * u : u
+                             fin2 = |x| < inf;  nonfinite_j += #not fin2
+                             r = fin2 ? r + x : r
+                           plain segments: r = fin ? r + d : r
+    sample      1 launch   S[j, i] = |r_j[off_j + stride_j * i]| for i < s_j, -1 after;
+                           zeroes the round counts and the payload counts
+    topk        torch.topk(S, M, dim=1, sorted=True)  (M = max_j m_j; the -1 padding
+                           sorts last and is never read: every rank used is <= s_j)
+    count x R   1 launch per refinement round: counts[j, round] += #{|r_j| >= t_j}
+    select      1 launch   t_j = max(replay of all rounds, TINY) stored in tau[j]; select
+                           |r_j| >= t_j into slots out_j + [0, cap_j) (indices local to the
+                           layer), residual zeroed where sent (fp32) or left with the cast
+                           error (fp16 / bf16); count[j] = [sent, selected]
+    clamp       1 launch   count[j, 0] = min(count[j, 1], cap_j)
+    mask        1 launch   (after the exchange) u_j[idx] = 0 for the sent slots
+
+Each segment's threshold follows ``kernels/refine.py``'s rule (the same ``_replay``):
+``v`` is row ``j`` of the sorted sample, ``r0``, ``m``, ``k``, ``capacity`` its own.
+Small layers take the exact route of ``estimate_topk_threshold`` (the sample is the
+whole layer, ``r0 = k``, no refinement: ``t`` = the k-th largest ``|r|``); their
+programs skip the counting passes. Every product and sum is its own fp32 rounding
+(``enable_fp_fusion=False``; ``div_rn`` in the replay), so a segment's payload,
+residual, velocity and count equal the per-layer path's bit for bit (slot order aside:
+see ``kernels/select.py``; tests/test_bucket_topk.py compares them).
+
+Loads through table addresses carry no alignment the compiler can prove, so these
+kernels use 32-bit (coalesced) loads where the per-layer kernels get 128-bit ones; the
+saving is in launches, not in bandwidth. Offsets are int64. Atomics are relaxed (slot
+reservations and counters only; consumers read after the launch).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .refine import _replay
+
+# columns of the segment table (int64); fp32 values are stored as their bits
+C_G, C_R, C_U, C_P, C_N, C_MODE, C_M, C_C, C_WD, C_NF = range(10)
+C_RK, C_RCAP, C_CAP, C_STRIDE, C_OFF, C_S, C_R0, C_MLEN, C_OUT, C_BLK0 = range(10, 20)
+C_EXACT, C_TGT = 20, 21
+W = 22
+MODE_MOMENTUM, MODE_NESTEROV, MODE_WD = 1, 2, 4
+#: grad / param dtypes the accumulate kernel reads (``GDT``)
+GDT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+VE_FP32, VE_FP16, VE_BF16 = 0, 1, 2
+_VE_DTYPE = {VE_FP32: torch.float32, VE_FP16: torch.float16, VE_BF16: torch.bfloat16}
+_TINY = float(torch.finfo(torch.float32).tiny)
+
+
+@triton.jit
+def _f32(row, col: tl.constexpr):
+    """An fp32 stored as its bits in an int64 table cell."""
+    return tl.load(row + col).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fptr(row, col: tl.constexpr):
+    return tl.load(row + col).to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def _gptr(row, col: tl.constexpr, GDT: tl.constexpr):
+    a = tl.load(row + col)
+    if GDT == 0:
+        p = a.to(tl.pointer_type(tl.float32))
+    elif GDT == 1:
+        p = a.to(tl.pointer_type(tl.float16))
+    else:
+        p = a.to(tl.pointer_type(tl.bfloat16))
+    return p
+
+
+@triton.jit
+def _where_am_i(tab_ptr, blk_ptr, W: tl.constexpr, BLOCK: tl.constexpr):
+    """(segment row pointer, element offsets, in-segment mask, segment size, local
+    block index) of this program."""
+    pid = tl.program_id(0)
+    j = tl.load(blk_ptr + pid).to(tl.int64)
+    row = tab_ptr + j * W
+    n = tl.load(row + C_N)
+    lb = pid - tl.load(row + C_BLK0)
+    offs = lb * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    return j, row, offs, offs < n, lb
+
+
+@triton.jit
+def _accumulate_kernel(tab_ptr, blk_ptr, scale_ptr, W: tl.constexpr,
+                       HAS_SCALE: tl.constexpr, GDT: tl.constexpr, BLOCK: tl.constexpr):
+    j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
+    gp = _gptr(row, C_G, GDT)
+    rp = _fptr(row, C_R)
+    d = tl.load(gp + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        d = d * tl.load(scale_ptr)
+    fin = tl.abs(d) < float("inf")
+    nbad = tl.sum(((~fin) & mask).to(tl.int32), axis=0)
+    r = tl.load(rp + offs, mask=mask, other=0.0)
+    mode = tl.load(row + C_MODE)
+    if (mode & 1) != 0:
+        up = _fptr(row, C_U)
+        m = _f32(row, C_M)
+        g = tl.where(fin, d, 0.0)
+        if (mode & 4) != 0:
+            pp = _gptr(row, C_P, GDT)
+            w = tl.load(pp + offs, mask=mask, other=0.0).to(tl.float32)
+            g = g + _f32(row, C_WD) * w
+        u = tl.load(up + offs, mask=mask, other=0.0)
+        u = u * m
+        u = u + _f32(row, C_C) * g
+        tl.store(up + offs, u, mask=mask)
+        if (mode & 2) != 0:
+            x = g + m * u
+        else:
+            x = u
+        fin2 = tl.abs(x) < float("inf")
+        nbad += tl.sum(((~fin2) & mask).to(tl.int32), axis=0)
+        r = tl.where(fin2, r + x, r)
+    else:
+        r = tl.where(fin, r + d, r)
+    tl.store(rp + offs, r, mask=mask)
+    nfp = tl.load(row + C_NF).to(tl.pointer_type(tl.int32))
+    tl.atomic_add(nfp, nbad, mask=nbad > 0, sem="relaxed")
+
+
+@triton.jit
+def _sample_kernel(tab_ptr, s_ptr, counts_ptr, cnt_ptr, Smax, R, W: tl.constexpr,
+                   RP: tl.constexpr, SB: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64)
+    q = tl.program_id(1)
+    row = tab_ptr + j * W
+    i = q.to(tl.int64) * SB + tl.arange(0, SB)
+    take = i < tl.load(row + C_S)
+    rp = _fptr(row, C_R)
+    a = tl.load(rp + tl.load(row + C_OFF) + i * tl.load(row + C_STRIDE), mask=take,
+                other=0.0)
+    tl.store(s_ptr + j * Smax + i, tl.where(take, tl.abs(a), -1.0), mask=i < Smax)
+    if q == 0:
+        c = tl.arange(0, RP)
+        tl.store(counts_ptr + j * R + c, tl.zeros([RP], dtype=tl.int32), mask=c < R)
+        c2 = tl.arange(0, 2)
+        tl.store(cnt_ptr + j * 2 + c2, tl.zeros([2], dtype=tl.int32))
+
+
+@triton.jit
+def _row_replay(row, v_ptr, Mmax, counts_ptr, R, j, ROUNDS: tl.constexpr):
+    """Segment ``j``'s threshold after rounds ``0 .. ROUNDS-1`` (refine.py's rule)."""
+    kf = tl.load(row + C_RK).to(tl.float32)
+    capf = tl.load(row + C_RCAP).to(tl.float32)
+    mf = tl.load(row + C_MLEN).to(tl.float32)
+    return _replay(v_ptr + j * Mmax, counts_ptr + j * R, tl.load(row + C_R0), mf, kf, capf,
+                   _f32(row, C_TGT), ROUNDS)
+
+
+@triton.jit
+def _count_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, W: tl.constexpr,
+                  ROUND: tl.constexpr, BLOCK: tl.constexpr):
+    j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
+    if tl.load(row + C_EXACT) == 0:
+        t = _row_replay(row, v_ptr, Mmax, counts_ptr, R, j, ROUND)
+        rp = _fptr(row, C_R)
+        ge = (tl.abs(tl.load(rp + offs, mask=mask, other=0.0)) >= t) & mask
+        c = tl.sum(ge.to(tl.int32), axis=0)
+        tl.atomic_add(counts_ptr + j * R + ROUND, c, mask=c > 0, sem="relaxed")
+
+
+@triton.jit
+def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_ptr, val_ptr,
+                   cnt_ptr, tiny, W: tl.constexpr, ROUNDS: tl.constexpr, VE: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
+    t = tl.maximum(_row_replay(row, v_ptr, Mmax, counts_ptr, R, j, ROUNDS), tiny)
+    if lb == 0:
+        tl.store(tau_ptr + j, t)
+    rp = _fptr(row, C_R)
+    a = tl.load(rp + offs, mask=mask, other=0.0)
+    sel = (tl.abs(a) >= t) & mask
+    seli = sel.to(tl.int32)
+    k = tl.sum(seli, axis=0)
+    rank = tl.cumsum(seli, axis=0) - seli
+    base = tl.atomic_add(cnt_ptr + j * 2 + 1, k, mask=k > 0, sem="relaxed")
+    slot = (base + rank).to(tl.int64)
+    w = sel & (slot < tl.load(row + C_CAP))
+    out = tl.load(row + C_OUT) + slot
+    tl.store(idx_ptr + out, offs.to(tl.int32), mask=w)
+    if VE == 0:
+        tl.store(val_ptr + out, a, mask=w)
+        newa = tl.zeros_like(a)
+    else:
+        vc = a.to(val_ptr.dtype.element_ty)
+        tl.store(val_ptr + out, vc, mask=w)
+        newa = a - vc.to(tl.float32)
+    tl.store(rp + offs, newa, mask=w)
+
+
+@triton.jit
+def _clamp_kernel(tab_ptr, cnt_ptr, L, W: tl.constexpr, LP: tl.constexpr):
+    j = tl.arange(0, LP).to(tl.int64)
+    ok = j < L
+    cap = tl.load(tab_ptr + j * W + C_CAP, mask=ok, other=0)
+    sel = tl.load(cnt_ptr + j * 2 + 1, mask=ok, other=0).to(tl.int64)
+    tl.store(cnt_ptr + j * 2, tl.minimum(sel, cap).to(tl.int32), mask=ok)
+
+
+@triton.jit
+def _mask_kernel(tab_ptr, idx_ptr, cnt_ptr, W: tl.constexpr, CB: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64)
+    row = tab_ptr + j * W
+    if (tl.load(row + C_MODE) & 1) != 0:
+        i = tl.program_id(1).to(tl.int64) * CB + tl.arange(0, CB)
+        c = tl.load(cnt_ptr + j * 2).to(tl.int64)
+        m = i < c
+        pos = tl.load(idx_ptr + tl.load(row + C_OUT) + i, mask=m, other=0).to(tl.int64)
+        m = m & (pos >= 0) & (pos < tl.load(row + C_N))
+        up = _fptr(row, C_U)
+        tl.store(up + pos, tl.zeros([CB], dtype=tl.float32), mask=m)
+
+
+def accumulate(tab, blk, grad_scale, gdt, *, block):
+    has_scale = grad_scale is not None
+    _accumulate_kernel[(blk.numel(),)](
+        tab, blk, grad_scale.reshape(1) if has_scale else tab, W=W, HAS_SCALE=has_scale,
+        GDT=gdt, BLOCK=block, num_warps=8, enable_fp_fusion=False)
+
+
+def threshold_and_select(tab, blk, L, smax, mmax, rounds, capacity_total, ve, *, block,
+                         sample_block=1024):
+    """Sample, sort, ``rounds`` counting passes, select and clamp. Returns ``(indices
+    int32[capacity_total], values, counts int32[L, 2], tau fp32[L])``; the slots of
+    segment ``j`` are ``[tab[j, C_OUT], tab[j, C_OUT] + cap_j)``."""
+    dev = tab.device
+    S = torch.empty((L, smax), dtype=torch.float32, device=dev)
+    R = max(int(rounds), 1)
+    counts = torch.empty((L, R), dtype=torch.int32, device=dev)
+    cnt = torch.empty((L, 2), dtype=torch.int32, device=dev)
+    _sample_kernel[(L, triton.cdiv(smax, sample_block))](
+        tab, S, counts, cnt, smax, R, W=W, RP=triton.next_power_of_2(R), SB=sample_block,
+        num_warps=4)
+    V = torch.topk(S, mmax, dim=1, largest=True, sorted=True).values
+    nblk = blk.numel()
+    for j in range(rounds):
+        _count_kernel[(nblk,)](tab, blk, V, mmax, counts, R, W=W, ROUND=j, BLOCK=block,
+                               num_warps=8, enable_fp_fusion=False)
+    idx = torch.empty(capacity_total, dtype=torch.int32, device=dev)
+    vals = torch.empty(capacity_total, dtype=_VE_DTYPE[ve], device=dev)
+    tau = torch.empty(L, dtype=torch.float32, device=dev)
+    _select_kernel[(nblk,)](tab, blk, V, mmax, counts, R, tau, idx, vals, cnt, _TINY, W=W,
+                            ROUNDS=rounds, VE=ve, BLOCK=block, num_warps=8,
+                            enable_fp_fusion=False)
+    _clamp_kernel[(1,)](tab, cnt, L, W=W, LP=triton.next_power_of_2(L), num_warps=1)
+    return idx, vals, cnt, tau
+
+
+def mask(tab, idx, cnt, L, capmax, *, block=1024):
+    if capmax == 0:
+        return
+    _mask_kernel[(L, triton.cdiv(capmax, block))](tab, idx, cnt, W=W, CB=block, num_warps=4)

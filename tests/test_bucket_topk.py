@@ -1,0 +1,136 @@
+"""The bucket path of TopK (``hvdsparse/compressors/topk_bucket.py``,
+``kernels/bucket_topk.py``: a bucket's layers in a fixed number of launches) gives the
+per-layer device path's bits: payload (sent / selected counts, the (index, value) pairs
+of the sent slots), threshold, residual, DGC velocity after masking, non-finite count.
+
+Run through Triton's interpreter (conftest) with ``HVDSPARSE_FORCE_TRITON=1`` on fresh
+random data each run: layers on both threshold routes (sampled with refinement, and the
+exact route of small layers), momentum correction with plain / Nesterov momentum,
+dampening and weight decay in different param groups, a layer without momentum, AMP's
+inverse loss scale, fp16 gradients with fp16 values, and non-finite gradient elements.
+The per-layer path itself is tested against the plain oracles in test_kernels.py /
+test_compressors.py; tests/test_paths_agree.py trains through the bucket path at P = 2.
+"""
+import pytest
+import torch
+
+from hvdsparse import ops
+from hvdsparse.compressors import TopK
+from hvdsparse.compressors import topk_bucket as TB
+from hvdsparse.momentum import LocalUpdate
+
+# (name, shape, group): 3e5 and 7e4 elements take the sampled route at 1%, 2e4 and 5e3
+# the exact one
+LAYERS = [("a", (600, 500), 0), ("b", (200, 100), 0), ("c", (350, 200), 1),
+          ("d", (50, 100), 2), ("e", (40, 50), 3)]
+GROUPS = [dict(momentum=0.9, weight_decay=1e-3), dict(momentum=0.9, nesterov=True),
+          dict(momentum=0.5, dampening=0.25), dict(momentum=0.0)]
+
+
+def _setup(dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    params = {n: torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(dtype))
+              for n, s, _ in LAYERS}
+    groups = [dict(GROUPS[k], params=[params[n] for n, _, gk in LAYERS if gk == k])
+              for k in range(len(GROUPS))]
+    opt = torch.optim.SGD(groups, lr=0.1)
+    return params, opt
+
+
+def _grads(dtype, step, seed):
+    g = torch.Generator().manual_seed(1000 * seed + step)
+    out = {}
+    for n, s, _ in LAYERS:
+        x = torch.randn(s, generator=g) * torch.exp(torch.randn(s, generator=g))
+        out[n] = x.to(dtype)
+    flat = out["c"].view(-1)            # non-finite elements in one layer
+    flat[5] = float("nan")
+    flat[77] = float("inf")
+    return out
+
+
+def _payload_pairs(p):
+    seg = p.segments[0]
+    c = int(seg.count[0])
+    idx = seg.indices[:c].long()
+    order = torch.argsort(idx)
+    return c, idx[order], seg.values[:c][order]
+
+
+def _run(path, dtype, values, scale, mc, seed, steps=2):
+    params, opt = _setup(dtype, seed)
+    comp = TopK(0.01, values=values, output_ratio=None, seed=7)
+    comp.register_layers([(n, params[n].shape) for n, _, _ in LAYERS])
+    lu = LocalUpdate(opt, params, 1, momentum_correction=mc, clip_grad_norm=None)
+    gs = None if scale is None else torch.tensor([scale], dtype=torch.float32)
+    hist = []
+    for step in range(steps):
+        grads = _grads(dtype, step, seed)
+        comp.begin_step(step)
+        lu.begin_step()
+        nfs = {n: torch.zeros(1, dtype=torch.int32) for n in grads}
+        if path == "layer":
+            payloads = {}
+            for n, _, _ in LAYERS:
+                kw = {}
+                if lu.wants(n):
+                    x, _ = lu.corrected(n, grads[n], params[n], False, gs, nonfinite=nfs[n])
+                else:
+                    x, kw = grads[n], dict(grad_scale=gs)
+                payloads[n] = comp.compress(n, x, step, param=params[n].detach(),
+                                            nonfinite=nfs[n], **kw)
+            for n, _, _ in LAYERS:
+                lu.mask(n, payloads[n])
+        else:
+            items, plans = [], []
+            for n, _, _ in LAYERS:
+                ok, spec = lu.bucket_spec(n, grads[n], False)
+                assert ok
+                item = TB.BucketItem(n, grads[n], params[n].detach(), nfs[n], spec)
+                pl = TB.layer_plan(comp, n, grads[n], step, params[n].detach(), spec)
+                assert pl is not None, n
+                items.append(item)
+                plans.append(pl)
+            assert {pl["exact"] for pl in plans} == {0, 1}     # both routes covered
+            payloads, batch = TB.compress_bucket(comp, items, plans, step, grad_scale=gs)
+            TB.mask_bucket(batch)
+        st = comp.stats()
+        hist.append(dict(
+            pairs={n: _payload_pairs(payloads[n]) for n in payloads},
+            stats={n: (st[n]["selected"], st[n]["threshold"], st[n]["nonfinite"],
+                       st[n]["total_sent"], st[n]["steps"]) for n in payloads},
+            res={n: comp.residual(n).clone() for n in payloads},
+            u={n: lu.u[n].clone() for n in lu.u},
+            nf={n: int(nfs[n]) for n in nfs},
+            caps={n: payloads[n].segments[0].capacity for n in payloads}))
+    return hist
+
+
+@pytest.mark.parametrize("dtype,values,scale,mc", [
+    (torch.float32, "fp32", None, True),
+    (torch.float32, "fp32", 0.5, False),
+    (torch.float16, "fp16", 0.25, True),
+])
+def test_bucket_path_matches_per_layer_path(monkeypatch, dtype, values, scale, mc):
+    monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    ref = _run("layer", dtype, values, scale, mc, seed)
+    got = _run("bucket", dtype, values, scale, mc, seed)
+    for step, (a, b) in enumerate(zip(ref, got)):
+        for n in a["pairs"]:
+            ca, ia, va = a["pairs"][n]
+            cb, ib, vb = b["pairs"][n]
+            where = f"seed {seed} step {step} layer {n}"
+            assert ca == cb and ca > 0, where
+            assert ca <= a["caps"][n] == b["caps"][n], where
+            assert torch.equal(ia, ib), where
+            assert torch.equal(va.view(torch.int8 if va.element_size() == 1 else
+                                       {2: torch.int16, 4: torch.int32}[va.element_size()]),
+                               vb.view({2: torch.int16, 4: torch.int32}[vb.element_size()])), where
+            assert torch.equal(a["res"][n].view(torch.int32), b["res"][n].view(torch.int32)), where
+        assert a["nf"] == b["nf"] and a["nf"]["c"] == 2, (seed, step)
+        assert a["stats"] == b["stats"], (seed, step)
+        assert a["u"].keys() == b["u"].keys() and (len(a["u"]) == 4) == mc
+        for n in a["u"]:
+            assert torch.equal(a["u"][n].view(torch.int32), b["u"][n].view(torch.int32)), \
+                (seed, step, n)

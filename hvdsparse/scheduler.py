@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import time
 import warnings
 from collections import defaultdict, deque
@@ -84,7 +85,9 @@ from . import codec
 from .exchange import ExchangeContext, BucketSpec, launch as launch_exchange
 from .exchange import cost_model
 from .exchange.base import BufferPool, HostReadout
+from . import ops
 from .compressors.base import Compressor, inverse_loss_scale
+from .compressors import topk_bucket
 from .exchange.split import pair_dtype
 from .settings import ExchangeSettings, differences
 from .stats import add_totals, empty_totals
@@ -242,6 +245,15 @@ class LayerScheduler:
         self._nf_slot: Dict[str, int] = {}          # layer -> index in _dense_order
         self._nf_step: Optional[torch.Tensor] = None
         self._nf_given: Dict[str, torch.Tensor] = {}  # layer -> slice handed out this step
+        # The bucket path (device only, TopK): a layer's compression waits for the rest
+        # of its bucket, then the bucket is compressed in a fixed number of launches
+        # (compressors/topk_bucket.py; same bits as per layer). HVDSPARSE_BUCKET_PATH=0
+        # turns it off (benchmarks compare the two).
+        self._bucket_path = os.environ.get("HVDSPARSE_BUCKET_PATH", "1") != "0" and \
+            getattr(compressor, "bucket_path", False) and \
+            (local_update is None or hasattr(local_update, "bucket_spec"))
+        self._deferred: Dict[int, List[str]] = {}    # bucket -> layers waiting for it
+        self._batches: Dict[int, list] = {}           # bucket -> BucketBatch (masking)
 
     # settings read in the hot path
     @property
@@ -350,11 +362,15 @@ class LayerScheduler:
                 self._launch_sparse(name, p.grad)
                 return
             self._densify(name, p)
-        self._compress(name)
+        if self._defers(name, p):
+            self._deferred.setdefault(self._bucket_of[name], []).append(name)
+        else:
+            self._compress(name)
         if self.plan is not None:
             b = self._bucket_of[name]
             self._ready_count[b] += 1
             if self._ready_count[b] == len(self._specs[b].names):
+                self._compress_bucket(b)
                 self._launch(b)
         for pend in self._inflight.values():
             pend.advance()
@@ -396,6 +412,56 @@ class LayerScheduler:
         self._payloads[name] = payload
         self._ready_order.append(name)
         self.events.append(("ready", name))
+
+    def _defers(self, name: str, p) -> bool:
+        """Whether layer ``name`` waits for its bucket (the bucket path: planned,
+        device path; whether it is compressed there is decided when the bucket is
+        complete, :meth:`_compress_bucket`)."""
+        return self._bucket_path and self.plan is not None and name in self._bucket_of \
+            and ops.use_triton(p.grad)
+
+    def _compress_bucket(self, b: int):
+        """Compress bucket ``b``'s waiting layers: those the bucket path takes
+        (``topk_bucket.layer_plan``) together, grouped by gradient dtype, value encoding
+        and rounds; the others one by one as :meth:`_compress` does."""
+        names = self._deferred.pop(b, None)
+        if not names:
+            return
+        t0 = time.perf_counter()
+        lu, comp = self.local_update, self.compressor
+        groups: Dict[tuple, tuple] = {}
+        alone = []
+        with torch.no_grad():
+            for name in names:
+                p = self.params[name]
+                grad = p.grad
+                ok, spec = True, None
+                if lu is not None and lu.wants(name):
+                    ok, spec = lu.bucket_spec(name, grad, comp.policy.is_dense(name, p.shape))
+                plan = topk_bucket.layer_plan(comp, name, grad, self.step, p.detach(), spec) \
+                    if ok else None
+                nf = self._nonfinite_counter(name, grad.device) if plan is not None else None
+                if nf is None:
+                    alone.append(name)
+                    continue
+                item = topk_bucket.BucketItem(name, grad, p.detach(), nf, spec)
+                items, plans = groups.setdefault(topk_bucket.group_key(plan, item), ([], []))
+                items.append(item)
+                plans.append(plan)
+            batches = self._batches.setdefault(b, [])
+            for items, plans in groups.values():
+                payloads, batch = topk_bucket.compress_bucket(
+                    comp, items, plans, self.step, grad_scale=self._grad_scale(
+                        items[0].grad.device))
+                batches.append(batch)
+                for it in items:
+                    self._payloads[it.name] = payloads[it.name]
+                    self._ready_order.append(it.name)
+                    self.events.append(("ready", it.name))
+                self.events.append(("bucket_path", b, len(items)))
+        self._t_compress += time.perf_counter() - t0
+        for name in alone:
+            self._compress(name)
 
     def _nonfinite_counter(self, name: str, device) -> Optional[torch.Tensor]:
         """Layer ``name``'s int32[1] non-finite counter for this step: its slice of the
@@ -616,6 +682,8 @@ class LayerScheduler:
         self._open_step()
         self.events.append(("synchronize",))
         self._check_deferred()
+        for b in list(self._deferred):     # buckets with a layer still to come
+            self._compress_bucket(b)
         if self.plan is not None:
             order = self._dense_order + sorted(self.sparse_layers)
         else:
@@ -658,7 +726,7 @@ class LayerScheduler:
             if scale != 1.0:       # x * 1.0 == x bit for bit: no pass at P = 1 / Sum
                 total.mul_(scale)
             totals.append(total)
-            self._feed_back(spec, pend.undelivered)
+            self._feed_back(b, spec, pend.undelivered)
             t_dec += pend.decode_s + time.perf_counter() - t0
             t_wait += pend.wait_s
             if pend.deferred_figures is not None:
@@ -704,10 +772,12 @@ class LayerScheduler:
         self._inv = None
         self._nf_step = None        # the next step counts into a new tensor
         self._nf_given.clear()
+        self._deferred.clear()
+        self._batches.clear()
         self._dirty = False
         self._clear_events = True
 
-    def _feed_back(self, spec: BucketSpec, undelivered: Optional[torch.Tensor]):
+    def _feed_back(self, b: int, spec: BucketSpec, undelivered: Optional[torch.Tensor]):
         """What the exchange sent but did not deliver (``Pending.undelivered``:
         ``balanced``'s phase-2 truncation) goes back into each layer's residual, device
         ops only; then DGC's momentum-factor masking ``u[sent and delivered] = 0``. Runs
@@ -717,11 +787,20 @@ class LayerScheduler:
         lu = self.local_update
         views = spec.views(undelivered) if undelivered is not None else \
             [None] * len(spec.names)
+        masked = set()
         with torch.no_grad():
+            # the bucket path's layers: one launch per batch (unless a layer keeps its
+            # velocity at this step, or the exchange gave something back)
+            for batch in self._batches.pop(b, ()):
+                if lu is not None and undelivered is None and all(
+                        lu.masks_now(n, self.compressor.warmup_density(n, self.step))
+                        for n in batch.momentum_names):
+                    topk_bucket.mask_bucket(batch)
+                    masked.update(batch.momentum_names)
             for name, back in zip(spec.names, views):
                 if back is not None:
                     self.compressor.take_back(name, back)
-                if lu is not None and name in lu.u:
+                if lu is not None and name in lu.u and name not in masked:
                     lu.mask(name, self._payloads[name], back,
                             self.compressor.warmup_density(name, self.step))
 
@@ -884,6 +963,8 @@ class LayerScheduler:
         self._inflight.clear()
         self._nf_step = None
         self._nf_given.clear()
+        self._deferred.clear()
+        self._batches.clear()
         self._dirty = False
         self._step_open = False
         self._await_step = False

@@ -301,6 +301,7 @@ class StatsCollector:
         # (layer name, key) -> its index (LayerStats._count_sums holds views of it)
         self._sums: Dict[torch.device, torch.Tensor] = {}
         self._slots: Dict[torch.device, Dict[tuple, int]] = {}
+        self._index_cache: Dict[tuple, torch.Tensor] = {}   # fold: slot index tensors
 
     def record(self, name: str, step: int, payload: LayerPayload,
                selected: Optional[torch.Tensor] = None, threshold=None,
@@ -353,8 +354,16 @@ class StatsCollector:
             if idx == list(range(a, a + n)):
                 sums[a:a + n].add_(copies)
             else:
-                for j, i in enumerate(idx):
-                    sums[i:i + 1].add_(copies[j:j + 1])
+                # another order than the slots' (the scheduler's bucket path records a
+                # bucket's layers together): one index_add_ through a cached index
+                # tensor (integer sums: exact in any order)
+                key = (dev, tuple(idx))
+                where = self._index_cache.get(key)
+                if where is None:
+                    if len(self._index_cache) > 64:
+                        self._index_cache.clear()
+                    where = self._index_cache[key] = torch.tensor(idx, device=dev)
+                sums.index_add_(0, where, copies.to(sums.dtype))
             for j, (_, c) in enumerate(items):
                 copy_of[id(c)] = copies[j:j + 1]
         for name, st, counts in pending:

@@ -47,7 +47,10 @@ see ``kernels/select.py``; tests/test_bucket_topk.py compares them).
 Loads through table addresses carry no alignment the compiler can prove, so these
 kernels use 32-bit (coalesced) loads where the per-layer kernels get 128-bit ones; the
 saving is in launches, not in bandwidth. Offsets are int64. Atomics are relaxed (slot
-reservations and counters only; consumers read after the launch).
+reservations and counters only; consumers read after the launch). The accumulate and
+select kernels run 16 warps: at 8, a 4096-element block needs 210 / 150 registers per
+thread on sm_80 (one 8-warp block per SM); at 16, 102 / 80 (offline ``ptxas -v``, no
+spills; tests/test_compile_offline.py).
 """
 import torch
 import triton
@@ -66,6 +69,32 @@ GDT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 VE_FP32, VE_FP16, VE_BF16 = 0, 1, 2
 _VE_DTYPE = {VE_FP32: torch.float32, VE_FP16: torch.float16, VE_BF16: torch.bfloat16}
 _TINY = float(torch.finfo(torch.float32).tiny)
+
+
+
+# the same columns as constexpr globals (what a jit function may read)
+_G = tl.constexpr(C_G)
+_R = tl.constexpr(C_R)
+_U = tl.constexpr(C_U)
+_P = tl.constexpr(C_P)
+_N = tl.constexpr(C_N)
+_MODE = tl.constexpr(C_MODE)
+_M = tl.constexpr(C_M)
+_C = tl.constexpr(C_C)
+_WD = tl.constexpr(C_WD)
+_NF = tl.constexpr(C_NF)
+_RK = tl.constexpr(C_RK)
+_RCAP = tl.constexpr(C_RCAP)
+_CAP = tl.constexpr(C_CAP)
+_STRIDE = tl.constexpr(C_STRIDE)
+_OFF = tl.constexpr(C_OFF)
+_S = tl.constexpr(C_S)
+_R0 = tl.constexpr(C_R0)
+_MLEN = tl.constexpr(C_MLEN)
+_OUT = tl.constexpr(C_OUT)
+_BLK0 = tl.constexpr(C_BLK0)
+_EXACT = tl.constexpr(C_EXACT)
+_TGT = tl.constexpr(C_TGT)
 
 
 @triton.jit
@@ -98,8 +127,8 @@ def _where_am_i(tab_ptr, blk_ptr, W: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     j = tl.load(blk_ptr + pid).to(tl.int64)
     row = tab_ptr + j * W
-    n = tl.load(row + C_N)
-    lb = pid - tl.load(row + C_BLK0)
+    n = tl.load(row + _N)
+    lb = pid - tl.load(row + _BLK0)
     offs = lb * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     return j, row, offs, offs < n, lb
 
@@ -108,26 +137,26 @@ def _where_am_i(tab_ptr, blk_ptr, W: tl.constexpr, BLOCK: tl.constexpr):
 def _accumulate_kernel(tab_ptr, blk_ptr, scale_ptr, W: tl.constexpr,
                        HAS_SCALE: tl.constexpr, GDT: tl.constexpr, BLOCK: tl.constexpr):
     j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
-    gp = _gptr(row, C_G, GDT)
-    rp = _fptr(row, C_R)
+    gp = _gptr(row, _G, GDT)
+    rp = _fptr(row, _R)
     d = tl.load(gp + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_SCALE:
         d = d * tl.load(scale_ptr)
     fin = tl.abs(d) < float("inf")
     nbad = tl.sum(((~fin) & mask).to(tl.int32), axis=0)
     r = tl.load(rp + offs, mask=mask, other=0.0)
-    mode = tl.load(row + C_MODE)
+    mode = tl.load(row + _MODE)
     if (mode & 1) != 0:
-        up = _fptr(row, C_U)
-        m = _f32(row, C_M)
+        up = _fptr(row, _U)
+        m = _f32(row, _M)
         g = tl.where(fin, d, 0.0)
         if (mode & 4) != 0:
-            pp = _gptr(row, C_P, GDT)
+            pp = _gptr(row, _P, GDT)
             w = tl.load(pp + offs, mask=mask, other=0.0).to(tl.float32)
-            g = g + _f32(row, C_WD) * w
+            g = g + _f32(row, _WD) * w
         u = tl.load(up + offs, mask=mask, other=0.0)
         u = u * m
-        u = u + _f32(row, C_C) * g
+        u = u + _f32(row, _C) * g
         tl.store(up + offs, u, mask=mask)
         if (mode & 2) != 0:
             x = g + m * u
@@ -139,7 +168,7 @@ def _accumulate_kernel(tab_ptr, blk_ptr, scale_ptr, W: tl.constexpr,
     else:
         r = tl.where(fin, r + d, r)
     tl.store(rp + offs, r, mask=mask)
-    nfp = tl.load(row + C_NF).to(tl.pointer_type(tl.int32))
+    nfp = tl.load(row + _NF).to(tl.pointer_type(tl.int32))
     tl.atomic_add(nfp, nbad, mask=nbad > 0, sem="relaxed")
 
 
@@ -150,35 +179,35 @@ def _sample_kernel(tab_ptr, s_ptr, counts_ptr, cnt_ptr, Smax, R, W: tl.constexpr
     q = tl.program_id(1)
     row = tab_ptr + j * W
     i = q.to(tl.int64) * SB + tl.arange(0, SB)
-    take = i < tl.load(row + C_S)
-    rp = _fptr(row, C_R)
-    a = tl.load(rp + tl.load(row + C_OFF) + i * tl.load(row + C_STRIDE), mask=take,
+    take = i < tl.load(row + _S)
+    rp = _fptr(row, _R)
+    a = tl.load(rp + tl.load(row + _OFF) + i * tl.load(row + _STRIDE), mask=take,
                 other=0.0)
     tl.store(s_ptr + j * Smax + i, tl.where(take, tl.abs(a), -1.0), mask=i < Smax)
     if q == 0:
-        c = tl.arange(0, RP)
+        c = tl.arange(0, RP).to(tl.int64)
         tl.store(counts_ptr + j * R + c, tl.zeros([RP], dtype=tl.int32), mask=c < R)
-        c2 = tl.arange(0, 2)
+        c2 = tl.arange(0, 2).to(tl.int64)
         tl.store(cnt_ptr + j * 2 + c2, tl.zeros([2], dtype=tl.int32))
 
 
 @triton.jit
 def _row_replay(row, v_ptr, Mmax, counts_ptr, R, j, ROUNDS: tl.constexpr):
     """Segment ``j``'s threshold after rounds ``0 .. ROUNDS-1`` (refine.py's rule)."""
-    kf = tl.load(row + C_RK).to(tl.float32)
-    capf = tl.load(row + C_RCAP).to(tl.float32)
-    mf = tl.load(row + C_MLEN).to(tl.float32)
-    return _replay(v_ptr + j * Mmax, counts_ptr + j * R, tl.load(row + C_R0), mf, kf, capf,
-                   _f32(row, C_TGT), ROUNDS)
+    kf = tl.load(row + _RK).to(tl.float32)
+    capf = tl.load(row + _RCAP).to(tl.float32)
+    mf = tl.load(row + _MLEN).to(tl.float32)
+    return _replay(v_ptr + j * Mmax, counts_ptr + j * R, tl.load(row + _R0), mf, kf, capf,
+                   _f32(row, _TGT), ROUNDS)
 
 
 @triton.jit
 def _count_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, W: tl.constexpr,
                   ROUND: tl.constexpr, BLOCK: tl.constexpr):
     j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
-    if tl.load(row + C_EXACT) == 0:
+    if tl.load(row + _EXACT) == 0:
         t = _row_replay(row, v_ptr, Mmax, counts_ptr, R, j, ROUND)
-        rp = _fptr(row, C_R)
+        rp = _fptr(row, _R)
         ge = (tl.abs(tl.load(rp + offs, mask=mask, other=0.0)) >= t) & mask
         c = tl.sum(ge.to(tl.int32), axis=0)
         tl.atomic_add(counts_ptr + j * R + ROUND, c, mask=c > 0, sem="relaxed")
@@ -192,7 +221,7 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
     t = tl.maximum(_row_replay(row, v_ptr, Mmax, counts_ptr, R, j, ROUNDS), tiny)
     if lb == 0:
         tl.store(tau_ptr + j, t)
-    rp = _fptr(row, C_R)
+    rp = _fptr(row, _R)
     a = tl.load(rp + offs, mask=mask, other=0.0)
     sel = (tl.abs(a) >= t) & mask
     seli = sel.to(tl.int32)
@@ -200,8 +229,8 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
     rank = tl.cumsum(seli, axis=0) - seli
     base = tl.atomic_add(cnt_ptr + j * 2 + 1, k, mask=k > 0, sem="relaxed")
     slot = (base + rank).to(tl.int64)
-    w = sel & (slot < tl.load(row + C_CAP))
-    out = tl.load(row + C_OUT) + slot
+    w = sel & (slot < tl.load(row + _CAP))
+    out = tl.load(row + _OUT) + slot
     tl.store(idx_ptr + out, offs.to(tl.int32), mask=w)
     if VE == 0:
         tl.store(val_ptr + out, a, mask=w)
@@ -214,25 +243,24 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
 
 
 @triton.jit
-def _clamp_kernel(tab_ptr, cnt_ptr, L, W: tl.constexpr, LP: tl.constexpr):
-    j = tl.arange(0, LP).to(tl.int64)
-    ok = j < L
-    cap = tl.load(tab_ptr + j * W + C_CAP, mask=ok, other=0)
-    sel = tl.load(cnt_ptr + j * 2 + 1, mask=ok, other=0).to(tl.int64)
-    tl.store(cnt_ptr + j * 2, tl.minimum(sel, cap).to(tl.int32), mask=ok)
+def _clamp_kernel(tab_ptr, cnt_ptr, W: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64)
+    cap = tl.load(tab_ptr + j * W + _CAP)
+    sel = tl.load(cnt_ptr + j * 2 + 1).to(tl.int64)
+    tl.store(cnt_ptr + j * 2, tl.minimum(sel, cap).to(tl.int32))
 
 
 @triton.jit
 def _mask_kernel(tab_ptr, idx_ptr, cnt_ptr, W: tl.constexpr, CB: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     row = tab_ptr + j * W
-    if (tl.load(row + C_MODE) & 1) != 0:
+    if (tl.load(row + _MODE) & 1) != 0:
         i = tl.program_id(1).to(tl.int64) * CB + tl.arange(0, CB)
         c = tl.load(cnt_ptr + j * 2).to(tl.int64)
         m = i < c
-        pos = tl.load(idx_ptr + tl.load(row + C_OUT) + i, mask=m, other=0).to(tl.int64)
-        m = m & (pos >= 0) & (pos < tl.load(row + C_N))
-        up = _fptr(row, C_U)
+        pos = tl.load(idx_ptr + tl.load(row + _OUT) + i, mask=m, other=0).to(tl.int64)
+        m = m & (pos >= 0) & (pos < tl.load(row + _N))
+        up = _fptr(row, _U)
         tl.store(up + pos, tl.zeros([CB], dtype=tl.float32), mask=m)
 
 
@@ -240,14 +268,14 @@ def accumulate(tab, blk, grad_scale, gdt, *, block):
     has_scale = grad_scale is not None
     _accumulate_kernel[(blk.numel(),)](
         tab, blk, grad_scale.reshape(1) if has_scale else tab, W=W, HAS_SCALE=has_scale,
-        GDT=gdt, BLOCK=block, num_warps=8, enable_fp_fusion=False)
+        GDT=gdt, BLOCK=block, num_warps=16, enable_fp_fusion=False)
 
 
 def threshold_and_select(tab, blk, L, smax, mmax, rounds, capacity_total, ve, *, block,
                          sample_block=1024):
     """Sample, sort, ``rounds`` counting passes, select and clamp. Returns ``(indices
     int32[capacity_total], values, counts int32[L, 2], tau fp32[L])``; the slots of
-    segment ``j`` are ``[tab[j, C_OUT], tab[j, C_OUT] + cap_j)``."""
+    segment ``j`` are ``[tab[j, _OUT], tab[j, _OUT] + cap_j)``."""
     dev = tab.device
     S = torch.empty((L, smax), dtype=torch.float32, device=dev)
     R = max(int(rounds), 1)
@@ -265,9 +293,9 @@ def threshold_and_select(tab, blk, L, smax, mmax, rounds, capacity_total, ve, *,
     vals = torch.empty(capacity_total, dtype=_VE_DTYPE[ve], device=dev)
     tau = torch.empty(L, dtype=torch.float32, device=dev)
     _select_kernel[(nblk,)](tab, blk, V, mmax, counts, R, tau, idx, vals, cnt, _TINY, W=W,
-                            ROUNDS=rounds, VE=ve, BLOCK=block, num_warps=8,
+                            ROUNDS=rounds, VE=ve, BLOCK=block, num_warps=16,
                             enable_fp_fusion=False)
-    _clamp_kernel[(1,)](tab, cnt, L, W=W, LP=triton.next_power_of_2(L), num_warps=1)
+    _clamp_kernel[(L,)](tab, cnt, W=W, num_warps=1)
     return idx, vals, cnt, tau
 
 

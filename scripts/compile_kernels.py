@@ -67,7 +67,10 @@ KERNELS = [("residual", "_residual_tile_kernel"), ("residual", "_residual_flat_k
            ("scatter", "_scatter_row_kernel"), ("rowthreshold", "_row_threshold_kernel"),
            ("refine", "_refine_count_kernel"), ("refine", "_refine_final_kernel"),
            ("clean", "_clean_kernel"), ("masking", "_zero_slots_kernel"),
-           ("binned", "_binned_count_kernel"), ("binned", "_binned_pack_kernel")]
+           ("binned", "_binned_count_kernel"), ("binned", "_binned_pack_kernel"),
+           ("bucket_topk", "_accumulate_kernel"), ("bucket_topk", "_sample_kernel"),
+           ("bucket_topk", "_count_kernel"), ("bucket_topk", "_select_kernel"),
+           ("bucket_topk", "_clamp_kernel"), ("bucket_topk", "_mask_kernel")]
 #: kernels that stream over a whole layer: grid >= 1000 programs at 25M elements, and
 #: 128-bit loads of aligned fp32 inputs
 STREAMING = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
@@ -80,7 +83,7 @@ VECTOR_LOADS = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compa
 #: kernels where a product feeds a sum and the math says two roundings
 NO_FMA = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
           "_refine_count_kernel", "_refine_final_kernel", "_binned_count_kernel",
-          "_binned_pack_kernel"}
+          "_binned_pack_kernel", "_accumulate_kernel", "_count_kernel", "_select_kernel"}
 BIG = 25_000_000
 
 RECORDS: list = []
@@ -208,6 +211,25 @@ def drive(full: bool, errors: list):
             flag = torch.zeros(1, dtype=torch.int32)
             codec.accumulate(bufs, pay, outs, validate=False, error_flag=flag)
         run(f"accumulate-{name}", f)
+    # TopK's bucket path (compressors/topk_bucket.py): a 25M layer, a sampled one and
+    # an exact one in one table; momentum correction with Nesterov and weight decay
+    def bucket(dt, mom):
+        from hvdsparse.compressors import topk_bucket as TB
+        c = hvdsparse.TopK(0.01, values="fp16" if dt == torch.float16 else "fp32")
+        items, plans = [], []
+        for n, shp in (("big", (5000, BIG // 5000)), ("mid", (350, 200)),
+                       ("small", (40, 50))):
+            g, p = torch.zeros(shp, dtype=dt), torch.zeros(shp, dtype=dt)
+            spec = TB.MomentumSpec(torch.zeros(shp), 0.9, 0.0, True, 1e-4) if mom else None
+            pl = TB.layer_plan(c, n, g, 0, p, spec)
+            if pl is None:
+                raise AssertionError(f"layer {n}: not taken by the bucket path")
+            items.append(TB.BucketItem(n, g, p, torch.zeros(1, dtype=torch.int32), spec))
+            plans.append(pl)
+        _, batch = TB.compress_bucket(c, items, plans, 0, grad_scale=torch.ones(1))
+        TB.mask_bucket(batch)
+    run("bucket-TopK-fp32-mc@25M", lambda: bucket(torch.float32, True))
+    run("bucket-TopK-fp16@25M", lambda: bucket(torch.float16, False))
     # DCT-MP row threshold
     for d in ((256, 4096) if full else (256,)):
         run(f"rowthreshold-d{d}",

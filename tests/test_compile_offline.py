@@ -63,7 +63,9 @@ def test_every_launch_binds_and_compiles(report):
                      "_philox_uniform_kernel", "_refine_count_kernel",
                      "_refine_final_kernel", "_clean_kernel",
                      "_zero_slots_kernel", "_binned_count_kernel",
-                     "_binned_pack_kernel"}, kinds
+                     "_binned_pack_kernel", "_accumulate_kernel", "_sample_kernel",
+                     "_count_kernel", "_select_kernel", "_clamp_kernel",
+                     "_mask_kernel"}, kinds
     bad = [(s["kernel"], s["cc"], s.get("error")) for s in report["specializations"]
            if not s["ok"]]
     assert not bad, bad

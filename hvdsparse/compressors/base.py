@@ -475,6 +475,9 @@ class Compressor:
             return mix_seed(self.seed, step, name_hash(name), purpose)
         return mix_seed(self.seed, step, name_hash(name), purpose, 0x5EED + self.rank)
 
+    #: whole buckets on the device path (only TopK: compressors/topk_bucket.py)
+    bucket_path = False
+
     def warmup_density(self, name: str, step: int) -> Optional[float]:
         """The layer's density at ``step`` while a density warm-up holds it above the
         layer's own target density; ``None`` otherwise (no warm-up, the warm-up is over,

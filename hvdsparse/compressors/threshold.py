@@ -63,6 +63,8 @@ class Threshold(TopK):
     docstring. ``output_ratio``: as TopK's, the output layer (the last compressed
     parameter) runs at sparsity ``min(sparsity, 1 - output_ratio)``; ``None``: off."""
 
+    bucket_path = False      # its own _compress (threshold reuse): per layer
+
     _settings = ("sparsity", "life_span", "values", "slack", "quant_bucket",
                  "error_feedback")
     _extra_args = ("record_true_threshold", "max_history", "overflow_guard", "output_ratio")

@@ -229,6 +229,9 @@ class TopK(Compressor):
 
     #: the setting that sets a layer's density (an override of it disables the rule)
     _density_key = "ratio"
+    #: the scheduler may compress this compressor's layers a bucket at a time on the
+    #: device path (compressors/topk_bucket.py)
+    bucket_path = True
 
     def _output_cfg(self, cfg: dict) -> dict:
         """The output layer's settings: density at least ``output_ratio``."""

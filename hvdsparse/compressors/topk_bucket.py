@@ -61,7 +61,7 @@ class BucketBatch(NamedTuple):
     indices: torch.Tensor    # int32, every segment's slots
     counts: torch.Tensor     # int32 [L, 2]: [sent, selected]
     capmax: int
-    momentum: bool           # some segment has a velocity
+    momentum_names: List[str]  # the segments with a velocity (masked after the exchange)
 
 
 def _bits(x: float) -> int:
@@ -127,8 +127,7 @@ def _block_table(ns: List[int], device) -> torch.Tensor:
     t = _BLOCKS.get(key)
     if t is None:
         nblk = [-(-n // BLOCK) for n in ns]
-        t = torch.repeat_interleave(torch.arange(len(ns), dtype=torch.int32),
-                                    torch.tensor(nblk)).to(device)
+        t = torch.from_numpy(np.repeat(np.arange(len(ns), dtype=np.int32), nblk)).to(device)
         if len(_BLOCKS) > 256:
             _BLOCKS.clear()
         _BLOCKS[key] = t
@@ -146,7 +145,7 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
     tab = np.zeros((L, K.W), dtype=np.int64)
     out = 0
     blk0 = 0
-    has_mom = False
+    mom = []
     for j, (it, pl) in enumerate(zip(items, plans)):
         name = it.name
         if comp._stats.pending(name):
@@ -160,7 +159,7 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         row[K.C_NF] = it.nonfinite.data_ptr()
         ms = it.momentum
         if ms is not None:
-            has_mom = True
+            mom.append(name)
             mode = K.MODE_MOMENTUM
             row[K.C_U] = ms.u.data_ptr()
             row[K.C_M] = _bits(ms.momentum)
@@ -200,13 +199,13 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
                            selected=cnt[j, 1:2], threshold=tau[j], density=pl["d"])
         payloads[it.name] = payload
     batch = BucketBatch([it.name for it in items], table, idx, cnt,
-                        max(pl["cap"] for pl in plans), has_mom)
+                        max(pl["cap"] for pl in plans), mom)
     return payloads, batch
 
 
 def mask_bucket(batch: BucketBatch) -> None:
     """DGC's momentum-factor masking for every momentum segment of ``batch``: ``u[sent]
     = 0`` (one launch)."""
-    if batch.momentum:
+    if batch.momentum_names:
         ops._kernels().bucket_topk.mask(batch.table, batch.indices, batch.counts,
                                         len(batch.names), batch.capmax)

@@ -13,7 +13,9 @@ is a kernel that does not compute what the CPU path computes.
 
 Layers are large enough for TopK's sampled estimate (65,536-element weights, so the
 refinement kernel runs) and AdaComp's 500-element bins; SGD with momentum 0.9 and
-weight decay, so momentum correction (the default) and its masking run.
+weight decay, so momentum correction (the default) and its masking run. TopK's forced
+run goes through the bucket path (every layer of a bucket in one launch sequence,
+``compressors/topk_bucket.py``), so this also checks that path against the CPU path.
 Prints ``HVDSPARSE-OK rank=<r>``.
 """
 from __future__ import annotations
@@ -84,6 +86,12 @@ for label, make, exchange in CASES:
     tri, opt_t = train(make, True, exchange)
     check(opt_c.scheduler.local_update is not None or "QSGD" in label,
           f"{label}: momentum correction is not on")
+    # TopK's device path compresses whole buckets (compressors/topk_bucket.py); the
+    # CPU path never does
+    bucketed = [e for e in opt_t.scheduler.events if e[0] == "bucket_path"]
+    check(bool(bucketed) == label.startswith("TopK") and not any(
+        e[0] == "bucket_path" for e in opt_c.scheduler.events),
+        f"{label}: bucket path events {bucketed}")
     for step, (a, b) in enumerate(zip(cpu, tri)):
         for i, (pa, pb) in enumerate(zip(a, b)):
             check(torch.equal(pa.view(torch.int32), pb.view(torch.int32)),

@@ -47,7 +47,7 @@ def build():
                                torch.nn.Linear(256, 10))
 
 
-def train(make_comp, forced: bool, exchange: str):
+def train(make_comp, forced: bool, exchange: str, nan_at=None):
     if forced:
         os.environ["HVDSPARSE_FORCE_TRITON"] = "1"
     else:
@@ -57,13 +57,16 @@ def train(make_comp, forced: bool, exchange: str):
         opt = hvdsparse.DistributedOptimizer(
             torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3),
             named_parameters=net.named_parameters(), compression=make_comp(),
-            exchange=exchange, validate=not forced)
+            exchange=exchange, validate=not forced,
+            nonfinite="raise" if nan_at is None else "skip")
         g = torch.Generator().manual_seed(100 + R)
         snaps = []
-        for _ in range(STEPS):
+        for step in range(STEPS):
             x = torch.randn(32, 64, generator=g)
             y = torch.randint(0, 10, (32,), generator=g)
             opt.zero_grad()
+            if step == nan_at and R == P - 1:    # one rank's gradient: the step is skipped
+                x[0, 0] = float("nan")
             F.cross_entropy(net(x), y).backward()
             opt.step()
             snaps.append([p.detach().clone() for p in net.parameters()])
@@ -74,6 +77,9 @@ def train(make_comp, forced: bool, exchange: str):
 
 CASES = [
     ("TopK(0.01) + mc", lambda: hvdsparse.TopK(0.01), "allgather"),
+    # a NaN on the last rank at step 2: nonfinite="skip" rolls residuals and velocities
+    # back on every rank (the bucket path's state too)
+    ("TopK(0.01) + mc, step 2 skipped", lambda: hvdsparse.TopK(0.01), "allgather", 2),
     ("TopK(0.01, values=fp16) + mc, split", lambda: hvdsparse.TopK(0.01, values="fp16"),
      "split"),
     ("Threshold(0.99) + mc", lambda: hvdsparse.Threshold(0.99), "allgather"),
@@ -81,9 +87,11 @@ CASES = [
     ("QSGD(4)", lambda: hvdsparse.QSGD(4), "allgather"),
 ]
 
-for label, make, exchange in CASES:
-    cpu, opt_c = train(make, False, exchange)
-    tri, opt_t = train(make, True, exchange)
+for label, make, exchange, *nan in CASES:
+    cpu, opt_c = train(make, False, exchange, *nan)
+    tri, opt_t = train(make, True, exchange, *nan)
+    check([o.scheduler.skipped_steps for o in (opt_c, opt_t)] == [len(nan)] * 2,
+          f"{label}: skipped steps {[o.scheduler.skipped_steps for o in (opt_c, opt_t)]}")
     check(opt_c.scheduler.local_update is not None or "QSGD" in label,
           f"{label}: momentum correction is not on")
     # TopK's device path compresses whole buckets (compressors/topk_bucket.py); the

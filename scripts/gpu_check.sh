@@ -8,6 +8,7 @@
 # checkout's .venv, else python3; Horovod is not needed and never imported):
 #   1. tests/test_oracle.py with HVDSPARSE_TEST_DEVICE=cuda: every kernel, compiled for
 #      this GPU, against the plain oracle bit for bit (NaN/Inf, FMA, rank-order decode);
+#      and tests/test_bucket_topk.py: TopK's bucket path against its per-layer path;
 #   2. scripts/gpu_bench.py: every kernel timed with triton.testing.do_bench against a
 #      device-to-device copy of the same bytes at 1M and 25M elements (fp32 and bf16
 #      gradients), TopK compress of a 25M layer against one read + one write of the
@@ -35,7 +36,7 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 
 echo "== 1. kernels on CUDA vs the oracle (tests/test_oracle.py)"
 HVDSPARSE_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider tests/test_oracle.py \
-  2>&1 | tee "$OUT/oracle_cuda.log"
+  tests/test_bucket_topk.py 2>&1 | tee "$OUT/oracle_cuda.log"
 rc=${PIPESTATUS[0]}
 
 echo "== 2. benchmarks and training steps (scripts/gpu_bench.py)"

@@ -11,7 +11,7 @@ integers (size, capacity, the threshold estimate's sample layout); fp32 scalars 
 as their bit patterns. A cached int32 ``blk[nblocks]`` maps each program of the
 streaming kernels to its segment; the segment's first program is ``tab[j, BLK0]``.
 
-Per bucket and step (``hvdsparse.bucket_topk`` drives them)::
+Per bucket and step (``hvdsparse/compressors/topk_bucket.py`` drives them)::
 
     accumulate  1 launch   per element of segment j (bit for bit the per-layer path):
                            d = fp32(grad) * s                     (s: AMP scale, or none)

@@ -36,7 +36,7 @@ _VE_CODE = {ValueEncoding.FP32: 0, ValueEncoding.FP16: 1, ValueEncoding.BF16: 2}
 
 
 class MomentumSpec(NamedTuple):
-    """DGC's velocity update folded into the residual add (``LocalUpdate.fused``):
+    """DGC's velocity update folded into the residual add (``LocalUpdate.bucket_spec``):
     ``u = u * m + (1 - dampening) * (g + weight_decay * param)``, the compressor
     receives ``u`` (or ``g + m * u`` with Nesterov)."""
     u: torch.Tensor
@@ -55,7 +55,7 @@ class BucketItem(NamedTuple):
 
 
 class BucketBatch(NamedTuple):
-    """What the masking after the exchange needs (``LocalUpdate.mask_bucket``)."""
+    """What the masking after the exchange needs (:func:`mask_bucket`)."""
     names: List[str]
     table: torch.Tensor      # int64 [L, W] on the device
     indices: torch.Tensor    # int32, every segment's slots

@@ -118,6 +118,22 @@ def _check_quant_bucket(x, where=""):
     return x
 
 
+def sample_layout(n: int, k: int, capacity: int, offset: int = 0, sample_min: int = 4096,
+                  sample_above: int = 256):
+    """The strided sample of :func:`estimate_topk_threshold` (module docstring, step 2):
+    ``None`` when it would be the whole layer (``2 s > n``: the exact route), else
+    ``(s, stride, off, r0, m)`` -- sample size, stride, first index, first sample rank,
+    number of sorted sample magnitudes kept. Host integers only (the bucket path,
+    compressors/topk_bucket.py, lays out its table from the same rule)."""
+    target = 0.5 * (k + capacity)
+    s = min(n, max(sample_min, math.ceil(sample_above * n / target)))
+    if 2 * s > n:
+        return None
+    stride = n // s
+    r0 = max(1, min(s, round(target * s / n)))
+    return s, stride, offset % stride, r0, min(s, 4 * r0 + 16)
+
+
 def estimate_topk_threshold(acc: torch.Tensor, k: int, capacity: int, offset: int = 0,
                             rounds: int = 2, sample_min: int = 4096,
                             sample_above: int = 256, abs_out: Optional[torch.Tensor] = None,
@@ -135,18 +151,13 @@ def estimate_topk_threshold(acc: torch.Tensor, k: int, capacity: int, offset: in
     refinement round's count of the sampled estimate instead of a counting pass (TopK
     passes its select, which counts while it selects; see ``TopK._compress``); it
     must return exactly ``#{|acc| >= t}`` and leave ``acc`` as it found it."""
-    n = acc.numel()
-    target = 0.5 * (k + capacity)
-    s = min(n, max(sample_min, math.ceil(sample_above * n / target)))
-    if 2 * s > n:
+    lay = sample_layout(acc.numel(), k, capacity, offset, sample_min, sample_above)
+    if lay is None:
         a = torch.abs(acc, out=abs_out) if abs_out is not None else acc.abs()
         t = torch.topk(a, k, sorted=False).values.min()
         return t.clamp_min(TINY)
-    stride = n // s
-    off = offset % stride
+    s, stride, off, r0, m = lay
     sample = acc[off::stride][:s].abs()
-    r0 = max(1, min(s, round(target * s / n)))
-    m = min(s, 4 * r0 + 16)
     v = torch.topk(sample, m, sorted=True).values       # descending
     # the refinement: on the CPU each count is one fused chunked pass, skipped when tau
     # did not move; on the Triton path one launch per round and one for the result
@@ -261,8 +272,14 @@ class TopK(Compressor):
         if cfg["per_bucket"]:
             B = cfg["per_bucket"]
             return ceil_div(numel, B) * k_of(d, min(B, numel))
-        k = k_of(d, numel)
-        return k if cfg["exact"] else min(numel, math.ceil(cfg["slack"] * k))
+        return self._k_and_capacity(numel, d, cfg)[1]
+
+    @staticmethod
+    def _k_and_capacity(n: int, d: float, cfg: dict):
+        """``(k, capacity)`` of a layer of ``n`` elements at density ``d`` (not
+        ``per_bucket``): ``capacity = k`` with ``exact``, else ``min(n, ceil(slack k))``."""
+        k = k_of(d, n)
+        return k, (k if cfg["exact"] else min(n, math.ceil(cfg["slack"] * k)))
 
     # ------------------------------------------------------------------
     def _abs_buf(self, acc):
@@ -279,8 +296,7 @@ class TopK(Compressor):
         qseed = self._seed(name, step, PURPOSE_QUANT)
         if cfg["per_bucket"]:
             return self._per_bucket(name, flat, shape, step, cfg, d, qseed)
-        k = k_of(d, n)
-        cap = k if cfg["exact"] else min(n, math.ceil(cfg["slack"] * k))
+        k, cap = self._k_and_capacity(n, d, cfg)
         if not self._sparse_is_worth_it(n, cap, enc):
             acc, _ = self._acc(name, flat, None, ef)
             return (self._dense_from_acc(name, acc, shape, enc, qseed, qb, ef),

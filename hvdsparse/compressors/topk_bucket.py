@@ -18,7 +18,6 @@ copy of it (pinned, non-blocking on CUDA). No host synchronisation.
 """
 from __future__ import annotations
 
-import math
 from typing import Dict, List, NamedTuple, Optional
 
 import numpy as np
@@ -26,7 +25,7 @@ import torch
 
 from .. import ops
 from ..payload import FLOAT_DTYPES, IndexEncoding, LayerPayload, Segment, ValueEncoding
-from .base import PURPOSE_SAMPLE, k_of
+from .base import PURPOSE_SAMPLE
 
 __all__ = ["MomentumSpec", "BucketItem", "BucketBatch", "layer_plan", "compress_bucket"]
 
@@ -72,7 +71,7 @@ def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
                momentum: Optional[MomentumSpec] = None) -> Optional[dict]:
     """Host integers of layer ``name`` at ``step`` when the bucket path can compress it
     with exactly the per-layer result, else None (the caller compresses it per layer)."""
-    from .topk import TopK
+    from .topk import TopK, sample_layout
     if not isinstance(comp, TopK) or type(comp)._compress is not TopK._compress:
         return None
     if not ops.use_triton(grad) or grad.is_sparse or not grad.is_contiguous():
@@ -93,23 +92,17 @@ def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
              or param.device != grad.device):
         return None
     d = comp.density(step, cfg["ratio"])
-    k = k_of(d, n)
-    cap = min(n, math.ceil(cfg["slack"] * k))
+    k, cap = comp._k_and_capacity(n, d, cfg)
     if not comp._sparse_is_worth_it(n, cap, enc):
         return None
-    # estimate_topk_threshold's sample layout (defaults sample_min=4096, above=256)
-    target = 0.5 * (k + cap)
-    s = min(n, max(4096, math.ceil(256 * n / target)))
-    if 2 * s > n:       # the exact route: the whole layer, t = the k-th largest |acc|
-        return dict(n=n, k=k, cap=cap, d=d, enc=enc, rounds=cfg["rounds"], exact=1,
-                    s=n, stride=1, off=0, r0=k, m=k, rk=0, rcap=2 ** 31 - 1,
-                    target=target, qb=cfg["quant_bucket"])
-    stride = n // s
-    off = comp._seed(name, step, PURPOSE_SAMPLE) % stride
-    r0 = max(1, min(s, round(target * s / n)))
-    return dict(n=n, k=k, cap=cap, d=d, enc=enc, rounds=cfg["rounds"], exact=0, s=s,
-                stride=stride, off=off, r0=r0, m=min(s, 4 * r0 + 16), rk=k, rcap=cap,
-                target=target, qb=cfg["quant_bucket"])
+    common = dict(n=n, k=k, cap=cap, d=d, enc=enc, rounds=cfg["rounds"],
+                  target=0.5 * (k + cap), qb=cfg["quant_bucket"])
+    lay = sample_layout(n, k, cap, comp._seed(name, step, PURPOSE_SAMPLE))
+    if lay is None:     # the exact route: the whole layer, t = the k-th largest |acc|
+        return dict(common, exact=1, s=n, stride=1, off=0, r0=k, m=k, rk=0,
+                    rcap=2 ** 31 - 1)
+    s, stride, off, r0, m = lay
+    return dict(common, exact=0, s=s, stride=stride, off=off, r0=r0, m=m, rk=k, rcap=cap)
 
 
 def group_key(plan: dict, item: BucketItem):

@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 
 from .refine import _replay
+from .select import _reserve_slots, _store_float_values
 
 # columns of the segment table (int64); fp32 values are stored as their bits
 C_G, C_R, C_U, C_P, C_N, C_MODE, C_M, C_C, C_WD, C_NF = range(10)
@@ -224,21 +225,10 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
     rp = _fptr(row, _R)
     a = tl.load(rp + offs, mask=mask, other=0.0)
     sel = (tl.abs(a) >= t) & mask
-    seli = sel.to(tl.int32)
-    k = tl.sum(seli, axis=0)
-    rank = tl.cumsum(seli, axis=0) - seli
-    base = tl.atomic_add(cnt_ptr + j * 2 + 1, k, mask=k > 0, sem="relaxed")
-    slot = (base + rank).to(tl.int64)
-    w = sel & (slot < tl.load(row + _CAP))
+    slot, w = _reserve_slots(sel, cnt_ptr + j * 2 + 1, tl.load(row + _CAP))
     out = tl.load(row + _OUT) + slot
     tl.store(idx_ptr + out, offs.to(tl.int32), mask=w)
-    if VE == 0:
-        tl.store(val_ptr + out, a, mask=w)
-        newa = tl.zeros_like(a)
-    else:
-        vc = a.to(val_ptr.dtype.element_ty)
-        tl.store(val_ptr + out, vc, mask=w)
-        newa = a - vc.to(tl.float32)
+    newa = _store_float_values(a, val_ptr, out, w, VE)
     tl.store(rp + offs, newa, mask=w)
 
 

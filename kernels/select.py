@@ -47,6 +47,33 @@ def _ld(ptr, offs, mask, FULL: tl.constexpr):
 
 
 @triton.jit
+def _reserve_slots(sel, count_ptr, capacity):
+    """Step 2: each selected element's slot (its exclusive rank in the block plus the
+    block's base, reserved with ONE relaxed ``atomic_add`` into ``count_ptr``) and the
+    mask of those that fit below ``capacity``."""
+    seli = sel.to(tl.int32)
+    k = tl.sum(seli, axis=0)
+    rank = tl.cumsum(seli, axis=0) - seli
+    base = tl.atomic_add(count_ptr, k, mask=k > 0, sem="relaxed")
+    slot = (base + rank).to(tl.int64)
+    return slot, sel & (slot < capacity)
+
+
+@triton.jit
+def _store_float_values(a, val_ptr, at, w, VE: tl.constexpr):
+    """Step 3 for fp32 / fp16 / bf16 values: ``val[at] = cast(a)`` where ``w``; returns
+    the new residual of those elements (0 for fp32, the cast error otherwise)."""
+    if VE == 0:
+        tl.store(val_ptr + at, a, mask=w)
+        newa = tl.zeros_like(a)
+    else:
+        vc = a.to(val_ptr.dtype.element_ty)
+        tl.store(val_ptr + at, vc, mask=w)
+        newa = a - vc.to(tl.float32)
+    return newa
+
+
+@triton.jit
 def _select_block(acc_ptr, grad_ptr, thr_ptr, idx_ptr, val_ptr, sign_ptr, count_ptr,
                   sscale_ptr, gscale_ptr, start, n, capacity, L, hm1,
                   HAS_GRAD: tl.constexpr, HAS_GSCALE: tl.constexpr, PER_BIN: tl.constexpr,
@@ -66,12 +93,7 @@ def _select_block(acc_ptr, grad_ptr, thr_ptr, idx_ptr, val_ptr, sign_ptr, count_
     else:
         thr = tl.load(thr_ptr)
     sel = (tl.abs(h) >= thr) & inb
-    seli = sel.to(tl.int32)
-    k = tl.sum(seli, axis=0)
-    rank = tl.cumsum(seli, axis=0) - seli
-    base = tl.atomic_add(count_ptr + 1, k, mask=k > 0, sem="relaxed")
-    slot = (base + rank).to(tl.int64)
-    w = sel & (slot < capacity)
+    slot, w = _reserve_slots(sel, count_ptr + 1, capacity)
     tl.store(idx_ptr + slot, offs.to(tl.int32), mask=w)
     if VE == 6:  # SIGN1
         ss = tl.load(sscale_ptr)
@@ -79,13 +101,8 @@ def _select_block(acc_ptr, grad_ptr, thr_ptr, idx_ptr, val_ptr, sign_ptr, count_
         newa = a - tl.where(neg, -ss, ss)
         bit = tl.full([BLOCK], 1, tl.int32) << (slot & 31).to(tl.int32)
         tl.atomic_or(sign_ptr + (slot >> 5), bit, mask=w & neg, sem="relaxed")
-    elif VE == 0:
-        tl.store(val_ptr + slot, a, mask=w)
-        newa = tl.zeros_like(a)
     else:
-        vc = a.to(val_ptr.dtype.element_ty)
-        tl.store(val_ptr + slot, vc, mask=w)
-        newa = a - vc.to(tl.float32)
+        newa = _store_float_values(a, val_ptr, slot, w, VE)
     tl.store(acc_ptr + offs, newa, mask=w)
 
 

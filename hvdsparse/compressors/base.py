@@ -589,11 +589,17 @@ class Compressor:
                                       nonfinite.device != grad.device):
             raise TypeError(f"layer {name!r}: nonfinite must be an int32[1] tensor on "
                             f"{grad.device}, got {nonfinite!r}")
-        if self._stats.pending(name):   # called without begin_step: fold the last counts
-            self._stats.fold()          # before this layer's payload is made again
-        self._touch(name)
+        self._open_layer(name)
         return self._compress_layer(name, grad, step, param, grad_scale, record=True,
                                     nonfinite=nonfinite)
+
+    def _open_layer(self, name: str) -> None:
+        """Before layer ``name``'s payload is made again (``compress``, the bucket path):
+        fold its last counts if it was recorded without a ``begin_step`` since, and
+        snapshot it for a rollback."""
+        if self._stats.pending(name):
+            self._stats.fold()
+        self._touch(name)
 
     def compress_absent(self, name: str, like: torch.Tensor, step: int,
                         param: Optional[torch.Tensor] = None) -> LayerPayload:

@@ -141,9 +141,7 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
     mom = []
     for j, (it, pl) in enumerate(zip(items, plans)):
         name = it.name
-        if comp._stats.pending(name):
-            comp._stats.fold()
-        comp._touch(name)
+        comp._open_layer(name)
         r = comp._residual_for(name, it.grad.reshape(-1))
         row = tab[j]
         row[K.C_G] = it.grad.data_ptr()

@@ -255,10 +255,17 @@ def main():
 
     # ---------------- message 2: per-rank layouts -> unequal lengths
     shapes = [(int(n),) for n in np.random.default_rng(seed + 2).integers(1, 300, 6)]
+    draw = [0]
     def rank_layout(r):
-        return random_layout(np.random.default_rng([seed, 2, r]), shapes=shapes)
+        return random_layout(np.random.default_rng([seed, 2, r, draw[0]]), shapes=shapes)
     def rank_data2(r):
-        return fill_payloads(np.random.default_rng([seed, 3, r]), rank_layout(r))
+        return fill_payloads(np.random.default_rng([seed, 3, r, draw[0]]), rank_layout(r))
+    # the first draw whose encoded lengths differ across ranks (every rank computes all
+    # ranks' messages, so all pick the same draw): equal lengths happen by chance
+    while size > 1 and len({codec.encode(rank_data2(r)[0]).numel()
+                            for r in range(size)}) == 1:
+        draw[0] += 1
+        assert draw[0] < 100, "no draw with unequal message lengths"
     mine2, _ = rank_data2(rank)
     buf2 = codec.encode(mine2)
     sizes = hvd.allgather(torch.tensor([buf2.numel()], dtype=torch.int64), name="sizes")

@@ -51,4 +51,5 @@ COPY . .
 # example's only extra needs (numpy ships with the image).
 RUN python -m pip install --no-build-isolation --no-deps . \
  && python -m pip install scikit-learn tqdm \
- && python -c "import torch, horovod.torch, hvdsparse, hvdsparse.kernels; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+ && python -c "import torch, horovod.torch, hvdsparse, hvdsparse.kernels; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
+ && python -c "from hvdsparse import native; assert native.available(), native.why_unavailable()"

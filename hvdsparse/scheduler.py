@@ -414,11 +414,11 @@ class LayerScheduler:
         self.events.append(("ready", name))
 
     def _defers(self, name: str, p) -> bool:
-        """Whether layer ``name`` waits for its bucket (the bucket path: planned,
-        device path; whether it is compressed there is decided when the bucket is
-        complete, :meth:`_compress_bucket`)."""
+        """Whether layer ``name`` waits for its bucket (the bucket path: planned, on the
+        device path or the CPU with the compiled loops; whether it is compressed there is
+        decided when the bucket is complete, :meth:`_compress_bucket`)."""
         return self._bucket_path and self.plan is not None and name in self._bucket_of \
-            and ops.use_triton(p.grad)
+            and topk_bucket.takes(p.grad)
 
     def _compress_bucket(self, b: int):
         """Compress bucket ``b``'s waiting layers: those the bucket path takes

@@ -141,3 +141,116 @@ def test_bucket_path_matches_per_layer_path(monkeypatch, dtype, values, scale, m
         for n in a["u"]:
             assert torch.equal(a["u"][n].view(torch.int32), b["u"][n].view(torch.int32)), \
                 (seed, step, n)
+
+
+# ------------------------------------------------------------------ the CPU twin
+# hvdsparse/native/bucket_topk.c: the same table, the per-layer numpy path's bits and
+# slot order (ascending). Only fp32 gradients and values take it.
+
+def _native_or_skip():
+    from hvdsparse import native
+    if not native.available():
+        pytest.skip(f"compiled CPU loops unavailable: {native.why_unavailable()}")
+    return native
+
+
+@pytest.mark.skipif(DEV.type != "cpu", reason="the CPU twin")
+@pytest.mark.parametrize("scale,mc", [(None, True), (0.5, False), (0.25, True)])
+def test_native_bucket_path_matches_cpu_per_layer_path(monkeypatch, scale, mc):
+    _native_or_skip()
+    monkeypatch.delenv("HVDSPARSE_FORCE_TRITON", raising=False)
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    ref = _run("layer", torch.float32, "fp32", scale, mc, seed, steps=3)
+    got = _run("bucket", torch.float32, "fp32", scale, mc, seed, steps=3)
+    for step, (a, b) in enumerate(zip(ref, got)):
+        for n in a["pairs"]:
+            ca, ia, va = a["pairs"][n]
+            cb, ib, vb = b["pairs"][n]
+            where = f"seed {seed} step {step} layer {n}"
+            assert ca == cb and ca > 0, where
+            assert torch.equal(ia, ib), where
+            assert torch.equal(va.view(torch.int32), vb.view(torch.int32)), where
+            assert torch.equal(a["res"][n].view(torch.int32), b["res"][n].view(torch.int32)), where
+        assert a["nf"] == b["nf"] and a["nf"]["c"] == 2, (seed, step)
+        assert a["stats"] == b["stats"], (seed, step)
+        assert a["u"].keys() == b["u"].keys() and (len(a["u"]) == 4) == mc
+        for n in a["u"]:
+            assert torch.equal(a["u"][n].view(torch.int32), b["u"][n].view(torch.int32)), \
+                (seed, step, n)
+
+
+def _adversarial_grads(comp, step, seed):
+    """Layers whose sampled threshold estimate is off, so the refinement rounds move it:
+    'tie' (5% of the elements share the largest magnitude: every round counts more than
+    the capacity, the selection is capped), 'hidden' (the large elements sit exactly on
+    the sampled positions, so the estimate counts far fewer than k), 'twice' (the sample
+    sees the large elements at twice their density: the first round counts ~k/2, the
+    second lands in range), 'plain'."""
+    from hvdsparse.compressors.base import PURPOSE_SAMPLE
+    from hvdsparse.compressors.topk import sample_layout
+    g = torch.Generator().manual_seed(seed * 7 + step)
+    out = {}
+    n = 300_000
+    x = torch.randn(n, generator=g) * 0.01
+    x[torch.randperm(n, generator=g)[: n // 20]] = 1.0
+    out["tie"] = x
+    k, cap = comp._k_and_capacity(n, 0.01, comp.layer_cfg("hidden"))
+    s, stride, off, _, _ = sample_layout(n, k, cap, comp._seed("hidden", step, PURPOSE_SAMPLE))
+    x = torch.randn(n, generator=g) * 0.01
+    x[off:off + stride * s:stride] = 1.0 + torch.rand(s, generator=g)
+    out["hidden"] = x
+    x = torch.randn(n, generator=g) * 0.01
+    s, stride, off, _, _ = sample_layout(n, k, cap, comp._seed("twice", step, PURPOSE_SAMPLE))
+    on = torch.arange(off, off + stride * s, stride)
+    off_sample = torch.ones(n, dtype=torch.bool)
+    off_sample[on] = False
+    big = 0.5 * (k + cap)                  # TopK's target count
+    n_on = int(2 * big * s / n)            # twice the density the sample should see
+    x[on[torch.randperm(s, generator=g)[:n_on]]] = 1.0 + torch.rand(n_on, generator=g)
+    rest = torch.nonzero(off_sample).view(-1)
+    n_off = int(big) - n_on
+    x[rest[torch.randperm(rest.numel(), generator=g)[:n_off]]] = 1.0 + torch.rand(n_off, generator=g)
+    out["twice"] = x
+    out["plain"] = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))
+    return {k: v.view(600, 500) for k, v in out.items()}
+
+
+@pytest.mark.skipif(DEV.type != "cpu", reason="the CPU twin")
+def test_native_bucket_path_refinement_and_capacity(monkeypatch):
+    _native_or_skip()
+    monkeypatch.delenv("HVDSPARSE_FORCE_TRITON", raising=False)
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    names = ["tie", "hidden", "twice", "plain"]
+    res = {}
+    for path in ("layer", "bucket"):
+        comp = TopK(0.01, output_ratio=None, seed=11, rounds=3)
+        comp.register_layers([(n, (600, 500)) for n in names])
+        hist = []
+        for step in range(2):
+            grads = _adversarial_grads(comp, step, seed)
+            comp.begin_step(step)
+            nfs = {n: torch.zeros(1, dtype=torch.int32) for n in names}
+            if path == "layer":
+                pays = {n: comp.compress(n, grads[n], step, nonfinite=nfs[n]) for n in names}
+            else:
+                items = [TB.BucketItem(n, grads[n], grads[n], nfs[n], None) for n in names]
+                plans = [TB.layer_plan(comp, n, grads[n], step) for n in names]
+                assert all(pl is not None and pl["exact"] == 0 for pl in plans)
+                pays, _ = TB.compress_bucket(comp, items, plans, step)
+            st = comp.stats()
+            hist.append({n: (pays[n].segments[0].count.clone(),
+                             pays[n].segments[0].indices[:int(pays[n].segments[0].count[0])].clone(),
+                             pays[n].segments[0].values[:int(pays[n].segments[0].count[0])].clone(),
+                             comp.residual(n).clone(), st[n]["selected"], st[n]["threshold"])
+                         for n in names})
+        res[path] = hist
+    for step in range(2):
+        for n in names:
+            a, b = res["layer"][step][n], res["bucket"][step][n]
+            where = f"seed {seed} step {step} layer {n}"
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), where
+            assert torch.equal(a[2].view(torch.int32), b[2].view(torch.int32)), where
+            assert torch.equal(a[3].view(torch.int32), b[3].view(torch.int32)), where
+            assert a[4] == b[4] and a[5] == b[5], where
+    tie = res["layer"][0]["tie"]
+    assert tie[4] > int(tie[0][0]), "the tie layer must overflow its capacity"

@@ -1,6 +1,8 @@
-"""TopK for a whole fusion bucket on the device path: the layers of a bucket compressed
-together in a fixed number of launches (``kernels/bucket_topk.py``), instead of ~25
-launches per layer (issue 13, item 2).
+"""TopK for a whole fusion bucket: the layers of a bucket compressed together in a fixed
+number of launches (``kernels/bucket_topk.py`` on the device path, instead of ~25
+launches per layer: issue 13, item 2), or of calls into the compiled CPU loops
+(``hvdsparse/native/bucket_topk.c``, the same table and bits: one fused pass for the
+velocity update and residual add, usually one for the threshold count and selection).
 
 Same math, same bits as :class:`~hvdsparse.compressors.topk.TopK`'s per-layer path
 (``TopK._compress`` after ``LocalUpdate.corrected``): error feedback, momentum
@@ -9,7 +11,8 @@ non-finite counting, the sampled threshold estimate with its refinement rounds, 
 route of small layers, fp32 / fp16 / bf16 values. A layer takes this path when
 :func:`layer_plan` says it can; everything else (quantised values, ``exact``,
 ``per_bucket``, no error feedback, a layer that goes dense this step, local clipping, the
-Adam recipe, the CPU path) stays per layer. tests/test_bucket_topk.py compares the two
+Adam recipe; on the CPU also fp16 / bf16 gradients or values, and every layer when the
+compiled loops are unavailable: :func:`hvdsparse.native.available`) stays per layer. tests/test_bucket_topk.py compares the two
 paths bit for bit on fresh data; tests/test_paths_agree.py trains through it at P = 2.
 
 Host work per bucket and step: the segment table (sizes, capacities, sample layout,
@@ -23,11 +26,12 @@ from typing import Dict, List, NamedTuple, Optional
 import numpy as np
 import torch
 
-from .. import ops
+from .. import native, ops
 from ..payload import FLOAT_DTYPES, IndexEncoding, LayerPayload, Segment, ValueEncoding
 from .base import PURPOSE_SAMPLE
 
-__all__ = ["MomentumSpec", "BucketItem", "BucketBatch", "layer_plan", "compress_bucket"]
+__all__ = ["MomentumSpec", "BucketItem", "BucketBatch", "layer_plan", "compress_bucket",
+           "mask_bucket", "takes"]
 
 #: elements per program of the streaming kernels
 BLOCK = 4096
@@ -61,6 +65,17 @@ class BucketBatch(NamedTuple):
     counts: torch.Tensor     # int32 [L, 2]: [sent, selected]
     capmax: int
     momentum_names: List[str]  # the segments with a velocity (masked after the exchange)
+    kernels: object          # kernels/bucket_topk.py or its CPU twin (native.bucket_topk())
+
+
+def takes(grad: torch.Tensor) -> bool:
+    """Whether the bucket path can run on ``grad``'s device at all: the Triton path, or
+    the CPU with the compiled loops (the per-layer conditions are :func:`layer_plan`'s)."""
+    return ops.use_triton(grad) or (ops.has_cpu_path(grad) and native.available())
+
+
+def _kernels_for(grad: torch.Tensor):
+    return ops._kernels().bucket_topk if ops.use_triton(grad) else native.bucket_topk()
 
 
 def _bits(x: float) -> int:
@@ -74,8 +89,11 @@ def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
     from .topk import TopK, sample_layout
     if not isinstance(comp, TopK) or type(comp)._compress is not TopK._compress:
         return None
-    if not ops.use_triton(grad) or grad.is_sparse or not grad.is_contiguous():
+    if grad.is_sparse or not grad.is_contiguous() or not takes(grad):
         return None
+    on_cpu = not ops.use_triton(grad)
+    if on_cpu and grad.dtype != torch.float32:
+        return None             # the compiled CPU loops read fp32 only
     n = grad.numel()
     if n == 0 or n >= 2 ** 31 or grad.dtype not in (torch.float32, torch.float16,
                                                      torch.bfloat16):
@@ -85,7 +103,7 @@ def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
     cfg = comp.layer_cfg(name)
     enc = cfg["values"]
     if cfg["exact"] or cfg["per_bucket"] or not cfg["error_feedback"] or \
-            enc not in _VE_CODE:
+            enc not in _VE_CODE or (on_cpu and enc != ValueEncoding.FP32):
         return None
     if momentum is not None and momentum.weight_decay and \
             (param is None or param.dtype != grad.dtype or not param.is_contiguous()
@@ -132,7 +150,7 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
     """Compress ``items`` (one group: same gradient dtype, device, value encoding and
     rounds; ``plans`` from :func:`layer_plan`) at ``step``. Returns ``(payloads by name,
     BucketBatch)``; records each layer's statistics as ``compress`` does."""
-    K = ops._kernels().bucket_topk
+    K = _kernels_for(items[0].grad)
     L = len(items)
     dev = items[0].grad.device
     tab = np.zeros((L, K.W), dtype=np.int64)
@@ -172,7 +190,9 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         blk0 += -(-pl["n"] // BLOCK)
     t = torch.from_numpy(tab)
     table = t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
-    blk = _block_table([pl["n"] for pl in plans], dev)
+    # the programs' segments (Triton only: the CPU loops walk the rows)
+    blk = _block_table([pl["n"] for pl in plans], dev) if ops.use_triton(items[0].grad) \
+        else None
     K.accumulate(table, blk, grad_scale, K.GDT_CODE[items[0].grad.dtype], block=BLOCK)
     enc = plans[0]["enc"]
     idx, vals, cnt, tau = K.threshold_and_select(
@@ -190,13 +210,13 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
                            selected=cnt[j, 1:2], threshold=tau[j], density=pl["d"])
         payloads[it.name] = payload
     batch = BucketBatch([it.name for it in items], table, idx, cnt,
-                        max(pl["cap"] for pl in plans), mom)
+                        max(pl["cap"] for pl in plans), mom, K)
     return payloads, batch
 
 
 def mask_bucket(batch: BucketBatch) -> None:
     """DGC's momentum-factor masking for every momentum segment of ``batch``: ``u[sent]
-    = 0`` (one launch)."""
+    = 0`` (one launch, or one call on the CPU)."""
     if batch.momentum_names:
-        ops._kernels().bucket_topk.mask(batch.table, batch.indices, batch.counts,
-                                        len(batch.names), batch.capmax)
+        batch.kernels.mask(batch.table, batch.indices, batch.counts, len(batch.names),
+                           batch.capmax)

@@ -15,7 +15,10 @@ Layers are large enough for TopK's sampled estimate (65,536-element weights, so 
 refinement kernel runs) and AdaComp's 500-element bins; SGD with momentum 0.9 and
 weight decay, so momentum correction (the default) and its masking run. TopK's forced
 run goes through the bucket path (every layer of a bucket in one launch sequence,
-``compressors/topk_bucket.py``), so this also checks that path against the CPU path.
+``compressors/topk_bucket.py``), so this also checks that path against the CPU path;
+the CPU run of TopK with fp32 values takes the bucket path too, through the compiled
+CPU loops (``hvdsparse/native``), and a third run with ``HVDSPARSE_BUCKET_PATH=0``
+(every layer on its own, numpy) must give the same bits.
 Prints ``HVDSPARSE-OK rank=<r>``.
 """
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 
 import horovod.torch as hvd
 import hvdsparse
+from hvdsparse import native
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 hvd.init()
@@ -47,11 +51,12 @@ def build():
                                torch.nn.Linear(256, 10))
 
 
-def train(make_comp, forced: bool, exchange: str, nan_at=None):
+def train(make_comp, forced: bool, exchange: str, nan_at=None, bucket_path=True):
     if forced:
         os.environ["HVDSPARSE_FORCE_TRITON"] = "1"
     else:
         os.environ.pop("HVDSPARSE_FORCE_TRITON", None)
+    os.environ["HVDSPARSE_BUCKET_PATH"] = "1" if bucket_path else "0"
     try:
         net = build()
         opt = hvdsparse.DistributedOptimizer(
@@ -73,6 +78,7 @@ def train(make_comp, forced: bool, exchange: str, nan_at=None):
         return snaps, opt
     finally:
         os.environ.pop("HVDSPARSE_FORCE_TRITON", None)
+        os.environ.pop("HVDSPARSE_BUCKET_PATH", None)
 
 
 CASES = [
@@ -87,24 +93,37 @@ CASES = [
     ("QSGD(4)", lambda: hvdsparse.QSGD(4), "allgather"),
 ]
 
+NATIVE = native.available()
+check(NATIVE or os.environ.get("HVDSPARSE_NATIVE") == "0",
+      f"the compiled CPU loops are unavailable: {native.why_unavailable()}")
+
 for label, make, exchange, *nan in CASES:
     cpu, opt_c = train(make, False, exchange, *nan)
     tri, opt_t = train(make, True, exchange, *nan)
-    check([o.scheduler.skipped_steps for o in (opt_c, opt_t)] == [len(nan)] * 2,
-          f"{label}: skipped steps {[o.scheduler.skipped_steps for o in (opt_c, opt_t)]}")
+    runs = [("the CPU path", cpu, opt_c), ("the Triton path", tri, opt_t)]
+    topk = label.startswith("TopK")
+    if topk:        # and the CPU path with every layer compressed on its own
+        runs.append(("the CPU per-layer path", *train(make, False, exchange, *nan,
+                                                      bucket_path=False)))
+    check([o.scheduler.skipped_steps for _, _, o in runs] == [len(nan)] * len(runs),
+          f"{label}: skipped steps {[o.scheduler.skipped_steps for _, _, o in runs]}")
     check(opt_c.scheduler.local_update is not None or "QSGD" in label,
           f"{label}: momentum correction is not on")
-    # TopK's device path compresses whole buckets (compressors/topk_bucket.py); the
-    # CPU path never does
-    bucketed = [e for e in opt_t.scheduler.events if e[0] == "bucket_path"]
-    check(bool(bucketed) == label.startswith("TopK") and not any(
-        e[0] == "bucket_path" for e in opt_c.scheduler.events),
-        f"{label}: bucket path events {bucketed}")
-    for step, (a, b) in enumerate(zip(cpu, tri)):
-        for i, (pa, pb) in enumerate(zip(a, b)):
-            check(torch.equal(pa.view(torch.int32), pb.view(torch.int32)),
-                  f"{label}: parameter {i} differs between the CPU and the Triton path "
-                  f"after step {step} (max |diff| {float((pa - pb).abs().max()):.3g})")
+    # TopK's device path compresses whole buckets (compressors/topk_bucket.py); so does
+    # the CPU path with the compiled loops (hvdsparse/native), for fp32 values only
+    def bucketed(o):
+        return [e for e in o.scheduler.events if e[0] == "bucket_path"]
+    check(bool(bucketed(opt_t)) == topk, f"{label}: Triton bucket path {bucketed(opt_t)}")
+    check(bool(bucketed(opt_c)) == (topk and NATIVE and "fp16" not in label),
+          f"{label}: CPU bucket path {bucketed(opt_c)}")
+    if topk:
+        check(not bucketed(runs[2][2]), f"{label}: HVDSPARSE_BUCKET_PATH=0 not honoured")
+    for other, snaps, _ in runs[1:]:
+        for step, (a, b) in enumerate(zip(cpu, snaps)):
+            for i, (pa, pb) in enumerate(zip(a, b)):
+                check(torch.equal(pa.view(torch.int32), pb.view(torch.int32)),
+                      f"{label}: parameter {i} differs between the CPU path and {other} "
+                      f"after step {step} (max |diff| {float((pa - pb).abs().max()):.3g})")
     # the same bits on every rank
     flat = torch.cat([p.reshape(-1) for p in tri[-1]])
     ref = hvd.broadcast(flat, root_rank=0, name=f"paths.{label}")

@@ -1,0 +1,213 @@
+"""Compiled CPU loops: TopK's bucket path on the CPU (``bucket_topk.c``), the twin of the
+Triton kernels in ``kernels/bucket_topk.py`` with the same segment table and the same
+bits (``hvdsparse/compressors/topk_bucket.py`` drives either).
+
+Why C: the numpy CPU path walks a layer once per operation (velocity update, residual
+add, finiteness check, counting, selection: ~10 passes over a layer per step for TopK
+with momentum correction), each near memory speed but together the larger part of a
+compressed step's overhead (BENCHMARKS.md section 7). The C loops fuse them: one pass
+for the velocity update and residual add, and usually one for the threshold count and
+selection together.
+
+Building: on first use the source is compiled with the system C compiler (``$CC`` or
+``cc``; Triton builds its launchers the same way) with ``-O3 -ffp-contract=off`` (no
+FMA contraction: every product and sum is its own fp32 rounding, as on the other paths)
+and ``-fno-trapping-math`` (lets gcc if-convert the finiteness tests; IEEE results are
+unchanged), into ``$HVDSPARSE_NATIVE_CACHE`` or ``~/.cache/hvdsparse/native/``, under a
+name keyed by the source, the flags and the compiler, written to a temporary file and
+renamed (ranks starting together never load a half-written library). Loaded with
+``ctypes`` (the GIL is released during calls).
+
+When it cannot be used -- no compiler, a failed build, ``HVDSPARSE_NATIVE=0`` --
+:func:`available` is False and TopK layers on the CPU go through the per-layer numpy
+path (the same bits, slower); a failed build is logged once as a warning with the
+compiler's message. Nothing else depends on it.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+__all__ = ["available", "bucket_topk", "why_unavailable"]
+
+_log = logging.getLogger(__name__)
+_SRC = Path(__file__).with_name("bucket_topk.c")
+_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno",
+          "-fno-trapping-math"]
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cache_dir() -> Path:
+    d = os.environ.get("HVDSPARSE_NATIVE_CACHE")
+    if d:
+        return Path(d)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                             ".cache")
+    return Path(base) / "hvdsparse" / "native"
+
+
+def _build() -> Path:
+    """Compile (or find the cached build of) ``bucket_topk.c``; returns its path."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    src = _SRC.read_bytes()
+    st = os.stat(cc)
+    key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS).encode(), cc.encode(),
+                                     str(st.st_mtime_ns).encode(),
+                                     platform.machine().encode()])).hexdigest()[:16]
+    out_dir = _cache_dir()
+    out = out_dir / f"bucket_topk-{key}.so"
+    if out.is_file():
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        res = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SRC), "-lm"],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"{cc} failed ({res.returncode}): "
+                               f"{(res.stderr or res.stdout).strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load():
+    """The loaded library and its table layout, or the reason it is unavailable."""
+    with _lock:
+        if "lib" in _state or "why" in _state:
+            return _state.get("lib")
+        if os.environ.get("HVDSPARSE_NATIVE", "1") == "0":
+            _state["why"] = "HVDSPARSE_NATIVE=0"
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build()))
+        except (OSError, RuntimeError) as e:
+            _state["why"] = str(e)
+            _log.warning("hvdsparse: the compiled CPU loops are unavailable (%s); TopK "
+                         "layers on the CPU use the per-layer numpy path (same results, "
+                         "slower)", e)
+            return None
+        P, I64 = ctypes.c_void_p, ctypes.c_int64
+        lib.hvd_layout.restype = ctypes.c_char_p
+        lib.hvd_layout.argtypes = []
+        lib.hvd_accumulate.argtypes = [P, I64, P]
+        lib.hvd_sample.argtypes = [P, I64, P, I64]
+        lib.hvd_select.argtypes = [P, I64, P, I64, P, I64, I64, P, P, P, P, ctypes.c_float]
+        lib.hvd_mask.argtypes = [P, I64, P, P]
+        for f in ("hvd_accumulate", "hvd_sample", "hvd_select", "hvd_mask"):
+            getattr(lib, f).restype = None
+        _state["lib"] = lib
+        _state["bucket_topk"] = _bucket_topk_namespace(lib)
+        return lib
+
+
+def available() -> bool:
+    """Whether the compiled CPU loops can be used (builds them on the first call)."""
+    return _load() is not None
+
+
+def why_unavailable() -> Optional[str]:
+    """Why :func:`available` is False (None when it is True)."""
+    _load()
+    return _state.get("why")
+
+
+def bucket_topk():
+    """The CPU twin of ``kernels/bucket_topk.py``: the same table columns (``C_*``,
+    ``W``, ``MODE_*``), ``GDT_CODE`` (fp32 only) and functions ``accumulate``,
+    ``threshold_and_select`` and ``mask`` with the same arguments and results (slots
+    in ascending index order within each segment). Raises RuntimeError when
+    :func:`available` is False."""
+    if _load() is None:
+        raise RuntimeError(f"hvdsparse.native is unavailable: {_state.get('why')}")
+    return _state["bucket_topk"]
+
+
+def _bucket_topk_namespace(lib) -> SimpleNamespace:
+    cols, modes = lib.hvd_layout().decode().split("|")
+    ns = SimpleNamespace(**{c: i for i, c in enumerate(cols.split())})
+    ns.W = len(cols.split())
+    for kv in modes.split():
+        k, v = kv.split("=")
+        setattr(ns, k, int(v))
+    ns.GDT_CODE = {torch.float32: 0}
+    tiny = float(torch.finfo(torch.float32).tiny)
+
+    def _cpu(name, t, dtype, dims=None):
+        if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() or \
+                (dims is not None and t.dim() != dims):
+            raise ValueError(f"hvdsparse.native: {name} must be a contiguous CPU {dtype} "
+                             f"tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+    def _table(tab):
+        _cpu("table", tab, torch.int64, 2)
+        if tab.shape[1] != ns.W:
+            raise ValueError(f"hvdsparse.native: the table has {tab.shape[1]} columns, "
+                             f"the loops read {ns.W}")
+        return tab.shape[0]
+
+    def accumulate(tab, blk, grad_scale, gdt, *, block=None):
+        """Residual add with the folded velocity update, every row (``blk``, ``block``:
+        the Triton launch layout, unused here)."""
+        if gdt != 0:
+            raise ValueError("hvdsparse.native: fp32 gradients only")
+        L = _table(tab)
+        s = None
+        if grad_scale is not None:
+            s = grad_scale.reshape(1)
+            _cpu("grad_scale", s, torch.float32)
+        lib.hvd_accumulate(tab.data_ptr(), L, None if s is None else s.data_ptr())
+
+    def threshold_and_select(tab, blk, L, smax, mmax, rounds, capacity_total, ve, *,
+                             block=None):
+        """Sample, ``torch.topk``, the refinement rounds and the selection. Returns
+        ``(indices int32[capacity_total], values fp32, counts int32[L, 2], tau fp32[L])``
+        as the Triton version does."""
+        if ve != 0:
+            raise ValueError("hvdsparse.native: fp32 values only")
+        if _table(tab) != L:
+            raise ValueError(f"hvdsparse.native: L={L} but the table has {tab.shape[0]} rows")
+        S = torch.empty((L, smax), dtype=torch.float32)
+        lib.hvd_sample(tab.data_ptr(), L, S.data_ptr(), smax)
+        V = torch.topk(S, mmax, dim=1, largest=True, sorted=True).values.contiguous()
+        R = max(int(rounds), 1)
+        counts = torch.zeros((L, R), dtype=torch.int32)
+        idx = torch.empty(capacity_total, dtype=torch.int32)
+        vals = torch.empty(capacity_total, dtype=torch.float32)
+        cnt = torch.empty((L, 2), dtype=torch.int32)
+        tau = torch.empty(L, dtype=torch.float32)
+        lib.hvd_select(tab.data_ptr(), L, V.data_ptr(), mmax, counts.data_ptr(), R,
+                       int(rounds), tau.data_ptr(), idx.data_ptr(), vals.data_ptr(),
+                       cnt.data_ptr(), tiny)
+        return idx, vals, cnt, tau
+
+    def mask(tab, idx, cnt, L, capmax, *, block=None):
+        """``u[idx] = 0`` for the sent slots of every momentum row."""
+        if _table(tab) != L:
+            raise ValueError(f"hvdsparse.native: L={L} but the table has {tab.shape[0]} rows")
+        _cpu("indices", idx, torch.int32, 1)
+        _cpu("counts", cnt, torch.int32, 2)
+        lib.hvd_mask(tab.data_ptr(), L, idx.data_ptr(), cnt.data_ptr())
+
+    ns.accumulate = accumulate
+    ns.threshold_and_select = threshold_and_select
+    ns.mask = mask
+    return ns

@@ -1,0 +1,336 @@
+/* TopK over a whole fusion bucket on the CPU: the compiled twin of kernels/bucket_topk.py.
+ *
+ * The layers of a bucket are the rows of one int64 segment table tab[L][W] built by
+ * hvdsparse/compressors/topk_bucket.py (tensor addresses, host integers, fp32 scalars as
+ * their bit patterns); its column order is COLUMNS below, which hvd_layout() hands to
+ * the Python loader (hvdsparse/native/__init__.py), so the two cannot disagree.
+ *
+ * Per bucket and step, the same math as the Triton kernels and the per-layer path, bit
+ * for bit (every product and sum its own fp32 rounding: built with -ffp-contract=off,
+ * never -ffast-math; NaN never compares true):
+ *
+ *   hvd_accumulate   d = grad * s (s: AMP scale, optional); fin = |d| < inf, counted;
+ *                    momentum rows: g = fin ? d : +0; g = g + wd * param (if wd);
+ *                                   u = u * m; u = u + c * g; x = nesterov ? g + m * u : u;
+ *                                   fin2 = |x| < inf, counted; r = fin2 ? r + x : r
+ *                    plain rows:    r = fin ? r + d : r
+ *   hvd_sample       S[j][i] = |r_j[off_j + stride_j * i]| for i < s_j, -1 after
+ *   (torch.topk of S, by the caller)
+ *   hvd_select       per row: the refinement rounds (kernels/refine.py's rule; a round
+ *                    whose threshold did not move reuses the count), then the selection
+ *                    |r| >= max(t, tiny) in ascending index order into the row's slots
+ *                    [out, out + cap), the residual of a sent element set to +0 (fp32
+ *                    values), cnt[j] = {min(selected, cap), selected}, tau[j] = t.
+ *                    Every counting pass also collects the first cap indices it finds,
+ *                    so when the final threshold is the last counted one (the usual
+ *                    case: the sampled estimate is in range) the layer is read once.
+ *   hvd_mask         momentum rows: u[idx[out + i]] = 0 for i < cnt[j][0], 0 <= idx < n
+ *
+ * Only fp32 gradients, parameters and values: the loader's caller (topk_bucket.layer_plan)
+ * sends every other layer through the per-layer path. Single-threaded: the caller runs
+ * one rank per core; the loops are written so that gcc vectorises them (target_clones
+ * builds an AVX2 copy next to the baseline one, chosen at load time by the CPU).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#define COLUMNS(X) X(C_G) X(C_R) X(C_U) X(C_P) X(C_N) X(C_MODE) X(C_M) X(C_C) X(C_WD) \
+    X(C_NF) X(C_RK) X(C_RCAP) X(C_CAP) X(C_STRIDE) X(C_OFF) X(C_S) X(C_R0) X(C_MLEN) \
+    X(C_OUT) X(C_BLK0) X(C_EXACT) X(C_TGT)
+#define AS_ENUM(c) c,
+#define AS_NAME(c) #c " "
+enum { COLUMNS(AS_ENUM) W };
+enum { MODE_MOMENTUM = 1, MODE_NESTEROV = 2, MODE_WD = 4 };
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define HOT
+#endif
+
+/* "C_G C_R ... C_TGT |MODE_MOMENTUM=1 MODE_NESTEROV=2 MODE_WD=4": the table layout */
+const char *hvd_layout(void)
+{
+    return COLUMNS(AS_NAME) "|MODE_MOMENTUM=1 MODE_NESTEROV=2 MODE_WD=4";
+}
+
+static inline float cell_f32(const int64_t *row, int col)
+{
+    int32_t b = (int32_t)row[col];
+    float f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+
+static inline void *cell_ptr(const int64_t *row, int col)
+{
+    return (void *)(intptr_t)row[col];
+}
+
+/* ---------------------------------------------------------------- accumulate */
+
+HOT static int64_t acc_plain(const float *restrict g, float *restrict r, int64_t n,
+                             int has_scale, float s)
+{
+    int64_t bad = 0;
+    if (has_scale) {
+        for (int64_t i = 0; i < n; i++) {
+            float d = g[i] * s;
+            int fin = fabsf(d) < INFINITY;
+            bad += !fin;
+            float a = r[i];
+            r[i] = fin ? a + d : a;
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            float d = g[i];
+            int fin = fabsf(d) < INFINITY;
+            bad += !fin;
+            float a = r[i];
+            r[i] = fin ? a + d : a;
+        }
+    }
+    return bad;
+}
+
+/* one element of a momentum row (the module docstring's rule) */
+#define MOMENTUM_BODY(D, WDTERM, NESTEROV)                                            \
+    {                                                                                  \
+        float d = (D);                                                                 \
+        int fin = fabsf(d) < INFINITY;                                                 \
+        float gg = fin ? d : 0.0f;                                                     \
+        gg = WDTERM;                                                                   \
+        float uu = u[i] * m;                                                           \
+        uu = uu + c * gg;                                                              \
+        u[i] = uu;                                                                     \
+        float x = (NESTEROV) ? gg + m * uu : uu;                                       \
+        int fin2 = fabsf(x) < INFINITY;                                                \
+        bad += !fin + !fin2;                                                           \
+        float a = r[i];                                                                \
+        r[i] = fin2 ? a + x : a;                                                       \
+    }
+
+HOT static int64_t acc_momentum(const float *restrict g, float *restrict r,
+                                float *restrict u, const float *restrict p, int64_t n,
+                                int has_scale, float s, float m, float c, float wd,
+                                int nesterov)
+{
+    int64_t bad = 0;
+    /* the four variants as separate loops, each a straight vectorisable body */
+    if (p != 0) {
+        if (nesterov)
+            for (int64_t i = 0; i < n; i++)
+                MOMENTUM_BODY(has_scale ? g[i] * s : g[i], gg + wd * p[i], 1)
+        else
+            for (int64_t i = 0; i < n; i++)
+                MOMENTUM_BODY(has_scale ? g[i] * s : g[i], gg + wd * p[i], 0)
+    } else {
+        if (nesterov)
+            for (int64_t i = 0; i < n; i++)
+                MOMENTUM_BODY(has_scale ? g[i] * s : g[i], gg, 1)
+        else
+            for (int64_t i = 0; i < n; i++)
+                MOMENTUM_BODY(has_scale ? g[i] * s : g[i], gg, 0)
+    }
+    return bad;
+}
+
+/* Every row: the fused residual add (and velocity update); non-finite counts are
+ * added into the row's int32 counter. scale: the AMP inverse scale or NULL. */
+void hvd_accumulate(const int64_t *tab, int64_t L, const float *scale)
+{
+    int has_scale = scale != 0;
+    float s = has_scale ? *scale : 1.0f;
+    for (int64_t j = 0; j < L; j++) {
+        const int64_t *row = tab + j * W;
+        const float *g = cell_ptr(row, C_G);
+        float *r = cell_ptr(row, C_R);
+        int64_t n = row[C_N];
+        int64_t mode = row[C_MODE];
+        int64_t bad;
+        if (mode & MODE_MOMENTUM) {
+            const float *p = (mode & MODE_WD) ? cell_ptr(row, C_P) : 0;
+            bad = acc_momentum(g, r, cell_ptr(row, C_U), p, n, has_scale, s,
+                               cell_f32(row, C_M), cell_f32(row, C_C),
+                               (mode & MODE_WD) ? cell_f32(row, C_WD) : 0.0f,
+                               (mode & MODE_NESTEROV) != 0);
+        } else {
+            bad = acc_plain(g, r, n, has_scale, s);
+        }
+        if (bad) {
+            int32_t *nf = cell_ptr(row, C_NF);
+            *nf += (int32_t)bad;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- sample */
+
+void hvd_sample(const int64_t *tab, int64_t L, float *S, int64_t smax)
+{
+    for (int64_t j = 0; j < L; j++) {
+        const int64_t *row = tab + j * W;
+        const float *r = cell_ptr(row, C_R);
+        int64_t s = row[C_S], off = row[C_OFF], stride = row[C_STRIDE];
+        float *out = S + j * smax;
+        int64_t i = 0;
+        for (; i < s && i < smax; i++)
+            out[i] = fabsf(r[off + i * stride]);
+        for (; i < smax; i++)
+            out[i] = -1.0f;
+    }
+}
+
+/* ---------------------------------------------------------------- threshold + select */
+
+/* kernels/refine.py's rule: t after `rounds` rounds of counts */
+static float replay(const float *v, const int32_t *counts, int64_t r0, float mf, float kf,
+                    float capf, float target, int rounds)
+{
+    float r = (float)r0;
+    float t = v[r0 - 1];
+    for (int j = 0; j < rounds; j++) {
+        float c = (float)counts[j];
+        int ok = (c >= kf) & (c <= capf);
+        float x = (r * target) / fmaxf(c, 1.0f);
+        x = fminf(x, 4194304.0f);
+        float f = rintf(x);                    /* round half to even (default mode) */
+        float rn = fminf(fmaxf(f, 1.0f), mf);
+        float tn = v[(int64_t)rn - 1];
+        if (!ok) {
+            t = tn;
+            r = rn;
+        }
+    }
+    return t;
+}
+
+/* The indices q in [0, 32) with |a[q]| >= t, ascending, into tmp; returns how many.
+ * SSE2 (every x86-64): a compare mask per 4 elements, one store per hit. */
+static inline int hits32(const float *a, float t, int32_t base, int32_t *tmp)
+{
+    int h = 0;
+#if defined(__SSE2__)
+    const __m128 tv = _mm_set1_ps(t);
+    const __m128 absmask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+    uint32_t bits = 0;
+    for (int q = 0; q < 32; q += 4) {
+        /* ordered >=: false for NaN, as fabsf(x) >= t */
+        __m128 x = _mm_and_ps(_mm_loadu_ps(a + q), absmask);
+        bits |= (uint32_t)_mm_movemask_ps(_mm_cmpge_ps(x, tv)) << q;
+    }
+    while (bits) {
+        tmp[h++] = base + __builtin_ctz(bits);
+        bits &= bits - 1;
+    }
+#else
+    for (int q = 0; q < 32; q++) {
+        tmp[h] = base + q;
+        h += fabsf(a[q]) >= t;
+    }
+#endif
+    return h;
+}
+
+/* #{|a_i| >= t}, the first `cap` such i written to idx in ascending order. Blocks of
+ * 32 are tested with a vectorised any() first (at TopK densities most hold nothing);
+ * a block with hits is compacted by hits32(). */
+HOT static int64_t count_collect(const float *restrict a, int64_t n, float t,
+                                 int32_t *restrict idx, int64_t cap)
+{
+    int64_t c = 0, i = 0;
+    int32_t tmp[32];
+    for (; i + 32 <= n; i += 32) {
+        int any = 0;
+        for (int q = 0; q < 32; q++)
+            any |= fabsf(a[i + q]) >= t;
+        if (!any)
+            continue;
+        int h = hits32(a + i, t, (int32_t)i, tmp);
+        int64_t room = cap - c;
+        if (room > 0)
+            memcpy(idx + c, tmp, (size_t)(h < room ? h : room) * sizeof(int32_t));
+        c += h;
+    }
+    for (; i < n; i++) {
+        if (fabsf(a[i]) >= t) {
+            if (c < cap)
+                idx[c] = (int32_t)i;
+            c++;
+        }
+    }
+    return c;
+}
+
+/* Per row: refinement rounds, threshold, selection (see the module docstring).
+ * V: [L][mmax] sorted sample magnitudes; counts: int32 [L][R] (zeroed by the caller);
+ * idx / vals: the bucket's slots; cnt: int32 [L][2]; tau: fp32 [L]. */
+void hvd_select(const int64_t *tab, int64_t L, const float *V, int64_t mmax,
+                int32_t *counts, int64_t R, int64_t rounds, float *tau, int32_t *idx,
+                float *vals, int32_t *cnt, float tiny)
+{
+    for (int64_t j = 0; j < L; j++) {
+        const int64_t *row = tab + j * W;
+        float *r = cell_ptr(row, C_R);
+        int64_t n = row[C_N], cap = row[C_CAP], out = row[C_OUT];
+        const float *v = V + j * mmax;
+        int32_t *cn = counts + j * R;
+        int64_t r0 = row[C_R0];
+        float kf = (float)row[C_RK], capf = (float)row[C_RCAP], mf = (float)row[C_MLEN];
+        float target = cell_f32(row, C_TGT);
+        int32_t *slots = idx + out;
+        int have = 0;             /* slots hold the collection at threshold `held` */
+        float held = 0.0f;
+        int64_t held_count = 0;
+        if (row[C_EXACT] == 0) {
+            for (int64_t q = 0; q < rounds; q++) {
+                float t = replay(v, cn, r0, mf, kf, capf, target, (int)q);
+                if (have && t == held) {
+                    cn[q] = (int32_t)held_count;     /* same threshold, same count */
+                    continue;
+                }
+                held_count = count_collect(r, n, t, slots, cap);
+                held = t;
+                have = 1;
+                cn[q] = (int32_t)held_count;
+            }
+        }
+        float t = replay(v, cn, r0, mf, kf, capf, target, (int)rounds);
+        t = fmaxf(t, tiny);
+        tau[j] = t;
+        if (!(have && t == held))
+            held_count = count_collect(r, n, t, slots, cap);
+        int64_t sent = held_count < cap ? held_count : cap;
+        float *vo = vals + out;
+        for (int64_t q = 0; q < sent; q++) {
+            int64_t i = slots[q];
+            vo[q] = r[i];
+            r[i] = 0.0f;
+        }
+        cnt[2 * j] = (int32_t)sent;
+        cnt[2 * j + 1] = (int32_t)held_count;
+    }
+}
+
+/* ---------------------------------------------------------------- mask */
+
+void hvd_mask(const int64_t *tab, int64_t L, const int32_t *idx, const int32_t *cnt)
+{
+    for (int64_t j = 0; j < L; j++) {
+        const int64_t *row = tab + j * W;
+        if (!(row[C_MODE] & MODE_MOMENTUM))
+            continue;
+        float *u = cell_ptr(row, C_U);
+        int64_t n = row[C_N], c = cnt[2 * j];
+        const int32_t *slots = idx + row[C_OUT];
+        for (int64_t q = 0; q < c; q++) {
+            int64_t i = slots[q];
+            if (i >= 0 && i < n)
+                u[i] = 0.0f;
+        }
+    }
+}

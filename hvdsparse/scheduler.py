@@ -347,7 +347,9 @@ class LayerScheduler:
                 self._cb_queued = True
             except RuntimeError:
                 pass
-        if name in self._payloads or name in self._sparse_handles:
+        # handled already this step: compressed, sent sparse, or waiting for its bucket
+        # (the bucket path defers a layer until the bucket's last one arrives)
+        if name in self._payloads or name in self._sparse_handles or self._delay[name] <= 0:
             raise AssertionError(_HOROVOD_DELAY_MSG + f" (parameter {name!r})")
         p = self.params[name]
         if p.grad is None or p.grad.requires_grad:

@@ -47,7 +47,8 @@ import torch.nn.functional as F
 
 import horovod.torch as hvd
 import hvdsparse
-from hvdsparse import codec
+from hvdsparse import codec, native
+from hvdsparse.compressors import topk_bucket as TB
 from hvdsparse.payload import IndexEncoding, ValueEncoding
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "matrix"
@@ -178,6 +179,19 @@ class Capture:
             self.payloads[name] = pl
             return pl
         comp.compress = spy
+        # TopK's bucket path (compressors/topk_bucket.py: the default on the device path
+        # and, with the compiled loops, on the CPU) compresses a bucket's layers without
+        # calling compress(): keep what it returned too
+        self._orig_bucket = TB.compress_bucket
+
+        def bucket_spy(c, items, *args, **kwargs):
+            pays, batch = self._orig_bucket(c, items, *args, **kwargs)
+            if c is self.comp:
+                self.payloads.update(pays)
+                self.bucket_layers.update(pays)
+            return pays, batch
+        self.bucket_layers = set()
+        TB.compress_bucket = bucket_spy
 
     def _hook(self, name):
         def hook(p):
@@ -198,6 +212,7 @@ class Capture:
     def remove(self):
         for h in self.handles:
             h.remove()
+        TB.compress_bucket = self._orig_bucket
 
 
 # ------------------------------------------------------------------------------ decoder
@@ -767,6 +782,11 @@ def matrix_case(cname, exchange):
         case.fail(f"{type(e).__name__}: {e}")
         traceback.print_exc()
     case.notes.append(f"strategies {sorted(strategies)}")
+    if cname == "topk" and native.available() and \
+            os.environ.get("HVDSPARSE_BUCKET_PATH", "1") != "0":
+        # the default path of fp32 TopK on the CPU: the matrix must have checked it
+        case.check(bool(cap.bucket_layers), "TopK's bucket path never ran")
+        case.notes.append(f"bucket path: {sorted(cap.bucket_layers)}")
     if avg_forms:
         case.notes.append(f"allgather average bitwise = {'/'.join(sorted(avg_forms))}")
     if fed_energy:

@@ -94,7 +94,12 @@ METHODS = {
     "topk5_int4": ("TopK 5% + int4", ["--compression", "topk", "--ratio", "0.05",
                                       "--values", "int4"]),
 }
-DEFAULT_METHODS = [m for m in METHODS if not m.startswith("topk5") and m != "topk1_warmup"]
+# the same method on another code path of the same tree (environment for every rank)
+METHODS["topk1_numpy"] = ("TopK 1%, per-layer numpy path (HVDSPARSE_NATIVE=0)",
+                          METHODS["topk1"][1])
+METHOD_ENV = {"topk1_numpy": {"HVDSPARSE_NATIVE": "0"}}
+DEFAULT_METHODS = [m for m in METHODS if not m.startswith("topk5") and m != "topk1_warmup"
+                   and m not in METHOD_ENV]
 
 
 def parse_args(argv=None):
@@ -239,7 +244,7 @@ def horovodrun():
     return found
 
 
-def run_train(a, ns, np_, name, extra, json_path, log_path, shim=None):
+def run_train(a, ns, np_, name, extra, json_path, log_path, shim=None, env_extra=None):
     """One train.py launch. ``ns``: a shared-loopback :class:`Namespace`, a
     :class:`netemu.PerNodeNetwork`, or None (host loopback)."""
     json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -263,6 +268,7 @@ def run_train(a, ns, np_, name, extra, json_path, log_path, shim=None):
     env["OMP_NUM_THREADS"] = str(a.omp_threads)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.pop("TRITON_INTERPRET", None)
+    env.update(env_extra or {})
     t0 = time.time()
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
@@ -509,7 +515,8 @@ def run_methods(a, net, methods, out, tag, shim):
         if a.max_steps:
             extra += ["--max-steps", str(a.max_steps)]
         res = run_train(a, net, a.np, m, extra, out / "runs" / tag / f"{m}.json",
-                        out / "logs" / tag / f"{m}.log", shim=shim)
+                        out / "logs" / tag / f"{m}.log", shim=shim,
+                        env_extra=METHOD_ENV.get(m))
         results[m] = res
         if "error" not in res:
             s = res["summary"]

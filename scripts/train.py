@@ -477,6 +477,12 @@ def setup_logging(rank):
     return logger
 
 
+def _compiled_loops():
+    """Whether hvdsparse's compiled CPU loops were usable in this run (else why not)."""
+    from hvdsparse import native
+    return True if native.available() else native.why_unavailable()
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.launcher == "torchrun":
@@ -786,6 +792,8 @@ def main(argv=None):
             "strategy": history.get("strategy"),
             "bytes_by_strategy": history.get("bytes_by_strategy"),
             "cost_model_prediction": history.get("cost_model_prediction"),
+            # TopK's bucket path on the CPU (hvdsparse/native): which code path ran
+            "cpu_compiled_loops": _compiled_loops(),
         }
         for key in ("time_compress_s", "time_wait_s", "time_decode_s"):
             if history.get(key):

@@ -41,6 +41,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
+from . import native
 from .philox import (_check_pos_int, _check_seed, _par_ranges, _par_run,  # noqa: F401
                      _philox_np_block, _philox_parallel, _philox_scratch,
                      _uint32_to_uniform_np, _PHILOX_CHUNK, _PHILOX_PAR_MIN,
@@ -1232,6 +1233,13 @@ def _check_scatter_args(dense, indices, count, values, codes, scales, bits, buck
     return ind, P, cap, cnt, vals, cds, scl, bits, bucket_size, sgn, ssc
 
 
+def _native_scatter(dense, ind, vals) -> bool:
+    """Whether the compiled fp32 decode (``native.scatter_add_f32``) takes these rows."""
+    return vals.dtype == torch.float32 and ind.dtype == torch.int32 and \
+        dense.is_contiguous() and ind.stride(1) == 1 and vals.stride(1) == 1 and \
+        dense.device.type == "cpu" and native.available()
+
+
 def scatter_add_decode(dense: torch.Tensor, indices: torch.Tensor, count: torch.Tensor,
                        values: Optional[torch.Tensor] = None, *,
                        codes: Optional[torch.Tensor] = None,
@@ -1254,6 +1262,18 @@ def scatter_add_decode(dense: torch.Tensor, indices: torch.Tensor, count: torch.
         dense, indices, count, values, codes, scales, bits, bucket_size, signs, sign_scale)
     N = dense.numel()
     counts = cnt[:, 0].tolist()
+    if vals is not None and _native_scatter(dense, ind, vals):
+        # fp32 (index, value) rows: one compiled pass per row (hvdsparse/native/
+        # scatter_add.c), the same checks first and the same bits as index_add_ below
+        for p in range(P):
+            if not 0 <= int(counts[p]) <= cap:
+                raise ValueError(f"count[{p}] = {int(counts[p])} is outside [0, cap={cap}]")
+        bad = native.scatter_add_f32(dense, ind, counts, vals)
+        if bad is not None:
+            p, j = bad
+            raise IndexError(f"scatter_add_decode: index {int(ind[p, j])} at row {p}, slot "
+                             f"{j} is out of range for dense of {N} elements")
+        return error_flag
     rows_idx, rows_val = [], []
     for p in range(P):
         c = int(counts[p])

@@ -105,3 +105,104 @@ def test_bad_arguments_are_rejected_by_name():
     with pytest.raises(ValueError, match="fp32 values only"):
         K.threshold_and_select(torch.zeros((1, K.W), dtype=torch.int64), None, 1, 8, 4, 2,
                                16, 1)
+
+
+def _rows_in_message(g, P, cap, N):
+    """P rows of (int32 index, fp32 value) laid out as strided views into one uint8
+    message, as codec.accumulate hands them over; indices ascending per row, rows
+    overlapping (the same index in several rows)."""
+    import torch
+    pool = torch.randperm(N, generator=g)[:max(1, cap * 2)]
+    ind = torch.stack([pool[torch.randperm(pool.numel(), generator=g)[:cap]].sort().values
+                       for _ in range(P)]).to(torch.int32)
+    vals = torch.randn(P, cap, generator=g) * 2.0 ** torch.randint(-20, 20, (P, 1),
+                                                                    generator=g).float()
+    width = 8 * cap + 24                      # bytes per row: indices, values, a gap
+    msg = torch.full((P, width), 0xAB, dtype=torch.uint8)
+    msg[:, :4 * cap] = ind.view(torch.uint8).reshape(P, -1)
+    msg[:, 4 * cap + 8:8 * cap + 8] = vals.view(torch.uint8).reshape(P, -1)
+    return msg[:, :4 * cap].view(torch.int32), msg[:, 4 * cap + 8:8 * cap + 8].view(
+        torch.float32)
+
+
+def test_scatter_add_matches_index_add_row_by_row():
+    import torch
+    from hvdsparse import native
+    if not native.available():
+        pytest.skip(f"compiled CPU loops unavailable: {native.why_unavailable()}")
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for _ in range(5):
+        N = int(torch.randint(1, 5000, (1,), generator=g))
+        P, cap = int(torch.randint(1, 6, (1,), generator=g)), int(
+            torch.randint(0, min(N, 700) + 1, (1,), generator=g))
+        ind, vals = _rows_in_message(g, P, cap, N)
+        assert ind.stride(0) != cap                     # strided views, not copies
+        counts = [int(torch.randint(0, cap + 1, (1,), generator=g)) for _ in range(P)]
+        base = torch.randn(N, generator=g)
+        want = base.clone()
+        for p in range(P):                   # the definition: rows in order
+            want.index_add_(0, ind[p, :counts[p]].long(), vals[p, :counts[p]])
+        got = base.clone()
+        assert native.scatter_add_f32(got, ind, counts, vals) is None
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_scatter_add_rejects_a_bad_index_and_writes_nothing():
+    import torch
+    from hvdsparse import cpu, native
+    if not native.available():
+        pytest.skip(f"compiled CPU loops unavailable: {native.why_unavailable()}")
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    N, P, cap = 3000, 3, 200
+    ind, vals = _rows_in_message(g, P, cap, N)
+    for bad_row, bad_slot, value in ((2, 17, N), (1, 0, -1), (0, cap - 1, 2 ** 31 - 1)):
+        i2 = ind.clone()
+        i2[bad_row, bad_slot] = value
+        i2[bad_row, bad_slot + 1:] = N + 5           # later bad slots: the first is named
+        base = torch.randn(N, generator=g)
+        d = base.clone()
+        assert native.scatter_add_f32(d, i2, [cap] * P, vals) == (bad_row, bad_slot)
+        assert torch.equal(d, base)
+        with pytest.raises(IndexError, match=f"index {value} at row {bad_row}, slot "
+                                             f"{bad_slot}"):
+            cpu.scatter_add_decode(d, i2, torch.full((P, 1), cap, dtype=torch.int32), vals)
+        assert torch.equal(d, base)
+    with pytest.raises(ValueError, match="counts"):
+        native.scatter_add_f32(torch.zeros(N), ind, [cap + 1] * P, vals)
+    with pytest.raises(ValueError, match="indices must be a CPU torch.int32"):
+        native.scatter_add_f32(torch.zeros(N), ind.long(), [cap] * P, vals)
+
+
+def test_decode_switched_off_gives_the_same_bits(tmp_path):
+    """codec.accumulate of real TopK messages: compiled decode vs HVDSPARSE_NATIVE=0."""
+    code = textwrap.dedent("""
+        import sys, torch
+        from hvdsparse import codec, native
+        from hvdsparse.compressors import TopK
+        g = torch.Generator().manual_seed(int(sys.argv[1]))
+        shapes = [("a", (300, 64)), ("b", (64, 512)), ("c", (10, 64))]
+        msgs = []
+        for r in range(3):
+            c = TopK(0.02, seed=r)
+            c.register_layers(shapes)
+            pays = [c.compress(n, torch.randn(s, generator=g), 0) for n, s in shapes]
+            msgs.append(codec.encode(pays))
+        outs = [torch.zeros(torch.Size(s).numel()) for _, s in shapes]
+        codec.accumulate(torch.stack(msgs), pays, outs)
+        print("native", native.available())
+        import hashlib
+        print("sum", [hashlib.sha256(o.numpy().tobytes()).hexdigest() for o in outs],
+              [int((o != 0).sum()) for o in outs])
+    """)
+    seed = str(int.from_bytes(os.urandom(3), "little"))
+    on = subprocess.run([sys.executable, "-c", code, seed], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300, env={**os.environ, "HVDSPARSE_NATIVE": "1"})
+    off = subprocess.run([sys.executable, "-c", code, seed], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "HVDSPARSE_NATIVE": "0"})
+    assert on.returncode == 0 and off.returncode == 0, on.stderr + off.stderr
+    if "native True" not in on.stdout:
+        pytest.skip(f"compiled CPU loops unavailable: {on.stdout}")
+    assert "native False" in off.stdout
+    s_on = [ln for ln in on.stdout.splitlines() if ln.startswith("sum")]
+    s_off = [ln for ln in off.stdout.splitlines() if ln.startswith("sum")]
+    assert s_on == s_off and s_on

@@ -1,26 +1,30 @@
 """Compiled CPU loops: TopK's bucket path on the CPU (``bucket_topk.c``), the twin of the
 Triton kernels in ``kernels/bucket_topk.py`` with the same segment table and the same
-bits (``hvdsparse/compressors/topk_bucket.py`` drives either).
+bits (``hvdsparse/compressors/topk_bucket.py`` drives either); and the fp32 decode +
+accumulate of received (index, value) rows (``scatter_add.c``, the twin of
+``kernels/scatter.py``'s fp32 branch, called by ``hvdsparse/cpu.py``).
 
 Why C: the numpy CPU path walks a layer once per operation (velocity update, residual
 add, finiteness check, counting, selection: ~10 passes over a layer per step for TopK
 with momentum correction), each near memory speed but together the larger part of a
 compressed step's overhead (BENCHMARKS.md section 7). The C loops fuse them: one pass
 for the velocity update and residual add, and usually one for the threshold count and
-selection together.
+selection together. The decode reads each received int32 index and fp32 value once,
+where ``torch.index_add_`` first copies the indices to int64 and checks their range in
+separate passes.
 
-Building: on first use the source is compiled with the system C compiler (``$CC`` or
+Building: on first use the sources are compiled into one library with the system C compiler (``$CC`` or
 ``cc``; Triton builds its launchers the same way) with ``-O3 -ffp-contract=off`` (no
 FMA contraction: every product and sum is its own fp32 rounding, as on the other paths)
 and ``-fno-trapping-math`` (lets gcc if-convert the finiteness tests; IEEE results are
 unchanged), into ``$HVDSPARSE_NATIVE_CACHE`` or ``~/.cache/hvdsparse/native/``, under a
-name keyed by the source, the flags and the compiler, written to a temporary file and
+name keyed by the sources, the flags and the compiler, written to a temporary file and
 renamed (ranks starting together never load a half-written library). Loaded with
 ``ctypes`` (the GIL is released during calls).
 
 When it cannot be used -- no compiler, a failed build, ``HVDSPARSE_NATIVE=0`` --
 :func:`available` is False and TopK layers on the CPU go through the per-layer numpy
-path (the same bits, slower); a failed build is logged once as a warning with the
+path and the decode uses ``torch.index_add_`` (the same bits, slower); a failed build is logged once as a warning with the
 compiler's message. Nothing else depends on it.
 """
 from __future__ import annotations
@@ -40,10 +44,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["available", "bucket_topk", "why_unavailable"]
+__all__ = ["available", "bucket_topk", "scatter_add_f32", "why_unavailable"]
 
 _log = logging.getLogger(__name__)
-_SRC = Path(__file__).with_name("bucket_topk.c")
+_SRCS = [Path(__file__).with_name(f) for f in ("bucket_topk.c", "scatter_add.c")]
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno",
           "-fno-trapping-math"]
 _lock = threading.Lock()
@@ -60,24 +64,24 @@ def _cache_dir() -> Path:
 
 
 def _build() -> Path:
-    """Compile (or find the cached build of) ``bucket_topk.c``; returns its path."""
+    """Compile (or find the cached build of) the sources; returns the library's path."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
-    src = _SRC.read_bytes()
+    srcs = [f.read_bytes() for f in _SRCS]
     st = os.stat(cc)
-    key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS).encode(), cc.encode(),
+    key = hashlib.sha256(b"\0".join([*srcs, " ".join(_FLAGS).encode(), cc.encode(),
                                      str(st.st_mtime_ns).encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
     out_dir = _cache_dir()
-    out = out_dir / f"bucket_topk-{key}.so"
+    out = out_dir / f"hvdsparse_native-{key}.so"
     if out.is_file():
         return out
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SRC), "-lm"],
+        res = subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, _SRCS), "-lm"],
                              capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed ({res.returncode}): "
@@ -114,6 +118,8 @@ def _load():
         lib.hvd_mask.argtypes = [P, I64, P, P]
         for f in ("hvd_accumulate", "hvd_sample", "hvd_select", "hvd_mask"):
             getattr(lib, f).restype = None
+        lib.hvd_scatter_add_f32.argtypes = [P, I64, P, I64, P, I64, P, I64, P]
+        lib.hvd_scatter_add_f32.restype = I64
         _state["lib"] = lib
         _state["bucket_topk"] = _bucket_topk_namespace(lib)
         return lib
@@ -211,3 +217,38 @@ def _bucket_topk_namespace(lib) -> SimpleNamespace:
     ns.threshold_and_select = threshold_and_select
     ns.mask = mask
     return ns
+
+
+def scatter_add_f32(dense: torch.Tensor, indices: torch.Tensor, counts, values: torch.Tensor):
+    """``dense[indices[p, j]] += values[p, j]`` for every row ``p`` (in order) and ``j <
+    counts[p]`` (host ints, each in ``[0, indices.shape[1]]``); the same bits as
+    ``index_add_`` row by row. Returns None, or the first ``(row, slot)`` whose index is
+    outside ``[0, dense.numel())`` -- then nothing was written. ``dense``: contiguous
+    fp32 CPU; ``indices`` int32 and ``values`` fp32 CPU ``[P, >= cap]`` with unit
+    column stride (rows may be strided views into a message). Raises RuntimeError when
+    :func:`available` is False."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"hvdsparse.native is unavailable: {_state.get('why')}")
+    P = indices.shape[0]
+    for name, t, dt in (("dense", dense, torch.float32), ("indices", indices, torch.int32),
+                        ("values", values, torch.float32)):
+        if t.device.type != "cpu" or t.dtype != dt:
+            raise ValueError(f"hvdsparse.native.scatter_add_f32: {name} must be a CPU {dt} "
+                             f"tensor, got {t.dtype} on {t.device}")
+    if not dense.is_contiguous() or indices.dim() != 2 or values.dim() != 2 or \
+            values.shape[0] != P or indices.stride(1) != 1 or values.stride(1) != 1:
+        raise ValueError(f"hvdsparse.native.scatter_add_f32: dense must be contiguous and "
+                         f"indices / values [P, cap] rows with unit column stride, got "
+                         f"{tuple(indices.shape)} / {tuple(values.shape)}")
+    cnt = torch.tensor([int(c) for c in counts], dtype=torch.int64)
+    if cnt.numel() != P or bool(((cnt < 0) | (cnt > min(indices.shape[1],
+                                                          values.shape[1]))).any()):
+        raise ValueError(f"hvdsparse.native.scatter_add_f32: counts must be P={P} ints in "
+                         f"[0, {min(indices.shape[1], values.shape[1])}], got {cnt.tolist()}")
+    bad = torch.zeros(2, dtype=torch.int64)
+    if lib.hvd_scatter_add_f32(dense.data_ptr(), dense.numel(), indices.data_ptr(),
+                               indices.stride(0), values.data_ptr(), values.stride(0),
+                               cnt.data_ptr(), P, bad.data_ptr()):
+        return int(bad[0]), int(bad[1])
+    return None

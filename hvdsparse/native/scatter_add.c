@@ -1,0 +1,55 @@
+/* Decode + accumulate of fp32 (index, value) rows on the CPU: the compiled twin of the
+ * fp32 branch of kernels/scatter.py, called by hvdsparse/cpu.py:scatter_add_decode.
+ *
+ *   dense[idx[p][j]] += val[p][j]    for p = 0 .. P-1 (row order), j < count[p] (slot order)
+ *
+ * Every row's indices are checked against [0, N) before anything is written (the CPU
+ * path raises and writes nothing on a bad message, kernels/scatter.py skips the slot
+ * and sets a flag instead). Rows are added one after the other in rank order, each
+ * element receiving its addends in that order, so the fp32 sum is the same as
+ * torch's index_add_ row by row (and the Triton kernel's stream-ordered launches): the
+ * same bits on every rank and every run. Repeated indices inside one (malformed) row
+ * accumulate in slot order.
+ *
+ * Why: the torch route makes an int64 copy of each row's indices and checks their range
+ * in separate passes before index_add_; this reads each int32 index twice (check, add)
+ * and each value once, without temporaries (the wide MLP's TopK decode at P = 4,
+ * codec.accumulate: about 4 -> 2 ms, one thread).
+ * Rows are strided views into the received message (istride / vstride elements apart).
+ */
+#include <stdint.h>
+
+/* 0 when every index is in range (then all rows are added), else 1 with the first bad
+ * (row, slot) in bad[0], bad[1] and nothing written. */
+int64_t hvd_scatter_add_f32(float *dense, int64_t N, const int32_t *idx, int64_t istride,
+                            const float *val, int64_t vstride, const int64_t *count,
+                            int64_t P, int64_t *bad)
+{
+    for (int64_t p = 0; p < P; p++) {
+        const int32_t *ix = idx + p * istride;
+        int64_t c = count[p];
+        int any = 0;
+        for (int64_t j = 0; j < c; j++) {          /* branch-free: vectorised */
+            int64_t i = ix[j];
+            any |= (i < 0) | (i >= N);
+        }
+        if (any) {
+            for (int64_t j = 0; j < c; j++) {
+                int64_t i = ix[j];
+                if (i < 0 || i >= N) {
+                    bad[0] = p;
+                    bad[1] = j;
+                    return 1;
+                }
+            }
+        }
+    }
+    for (int64_t p = 0; p < P; p++) {
+        const int32_t *ix = idx + p * istride;
+        const float *v = val + p * vstride;
+        int64_t c = count[p];
+        for (int64_t j = 0; j < c; j++)
+            dense[ix[j]] += v[j];
+    }
+    return 0;
+}

@@ -245,8 +245,9 @@ class LayerScheduler:
         self._nf_slot: Dict[str, int] = {}          # layer -> index in _dense_order
         self._nf_step: Optional[torch.Tensor] = None
         self._nf_given: Dict[str, torch.Tensor] = {}  # layer -> slice handed out this step
-        # The bucket path (device only, TopK): a layer's compression waits for the rest
-        # of its bucket, then the bucket is compressed in a fixed number of launches
+        # The bucket path (TopK; Threshold between its refreshes; on the device path or
+        # the CPU with the compiled loops): a layer's compression waits for the rest of
+        # its bucket, then the bucket is compressed in a fixed number of launches
         # (compressors/topk_bucket.py; same bits as per layer). HVDSPARSE_BUCKET_PATH=0
         # turns it off (benchmarks compare the two).
         self._bucket_path = os.environ.get("HVDSPARSE_BUCKET_PATH", "1") != "0" and \

@@ -32,12 +32,18 @@ Per bucket and step (``hvdsparse/compressors/topk_bucket.py`` drives them)::
                            |r_j| >= t_j into slots out_j + [0, cap_j) (indices local to the
                            layer), residual zeroed where sent (fp32) or left with the cast
                            error (fp16 / bf16); count[j] = [sent, selected]
-    clamp       1 launch   count[j, 0] = min(count[j, 1], cap_j)
+    clamp       1 launch   count[j, 0] = min(count[j, 1], cap_j); MODE_GUARD rows
+                           (Threshold's overflow guard) also write the next step's
+                           threshold to C_TOUT: ratio = fp32(selected) / fp32(cap_j),
+                           tau' = ratio > 1 ? tau * min(sqrt(ratio), 2) : tau (div_rn,
+                           sqrt_rn: threshold.py's torch expression, bit for bit)
     mask        1 launch   (after the exchange) u_j[idx] = 0 for the sent slots
 
 Each segment's threshold follows ``kernels/refine.py``'s rule (the same ``_replay``):
 ``v`` is row ``j`` of the sorted sample, ``r0``, ``m``, ``k``, ``capacity`` its own.
-Small layers take the exact route of ``estimate_topk_threshold`` (the sample is the
+Rows on ``ROUTE_GIVEN`` (``Threshold``, DCT-DP, between its refreshes) read their
+threshold from the fp32 tensor at ``C_TIN`` instead: one sampled element, no counting
+rounds, the same select. Small layers take the exact route of ``estimate_topk_threshold`` (the sample is the
 whole layer, ``r0 = k``, no refinement: ``t`` = the k-th largest ``|r|``); their
 programs skip the counting passes. Every product and sum is its own fp32 rounding
 (``enable_fp_fusion=False``; ``div_rn`` in the replay), so a segment's payload,
@@ -62,9 +68,12 @@ from .select import _reserve_slots, _store_float_values
 # columns of the segment table (int64); fp32 values are stored as their bits
 C_G, C_R, C_U, C_P, C_N, C_MODE, C_M, C_C, C_WD, C_NF = range(10)
 C_RK, C_RCAP, C_CAP, C_STRIDE, C_OFF, C_S, C_R0, C_MLEN, C_OUT, C_BLK0 = range(10, 20)
-C_EXACT, C_TGT = 20, 21
-W = 22
-MODE_MOMENTUM, MODE_NESTEROV, MODE_WD = 1, 2, 4
+C_EXACT, C_TGT, C_TIN, C_TOUT = 20, 21, 22, 23
+W = 24
+MODE_MOMENTUM, MODE_NESTEROV, MODE_WD, MODE_GUARD = 1, 2, 4, 8
+#: threshold routes (column C_EXACT): sampled + refined, the exact k-th largest of a
+#: small layer, or given (Threshold / DCT: the reused tau read from C_TIN)
+ROUTE_SAMPLED, ROUTE_EXACT, ROUTE_GIVEN = 0, 1, 2
 #: grad / param dtypes the accumulate kernel reads (``GDT``)
 GDT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 VE_FP32, VE_FP16, VE_BF16 = 0, 1, 2
@@ -96,6 +105,8 @@ _OUT = tl.constexpr(C_OUT)
 _BLK0 = tl.constexpr(C_BLK0)
 _EXACT = tl.constexpr(C_EXACT)
 _TGT = tl.constexpr(C_TGT)
+_TIN = tl.constexpr(C_TIN)
+_TOUT = tl.constexpr(C_TOUT)
 
 
 @triton.jit
@@ -219,7 +230,11 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
                    cnt_ptr, tiny, W: tl.constexpr, ROUNDS: tl.constexpr, VE: tl.constexpr,
                    BLOCK: tl.constexpr):
     j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
-    t = tl.maximum(_row_replay(row, v_ptr, Mmax, counts_ptr, R, j, ROUNDS), tiny)
+    if tl.load(row + _EXACT) == 2:             # ROUTE_GIVEN: Threshold's reused tau
+        t = tl.load(_fptr(row, _TIN))
+    else:
+        t = _row_replay(row, v_ptr, Mmax, counts_ptr, R, j, ROUNDS)
+    t = tl.maximum(t, tiny)
     if lb == 0:
         tl.store(tau_ptr + j, t)
     rp = _fptr(row, _R)
@@ -233,11 +248,19 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
 
 
 @triton.jit
-def _clamp_kernel(tab_ptr, cnt_ptr, W: tl.constexpr):
+def _clamp_kernel(tab_ptr, cnt_ptr, tau_ptr, W: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
-    cap = tl.load(tab_ptr + j * W + _CAP)
+    row = tab_ptr + j * W
+    cap = tl.load(row + _CAP)
     sel = tl.load(cnt_ptr + j * 2 + 1).to(tl.int64)
     tl.store(cnt_ptr + j * 2, tl.minimum(sel, cap).to(tl.int32))
+    if (tl.load(row + _MODE) & 8) != 0:
+        # MODE_GUARD (Threshold's overflow guard): the next step's tau, into a new tensor
+        # ratio = fp32(selected) / fp32(cap); tau' = ratio > 1 ? tau * min(sqrt(ratio), 2)
+        t = tl.load(tau_ptr + j)
+        ratio = tl.math.div_rn(sel.to(tl.float32), cap.to(tl.float32))
+        up = tl.minimum(tl.math.sqrt_rn(ratio), 2.0)
+        tl.store(_fptr(row, _TOUT), tl.where(ratio > 1.0, t * up, t))
 
 
 @triton.jit
@@ -285,7 +308,7 @@ def threshold_and_select(tab, blk, L, smax, mmax, rounds, capacity_total, ve, *,
     _select_kernel[(nblk,)](tab, blk, V, mmax, counts, R, tau, idx, vals, cnt, _TINY, W=W,
                             ROUNDS=rounds, VE=ve, BLOCK=block, num_warps=16,
                             enable_fp_fusion=False)
-    _clamp_kernel[(L,)](tab, cnt, W=W, num_warps=1)
+    _clamp_kernel[(L,)](tab, cnt, tau, W=W, num_warps=1, enable_fp_fusion=False)
     return idx, vals, cnt, tau
 
 

@@ -254,3 +254,96 @@ def test_native_bucket_path_refinement_and_capacity(monkeypatch):
             assert a[4] == b[4] and a[5] == b[5], where
     tie = res["layer"][0]["tie"]
     assert tie[4] > int(tie[0][0]), "the tie layer must overflow its capacity"
+
+
+# ------------------------------------------------------------------ Threshold (DCT-DP)
+# Between refreshes a Threshold layer rides the bucket path on ROUTE_GIVEN: its reused
+# tau is read from the layer's tensor, and the clamp launch (the C select on the CPU)
+# writes the overflow guard's next tau into a new tensor. Refresh steps stay per layer.
+
+def _run_threshold(path, mc, seed, steps=5, life_span=3):
+    from hvdsparse.compressors import Threshold
+    params, opt = _setup(torch.float32, seed)
+    comp = Threshold(0.99, life_span=life_span, output_ratio=None, seed=7)
+    comp.register_layers([(n, params[n].shape) for n, _, _ in LAYERS])
+    lu = LocalUpdate(opt, params, 1, momentum_correction=mc, clip_grad_norm=None)
+    hist, routes = [], []
+    for step in range(steps):
+        grads = {n: g * (1 + step) for n, g in _grads(torch.float32, step, seed).items()}
+        comp.begin_step(step)
+        lu.begin_step()
+        nfs = {n: torch.zeros(1, dtype=torch.int32, device=DEV) for n in grads}
+        payloads, items, plans = {}, [], []
+        for n, _, _ in LAYERS:
+            pl = None
+            if path == "bucket":
+                ok, spec = lu.bucket_spec(n, grads[n], False)
+                assert ok
+                pl = TB.layer_plan(comp, n, grads[n], step, params[n].detach(), spec)
+            if pl is None:                 # refresh step (or the per-layer reference)
+                kw = {}
+                if lu.wants(n):
+                    x, _ = lu.corrected(n, grads[n], params[n], False, None, nonfinite=nfs[n])
+                else:
+                    x = grads[n]
+                payloads[n] = comp.compress(n, x, step, param=params[n].detach(),
+                                            nonfinite=nfs[n], **kw)
+            else:
+                items.append(TB.BucketItem(n, grads[n], params[n].detach(), nfs[n], spec))
+                plans.append(pl)
+        routes.append(sorted({pl["exact"] for pl in plans}))
+        if items:
+            pays, batch = TB.compress_bucket(comp, items, plans, step)
+            payloads.update(pays)
+        for n, _, _ in LAYERS:
+            if n not in {it.name for it in items}:
+                lu.mask(n, payloads[n])
+        if items:
+            TB.mask_bucket(batch)
+        comp.commit()
+        st = comp.stats()
+        hist.append(dict(
+            pairs={n: _payload_pairs(payloads[n]) for n in payloads},
+            stats={n: (st[n]["selected"], st[n]["threshold"], st[n]["nonfinite"],
+                       st[n]["total_sent"], st[n]["steps"]) for n in payloads},
+            res={n: comp.residual(n).clone() for n in payloads},
+            tau={n: comp.current_threshold(n).clone() for n in payloads},
+            u={n: lu.u[n].clone() for n in lu.u},
+            nf={n: int(nfs[n]) for n in nfs}))
+    return hist, routes
+
+
+@pytest.mark.parametrize("backend", ["triton", "native"])
+def test_threshold_bucket_path_matches_per_layer_path(monkeypatch, backend):
+    if backend == "triton":
+        if DEV.type == "cpu":
+            monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")
+    else:
+        if DEV.type != "cpu":
+            pytest.skip("the CPU twin")
+        _native_or_skip()
+        monkeypatch.delenv("HVDSPARSE_FORCE_TRITON", raising=False)
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    ref, _ = _run_threshold("layer", True, seed)
+    got, routes = _run_threshold("bucket", True, seed)
+    # refreshes (steps 0 and 3) per layer, the others on the given route
+    assert routes == [[], [2], [2], [], [2]], routes
+    raised = 0
+    for step, (a, b) in enumerate(zip(ref, got)):
+        for n in a["pairs"]:
+            ca, ia, va = a["pairs"][n]
+            cb, ib, vb = b["pairs"][n]
+            where = f"seed {seed} step {step} layer {n}"
+            assert ca == cb and ca > 0, where
+            assert torch.equal(ia, ib), where
+            assert torch.equal(va.view(torch.int32), vb.view(torch.int32)), where
+            assert torch.equal(a["res"][n].view(torch.int32), b["res"][n].view(torch.int32)), where
+            assert torch.equal(a["tau"][n].view(torch.int32), b["tau"][n].view(torch.int32)), where
+            if step in (1, 4) and not torch.equal(a["tau"][n], ref[step - 1]["tau"][n]):
+                raised += 1                 # the overflow guard moved tau
+        assert a["nf"] == b["nf"] and a["nf"]["c"] == 2, (seed, step)
+        assert a["stats"] == b["stats"], (seed, step)
+        for n in a["u"]:
+            assert torch.equal(a["u"][n].view(torch.int32), b["u"][n].view(torch.int32)), \
+                (seed, step, n)
+    assert raised > 0, "no step exercised the overflow guard"

@@ -469,7 +469,7 @@ def test_threshold_reuse_and_refresh(guard):
         if step % L == 0:
             assert tau == float(torch.topk(acc.abs(), k).values[-1])
         elif guard and overflowed[-1]:
-            want = torch.tensor(taus[-1]) * torch.tensor(st_prev["selected"] / cap).sqrt().clamp_max(2.0)
+            want = torch.tensor(taus[-1]) * torch.tensor(st_prev["selected"] / cap).double().sqrt().float().clamp_max(2.0)
             assert tau == pytest.approx(float(want), rel=1e-6)
         else:
             assert tau == taus[-1]

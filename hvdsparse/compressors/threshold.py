@@ -63,7 +63,7 @@ class Threshold(TopK):
     docstring. ``output_ratio``: as TopK's, the output layer (the last compressed
     parameter) runs at sparsity ``min(sparsity, 1 - output_ratio)``; ``None``: off."""
 
-    bucket_path = False      # its own _compress (threshold reuse): per layer
+    bucket_path = True       # between refreshes (topk_bucket.layer_plan: ROUTE_GIVEN)
 
     _settings = ("sparsity", "life_span", "values", "slack", "quant_bucket",
                  "error_feedback")
@@ -177,8 +177,12 @@ class Threshold(TopK):
         if self.overflow_guard:
             # raise tau for the next steps when more than `capacity` passed it (device
             # scalar ops only; see the module docstring)
+            # (the sqrt through float64: correctly rounded on every device -- torch's
+            # fp32 CPU sqrt is not, in ~14% of inputs -- so the bucket path's kernels,
+            # sqrt_rn / sqrtf, give the same bits)
             ratio = cnt[1].to(torch.float32) / float(cap)
-            st["tau"] = torch.where(ratio > 1.0, tau * ratio.sqrt().clamp_max(2.0), tau)
+            up = ratio.double().sqrt().float().clamp_max(2.0)
+            st["tau"] = torch.where(ratio > 1.0, tau * up, tau)
         return LayerPayload(name, shape, [seg]), dict(selected=cnt[1:2], threshold=tau,
                                                       density=d,
                                                       extra=dict(refreshed=refresh))

@@ -8,12 +8,17 @@ Same math, same bits as :class:`~hvdsparse.compressors.topk.TopK`'s per-layer pa
 (``TopK._compress`` after ``LocalUpdate.corrected``): error feedback, momentum
 correction (plain / Nesterov, dampening, weight decay), AMP's inverse loss scale,
 non-finite counting, the sampled threshold estimate with its refinement rounds, the exact
-route of small layers, fp32 / fp16 / bf16 values. A layer takes this path when
+route of small layers, fp32 / fp16 / bf16 values; and :class:`~hvdsparse.compressors.
+threshold.Threshold`'s between its refreshes (``Threshold._compress``: the reused tau
+given to the select, the overflow guard's next tau written by the clamp launch). A
+layer takes this path when
 :func:`layer_plan` says it can; everything else (quantised values, ``exact``,
 ``per_bucket``, no error feedback, a layer that goes dense this step, local clipping, the
-Adam recipe; on the CPU also fp16 / bf16 gradients or values, and every layer when the
-compiled loops are unavailable: :func:`hvdsparse.native.available`) stays per layer. tests/test_bucket_topk.py compares the two
-paths bit for bit on fresh data; tests/test_paths_agree.py trains through it at P = 2.
+Adam recipe, Threshold's refresh steps and ``record_true_threshold``; on the CPU also
+fp16 / bf16 gradients or values, and every layer when the compiled loops are
+unavailable: :func:`hvdsparse.native.available`) stays per layer.
+tests/test_bucket_topk.py compares the two paths bit for bit on fresh data;
+tests/test_paths_agree.py trains through it at P = 2.
 
 Host work per bucket and step: the segment table (sizes, capacities, sample layout,
 tensor addresses; a few host integers per layer, no device read) and one host-to-device
@@ -21,6 +26,7 @@ copy of it (pinned, non-blocking on CUDA). No host synchronisation.
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List, NamedTuple, Optional
 
 import numpy as np
@@ -28,7 +34,7 @@ import torch
 
 from .. import native, ops
 from ..payload import FLOAT_DTYPES, IndexEncoding, LayerPayload, Segment, ValueEncoding
-from .base import PURPOSE_SAMPLE
+from .base import PURPOSE_SAMPLE, k_of
 
 __all__ = ["MomentumSpec", "BucketItem", "BucketBatch", "layer_plan", "compress_bucket",
            "mask_bucket", "takes"]
@@ -86,8 +92,10 @@ def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
                momentum: Optional[MomentumSpec] = None) -> Optional[dict]:
     """Host integers of layer ``name`` at ``step`` when the bucket path can compress it
     with exactly the per-layer result, else None (the caller compresses it per layer)."""
+    from .threshold import Threshold
     from .topk import TopK, sample_layout
-    if not isinstance(comp, TopK) or type(comp)._compress is not TopK._compress:
+    given = isinstance(comp, Threshold) and type(comp)._compress is Threshold._compress
+    if not given and (not isinstance(comp, TopK) or type(comp)._compress is not TopK._compress):
         return None
     if grad.is_sparse or not grad.is_contiguous() or not takes(grad):
         return None
@@ -102,13 +110,17 @@ def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
         return None
     cfg = comp.layer_cfg(name)
     enc = cfg["values"]
-    if cfg["exact"] or cfg["per_bucket"] or not cfg["error_feedback"] or \
-            enc not in _VE_CODE or (on_cpu and enc != ValueEncoding.FP32):
+    if not cfg["error_feedback"] or enc not in _VE_CODE or \
+            (on_cpu and enc != ValueEncoding.FP32):
+        return None
+    if not given and (cfg["exact"] or cfg["per_bucket"]):
         return None
     if momentum is not None and momentum.weight_decay and \
             (param is None or param.dtype != grad.dtype or not param.is_contiguous()
              or param.device != grad.device):
         return None
+    if given:
+        return _given_plan(comp, name, grad, step, cfg, n, enc)
     d = comp.density(step, cfg["ratio"])
     k, cap = comp._k_and_capacity(n, d, cfg)
     if not comp._sparse_is_worth_it(n, cap, enc):
@@ -121,6 +133,31 @@ def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
                     rcap=2 ** 31 - 1)
     s, stride, off, r0, m = lay
     return dict(common, exact=0, s=s, stride=stride, off=off, r0=r0, m=m, rk=k, rcap=cap)
+
+
+def _given_plan(comp, name, grad, step, cfg, n, enc) -> Optional[dict]:
+    """Threshold (DCT-DP) between refreshes: the layer's reused ``tau`` is the row's given
+    threshold (``ROUTE_GIVEN``: no sample, no counting round) and, with the overflow
+    guard, the clamp launch writes the next step's ``tau`` into a new tensor. Refresh
+    steps (a ``topk`` of the layer), ``record_true_threshold`` and a ``tau`` on another
+    device stay per layer (``Threshold._compress``)."""
+    if comp.record_true_threshold:
+        return None
+    d = comp.density(step, cfg["sparsity"])
+    k = k_of(d, n)
+    cap = min(n, math.ceil(cfg["slack"] * k))
+    if not comp._sparse_is_worth_it(n, cap, enc):
+        return None
+    st = comp._layers.get(name)
+    if st is None or st["tau"] is None or step % cfg["life_span"] == 0 or st["k"] != k:
+        return None                                # a refresh step
+    tau = st["tau"]
+    if not isinstance(tau, torch.Tensor) or tau.dtype != torch.float32 or \
+            tau.numel() != 1 or tau.device != grad.device or not tau.is_contiguous():
+        return None
+    return dict(n=n, k=k, cap=cap, d=d, enc=enc, rounds=0, target=0.0,
+                qb=cfg["quant_bucket"], exact=2, s=1, stride=1, off=0, r0=1, m=1, rk=0,
+                rcap=2 ** 31 - 1, tau=tau, guard=comp.overflow_guard)
 
 
 def group_key(plan: dict, item: BucketItem):
@@ -184,6 +221,14 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         row[K.C_STRIDE], row[K.C_OFF], row[K.C_S] = pl["stride"], pl["off"], pl["s"]
         row[K.C_R0], row[K.C_MLEN], row[K.C_EXACT] = pl["r0"], pl["m"], pl["exact"]
         row[K.C_TGT] = _bits(pl["target"])
+        if pl["exact"] == K.ROUTE_GIVEN:
+            row[K.C_TIN] = pl["tau"].data_ptr()
+            if pl["guard"]:
+                # the next step's tau: a new tensor (layer state is replaced, never
+                # modified in place: rollback snapshots and the history share tensors)
+                pl["tau_out"] = torch.empty((), dtype=torch.float32, device=dev)
+                row[K.C_TOUT] = pl["tau_out"].data_ptr()
+                row[K.C_MODE] = row[K.C_MODE] | K.MODE_GUARD
         row[K.C_OUT] = out
         row[K.C_BLK0] = blk0
         out += pl["cap"]
@@ -206,7 +251,12 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
                       indices=idx[o:o + cap], scales=None, quant_bucket=pl["qb"])
         payload = LayerPayload(it.name, it.grad.shape, [seg])
         payload.nonfinite = it.nonfinite
-        comp._stats.record(it.name, step, payload, extra=dict(nonfinite=it.nonfinite),
+        extra = dict(nonfinite=it.nonfinite)
+        if pl["exact"] == K.ROUTE_GIVEN:
+            extra["refreshed"] = False             # as Threshold._compress records it
+            if pl["guard"]:
+                comp._layers[it.name]["tau"] = pl["tau_out"]
+        comp._stats.record(it.name, step, payload, extra=extra,
                            selected=cnt[j, 1:2], threshold=tau[j], density=pl["d"])
         payloads[it.name] = payload
     batch = BucketBatch([it.name for it in items], table, idx, cnt,

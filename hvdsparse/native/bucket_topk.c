@@ -17,13 +17,16 @@
  *   hvd_sample       S[j][i] = |r_j[off_j + stride_j * i]| for i < s_j, -1 after
  *   (torch.topk of S, by the caller)
  *   hvd_select       per row: the refinement rounds (kernels/refine.py's rule; a round
- *                    whose threshold did not move reuses the count), then the selection
+ *                    whose threshold did not move reuses the count) -- or, on
+ *                    ROUTE_GIVEN (Threshold between refreshes), t = *C_TIN --, then the selection
  *                    |r| >= max(t, tiny) in ascending index order into the row's slots
  *                    [out, out + cap), the residual of a sent element set to +0 (fp32
  *                    values), cnt[j] = {min(selected, cap), selected}, tau[j] = t.
  *                    Every counting pass also collects the first cap indices it finds,
  *                    so when the final threshold is the last counted one (the usual
  *                    case: the sampled estimate is in range) the layer is read once.
+ *                    MODE_GUARD rows: ratio = selected / cap (fp32), *C_TOUT = ratio > 1
+ *                    ? t * min(sqrt(ratio), 2) : t (threshold.py's overflow guard).
  *   hvd_mask         momentum rows: u[idx[out + i]] = 0 for i < cnt[j][0], 0 <= idx < n
  *
  * Only fp32 gradients, parameters and values: the loader's caller (topk_bucket.layer_plan)
@@ -40,11 +43,12 @@
 
 #define COLUMNS(X) X(C_G) X(C_R) X(C_U) X(C_P) X(C_N) X(C_MODE) X(C_M) X(C_C) X(C_WD) \
     X(C_NF) X(C_RK) X(C_RCAP) X(C_CAP) X(C_STRIDE) X(C_OFF) X(C_S) X(C_R0) X(C_MLEN) \
-    X(C_OUT) X(C_BLK0) X(C_EXACT) X(C_TGT)
+    X(C_OUT) X(C_BLK0) X(C_EXACT) X(C_TGT) X(C_TIN) X(C_TOUT)
 #define AS_ENUM(c) c,
 #define AS_NAME(c) #c " "
 enum { COLUMNS(AS_ENUM) W };
-enum { MODE_MOMENTUM = 1, MODE_NESTEROV = 2, MODE_WD = 4 };
+enum { MODE_MOMENTUM = 1, MODE_NESTEROV = 2, MODE_WD = 4, MODE_GUARD = 8 };
+enum { ROUTE_SAMPLED = 0, ROUTE_EXACT = 1, ROUTE_GIVEN = 2 };   /* column C_EXACT */
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define HOT __attribute__((target_clones("avx2", "default")))
@@ -52,10 +56,11 @@ enum { MODE_MOMENTUM = 1, MODE_NESTEROV = 2, MODE_WD = 4 };
 #define HOT
 #endif
 
-/* "C_G C_R ... C_TGT |MODE_MOMENTUM=1 MODE_NESTEROV=2 MODE_WD=4": the table layout */
+/* "C_G C_R ... C_TOUT |MODE_MOMENTUM=1 ... ROUTE_GIVEN=2": the table layout */
 const char *hvd_layout(void)
 {
-    return COLUMNS(AS_NAME) "|MODE_MOMENTUM=1 MODE_NESTEROV=2 MODE_WD=4";
+    return COLUMNS(AS_NAME) "|MODE_MOMENTUM=1 MODE_NESTEROV=2 MODE_WD=4 MODE_GUARD=8 "
+                            "ROUTE_SAMPLED=0 ROUTE_EXACT=1 ROUTE_GIVEN=2";
 }
 
 static inline float cell_f32(const int64_t *row, int col)
@@ -286,7 +291,8 @@ void hvd_select(const int64_t *tab, int64_t L, const float *V, int64_t mmax,
         int have = 0;             /* slots hold the collection at threshold `held` */
         float held = 0.0f;
         int64_t held_count = 0;
-        if (row[C_EXACT] == 0) {
+        int64_t route = row[C_EXACT];
+        if (route == ROUTE_SAMPLED) {
             for (int64_t q = 0; q < rounds; q++) {
                 float t = replay(v, cn, r0, mf, kf, capf, target, (int)q);
                 if (have && t == held) {
@@ -299,7 +305,8 @@ void hvd_select(const int64_t *tab, int64_t L, const float *V, int64_t mmax,
                 cn[q] = (int32_t)held_count;
             }
         }
-        float t = replay(v, cn, r0, mf, kf, capf, target, (int)rounds);
+        float t = route == ROUTE_GIVEN ? *(const float *)cell_ptr(row, C_TIN)
+                                       : replay(v, cn, r0, mf, kf, capf, target, (int)rounds);
         t = fmaxf(t, tiny);
         tau[j] = t;
         if (!(have && t == held))
@@ -313,6 +320,12 @@ void hvd_select(const int64_t *tab, int64_t L, const float *V, int64_t mmax,
         }
         cnt[2 * j] = (int32_t)sent;
         cnt[2 * j + 1] = (int32_t)held_count;
+        if (row[C_MODE] & MODE_GUARD) {
+            /* Threshold's overflow guard: the next step's tau, into a new tensor */
+            float ratio = (float)held_count / (float)cap;
+            float up = fminf(sqrtf(ratio), 2.0f);
+            *(float *)cell_ptr(row, C_TOUT) = ratio > 1.0f ? t * up : t;
+        }
     }
 }
 

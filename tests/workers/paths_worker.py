@@ -15,8 +15,8 @@ Layers are large enough for TopK's sampled estimate (65,536-element weights, so 
 refinement kernel runs) and AdaComp's 500-element bins; SGD with momentum 0.9 and
 weight decay, so momentum correction (the default) and its masking run. TopK's forced
 run goes through the bucket path (every layer of a bucket in one launch sequence,
-``compressors/topk_bucket.py``), so this also checks that path against the CPU path;
-the CPU run of TopK with fp32 values takes the bucket path too, through the compiled
+``compressors/topk_bucket.py``; Threshold's too, after its step-0 refresh), so this also
+checks that path against the CPU path; the CPU run of TopK / Threshold with fp32 values takes the bucket path too, through the compiled
 CPU loops (``hvdsparse/native``), and a third run with ``HVDSPARSE_BUCKET_PATH=0``
 (every layer on its own, numpy) must give the same bits.
 Prints ``HVDSPARSE-OK rank=<r>``.
@@ -101,7 +101,8 @@ for label, make, exchange, *nan in CASES:
     cpu, opt_c = train(make, False, exchange, *nan)
     tri, opt_t = train(make, True, exchange, *nan)
     runs = [("the CPU path", cpu, opt_c), ("the Triton path", tri, opt_t)]
-    topk = label.startswith("TopK")
+    # TopK, and Threshold between its refreshes, take the bucket path
+    topk = label.startswith(("TopK", "Threshold"))
     if topk:        # and the CPU path with every layer compressed on its own
         runs.append(("the CPU per-layer path", *train(make, False, exchange, *nan,
                                                       bucket_path=False)))
@@ -109,7 +110,8 @@ for label, make, exchange, *nan in CASES:
           f"{label}: skipped steps {[o.scheduler.skipped_steps for _, _, o in runs]}")
     check(opt_c.scheduler.local_update is not None or "QSGD" in label,
           f"{label}: momentum correction is not on")
-    # TopK's device path compresses whole buckets (compressors/topk_bucket.py); so does
+    # TopK's / Threshold's device path compresses whole buckets (compressors/
+    # topk_bucket.py); so does
     # the CPU path with the compiled loops (hvdsparse/native), for fp32 values only
     def bucketed(o):
         return [e for e in o.scheduler.events if e[0] == "bucket_path"]

@@ -477,7 +477,8 @@ def check_layer(case, kind, cfg, name, step, grad, rb, ra, pl, replay, policy_de
                        f"{sel.numel()} with |acc| >= tau={float(tau):.6g} (cap {cap})")
             # overflow guard: tau *= min(2, sqrt(selected / cap)) when selected > cap
             ratio = torch.tensor(float(sel.numel()), dtype=torch.float32) / float(cap)
-            replay.tau[name] = torch.where(ratio > 1.0, tau * ratio.sqrt().clamp_max(2.0), tau)
+            replay.tau[name] = torch.where(
+                ratio > 1.0, tau * ratio.double().sqrt().float().clamp_max(2.0), tau)
         return sent
     if kind == "adacomp":
         L = min(500, n)
@@ -782,10 +783,11 @@ def matrix_case(cname, exchange):
         case.fail(f"{type(e).__name__}: {e}")
         traceback.print_exc()
     case.notes.append(f"strategies {sorted(strategies)}")
-    if cname == "topk" and native.available() and \
+    if cname in ("topk", "threshold") and native.available() and \
             os.environ.get("HVDSPARSE_BUCKET_PATH", "1") != "0":
-        # the default path of fp32 TopK on the CPU: the matrix must have checked it
-        case.check(bool(cap.bucket_layers), "TopK's bucket path never ran")
+        # the default path of fp32 TopK (and Threshold between its refreshes) on the
+        # CPU: the matrix must have checked it
+        case.check(bool(cap.bucket_layers), f"{cname}: the bucket path never ran")
         case.notes.append(f"bucket path: {sorted(cap.bucket_layers)}")
     if avg_forms:
         case.notes.append(f"allgather average bitwise = {'/'.join(sorted(avg_forms))}")

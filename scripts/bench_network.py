@@ -97,7 +97,10 @@ METHODS = {
 # the same method on another code path of the same tree (environment for every rank)
 METHODS["topk1_numpy"] = ("TopK 1%, per-layer numpy path (HVDSPARSE_NATIVE=0)",
                           METHODS["topk1"][1])
-METHOD_ENV = {"topk1_numpy": {"HVDSPARSE_NATIVE": "0"}}
+METHODS["threshold99_numpy"] = ("Threshold 99%, per-layer numpy path (HVDSPARSE_NATIVE=0)",
+                                METHODS["threshold99"][1])
+METHOD_ENV = {"topk1_numpy": {"HVDSPARSE_NATIVE": "0"},
+              "threshold99_numpy": {"HVDSPARSE_NATIVE": "0"}}
 DEFAULT_METHODS = [m for m in METHODS if not m.startswith("topk5") and m != "topk1_warmup"
                    and m not in METHOD_ENV]
 

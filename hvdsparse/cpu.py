@@ -45,7 +45,7 @@ from . import native
 from .philox import (_check_pos_int, _check_seed, _par_ranges, _par_run,  # noqa: F401
                      _philox_np_block, _philox_parallel, _philox_scratch,
                      _uint32_to_uniform_np, _PHILOX_CHUNK, _PHILOX_PAR_MIN,
-                     philox_uint32, philox_uniform)
+                     philox_uint32, philox_uniform, uniform_block)
 
 __all__ = [
     "residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
@@ -934,7 +934,6 @@ def _quantize_pack_np(v: np.ndarray, c: int, bits: int, B: int, seed: int,
 
     def work(s0, e0):
         scratch = _philox_scratch()
-        ramp = scratch[6]
         a = np.empty(L, np.float32)       # |v| -> r -> r - floor(r)
         fl = np.empty(L, np.float32)      # floor(r) -> q
         u = np.empty(L, np.float32)
@@ -969,13 +968,7 @@ def _quantize_pack_np(v: np.ndarray, c: int, bits: int, B: int, seed: int,
                 # u = tl.rand(seed, j)
                 U = u[:m]
                 for ps in range(0, m, _PHILOX_CHUNK):
-                    pe = min(ps + _PHILOX_CHUNK, m)
-                    pm = pe - ps
-                    ctr = scratch[5][:pm]
-                    np.add(ramp[:pm], np.uint64(bs + ps), out=ctr)
-                    w = U[ps:pe].view(np.uint32)
-                    _philox_np_block(seed, ctr, w, scratch)
-                    _uint32_to_uniform_np(w, U[ps:pe], scratch[4][:pm].view(np.int32)[:pm])
+                    uniform_block(seed, bs + ps, U[ps:min(ps + _PHILOX_CHUNK, m)], scratch)
                 # q = sign(v) * min(s, floor(r) + (u < r - floor(r)))
                 F = fl[:m]
                 np.floor(A, out=F)

@@ -10,7 +10,11 @@ Triton's ``uint_to_uniform_float``: ``i = int32(w)``, ``i < 0 -> -i - 1``,
 other devices and gives the same bits. ``hvdsparse.oracle`` has an independent
 textbook version that the tests compare against.
 
-Imports nothing of hvdsparse (dependency floor).
+With the compiled CPU loops (``hvdsparse/native/philox.c``, the same stream bit for
+bit, ~4x faster per thread than the numpy blocks) the CPU stream is generated there;
+without them (no compiler, ``HVDSPARSE_NATIVE=0``) in numpy.
+
+Imports nothing of hvdsparse but :mod:`hvdsparse.native` (itself on the floor).
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+
+from . import native
 
 __all__ = ["philox_uint32", "philox_uniform"]
 
@@ -217,10 +223,29 @@ def _philox_uint32_np(seed: int, ctr: np.ndarray) -> np.ndarray:
     return out
 
 
+def uniform_block(seed: int, start: int, out_f32: np.ndarray, scratch) -> None:
+    """``out_f32[i] = tl.rand(seed, start + i)`` for one contiguous block: the compiled
+    loop when available, else numpy (``scratch``: :func:`_philox_scratch`, blocks of at
+    most ``_PHILOX_CHUNK``)."""
+    if native.available():
+        native.philox_uniform(seed, start, out_f32)
+        return
+    m = out_f32.shape[0]
+    ctr = scratch[5][:m]
+    np.add(scratch[6][:m], np.uint64(start), out=ctr)
+    w = out_f32.view(np.uint32)
+    _philox_np_block(seed, ctr, w, scratch)
+    _uint32_to_uniform_np(w, out_f32, scratch[4][:m].view(np.int32)[:m])
+
+
 def _philox_uniform_np(seed: int, n: int, offset: int, out_f32: np.ndarray) -> None:
-    """``out_f32[i] = tl.rand(seed, offset + i)`` on the CPU, block by block."""
+    """``out_f32[i] = tl.rand(seed, offset + i)`` on the CPU, block by block (the
+    compiled loop per thread's range when available)."""
 
     def work(s0, e0):
+        if native.available():
+            native.philox_uniform(seed, offset + s0, out_f32[s0:e0])
+            return
         scratch = _philox_scratch()
         ramp = scratch[6]
         ctr_buf = scratch[5]          # pb is only written in the later rounds

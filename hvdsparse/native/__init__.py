@@ -2,7 +2,9 @@
 Triton kernels in ``kernels/bucket_topk.py`` with the same segment table and the same
 bits (``hvdsparse/compressors/topk_bucket.py`` drives either); and the fp32 decode +
 accumulate of received (index, value) rows (``scatter_add.c``, the twin of
-``kernels/scatter.py``'s fp32 branch, called by ``hvdsparse/cpu.py``).
+``kernels/scatter.py``'s fp32 branch, called by ``hvdsparse/cpu.py``); and the Philox
+uniforms of stochastic quantisation (``philox.c``, the twin of ``hvdsparse/philox.py``'s
+numpy stream and of Triton's ``tl.rand``).
 
 Why C: the numpy CPU path walks a layer once per operation (velocity update, residual
 add, finiteness check, counting, selection: ~10 passes over a layer per step for TopK
@@ -44,10 +46,12 @@ from typing import Optional
 
 import torch
 
-__all__ = ["available", "bucket_topk", "scatter_add_f32", "why_unavailable"]
+__all__ = ["available", "bucket_topk", "philox_uniform", "scatter_add_f32",
+           "why_unavailable"]
 
 _log = logging.getLogger(__name__)
-_SRCS = [Path(__file__).with_name(f) for f in ("bucket_topk.c", "scatter_add.c")]
+_SRCS = [Path(__file__).with_name(f) for f in ("bucket_topk.c", "scatter_add.c",
+                                                 "philox.c")]
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno",
           "-fno-trapping-math"]
 _lock = threading.Lock()
@@ -120,6 +124,8 @@ def _load():
             getattr(lib, f).restype = None
         lib.hvd_scatter_add_f32.argtypes = [P, I64, P, I64, P, I64, P, I64, P]
         lib.hvd_scatter_add_f32.restype = I64
+        lib.hvd_philox_uniform.argtypes = [ctypes.c_uint64, ctypes.c_uint64, I64, P]
+        lib.hvd_philox_uniform.restype = None
         _state["lib"] = lib
         _state["bucket_topk"] = _bucket_topk_namespace(lib)
         return lib
@@ -252,3 +258,24 @@ def scatter_add_f32(dense: torch.Tensor, indices: torch.Tensor, counts, values: 
                                cnt.data_ptr(), P, bad.data_ptr()):
         return int(bad[0]), int(bad[1])
     return None
+
+
+def philox_uniform(seed: int, offset: int, out) -> None:
+    """``out[i] = tl.rand(seed, offset + i)`` for a contiguous fp32 numpy array or CPU
+    tensor ``out`` (``hvdsparse.philox``'s stream, bit for bit). ``seed`` in [0, 2**63),
+    ``offset + len(out)`` <= 2**63 (the caller checks). Raises RuntimeError when
+    :func:`available` is False."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"hvdsparse.native is unavailable: {_state.get('why')}")
+    if isinstance(out, torch.Tensor):
+        ok = out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
+        ptr, n = out.data_ptr(), out.numel()
+    else:
+        ok = str(out.dtype) == "float32" and out.flags["C_CONTIGUOUS"]
+        ptr, n = out.ctypes.data, out.size
+    if not ok:
+        raise ValueError("hvdsparse.native.philox_uniform: out must be a contiguous CPU "
+                         "fp32 array")
+    if n:
+        lib.hvd_philox_uniform(int(seed), int(offset), int(n), ptr)

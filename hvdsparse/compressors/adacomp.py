@@ -47,7 +47,7 @@ import math
 import torch
 
 from ..payload import IndexEncoding, LayerPayload, Segment, ValueEncoding, bin_count_width
-from .. import ops
+from .. import native, ops
 from .base import TINY, Compressor, binned_rel, binned_topc, ceil_div, pack_signs
 
 __all__ = ["AdaComp"]
@@ -115,6 +115,16 @@ class AdaComp(Compressor):
             acc, _ = self._acc(name, flat, None, True)
             return (self._dense_from_acc(name, acc, shape, ValueEncoding.FP32, 0, 512),
                     dict())
+        if self._native_takes(flat, c):
+            # CPU with the compiled loops: accumulate, bin maxima and selection in one
+            # pass over the layer (hvdsparse/native/adacomp.c; the bits of the numpy
+            # route below: residual_add_binmax, then binned_select)
+            G = self._residual_for(name, flat)
+            gmax, gidx, rel, vmask, count, bin_counts, selected = native.adacomp_select(
+                flat, G, L, c, cfg["scale"], self._call.grad_scale, self._call.nonfinite)
+            scale = gmax.mean()
+            return self._pack(name, shape, n, cap, L, ienc, G, scale, gidx,
+                              binned_rel(rel, L), vmask, count, bin_counts, selected)
         G, gmax = self._acc(name, flat, L, True)             # G = residue + dW, in place
         scale = gmax.mean()                                  # one scale per layer
         thr = gmax.clamp_min(TINY).unsqueeze(1)
@@ -141,6 +151,20 @@ class AdaComp(Compressor):
                 else G
             gidx, rel, vmask, count, bin_counts, a = binned_topc(H.abs(), L, c, thr)
             selected = (a >= thr).sum(dtype=torch.int32).reshape(1)
+        return self._pack(name, shape, n, cap, L, ienc, G, scale, gidx, rel, vmask, count,
+                          bin_counts, selected)
+
+    def _native_takes(self, flat, c) -> bool:
+        """Whether the compiled CPU loop (``native.adacomp_select``) takes this layer."""
+        call = self._call
+        return flat.device.type == "cpu" and flat.dtype == torch.float32 and \
+            flat.is_contiguous() and c <= native.ADACOMP_MAX_C and \
+            call.nonfinite is not None and call.nonfinite.device.type == "cpu" and \
+            not ops.use_triton(flat) and native.available()
+
+    def _pack(self, name, shape, n, cap, L, ienc, G, scale, gidx, rel, vmask, count,
+              bin_counts, selected):
+        """Sign x scale for the kept slots, their residue, the payload (both CPU routes)."""
         g = G[gidx]
         neg = (g < 0) & vmask
         q = torch.where(neg, -scale, scale)

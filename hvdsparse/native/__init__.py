@@ -4,7 +4,8 @@ bits (``hvdsparse/compressors/topk_bucket.py`` drives either); and the fp32 deco
 accumulate of received (index, value) rows (``scatter_add.c``, the twin of
 ``kernels/scatter.py``'s fp32 branch, called by ``hvdsparse/cpu.py``); and the Philox
 uniforms of stochastic quantisation (``philox.c``, the twin of ``hvdsparse/philox.py``'s
-numpy stream and of Triton's ``tl.rand``).
+numpy stream and of Triton's ``tl.rand``); and AdaComp's accumulate + bin selection in
+one pass (``adacomp.c``, ``cpu.residual_add_binmax`` + ``cpu.binned_select``'s bits).
 
 Why C: the numpy CPU path walks a layer once per operation (velocity update, residual
 add, finiteness check, counting, selection: ~10 passes over a layer per step for TopK
@@ -46,12 +47,14 @@ from typing import Optional
 
 import torch
 
-__all__ = ["available", "bucket_topk", "philox_uniform", "scatter_add_f32",
-           "why_unavailable"]
+__all__ = ["adacomp_select", "available", "bucket_topk", "philox_uniform",
+           "scatter_add_f32", "why_unavailable"]
 
 _log = logging.getLogger(__name__)
 _SRCS = [Path(__file__).with_name(f) for f in ("bucket_topk.c", "scatter_add.c",
-                                                 "philox.c")]
+                                                 "philox.c", "adacomp.c")]
+#: the most slots per bin adacomp.c keeps (its per-bin buffer)
+ADACOMP_MAX_C = 256
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno",
           "-fno-trapping-math"]
 _lock = threading.Lock()
@@ -126,6 +129,9 @@ def _load():
         lib.hvd_scatter_add_f32.restype = I64
         lib.hvd_philox_uniform.argtypes = [ctypes.c_uint64, ctypes.c_uint64, I64, P]
         lib.hvd_philox_uniform.restype = None
+        lib.hvd_adacomp_select.argtypes = [P, P, I64, I64, I64, P, ctypes.c_float,
+                                           ctypes.c_float, P, P, P, P, P, P]
+        lib.hvd_adacomp_select.restype = I64
         _state["lib"] = lib
         _state["bucket_topk"] = _bucket_topk_namespace(lib)
         return lib
@@ -279,3 +285,53 @@ def philox_uniform(seed: int, offset: int, out) -> None:
                          "fp32 array")
     if n:
         lib.hvd_philox_uniform(int(seed), int(offset), int(n), ptr)
+
+
+def adacomp_select(grad: torch.Tensor, residual: torch.Tensor, bin_size: int, c: int,
+                   h_scale: float, grad_scale: Optional[torch.Tensor],
+                   nonfinite: torch.Tensor):
+    """AdaComp's accumulate and bin selection in one pass (``adacomp.c``): the residual
+    becomes ``G`` in place (non-finite gradient elements add nothing and are counted into
+    ``nonfinite``), and returns ``(gmax fp32[nb], gidx int64[nb*c], rel int64[nb*c],
+    vmask bool[nb*c], count int32[1], bin_counts int32[nb], selected int32[1])`` -- the
+    bits of ``cpu.residual_add_binmax`` followed by ``cpu.binned_select`` with the
+    threshold ``gmax.clamp_min(TINY)``. ``grad`` / ``residual``: contiguous fp32 CPU of
+    the same size; ``c`` in [1, ADACOMP_MAX_C]."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"hvdsparse.native is unavailable: {_state.get('why')}")
+    n = residual.numel()
+    for name, t in (("grad", grad), ("residual", residual)):
+        if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() \
+                or t.numel() != n:
+            raise ValueError(f"hvdsparse.native.adacomp_select: {name} must be a contiguous "
+                             f"CPU fp32 tensor of {n} elements, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    L, c = int(bin_size), int(c)
+    if not 1 <= L <= 65536 or not 1 <= c <= min(L, ADACOMP_MAX_C):
+        raise ValueError(f"hvdsparse.native.adacomp_select: bin_size {L} / c {c} outside "
+                         f"[1, 65536] / [1, min(bin_size, {ADACOMP_MAX_C})]")
+    if nonfinite.dtype != torch.int32 or nonfinite.device.type != "cpu" or \
+            not nonfinite.is_contiguous():
+        raise ValueError("hvdsparse.native.adacomp_select: nonfinite must be a CPU int32 "
+                         "counter")
+    s = None
+    if grad_scale is not None:
+        s = grad_scale.detach().reshape(-1)[:1].to(torch.float32).contiguous()
+    nb = -(-n // L)
+    gmax = torch.empty(nb, dtype=torch.float32)
+    gidx = torch.zeros(nb * c, dtype=torch.int64)
+    rel = torch.zeros(nb * c, dtype=torch.int64)
+    bin_counts = torch.empty(nb, dtype=torch.int32)
+    sel = torch.zeros(1, dtype=torch.int64)
+    hm1 = float(torch.tensor(float(h_scale) - 1.0, dtype=torch.float32))
+    tiny = float(torch.finfo(torch.float32).tiny)
+    count = lib.hvd_adacomp_select(grad.data_ptr(), residual.data_ptr(), n, L, c,
+                                   None if s is None else s.data_ptr(), hm1, tiny,
+                                   gmax.data_ptr(), gidx.data_ptr(), rel.data_ptr(),
+                                   bin_counts.data_ptr(), sel.data_ptr(),
+                                   nonfinite.data_ptr())
+    vmask = torch.zeros(nb * c, dtype=torch.bool)
+    vmask[:count] = True
+    return (gmax, gidx, rel, vmask, torch.tensor([count], dtype=torch.int32), bin_counts,
+            sel.to(torch.int32))

@@ -1226,11 +1226,11 @@ def _check_scatter_args(dense, indices, count, values, codes, scales, bits, buck
     return ind, P, cap, cnt, vals, cds, scl, bits, bucket_size, sgn, ssc
 
 
-def _native_scatter(dense, ind, vals) -> bool:
-    """Whether the compiled fp32 decode (``native.scatter_add_f32``) takes these rows."""
-    return vals.dtype == torch.float32 and ind.dtype == torch.int32 and \
-        dense.is_contiguous() and ind.stride(1) == 1 and vals.stride(1) == 1 and \
-        dense.device.type == "cpu" and native.available()
+def _native_scatter(dense, ind, rows) -> bool:
+    """Whether the compiled decode (``native.scatter_add_f32`` / ``scatter_add_sign``)
+    takes these rows (fp32 values or sign bytes)."""
+    return ind.dtype == torch.int32 and dense.is_contiguous() and ind.stride(1) == 1 and \
+        rows.stride(1) == 1 and dense.device.type == "cpu" and native.available()
 
 
 def scatter_add_decode(dense: torch.Tensor, indices: torch.Tensor, count: torch.Tensor,
@@ -1255,13 +1255,19 @@ def scatter_add_decode(dense: torch.Tensor, indices: torch.Tensor, count: torch.
         dense, indices, count, values, codes, scales, bits, bucket_size, signs, sign_scale)
     N = dense.numel()
     counts = cnt[:, 0].tolist()
-    if vals is not None and _native_scatter(dense, ind, vals):
-        # fp32 (index, value) rows: one compiled pass per row (hvdsparse/native/
-        # scatter_add.c), the same checks first and the same bits as index_add_ below
+    fp32_rows = vals is not None and vals.dtype == torch.float32
+    if (fp32_rows or sgn is not None) and _native_scatter(dense, ind, vals if fp32_rows
+                                                          else sgn):
+        # fp32 (index, value) or sign-bit rows: one compiled pass per row (hvdsparse/
+        # native/scatter_add.c), the same checks first and the same bits as the
+        # torch.where + index_add_ route below
         for p in range(P):
             if not 0 <= int(counts[p]) <= cap:
                 raise ValueError(f"count[{p}] = {int(counts[p])} is outside [0, cap={cap}]")
-        bad = native.scatter_add_f32(dense, ind, counts, vals)
+        if fp32_rows:
+            bad = native.scatter_add_f32(dense, ind, counts, vals)
+        else:
+            bad = native.scatter_add_sign(dense, ind, counts, sgn, ssc)
         if bad is not None:
             p, j = bad
             raise IndexError(f"scatter_add_decode: index {int(ind[p, j])} at row {p}, slot "

@@ -48,7 +48,7 @@ from typing import Optional
 import torch
 
 __all__ = ["adacomp_select", "available", "bucket_topk", "philox_uniform",
-           "scatter_add_f32", "why_unavailable"]
+           "scatter_add_f32", "scatter_add_sign", "why_unavailable"]
 
 _log = logging.getLogger(__name__)
 _SRCS = [Path(__file__).with_name(f) for f in ("bucket_topk.c", "scatter_add.c",
@@ -127,6 +127,8 @@ def _load():
             getattr(lib, f).restype = None
         lib.hvd_scatter_add_f32.argtypes = [P, I64, P, I64, P, I64, P, I64, P]
         lib.hvd_scatter_add_f32.restype = I64
+        lib.hvd_scatter_add_sign.argtypes = [P, I64, P, I64, P, I64, P, P, I64, P]
+        lib.hvd_scatter_add_sign.restype = I64
         lib.hvd_philox_uniform.argtypes = [ctypes.c_uint64, ctypes.c_uint64, I64, P]
         lib.hvd_philox_uniform.restype = None
         lib.hvd_adacomp_select.argtypes = [P, P, I64, I64, I64, P, ctypes.c_float,
@@ -231,6 +233,52 @@ def _bucket_topk_namespace(lib) -> SimpleNamespace:
     return ns
 
 
+def _scatter_checks(fn, dense, indices, counts, rows, rows_name, rows_dtype, cap_of_rows):
+    """Shared argument checks of the scatter entry points; returns the int64 counts."""
+    P = indices.shape[0] if indices.dim() == 2 else -1
+    for name, t, dt in (("dense", dense, torch.float32), ("indices", indices, torch.int32),
+                        (rows_name, rows, rows_dtype)):
+        if t.device.type != "cpu" or t.dtype != dt:
+            raise ValueError(f"hvdsparse.native.{fn}: {name} must be a CPU {dt} "
+                             f"tensor, got {t.dtype} on {t.device}")
+    if not dense.is_contiguous() or indices.dim() != 2 or rows.dim() != 2 or \
+            rows.shape[0] != P or indices.stride(1) != 1 or rows.stride(1) != 1:
+        raise ValueError(f"hvdsparse.native.{fn}: dense must be contiguous and indices / "
+                         f"{rows_name} [P, cap] rows with unit column stride, got "
+                         f"{tuple(indices.shape)} / {tuple(rows.shape)}")
+    cnt = torch.tensor([int(c) for c in counts], dtype=torch.int64)
+    lim = min(indices.shape[1], cap_of_rows)
+    if cnt.numel() != P or bool(((cnt < 0) | (cnt > lim)).any()):
+        raise ValueError(f"hvdsparse.native.{fn}: counts must be P={P} ints in "
+                         f"[0, {lim}], got {cnt.tolist()}")
+    return cnt
+
+
+def scatter_add_sign(dense: torch.Tensor, indices: torch.Tensor, counts,
+                     signs: torch.Tensor, scale: torch.Tensor):
+    """``dense[indices[p, j]] += -scale[p] if sign bit j of row p else scale[p]`` (bit
+    ``j % 8`` of byte ``j // 8``), rows in order, ``j < counts[p]``; the same bits as
+    ``torch.where`` + ``index_add_`` row by row. ``signs``: uint8 [P, >= ceil(cap / 8)]
+    with unit column stride; ``scale``: fp32 [P]. Returns None or the first bad
+    ``(row, slot)`` (nothing written then), as :func:`scatter_add_f32`."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"hvdsparse.native is unavailable: {_state.get('why')}")
+    cnt = _scatter_checks("scatter_add_sign", dense, indices, counts, signs, "signs",
+                          torch.uint8, 8 * signs.shape[1] if signs.dim() == 2 else 0)
+    sc = scale.detach().reshape(-1).to(torch.float32).contiguous()
+    if sc.numel() != indices.shape[0]:
+        raise ValueError(f"hvdsparse.native.scatter_add_sign: scale must have P="
+                         f"{indices.shape[0]} elements, got {sc.numel()}")
+    bad = torch.zeros(2, dtype=torch.int64)
+    if lib.hvd_scatter_add_sign(dense.data_ptr(), dense.numel(), indices.data_ptr(),
+                                indices.stride(0), signs.data_ptr(), signs.stride(0),
+                                sc.data_ptr(), cnt.data_ptr(), indices.shape[0],
+                                bad.data_ptr()):
+        return int(bad[0]), int(bad[1])
+    return None
+
+
 def scatter_add_f32(dense: torch.Tensor, indices: torch.Tensor, counts, values: torch.Tensor):
     """``dense[indices[p, j]] += values[p, j]`` for every row ``p`` (in order) and ``j <
     counts[p]`` (host ints, each in ``[0, indices.shape[1]]``); the same bits as
@@ -242,22 +290,9 @@ def scatter_add_f32(dense: torch.Tensor, indices: torch.Tensor, counts, values: 
     lib = _load()
     if lib is None:
         raise RuntimeError(f"hvdsparse.native is unavailable: {_state.get('why')}")
-    P = indices.shape[0]
-    for name, t, dt in (("dense", dense, torch.float32), ("indices", indices, torch.int32),
-                        ("values", values, torch.float32)):
-        if t.device.type != "cpu" or t.dtype != dt:
-            raise ValueError(f"hvdsparse.native.scatter_add_f32: {name} must be a CPU {dt} "
-                             f"tensor, got {t.dtype} on {t.device}")
-    if not dense.is_contiguous() or indices.dim() != 2 or values.dim() != 2 or \
-            values.shape[0] != P or indices.stride(1) != 1 or values.stride(1) != 1:
-        raise ValueError(f"hvdsparse.native.scatter_add_f32: dense must be contiguous and "
-                         f"indices / values [P, cap] rows with unit column stride, got "
-                         f"{tuple(indices.shape)} / {tuple(values.shape)}")
-    cnt = torch.tensor([int(c) for c in counts], dtype=torch.int64)
-    if cnt.numel() != P or bool(((cnt < 0) | (cnt > min(indices.shape[1],
-                                                          values.shape[1]))).any()):
-        raise ValueError(f"hvdsparse.native.scatter_add_f32: counts must be P={P} ints in "
-                         f"[0, {min(indices.shape[1], values.shape[1])}], got {cnt.tolist()}")
+    P = indices.shape[0] if indices.dim() == 2 else -1
+    cnt = _scatter_checks("scatter_add_f32", dense, indices, counts, values, "values",
+                          torch.float32, values.shape[1] if values.dim() == 2 else 0)
     bad = torch.zeros(2, dtype=torch.int64)
     if lib.hvd_scatter_add_f32(dense.data_ptr(), dense.numel(), indices.data_ptr(),
                                indices.stride(0), values.data_ptr(), values.stride(0),

@@ -1,5 +1,6 @@
-/* Decode + accumulate of fp32 (index, value) rows on the CPU: the compiled twin of the
- * fp32 branch of kernels/scatter.py, called by hvdsparse/cpu.py:scatter_add_decode.
+/* Decode + accumulate of fp32 (index, value) rows -- and of sign-bit rows (AdaComp) -- on
+ * the CPU: the compiled twin of the fp32 and sign branches of kernels/scatter.py, called
+ * by hvdsparse/cpu.py:scatter_add_decode.
  *
  *   dense[idx[p][j]] += val[p][j]    for p = 0 .. P-1 (row order), j < count[p] (slot order)
  *
@@ -19,11 +20,10 @@
  */
 #include <stdint.h>
 
-/* 0 when every index is in range (then all rows are added), else 1 with the first bad
- * (row, slot) in bad[0], bad[1] and nothing written. */
-int64_t hvd_scatter_add_f32(float *dense, int64_t N, const int32_t *idx, int64_t istride,
-                            const float *val, int64_t vstride, const int64_t *count,
-                            int64_t P, int64_t *bad)
+/* the first out-of-range (row, slot) into bad and 1, or 0 when every index of every
+ * row is in [0, N) */
+static int64_t check_rows(int64_t N, const int32_t *idx, int64_t istride,
+                          const int64_t *count, int64_t P, int64_t *bad)
 {
     for (int64_t p = 0; p < P; p++) {
         const int32_t *ix = idx + p * istride;
@@ -44,6 +44,37 @@ int64_t hvd_scatter_add_f32(float *dense, int64_t N, const int32_t *idx, int64_t
             }
         }
     }
+    return 0;
+}
+
+/* Sign rows (AdaComp): slot j of row p adds -scale[p] when bit j % 8 of byte j / 8 of
+ * the row's sign bytes is set, +scale[p] otherwise (torch.where(bit, -s, s) then
+ * index_add_, row by row). Same checks and return as hvd_scatter_add_f32. */
+int64_t hvd_scatter_add_sign(float *dense, int64_t N, const int32_t *idx, int64_t istride,
+                             const uint8_t *signs, int64_t sstride, const float *scale,
+                             const int64_t *count, int64_t P, int64_t *bad)
+{
+    if (check_rows(N, idx, istride, count, P, bad))
+        return 1;
+    for (int64_t p = 0; p < P; p++) {
+        const int32_t *ix = idx + p * istride;
+        const uint8_t *sb = signs + p * sstride;
+        float pos = scale[p], neg = -scale[p];
+        int64_t c = count[p];
+        for (int64_t j = 0; j < c; j++)
+            dense[ix[j]] += ((sb[j >> 3] >> (j & 7)) & 1) ? neg : pos;
+    }
+    return 0;
+}
+
+/* 0 when every index is in range (then all rows are added), else 1 with the first bad
+ * (row, slot) in bad[0], bad[1] and nothing written. */
+int64_t hvd_scatter_add_f32(float *dense, int64_t N, const int32_t *idx, int64_t istride,
+                            const float *val, int64_t vstride, const int64_t *count,
+                            int64_t P, int64_t *bad)
+{
+    if (check_rows(N, idx, istride, count, P, bad))
+        return 1;
     for (int64_t p = 0; p < P; p++) {
         const int32_t *ix = idx + p * istride;
         const float *v = val + p * vstride;

@@ -99,8 +99,9 @@ METHODS["topk1_numpy"] = ("TopK 1%, per-layer numpy path (HVDSPARSE_NATIVE=0)",
                           METHODS["topk1"][1])
 METHODS["threshold99_numpy"] = ("Threshold 99%, per-layer numpy path (HVDSPARSE_NATIVE=0)",
                                 METHODS["threshold99"][1])
-METHOD_ENV = {"topk1_numpy": {"HVDSPARSE_NATIVE": "0"},
-              "threshold99_numpy": {"HVDSPARSE_NATIVE": "0"}}
+METHODS["adacomp_numpy"] = ("AdaComp, numpy CPU path (HVDSPARSE_NATIVE=0)",
+                             METHODS["adacomp"][1])
+METHOD_ENV = {m: {"HVDSPARSE_NATIVE": "0"} for m in METHODS if m.endswith("_numpy")}
 DEFAULT_METHODS = [m for m in METHODS if not m.startswith("topk5") and m != "topk1_warmup"
                    and m not in METHOD_ENV]
 

@@ -255,6 +255,8 @@ ADACOMP = textwrap.dedent(r"""
                 x.view(-1)[900] = float("-inf")
             if n == "vec":                          # whole bins of ties: lower index first
                 x.view(-1)[:3000] = 1.0
+                if step == 3:        # no gradient: |h| == |G| == the bin max passes (>=)
+                    x.view(-1)[:1000] = 0.0
             gs = torch.tensor([0.5]) if step == 2 else None     # AMP's inverse scale
             nf = torch.zeros(1, dtype=torch.int32)
             seg = comp.compress(n, x, step, nonfinite=nf, grad_scale=gs).segments[0]

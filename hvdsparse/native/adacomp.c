@@ -16,6 +16,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define HOT_ADA __attribute__((target_clones("avx2", "default")))
@@ -28,8 +29,10 @@ HOT_ADA static int64_t acc_bin(const float *restrict g, float *restrict r, int64
                                int has_scale, float s, float *mx)
 {
     int64_t bad = 0;
-    float best = 0.0f;
-    int nan = 0;
+    /* max |G| on the bit patterns: for x >= 0 they grow with the value, and every NaN's
+     * (sign cleared by fabsf) lies above +Inf's, so an unsigned max vectorises and still
+     * sees a NaN (a float max with NaN rules would not vectorise without -ffast-math) */
+    uint32_t best = 0;
     for (int64_t i = 0; i < m; i++) {
         float d = has_scale ? g[i] * s : g[i];
         int fin = fabsf(d) < INFINITY;
@@ -38,11 +41,66 @@ HOT_ADA static int64_t acc_bin(const float *restrict g, float *restrict r, int64
         a = fin ? a + d : a;
         r[i] = a;
         float x = fabsf(a);
-        nan |= x != x;
-        best = x > best ? x : best;
+        uint32_t xb;
+        memcpy(&xb, &x, sizeof xb);
+        best = xb > best ? xb : best;
     }
-    *mx = nan ? NAN : best;
+    if (best > 0x7f800000u) {
+        *mx = NAN;
+    } else {
+        float f;
+        memcpy(&f, &best, sizeof f);
+        *mx = f;
+    }
     return bad;
+}
+
+/* |h| of one element (the module docstring's rule) */
+static inline float h_abs(float G, float g, int has_scale, float s, float hm1)
+{
+    float d = has_scale ? g * s : g;
+    float d0 = fabsf(d) < INFINITY ? d : 0.0f;
+    return fabsf(G + hm1 * d0);
+}
+
+/* |h| of 32 elements into hv, and the mask of those with |h| >= t (bit q: element q;
+ * NaN compares false). Vectorised: at AdaComp's rates most blocks of 32 hold no
+ * candidate and cost only this. */
+HOT_ADA static uint32_t hits32(const float *restrict G, const float *restrict g,
+                               int has_scale, float s, float hm1, float t,
+                               float *restrict hv)
+{
+    if (has_scale) {
+        for (int q = 0; q < 32; q++)
+            hv[q] = h_abs(G[q], g[q], 1, s, hm1);
+    } else {
+        for (int q = 0; q < 32; q++)
+            hv[q] = h_abs(G[q], g[q], 0, s, hm1);
+    }
+    uint32_t bits = 0;
+    for (int q = 0; q < 32; q++)
+        bits |= (uint32_t)(hv[q] >= t) << q;
+    return bits;
+}
+
+/* keep (h, i) among the bin's c largest |h| (kv descending; ties: the lower index, which
+ * arrives first, stays first) */
+static inline void keep_top(float *kv, int64_t *ki, int64_t *k, int64_t c, float h, int64_t i)
+{
+    int64_t p = *k < c ? *k : c;
+    while (p > 0 && kv[p - 1] < h)
+        p--;
+    if (p >= c)
+        return;
+    int64_t e = *k < c ? *k : c - 1;
+    for (int64_t q = e; q > p; q--) {
+        kv[q] = kv[q - 1];
+        ki[q] = ki[q - 1];
+    }
+    kv[p] = h;
+    ki[p] = i;
+    if (*k < c)
+        (*k)++;
 }
 
 int64_t hvd_adacomp_select(const float *grad, float *G, int64_t n, int64_t L, int64_t c,
@@ -63,29 +121,23 @@ int64_t hvd_adacomp_select(const float *grad, float *G, int64_t n, int64_t L, in
         float t = fmaxf(mx, tiny);              /* clamp_min(TINY); NaN stays NaN */
         if (mx != mx)
             t = NAN;
-        int64_t k = 0;
-        for (int64_t i = 0; i < m; i++) {
-            float d = has_scale ? grad[st + i] * s : grad[st + i];
-            float d0 = fabsf(d) < INFINITY ? d : 0.0f;
-            float h = fabsf(G[st + i] + hm1 * d0);
-            if (!(h >= t))
-                continue;
-            sel++;
-            /* insert after every kept value >= h: ties keep the lower index first */
-            int64_t p = k < c ? k : c;
-            while (p > 0 && kv[p - 1] < h)
-                p--;
-            if (p >= c)
-                continue;
-            int64_t e = k < c ? k : c - 1;
-            for (int64_t q = e; q > p; q--) {
-                kv[q] = kv[q - 1];
-                ki[q] = ki[q - 1];
+        int64_t k = 0, i = 0;
+        float hv[32];
+        for (; i + 32 <= m; i += 32) {
+            uint32_t bits = hits32(G + st + i, grad + st + i, has_scale, s, hm1, t, hv);
+            while (bits) {
+                int q = __builtin_ctz(bits);
+                bits &= bits - 1;
+                sel++;
+                keep_top(kv, ki, &k, c, hv[q], i + q);
             }
-            kv[p] = h;
-            ki[p] = i;
-            if (k < c)
-                k++;
+        }
+        for (; i < m; i++) {
+            float h = h_abs(G[st + i], grad[st + i], has_scale, s, hm1);
+            if (h >= t) {
+                sel++;
+                keep_top(kv, ki, &k, c, h, i);
+            }
         }
         for (int64_t q = 0; q < k; q++) {
             gidx[count + q] = st + ki[q];

@@ -163,7 +163,7 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from . import ops
+from . import native, ops
 from .payload import (FLOAT_BYTES, FLOAT_DTYPES, QUANT_BITS, IndexEncoding, LayerPayload,
                       Segment, ValueEncoding, bin_count_width)
 
@@ -952,6 +952,10 @@ def _slot_indices(sl: _SegLayout, ind: Optional[torch.Tensor], bc: Optional[torc
         return idx, err
     if ienc in _MAX_BIN:
         B, nb = sl.bin_size, sl.nbins
+        if not checks and device.type == "cpu" and native.available() and \
+                ind.stride(1) == 1 and bc.dtype == torch.int32 and bc.stride(1) == 1:
+            # the validated CPU path: one compiled pass per row (the same rule as below)
+            return native.bin_slot_indices(ind[:, :C], bc, B, N), err
         mask_bits = 0xFFFF if ienc == IndexEncoding.BIN_U16 else 0xFF
         rel = ind.to(torch.int32) & mask_bits                                    # [P, C]
         cum = bc.cumsum(1, dtype=torch.int64)                                    # [P, nb]

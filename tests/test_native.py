@@ -288,3 +288,41 @@ def test_adacomp_compiled_loop_gives_the_numpy_bits():
     d_on = [ln for ln in on.stdout.splitlines() if ln.startswith("digest")]
     d_off = [ln for ln in off.stdout.splitlines() if ln.startswith("digest")]
     assert d_on == d_off and d_on, f"seed {seed}"
+
+
+def test_bin_slot_indices_follow_the_codec_rule(monkeypatch):
+    """native.bin_slot_indices against codec._slot_indices's torch rule (the compiled
+    loops switched off for the reference), on fresh rows: uint8 and uint16 bin-relative
+    indices, well-formed bin counts and malformed ones (negative, past the capacity,
+    relative indices >= the bin size, indices past the layer)."""
+    import types
+    import torch
+    from hvdsparse import codec, native
+    from hvdsparse.payload import IndexEncoding
+    if not native.available():
+        pytest.skip(f"compiled CPU loops unavailable: {native.why_unavailable()}")
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for B, ienc, dt in ((50, IndexEncoding.BIN_U8, torch.uint8),
+                        (500, IndexEncoding.BIN_U16, torch.int16)):
+        for malformed in (False, True):
+            P, nb, c = 3, int(torch.randint(1, 40, (1,), generator=g)), 4
+            N = nb * B - int(torch.randint(0, B, (1,), generator=g))
+            C = nb * c
+            bc = torch.randint(0, c + 1, (P, nb), generator=g, dtype=torch.int32)
+            rel = torch.randint(0, B, (P, C), generator=g, dtype=torch.int64)
+            if malformed:
+                bc[0, 0] = -3
+                bc[1, -1] = C + 5
+                rel[2, :5] = B + torch.arange(5)
+            relw = torch.where(rel >= 32768, rel - 65536, rel).to(dt)
+            # strided rows, as views into a message
+            wide = torch.zeros((P, C + 8), dtype=dt)
+            wide[:, :C] = relw
+            sl = types.SimpleNamespace(capacity=C, numel=N, ienc=ienc, bin_size=B, nbins=nb)
+            got, _ = codec._slot_indices(sl, wide[:, :C], bc, None, P, torch.device("cpu"))
+            with monkeypatch.context() as m:
+                m.setattr(codec.native, "available", lambda: False)
+                want, _ = codec._slot_indices(sl, wide[:, :C], bc, None, P,
+                                              torch.device("cpu"))
+            assert got.dtype == want.dtype == torch.int32
+            assert torch.equal(got, want), (B, malformed)

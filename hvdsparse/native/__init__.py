@@ -4,8 +4,9 @@ bits (``hvdsparse/compressors/topk_bucket.py`` drives either); and the fp32 deco
 accumulate of received (index, value) rows (``scatter_add.c``, the twin of
 ``kernels/scatter.py``'s fp32 branch, called by ``hvdsparse/cpu.py``); and the Philox
 uniforms of stochastic quantisation (``philox.c``, the twin of ``hvdsparse/philox.py``'s
-numpy stream and of Triton's ``tl.rand``); and AdaComp's accumulate + bin selection in
-one pass (``adacomp.c``, ``cpu.residual_add_binmax`` + ``cpu.binned_select``'s bits).
+numpy stream and of Triton's ``tl.rand``); AdaComp's accumulate + bin selection in one
+pass (``adacomp.c``, ``cpu.residual_add_binmax`` + ``cpu.binned_select``'s bits) and its
+decode (sign rows and bin-relative indices, in ``scatter_add.c``).
 
 Why C: the numpy CPU path walks a layer once per operation (velocity update, residual
 add, finiteness check, counting, selection: ~10 passes over a layer per step for TopK
@@ -47,7 +48,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["adacomp_select", "available", "bucket_topk", "philox_uniform",
+__all__ = ["adacomp_select", "available", "bin_slot_indices", "bucket_topk", "philox_uniform",
            "scatter_add_f32", "scatter_add_sign", "why_unavailable"]
 
 _log = logging.getLogger(__name__)
@@ -129,6 +130,9 @@ def _load():
         lib.hvd_scatter_add_f32.restype = I64
         lib.hvd_scatter_add_sign.argtypes = [P, I64, P, I64, P, I64, P, P, I64, P]
         lib.hvd_scatter_add_sign.restype = I64
+        lib.hvd_bin_slot_indices.argtypes = [P, I64, I64, P, I64, I64, I64, I64, I64, I64,
+                                             P, P]
+        lib.hvd_bin_slot_indices.restype = None
         lib.hvd_philox_uniform.argtypes = [ctypes.c_uint64, ctypes.c_uint64, I64, P]
         lib.hvd_philox_uniform.restype = None
         lib.hvd_adacomp_select.argtypes = [P, P, I64, I64, I64, P, ctypes.c_float,
@@ -370,3 +374,28 @@ def adacomp_select(grad: torch.Tensor, residual: torch.Tensor, bin_size: int, c:
     vmask[:count] = True
     return (gmax, gidx, rel, vmask, torch.tensor([count], dtype=torch.int32), bin_counts,
             sel.to(torch.int32))
+
+
+def bin_slot_indices(rel: torch.Tensor, bin_counts: torch.Tensor, bin_size: int,
+                     numel: int) -> torch.Tensor:
+    """Layer indices int32 [P, C] of bin-relative slots (``codec._slot_indices``'s rule
+    for BIN_U8 / BIN_U16 segments, bit for bit): ``rel`` uint8 or int16 (uint16 bits)
+    [P, C] and ``bin_counts`` int32 [P, nb], CPU, unit column stride."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"hvdsparse.native is unavailable: {_state.get('why')}")
+    if rel.dim() != 2 or bin_counts.dim() != 2 or rel.shape[0] != bin_counts.shape[0] or \
+            rel.dtype not in (torch.uint8, torch.int16) or bin_counts.dtype != torch.int32 or \
+            rel.device.type != "cpu" or bin_counts.device.type != "cpu" or \
+            rel.stride(1) != 1 or bin_counts.stride(1) != 1:
+        raise ValueError(f"hvdsparse.native.bin_slot_indices: rel must be uint8 / int16 "
+                         f"[P, C] and bin_counts int32 [P, nb] CPU rows, got {rel.dtype} "
+                         f"{tuple(rel.shape)} / {bin_counts.dtype} {tuple(bin_counts.shape)}")
+    P, C = rel.shape
+    out = torch.empty((P, C), dtype=torch.int32)
+    hist = torch.empty(C + 1, dtype=torch.int64)
+    lib.hvd_bin_slot_indices(rel.data_ptr(), rel.stride(0) * rel.element_size(),
+                             rel.element_size(), bin_counts.data_ptr(), bin_counts.stride(0),
+                             bin_counts.shape[1], P, C, int(bin_size), int(numel),
+                             hist.data_ptr(), out.data_ptr())
+    return out

@@ -84,3 +84,36 @@ int64_t hvd_scatter_add_f32(float *dense, int64_t N, const int32_t *idx, int64_t
     }
     return 0;
 }
+
+/* Bin-relative slot indices (AdaComp's BIN_U8 / BIN_U16 segments) to layer indices, row
+ * by row: slot j lies in bin b(j) = #{b : clamp(cum[b], 0, C) <= j}, cum the inclusive
+ * prefix sum of the row's bin counts, and idx = b(j) * B + rel[j], or N where rel >= B or
+ * the index reaches N -- hvdsparse/codec.py:_slot_indices's histogram rule, exactly.
+ * rel: uint8 (rbytes 1) or little-endian uint16 (rbytes 2) rows, rstride bytes apart;
+ * bc: int32 rows, bstride elements apart; hist: int64 scratch of C + 1; out: int32 [P][C]. */
+void hvd_bin_slot_indices(const uint8_t *rel, int64_t rstride, int64_t rbytes,
+                          const int32_t *bc, int64_t bstride, int64_t nb, int64_t P,
+                          int64_t C, int64_t B, int64_t N, int64_t *hist, int32_t *out)
+{
+    for (int64_t p = 0; p < P; p++) {
+        for (int64_t x = 0; x <= C; x++)
+            hist[x] = 0;
+        const int32_t *bp = bc + p * bstride;
+        int64_t cum = 0;
+        for (int64_t b = 0; b < nb; b++) {
+            cum += bp[b];
+            int64_t x = cum < 0 ? 0 : (cum > C ? C : cum);
+            hist[x]++;
+        }
+        const uint8_t *rp = rel + p * rstride;
+        int32_t *op = out + p * C;
+        int64_t bj = 0;
+        for (int64_t j = 0; j < C; j++) {
+            bj += hist[j];
+            int64_t r = rbytes == 1 ? (int64_t)rp[j]
+                                    : (int64_t)rp[2 * j] | ((int64_t)rp[2 * j + 1] << 8);
+            int64_t a = bj * B + r;
+            op[j] = (int32_t)((r >= B || a >= N) ? N : a);
+        }
+    }
+}

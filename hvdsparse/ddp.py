@@ -120,6 +120,7 @@ variable-size alltoalls need one small size exchange each on torch.distributed
 (:mod:`hvdsparse.transport`).
 """
 import inspect
+import os
 import time
 import warnings
 from collections import OrderedDict, defaultdict
@@ -128,6 +129,7 @@ from typing import Dict, List, Optional
 import torch
 
 from . import codec
+from .compressors import topk_bucket
 from .compressors.base import inverse_loss_scale
 from .exchange import BucketSpec, BufferPool, ExchangeContext, HostReadout, cost_model
 from .exchange import launch as launch_exchange
@@ -288,6 +290,10 @@ class State:
         self._last_committed = True
         self._inv: Optional[torch.Tensor] = None   # 1 / loss scale of the open step
         self.skipped_steps = 0          # overflow steps rolled back (grad_scaler)
+        # TopK / Threshold's bucket path (compressors/topk_bucket.py, as in the Horovod
+        # scheduler): a DDP bucket's eligible layers compressed together, same bits;
+        # HVDSPARSE_BUCKET_PATH=0 turns it off. Decided after the local update is set up.
+        self._bucket_path = False
         _bind(compression, self)
         register = getattr(compression, "register_layers", None)
         if callable(register):
@@ -332,6 +338,9 @@ class State:
         compression.transactional = transactional
         if self.local_update is not None:
             self.local_update.transactional = transactional
+        self._bucket_path = os.environ.get("HVDSPARSE_BUCKET_PATH", "1") != "0" and \
+            getattr(compression, "bucket_path", False) and \
+            (self.local_update is None or hasattr(self.local_update, "bucket_spec"))
         self.fingerprint["momentum_correction"] = bool(momentum_correction)
         self.fingerprint["clip_grad_norm"] = clip_grad_norm
         self.fingerprint["adam_warmup"] = adam_warmup
@@ -587,12 +596,24 @@ class State:
         spec = lay.spec
         t0 = time.perf_counter()
         payloads = []
+        groups: Dict[tuple, tuple] = {}      # the bucket path's layers: slot -> filled below
         with torch.no_grad():
             lu = self.local_update
             for name, p, g in zip(names, params, spec.views(buf)):
                 used = name in self._used
                 if not used and lu is not None and lu.zero_fills_absent and p.requires_grad:
                     g, used = torch.zeros_like(p), True   # Adam recipe: a zero gradient
+                if used and self._bucket_path:
+                    item = self._bucket_item(name, p, g.view(p.shape), buf.device)
+                    if item is not None:
+                        it, plan = item
+                        items, plans, slots = groups.setdefault(
+                            topk_bucket.group_key(plan, it), ([], [], []))
+                        items.append(it)
+                        plans.append(plan)
+                        slots.append(len(payloads))
+                        payloads.append(None)
+                        continue
                 if used and lu is not None and lu.wants(name):
                     # DGC: clip, fold in weight decay, accumulate the velocity locally;
                     # Adam recipe: the local momentum (dense gradient in its warm-up)
@@ -612,6 +633,11 @@ class State:
                 else:
                     payloads.append(self.compressor.compress_absent(
                         name, p.detach(), self.step, param=p.detach()))
+            for items, plans, slots in groups.values():
+                pays, _ = topk_bucket.compress_bucket(self.compressor, items, plans,
+                                                      self.step, grad_scale=self._inv)
+                for it, slot in zip(items, slots):
+                    payloads[slot] = pays[it.name]
         self._t_compress += time.perf_counter() - t0
         strategy = self._strategy(lay, payloads)
         pend = launch_exchange(strategy, spec, payloads,
@@ -691,6 +717,23 @@ class State:
         self._used.clear()
         self._step_open = False
         self.step += 1
+
+    def _bucket_item(self, name, p, g, device):
+        """``(BucketItem, plan)`` when layer ``name`` takes the bucket path this step
+        (``topk_bucket.layer_plan``), else None (it is compressed per layer). Masking
+        stays per layer (``_feed_back``): the payloads are ordinary ones."""
+        if not topk_bucket.takes(g):
+            return None
+        lu, spec = self.local_update, None
+        if lu is not None and lu.wants(name):
+            ok, spec = lu.bucket_spec(name, g, self.compressor.policy.is_dense(name, p.shape))
+            if not ok:
+                return None
+        plan = topk_bucket.layer_plan(self.compressor, name, g, self.step, p.detach(), spec)
+        if plan is None:
+            return None
+        nf = torch.zeros(1, dtype=torch.int32, device=device)
+        return topk_bucket.BucketItem(name, g, p.detach(), nf, spec), plan
 
     def _feed_back(self, it, undelivered):
         """As the Horovod scheduler's: what the exchange sent but did not deliver

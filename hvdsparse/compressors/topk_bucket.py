@@ -17,8 +17,9 @@ layer takes this path when
 Adam recipe, Threshold's refresh steps and ``record_true_threshold``; on the CPU also
 fp16 / bf16 gradients or values, and every layer when the compiled loops are
 unavailable: :func:`hvdsparse.native.available`) stays per layer.
-tests/test_bucket_topk.py compares the two paths bit for bit on fresh data;
-tests/test_paths_agree.py trains through it at P = 2.
+Both front doors use it: the Horovod scheduler per fusion bucket, the DDP hook per DDP
+bucket. tests/test_bucket_topk.py compares the two paths bit for bit on fresh data;
+tests/test_paths_agree.py trains through it at P = 2, tests/test_ddp.py under torchrun.
 
 Host work per bucket and step: the segment table (sizes, capacities, sample layout,
 tensor addresses; a few host integers per layer, no device read) and one host-to-device

@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hvdsparse
 import hvdsparse.ddp
+import hvdsparse.native
 from tests.workers.torchrun_exit import finish
 
 dist.init_process_group("gloo")
@@ -495,6 +496,20 @@ def check_balanced_feedback():
         seen[name] = (grad.detach().reshape(-1).float().clone(), pl)
         return pl
     comp.compress = capture
+    # TopK's bucket path (compressors/topk_bucket.py) compresses without compress():
+    # capture what it returned too
+    from hvdsparse.compressors import topk_bucket as TB
+    bucket_compress = TB.compress_bucket
+
+    bucketed = set()
+
+    def capture_bucket(c, items, *a, **k):
+        pays, batch = bucket_compress(c, items, *a, **k)
+        bucketed.update(it.name for it in items)
+        for it in items:
+            seen[it.name] = (it.grad.detach().reshape(-1).float().clone(), pays[it.name])
+        return pays, batch
+    TB.compress_bucket = capture_bucket
     fed = 0
     for step in range(4):
         before = {n: None if comp.residual(n) is None else comp.residual(n).clone()
@@ -518,6 +533,9 @@ def check_balanced_feedback():
                   f"(r + g - sent) + undelivered (max diff {float((got - want).abs().max())})")
         opt.step()
         identical_across_ranks(model, f"balanced step {step}")
+    TB.compress_bucket = bucket_compress
+    if hvdsparse.native.available():
+        check(bool(bucketed), "balanced: TopK's bucket path never ran in the DDP hook")
     total = torch.tensor([fed])
     dist.all_reduce(total)
     check(int(total) > 0, "balanced: nothing was truncated, the check saw no add-back")

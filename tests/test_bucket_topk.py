@@ -347,3 +347,19 @@ def test_threshold_bucket_path_matches_per_layer_path(monkeypatch, backend):
             assert torch.equal(a["u"][n].view(torch.int32), b["u"][n].view(torch.int32)), \
                 (seed, step, n)
     assert raised > 0, "no step exercised the overflow guard"
+
+
+def test_a_subclass_with_its_own_compress_is_never_bypassed(monkeypatch):
+    """The bucket path calls no compress(): a subclass that overrides compress() (to log,
+    to add work) must stay on the per-layer path on every device."""
+    if DEV.type == "cpu":
+        monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")
+
+    class Logged(TopK):
+        def compress(self, name, grad, step, **kw):
+            return super().compress(name, grad, step, **kw)
+    g = torch.randn(600, 500, device=DEV)
+    for comp, want in ((TopK(0.01, output_ratio=None), True),
+                       (Logged(0.01, output_ratio=None), False)):
+        comp.register_layers([("w", (600, 500))])
+        assert (TB.layer_plan(comp, "w", g, 0) is not None) == want, type(comp).__name__

@@ -35,7 +35,7 @@ import torch
 
 from .. import native, ops
 from ..payload import FLOAT_DTYPES, IndexEncoding, LayerPayload, Segment, ValueEncoding
-from .base import PURPOSE_SAMPLE, k_of
+from .base import PURPOSE_SAMPLE, Compressor, k_of
 
 __all__ = ["MomentumSpec", "BucketItem", "BucketBatch", "layer_plan", "compress_bucket",
            "mask_bucket", "takes"]
@@ -95,6 +95,8 @@ def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
     with exactly the per-layer result, else None (the caller compresses it per layer)."""
     from .threshold import Threshold
     from .topk import TopK, sample_layout
+    if type(comp).compress is not Compressor.compress:
+        return None          # a subclass with its own compress(): never bypass it
     given = isinstance(comp, Threshold) and type(comp)._compress is Threshold._compress
     if not given and (not isinstance(comp, TopK) or type(comp)._compress is not TopK._compress):
         return None

@@ -363,7 +363,7 @@ def adacomp_select(grad: torch.Tensor, residual: torch.Tensor, bin_size: int, c:
     rel = torch.zeros(nb * c, dtype=torch.int64)
     bin_counts = torch.empty(nb, dtype=torch.int32)
     sel = torch.zeros(1, dtype=torch.int64)
-    hm1 = float(torch.tensor(float(h_scale) - 1.0, dtype=torch.float32))
+    hm1 = ctypes.c_float(float(h_scale) - 1.0).value      # fp32(scale - 1), as numpy's
     tiny = float(torch.finfo(torch.float32).tiny)
     count = lib.hvd_adacomp_select(grad.data_ptr(), residual.data_ptr(), n, L, c,
                                    None if s is None else s.data_ptr(), hm1, tiny,

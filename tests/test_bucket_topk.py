@@ -162,6 +162,14 @@ def test_native_bucket_path_matches_cpu_per_layer_path(monkeypatch, scale, mc):
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     ref = _run("layer", torch.float32, "fp32", scale, mc, seed, steps=3)
     got = _run("bucket", torch.float32, "fp32", scale, mc, seed, steps=3)
+    _assert_fp32_steps_equal(ref, got, seed)
+    for a, b in zip(ref, got):
+        assert a["u"].keys() == b["u"].keys() and (len(a["u"]) == 4) == mc
+
+
+def _assert_fp32_steps_equal(ref, got, seed, keys=("res",)):
+    """Per step and layer (fp32 values): the same sent pairs, the same bits of every
+    per-layer tensor in ``keys`` and of the velocities, non-finite counts and stats."""
     for step, (a, b) in enumerate(zip(ref, got)):
         for n in a["pairs"]:
             ca, ia, va = a["pairs"][n]
@@ -170,10 +178,11 @@ def test_native_bucket_path_matches_cpu_per_layer_path(monkeypatch, scale, mc):
             assert ca == cb and ca > 0, where
             assert torch.equal(ia, ib), where
             assert torch.equal(va.view(torch.int32), vb.view(torch.int32)), where
-            assert torch.equal(a["res"][n].view(torch.int32), b["res"][n].view(torch.int32)), where
+            for k in keys:
+                assert torch.equal(a[k][n].view(torch.int32), b[k][n].view(torch.int32)), \
+                    (where, k)
         assert a["nf"] == b["nf"] and a["nf"]["c"] == 2, (seed, step)
         assert a["stats"] == b["stats"], (seed, step)
-        assert a["u"].keys() == b["u"].keys() and (len(a["u"]) == 4) == mc
         for n in a["u"]:
             assert torch.equal(a["u"][n].view(torch.int32), b["u"][n].view(torch.int32)), \
                 (seed, step, n)
@@ -328,24 +337,9 @@ def test_threshold_bucket_path_matches_per_layer_path(monkeypatch, backend):
     got, routes = _run_threshold("bucket", True, seed)
     # refreshes (steps 0 and 3) per layer, the others on the given route
     assert routes == [[], [2], [2], [], [2]], routes
-    raised = 0
-    for step, (a, b) in enumerate(zip(ref, got)):
-        for n in a["pairs"]:
-            ca, ia, va = a["pairs"][n]
-            cb, ib, vb = b["pairs"][n]
-            where = f"seed {seed} step {step} layer {n}"
-            assert ca == cb and ca > 0, where
-            assert torch.equal(ia, ib), where
-            assert torch.equal(va.view(torch.int32), vb.view(torch.int32)), where
-            assert torch.equal(a["res"][n].view(torch.int32), b["res"][n].view(torch.int32)), where
-            assert torch.equal(a["tau"][n].view(torch.int32), b["tau"][n].view(torch.int32)), where
-            if step in (1, 4) and not torch.equal(a["tau"][n], ref[step - 1]["tau"][n]):
-                raised += 1                 # the overflow guard moved tau
-        assert a["nf"] == b["nf"] and a["nf"]["c"] == 2, (seed, step)
-        assert a["stats"] == b["stats"], (seed, step)
-        for n in a["u"]:
-            assert torch.equal(a["u"][n].view(torch.int32), b["u"][n].view(torch.int32)), \
-                (seed, step, n)
+    _assert_fp32_steps_equal(ref, got, seed, keys=("res", "tau"))
+    raised = sum(not torch.equal(ref[step]["tau"][n], ref[step - 1]["tau"][n])
+                 for step in (1, 4) for n in ref[step]["tau"])   # the guard moved tau
     assert raised > 0, "no step exercised the overflow guard"
 
 

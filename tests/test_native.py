@@ -21,6 +21,21 @@ def _py(code: str, env: dict, cwd=ROOT) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+def _native_on_off(code: str, prefix: str):
+    """Run ``code`` (argv[1] = a fresh seed) with the compiled loops on and off; returns
+    the output lines starting with ``prefix`` of both (skips when unavailable)."""
+    seed = str(int.from_bytes(os.urandom(3), "little"))
+    runs = [subprocess.run([sys.executable, "-c", code, seed], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300, env={**os.environ, "HVDSPARSE_NATIVE": v})
+            for v in ("1", "0")]
+    on, off = runs
+    assert on.returncode == 0 and off.returncode == 0, on.stderr + off.stderr
+    if "native True" not in on.stdout:
+        pytest.skip(f"compiled CPU loops unavailable: {on.stdout}")
+    assert "native False" in off.stdout
+    return ([ln for ln in r.stdout.splitlines() if ln.startswith(prefix)] for r in runs)
+
+
 def test_table_layout_is_the_triton_kernels_layout():
     from hvdsparse import native, ops
     if not native.available():
@@ -194,17 +209,7 @@ def test_decode_switched_off_gives_the_same_bits(tmp_path):
         print("sum", [hashlib.sha256(o.numpy().tobytes()).hexdigest() for o in outs],
               [int((o != 0).sum()) for o in outs])
     """)
-    seed = str(int.from_bytes(os.urandom(3), "little"))
-    on = subprocess.run([sys.executable, "-c", code, seed], cwd=ROOT, capture_output=True,
-                        text=True, timeout=300, env={**os.environ, "HVDSPARSE_NATIVE": "1"})
-    off = subprocess.run([sys.executable, "-c", code, seed], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "HVDSPARSE_NATIVE": "0"})
-    assert on.returncode == 0 and off.returncode == 0, on.stderr + off.stderr
-    if "native True" not in on.stdout:
-        pytest.skip(f"compiled CPU loops unavailable: {on.stdout}")
-    assert "native False" in off.stdout
-    s_on = [ln for ln in on.stdout.splitlines() if ln.startswith("sum")]
-    s_off = [ln for ln in off.stdout.splitlines() if ln.startswith("sum")]
+    s_on, s_off = _native_on_off(code, "sum")
     assert s_on == s_off and s_on
 
 
@@ -276,18 +281,8 @@ def test_adacomp_compiled_loop_gives_the_numpy_bits():
     bits, bin-relative indices, scale, bin counts), residual, non-finite count and the
     selected statistic, over steps with NaN / -Inf elements, an AMP scale and bins full of
     ties."""
-    seed = str(int.from_bytes(os.urandom(3), "little"))
-    on = subprocess.run([sys.executable, "-c", ADACOMP, seed], cwd=ROOT, capture_output=True,
-                        text=True, timeout=300, env={**os.environ, "HVDSPARSE_NATIVE": "1"})
-    off = subprocess.run([sys.executable, "-c", ADACOMP, seed], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "HVDSPARSE_NATIVE": "0"})
-    assert on.returncode == 0 and off.returncode == 0, on.stderr + off.stderr
-    if "native True" not in on.stdout:
-        pytest.skip(f"compiled CPU loops unavailable: {on.stdout}")
-    assert "native False" in off.stdout
-    d_on = [ln for ln in on.stdout.splitlines() if ln.startswith("digest")]
-    d_off = [ln for ln in off.stdout.splitlines() if ln.startswith("digest")]
-    assert d_on == d_off and d_on, f"seed {seed}"
+    d_on, d_off = _native_on_off(ADACOMP, "digest")
+    assert d_on == d_off and d_on
 
 
 def test_bin_slot_indices_follow_the_codec_rule(monkeypatch):

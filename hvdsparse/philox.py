@@ -239,24 +239,13 @@ def uniform_block(seed: int, start: int, out_f32: np.ndarray, scratch) -> None:
 
 
 def _philox_uniform_np(seed: int, n: int, offset: int, out_f32: np.ndarray) -> None:
-    """``out_f32[i] = tl.rand(seed, offset + i)`` on the CPU, block by block (the
-    compiled loop per thread's range when available)."""
+    """``out_f32[i] = tl.rand(seed, offset + i)`` on the CPU, block by block
+    (:func:`uniform_block`: the compiled loop when available)."""
 
     def work(s0, e0):
-        if native.available():
-            native.philox_uniform(seed, offset + s0, out_f32[s0:e0])
-            return
         scratch = _philox_scratch()
-        ramp = scratch[6]
-        ctr_buf = scratch[5]          # pb is only written in the later rounds
         for s in range(s0, e0, _PHILOX_CHUNK):
-            e = min(s + _PHILOX_CHUNK, e0)
-            m = e - s
-            ctr = ctr_buf[:m]
-            np.add(ramp[:m], np.uint64(offset + s), out=ctr)
-            w = out_f32[s:e].view(np.uint32)
-            _philox_np_block(seed, ctr, w, scratch)
-            _uint32_to_uniform_np(w, out_f32[s:e], scratch[4][:m].view(np.int32)[:m])
+            uniform_block(seed, offset + s, out_f32[s:min(s + _PHILOX_CHUNK, e0)], scratch)
 
     _philox_parallel(n, work)
 

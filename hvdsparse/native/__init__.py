@@ -143,6 +143,14 @@ def _load():
         return lib
 
 
+def _lib():
+    """The loaded library; RuntimeError when :func:`available` is False."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"hvdsparse.native is unavailable: {_state.get('why')}")
+    return lib
+
+
 def available() -> bool:
     """Whether the compiled CPU loops can be used (builds them on the first call)."""
     return _load() is not None
@@ -160,8 +168,7 @@ def bucket_topk():
     ``threshold_and_select`` and ``mask`` with the same arguments and results (slots
     in ascending index order within each segment). Raises RuntimeError when
     :func:`available` is False."""
-    if _load() is None:
-        raise RuntimeError(f"hvdsparse.native is unavailable: {_state.get('why')}")
+    _lib()
     return _state["bucket_topk"]
 
 
@@ -265,9 +272,7 @@ def scatter_add_sign(dense: torch.Tensor, indices: torch.Tensor, counts,
     ``torch.where`` + ``index_add_`` row by row. ``signs``: uint8 [P, >= ceil(cap / 8)]
     with unit column stride; ``scale``: fp32 [P]. Returns None or the first bad
     ``(row, slot)`` (nothing written then), as :func:`scatter_add_f32`."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"hvdsparse.native is unavailable: {_state.get('why')}")
+    lib = _lib()
     cnt = _scatter_checks("scatter_add_sign", dense, indices, counts, signs, "signs",
                           torch.uint8, 8 * signs.shape[1] if signs.dim() == 2 else 0)
     sc = scale.detach().reshape(-1).to(torch.float32).contiguous()
@@ -291,9 +296,7 @@ def scatter_add_f32(dense: torch.Tensor, indices: torch.Tensor, counts, values: 
     fp32 CPU; ``indices`` int32 and ``values`` fp32 CPU ``[P, >= cap]`` with unit
     column stride (rows may be strided views into a message). Raises RuntimeError when
     :func:`available` is False."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"hvdsparse.native is unavailable: {_state.get('why')}")
+    lib = _lib()
     P = indices.shape[0] if indices.dim() == 2 else -1
     cnt = _scatter_checks("scatter_add_f32", dense, indices, counts, values, "values",
                           torch.float32, values.shape[1] if values.dim() == 2 else 0)
@@ -310,9 +313,7 @@ def philox_uniform(seed: int, offset: int, out) -> None:
     tensor ``out`` (``hvdsparse.philox``'s stream, bit for bit). ``seed`` in [0, 2**63),
     ``offset + len(out)`` <= 2**63 (the caller checks). Raises RuntimeError when
     :func:`available` is False."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"hvdsparse.native is unavailable: {_state.get('why')}")
+    lib = _lib()
     if isinstance(out, torch.Tensor):
         ok = out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
         ptr, n = out.data_ptr(), out.numel()
@@ -336,9 +337,7 @@ def adacomp_select(grad: torch.Tensor, residual: torch.Tensor, bin_size: int, c:
     bits of ``cpu.residual_add_binmax`` followed by ``cpu.binned_select`` with the
     threshold ``gmax.clamp_min(TINY)``. ``grad`` / ``residual``: contiguous fp32 CPU of
     the same size; ``c`` in [1, ADACOMP_MAX_C]."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"hvdsparse.native is unavailable: {_state.get('why')}")
+    lib = _lib()
     n = residual.numel()
     for name, t in (("grad", grad), ("residual", residual)):
         if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() \
@@ -381,9 +380,7 @@ def bin_slot_indices(rel: torch.Tensor, bin_counts: torch.Tensor, bin_size: int,
     """Layer indices int32 [P, C] of bin-relative slots (``codec._slot_indices``'s rule
     for BIN_U8 / BIN_U16 segments, bit for bit): ``rel`` uint8 or int16 (uint16 bits)
     [P, C] and ``bin_counts`` int32 [P, nb], CPU, unit column stride."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"hvdsparse.native is unavailable: {_state.get('why')}")
+    lib = _lib()
     if rel.dim() != 2 or bin_counts.dim() != 2 or rel.shape[0] != bin_counts.shape[0] or \
             rel.dtype not in (torch.uint8, torch.int16) or bin_counts.dtype != torch.int32 or \
             rel.device.type != "cpu" or bin_counts.device.type != "cpu" or \

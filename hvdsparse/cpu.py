@@ -43,8 +43,7 @@ import torch
 
 from . import native
 from .philox import (_check_pos_int, _check_seed, _par_ranges, _par_run,  # noqa: F401
-                     _philox_np_block, _philox_parallel, _philox_scratch,
-                     _uint32_to_uniform_np, _PHILOX_CHUNK, _PHILOX_PAR_MIN,
+                     _philox_parallel, _philox_scratch, _PHILOX_CHUNK, _PHILOX_PAR_MIN,
                      philox_uint32, philox_uniform, uniform_block)
 
 __all__ = [

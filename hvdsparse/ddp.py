@@ -120,7 +120,6 @@ variable-size alltoalls need one small size exchange each on torch.distributed
 (:mod:`hvdsparse.transport`).
 """
 import inspect
-import os
 import time
 import warnings
 from collections import OrderedDict, defaultdict
@@ -338,9 +337,7 @@ class State:
         compression.transactional = transactional
         if self.local_update is not None:
             self.local_update.transactional = transactional
-        self._bucket_path = os.environ.get("HVDSPARSE_BUCKET_PATH", "1") != "0" and \
-            getattr(compression, "bucket_path", False) and \
-            (self.local_update is None or hasattr(self.local_update, "bucket_spec"))
+        self._bucket_path = topk_bucket.enabled(compression, self.local_update)
         self.fingerprint["momentum_correction"] = bool(momentum_correction)
         self.fingerprint["clip_grad_norm"] = clip_grad_norm
         self.fingerprint["adam_warmup"] = adam_warmup
@@ -722,16 +719,11 @@ class State:
         """``(BucketItem, plan)`` when layer ``name`` takes the bucket path this step
         (``topk_bucket.layer_plan``), else None (it is compressed per layer). Masking
         stays per layer (``_feed_back``): the payloads are ordinary ones."""
-        if not topk_bucket.takes(g):
+        planned = topk_bucket.plan_layer(self.compressor, self.local_update, name, g,
+                                         p.detach(), self.step)
+        if planned is None:
             return None
-        lu, spec = self.local_update, None
-        if lu is not None and lu.wants(name):
-            ok, spec = lu.bucket_spec(name, g, self.compressor.policy.is_dense(name, p.shape))
-            if not ok:
-                return None
-        plan = topk_bucket.layer_plan(self.compressor, name, g, self.step, p.detach(), spec)
-        if plan is None:
-            return None
+        spec, plan = planned
         nf = torch.zeros(1, dtype=torch.int32, device=device)
         return topk_bucket.BucketItem(name, g, p.detach(), nf, spec), plan
 

@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import time
 import warnings
 from collections import defaultdict, deque
@@ -85,7 +84,6 @@ from . import codec
 from .exchange import ExchangeContext, BucketSpec, launch as launch_exchange
 from .exchange import cost_model
 from .exchange.base import BufferPool, HostReadout
-from . import ops
 from .compressors.base import Compressor, inverse_loss_scale
 from .compressors import topk_bucket
 from .exchange.split import pair_dtype
@@ -250,9 +248,7 @@ class LayerScheduler:
         # its bucket, then the bucket is compressed in a fixed number of launches
         # (compressors/topk_bucket.py; same bits as per layer). HVDSPARSE_BUCKET_PATH=0
         # turns it off (benchmarks compare the two).
-        self._bucket_path = os.environ.get("HVDSPARSE_BUCKET_PATH", "1") != "0" and \
-            getattr(compressor, "bucket_path", False) and \
-            (local_update is None or hasattr(local_update, "bucket_spec"))
+        self._bucket_path = topk_bucket.enabled(compressor, local_update)
         self._deferred: Dict[int, List[str]] = {}    # bucket -> layers waiting for it
         self._batches: Dict[int, list] = {}           # bucket -> BucketBatch (masking)
 
@@ -438,15 +434,13 @@ class LayerScheduler:
             for name in names:
                 p = self.params[name]
                 grad = p.grad
-                ok, spec = True, None
-                if lu is not None and lu.wants(name):
-                    ok, spec = lu.bucket_spec(name, grad, comp.policy.is_dense(name, p.shape))
-                plan = topk_bucket.layer_plan(comp, name, grad, self.step, p.detach(), spec) \
-                    if ok else None
-                nf = self._nonfinite_counter(name, grad.device) if plan is not None else None
+                planned = topk_bucket.plan_layer(comp, lu, name, grad, p.detach(), self.step)
+                nf = self._nonfinite_counter(name, grad.device) if planned is not None \
+                    else None
                 if nf is None:
                     alone.append(name)
                     continue
+                spec, plan = planned
                 item = topk_bucket.BucketItem(name, grad, p.detach(), nf, spec)
                 items, plans = groups.setdefault(topk_bucket.group_key(plan, item), ([], []))
                 items.append(item)

@@ -123,8 +123,21 @@ class Threshold(TopK):
 
     def capacity(self, numel: int, step: int, name: str = "") -> int:
         cfg = self.layer_cfg(name) if name else self._base_cfg()
-        k = k_of(self.density(step, cfg["sparsity"]), numel)
-        return min(numel, math.ceil(cfg["slack"] * k))
+        return self._k_and_capacity(numel, self.density(step, cfg["sparsity"]), cfg)[1]
+
+    @staticmethod
+    def _k_and_capacity(n: int, d: float, cfg: dict):
+        """``(k, capacity)`` of a layer of ``n`` elements at density ``d``: ``k =
+        max(1, ceil(d n))``, ``capacity = min(n, ceil(slack k))`` (the module docstring)."""
+        k = k_of(d, n)
+        return k, min(n, math.ceil(cfg["slack"] * k))
+
+    @staticmethod
+    def _refresh_due(st, step: int, cfg: dict, k: int) -> bool:
+        """Whether layer state ``st`` (None before the first step) recomputes tau at
+        ``step``: no tau yet, every ``life_span``-th step, or ``k`` changed (warm-up)."""
+        return st is None or st["tau"] is None or step % cfg["life_span"] == 0 or \
+            st["k"] != k
 
     def threshold_history(self, name: str, true: bool = False) -> list:
         """[(step, tau)] of the layer's refreshes (``true=True``: the per-step exact
@@ -146,8 +159,7 @@ class Threshold(TopK):
         ef = cfg["error_feedback"]
         qb = cfg["quant_bucket"]
         d = self.density(step, cfg["sparsity"])
-        k = k_of(d, n)
-        cap = min(n, math.ceil(cfg["slack"] * k))
+        k, cap = self._k_and_capacity(n, d, cfg)
         qseed = self._seed(name, step, PURPOSE_QUANT)
         if not self._sparse_is_worth_it(n, cap, enc):
             acc, _ = self._acc(name, flat, None, ef)
@@ -158,7 +170,7 @@ class Threshold(TopK):
         if st is None:
             st = self._layers[name] = dict(tau=None, k=None, last_refresh=None,
                                            history=[], true_history=[])
-        refresh = st["tau"] is None or step % cfg["life_span"] == 0 or st["k"] != k
+        refresh = self._refresh_due(st, step, cfg, k)
         true_tau = None
         if refresh or self.record_true_threshold:
             true_tau = torch.topk(self._abs_buf(acc), k,

@@ -27,7 +27,7 @@ copy of it (pinned, non-blocking on CUDA). No host synchronisation.
 """
 from __future__ import annotations
 
-import math
+import os
 from typing import Dict, List, NamedTuple, Optional
 
 import numpy as np
@@ -35,10 +35,10 @@ import torch
 
 from .. import native, ops
 from ..payload import FLOAT_DTYPES, IndexEncoding, LayerPayload, Segment, ValueEncoding
-from .base import PURPOSE_SAMPLE, Compressor, k_of
+from .base import PURPOSE_SAMPLE, Compressor
 
 __all__ = ["MomentumSpec", "BucketItem", "BucketBatch", "layer_plan", "compress_bucket",
-           "mask_bucket", "takes"]
+           "mask_bucket", "takes", "enabled", "plan_layer"]
 
 #: elements per program of the streaming kernels
 BLOCK = 4096
@@ -79,6 +79,31 @@ def takes(grad: torch.Tensor) -> bool:
     """Whether the bucket path can run on ``grad``'s device at all: the Triton path, or
     the CPU with the compiled loops (the per-layer conditions are :func:`layer_plan`'s)."""
     return ops.use_triton(grad) or (ops.has_cpu_path(grad) and native.available())
+
+
+def enabled(comp, local_update) -> bool:
+    """Whether a front door (Horovod scheduler, DDP hook) uses the bucket path at all for
+    ``comp``: the compressor offers it, the local update (if any) can fold into it, and
+    ``HVDSPARSE_BUCKET_PATH=0`` does not turn it off."""
+    return os.environ.get("HVDSPARSE_BUCKET_PATH", "1") != "0" and \
+        getattr(comp, "bucket_path", False) and \
+        (local_update is None or hasattr(local_update, "bucket_spec"))
+
+
+def plan_layer(comp, local_update, name: str, grad: torch.Tensor, param: torch.Tensor,
+               step: int):
+    """``(momentum spec, plan)`` when layer ``name`` takes the bucket path at ``step``
+    (its momentum correction, if any, folded in: ``LocalUpdate.bucket_spec``), else None
+    (the caller compresses it per layer, as the front doors do otherwise)."""
+    if not takes(grad):
+        return None
+    spec = None
+    if local_update is not None and local_update.wants(name):
+        ok, spec = local_update.bucket_spec(name, grad, comp.policy.is_dense(name, grad.shape))
+        if not ok:
+            return None
+    plan = layer_plan(comp, name, grad, step, param, spec)
+    return None if plan is None else (spec, plan)
 
 
 def _kernels_for(grad: torch.Tensor):
@@ -147,12 +172,11 @@ def _given_plan(comp, name, grad, step, cfg, n, enc) -> Optional[dict]:
     if comp.record_true_threshold:
         return None
     d = comp.density(step, cfg["sparsity"])
-    k = k_of(d, n)
-    cap = min(n, math.ceil(cfg["slack"] * k))
+    k, cap = comp._k_and_capacity(n, d, cfg)
     if not comp._sparse_is_worth_it(n, cap, enc):
         return None
     st = comp._layers.get(name)
-    if st is None or st["tau"] is None or step % cfg["life_span"] == 0 or st["k"] != k:
+    if comp._refresh_due(st, step, cfg, k):
         return None                                # a refresh step
     tau = st["tau"]
     if not isinstance(tau, torch.Tensor) or tau.dtype != torch.float32 or \

@@ -100,16 +100,22 @@ def _run(path, dtype, values, scale, mc, seed, steps=2):
             assert {pl["exact"] for pl in plans} == {0, 1}     # both routes covered
             payloads, batch = TB.compress_bucket(comp, items, plans, step, grad_scale=gs)
             TB.mask_bucket(batch)
-        st = comp.stats()
-        hist.append(dict(
-            pairs={n: _payload_pairs(payloads[n]) for n in payloads},
-            stats={n: (st[n]["selected"], st[n]["threshold"], st[n]["nonfinite"],
-                       st[n]["total_sent"], st[n]["steps"]) for n in payloads},
-            res={n: comp.residual(n).clone() for n in payloads},
-            u={n: lu.u[n].clone() for n in lu.u},
-            nf={n: int(nfs[n]) for n in nfs},
-            caps={n: payloads[n].segments[0].capacity for n in payloads}))
+        hist.append(_snapshot(comp, lu, payloads, nfs,
+                              caps={n: payloads[n].segments[0].capacity for n in payloads}))
     return hist
+
+
+def _snapshot(comp, lu, payloads, nfs, **extra):
+    """One step's results: sent pairs, statistics, residuals, velocities, non-finite
+    counts (and ``extra``)."""
+    st = comp.stats()
+    return dict(
+        pairs={n: _payload_pairs(payloads[n]) for n in payloads},
+        stats={n: (st[n]["selected"], st[n]["threshold"], st[n]["nonfinite"],
+                   st[n]["total_sent"], st[n]["steps"]) for n in payloads},
+        res={n: comp.residual(n).clone() for n in payloads},
+        u={n: lu.u[n].clone() for n in lu.u},
+        nf={n: int(nfs[n]) for n in nfs}, **extra)
 
 
 @pytest.mark.parametrize("dtype,values,scale,mc", [
@@ -310,15 +316,8 @@ def _run_threshold(path, mc, seed, steps=5, life_span=3):
         if items:
             TB.mask_bucket(batch)
         comp.commit()
-        st = comp.stats()
-        hist.append(dict(
-            pairs={n: _payload_pairs(payloads[n]) for n in payloads},
-            stats={n: (st[n]["selected"], st[n]["threshold"], st[n]["nonfinite"],
-                       st[n]["total_sent"], st[n]["steps"]) for n in payloads},
-            res={n: comp.residual(n).clone() for n in payloads},
-            tau={n: comp.current_threshold(n).clone() for n in payloads},
-            u={n: lu.u[n].clone() for n in lu.u},
-            nf={n: int(nfs[n]) for n in nfs}))
+        hist.append(_snapshot(comp, lu, payloads, nfs,
+                              tau={n: comp.current_threshold(n).clone() for n in payloads}))
     return hist, routes
 
 

@@ -15,7 +15,7 @@
  * Why: the torch route makes an int64 copy of each row's indices and checks their range
  * in separate passes before index_add_; this reads each int32 index twice (check, add)
  * and each value once, without temporaries (the wide MLP's TopK decode at P = 4,
- * codec.accumulate: about 4 -> 2 ms, one thread).
+ * codec.accumulate: about 4 -> 2 ms, one thread, in an ad-hoc timing).
  * Rows are strided views into the received message (istride / vstride elements apart).
  */
 #include <stdint.h>

@@ -1004,10 +1004,19 @@ def _slot_indices(sl: _SegLayout, ind: Optional[torch.Tensor], bc: Optional[torc
 
 def _scatter(dense: torch.Tensor, venc: ValueEncoding, capacity: int, quant_bucket: int,
              idx: torch.Tensor, count: torch.Tensor, values: torch.Tensor,
-             scales: Optional[torch.Tensor], error_flag):
+             scales: Optional[torch.Tensor], error_flag, ienc=None):
     """One batched ops.scatter_add_decode call (rows in rank order); all tensors have a
-    leading P dim."""
+    leading P dim. A DENSE segment (slot j is element j: ``idx`` is ``arange``) of fp32
+    or quantised values goes through ops.dense_add_decode (no index array read)."""
     if capacity == 0:
+        return
+    if ienc == IndexEncoding.DENSE and (venc == ValueEncoding.FP32 or venc in QUANT_BITS):
+        if venc == ValueEncoding.FP32:
+            ops.dense_add_decode(dense, count, capacity, values, error_flag=error_flag)
+        else:
+            ops.dense_add_decode(dense, count, capacity, codes=values, scales=scales,
+                                 bits=QUANT_BITS[venc], bucket_size=quant_bucket,
+                                 error_flag=error_flag)
         return
     if venc in FLOAT_DTYPES:
         ops.scatter_add_decode(dense, idx, count, values, error_flag=error_flag)
@@ -1078,8 +1087,8 @@ def payload_to_dense(payload: LayerPayload, out: Optional[torch.Tensor] = None
     else:
         out.zero_()
     flat = _check_out(out, payload.numel, f"payload_to_dense out for {payload.name!r}")
-    for _, idx, count, venc, cap, qb, vals, scales in _own_segments(payload, dev):
-        _scatter(flat, venc, cap, qb, idx, count, vals, scales, None)
+    for ienc, idx, count, venc, cap, qb, vals, scales in _own_segments(payload, dev):
+        _scatter(flat, venc, cap, qb, idx, count, vals, scales, None, ienc)
     return out
 
 
@@ -1282,7 +1291,7 @@ def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
         vals = b2[:, ov:ov + vl].view(FLOAT_DTYPES.get(sl.venc, torch.uint8))
         scales = b2[:, osc:osc + scl].view(torch.float32) if scl else None
         _scatter(dense, sl.venc, sl.capacity, sl.quant_bucket, idx, count, vals, scales,
-                 error_flag)
+                 error_flag, sl.ienc)
     if not validate:
         bits = _code_bits(device)
         present = ((row_err.unsqueeze(1) & bits) != 0).any(0)

@@ -48,8 +48,8 @@ from .philox import (_check_pos_int, _check_seed, _par_ranges, _par_run,  # noqa
 
 __all__ = [
     "residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
-    "sign_unpack", "scatter_add_decode", "philox_uniform", "philox_uint32",
-    "pack_bits", "unpack_bits", "count_abs_ge", "binned_select",
+    "sign_unpack", "scatter_add_decode", "dense_add_decode", "philox_uniform",
+    "philox_uint32", "pack_bits", "unpack_bits", "count_abs_ge", "binned_select",
     "VE_FP32", "VE_FP16", "VE_BF16", "VE_SIGN1", "QUANT_BITS_ALLOWED",
 ]
 
@@ -1029,7 +1029,15 @@ def quantize_pack(values: torch.Tensor, bits: int, bucket_size: int, seed: int,
     scales = torch.empty(nb, dtype=torch.float32)
     if n:
         v = values.to(torch.float32).contiguous().numpy()
-        _quantize_pack_np(v, c, bits, B, seed, codes.numpy(), scales.numpy())
+        if native.available():
+            # hvdsparse/native/quantize.c: the same bits, Philox drawn inline
+            cn, sn = codes.numpy(), scales.numpy()
+            L = _q_block_len(B, bits)
+            _philox_parallel(n, lambda s0, e0: native.quantize_pack(
+                v, c, bits, B, seed, cn, sn, s0, e0), align=L,
+                min_per=max(L, _PHILOX_PAR_MIN))
+        else:
+            _quantize_pack_np(v, c, bits, B, seed, codes.numpy(), scales.numpy())
     return codes, scales
 
 
@@ -1121,8 +1129,13 @@ def dequantize_unpack(codes: torch.Tensor, scales: torch.Tensor, bits: int,
     if codes.device.type == "cpu" and scales.device.type == "cpu" and _USE_NUMPY:
         out = torch.empty(n, dtype=torch.float32)
         if n:
-            _dequantize_unpack_np(codes.contiguous().numpy(), scales.contiguous().numpy(),
-                                  bits, B, n, out.numpy())
+            cn, sn, on = codes.contiguous().numpy(), scales.contiguous().numpy(), out.numpy()
+            if native.available():              # hvdsparse/native/quantize.c, same bits
+                _philox_parallel(n, lambda s0, e0: native.dequantize(
+                    cn, sn, bits, B, s0, e0, on[s0:e0]), align=_q_block_len(B, bits),
+                    min_per=max(_q_block_len(B, bits), _PHILOX_PAR_MIN))
+            else:
+                _dequantize_unpack_np(cn, sn, bits, B, n, on)
         return out
     s = (1 << (bits - 1)) - 1
     q = (unpack_bits(codes[: -(-n * bits // 8)], bits, n) - (1 << (bits - 1))).to(torch.float32)
@@ -1300,3 +1313,63 @@ def scatter_add_decode(dense: torch.Tensor, indices: torch.Tensor, count: torch.
     for ix, v in zip(rows_idx, rows_val):
         dense.index_add_(0, ix, v)
     return error_flag
+
+
+def dense_add_decode(dense: torch.Tensor, count: torch.Tensor, capacity: int,
+                     values: Optional[torch.Tensor] = None, *,
+                     codes: Optional[torch.Tensor] = None,
+                     scales: Optional[torch.Tensor] = None, bits: int = 0,
+                     bucket_size: int = 512) -> None:
+    """:func:`scatter_add_decode` of DENSE segments, whose slot j is element j:
+    ``dense[j] += value(p, j)`` for every row p (in order) and ``j < count[p, 0]``, with
+    fp32 ``values`` [P, >= cap] or quantised ``codes`` [P, >= ceil(cap * bits / 8)] +
+    ``scales`` [P, >= ceil(cap / bucket_size)] rows, ``cap = capacity <= dense.numel()``. The same bits as :func:`scatter_add_decode` with
+    indices ``arange(cap)``; no index array is read. ValueError for a count outside
+    [0, cap] (nothing written)."""
+    if (values is None) == (codes is None):
+        raise ValueError("exactly one of values, codes (+scales, bits) must be given")
+    rows = values if values is not None else codes
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
+        raise ValueError("values / codes must be [P, ...] rows")
+    cnt = count.reshape(rows.shape[0], -1) if isinstance(count, torch.Tensor) else None
+    if cnt is None or cnt.shape[1] < 1 or cnt.dtype not in (torch.int32, torch.int64):
+        raise ValueError("count must be an int32 tensor [P, >=1]")
+    cap = _check_pos_int("capacity", capacity, 0)
+    if values is not None:
+        have = values.shape[1]
+    else:
+        bits = _check_bits(bits)
+        bucket_size = _check_pos_int("bucket_size", bucket_size)
+        have = codes.shape[1] * 8 // bits
+        if not isinstance(scales, torch.Tensor) or scales.dim() != 2 or \
+                scales.shape[0] != codes.shape[0] or scales.shape[1] < -(-cap // bucket_size):
+            raise ValueError(f"scales must be [P={codes.shape[0]}, >= "
+                             f"{-(-cap // bucket_size)}] rows")
+    if cap > dense.numel() or have < cap:
+        raise ValueError(f"dense_add_decode: capacity {cap} with rows of {have} slots and "
+                         f"dense of {dense.numel()} elements")
+    counts = cnt[:, 0].tolist()
+    for p, c in enumerate(counts):
+        if not 0 <= int(c) <= cap:
+            raise ValueError(f"count[{p}] = {int(c)} is outside [0, cap={cap}]")
+    native_ok = dense.device.type == "cpu" and dense.is_contiguous() and \
+        dense.dtype == torch.float32 and rows.stride(1) == 1 and native.available()
+    if values is not None:
+        values = values[:, :cap]
+    else:
+        codes = codes[:, : -(-cap * bits // 8)]
+    if values is not None:
+        if native_ok and values.dtype == torch.float32:
+            native.dense_add_f32(dense, counts, values)
+            return
+        for p, c in enumerate(counts):
+            dense[:c].add_(values[p, :c].to(torch.float32))
+        return
+    if native_ok and scales.dim() == 2 and scales.stride(1) == 1 and \
+            scales.dtype == torch.float32:
+        native.dense_add_dequantize(dense, counts, codes, scales, bits, bucket_size)
+        return
+    for p, c in enumerate(counts):
+        if c:
+            dense[:c].add_(dequantize_unpack(codes[p].contiguous(), scales[p].contiguous(),
+                                             bits, bucket_size, c))

@@ -42,7 +42,7 @@ from . import cpu as _ref
 
 __all__ = [
     "residual_add", "residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
-    "sign_unpack", "scatter_add_decode", "philox_uniform", "use_triton", "pack_bits",
+    "sign_unpack", "scatter_add_decode", "dense_add_decode", "philox_uniform", "use_triton", "pack_bits",
     "unpack_bits", "row_threshold_kernel", "row_threshold_max_d", "count_abs_ge",
     "has_cpu_path", "binned_select", "select_if_in_range", "refine_topk_threshold",
     "clean_grad", "zero_slots", "binned_pack", "binned_max_bin",
@@ -392,6 +392,25 @@ def scatter_add_decode(dense: torch.Tensor, indices: torch.Tensor, count: torch.
                                   bucket_size=B, signs=sgn, sign_scale=ssc,
                                   error_flag=error_flag)
     return error_flag
+
+
+def dense_add_decode(dense: torch.Tensor, count: torch.Tensor, capacity: int,
+                     values: Optional[torch.Tensor] = None, *, codes=None, scales=None,
+                     bits: int = 0, bucket_size: int = 512,
+                     error_flag: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """:func:`scatter_add_decode` of DENSE segments (slot j is element j). On the CPU
+    :func:`hvdsparse.cpu.dense_add_decode` (no index array); on the Triton path the
+    scatter kernel with indices ``arange``. Returns the error flag as
+    :func:`scatter_add_decode` does."""
+    if not use_triton(dense):
+        _ref.dense_add_decode(dense, count, capacity, values, codes=codes, scales=scales, bits=bits,
+                              bucket_size=bucket_size)
+        return error_flag
+    rows = values if values is not None else codes
+    cap = _ref._check_pos_int("capacity", capacity, 0)
+    idx = torch.arange(cap, dtype=torch.int32, device=dense.device).expand(rows.shape[0], cap)
+    return scatter_add_decode(dense, idx, count, values, codes=codes, scales=scales,
+                              bits=bits, bucket_size=bucket_size, error_flag=error_flag)
 
 
 def philox_uniform(seed: int, n: int, offset: int = 0, device=None) -> torch.Tensor:

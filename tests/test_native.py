@@ -321,3 +321,135 @@ def test_bin_slot_indices_follow_the_codec_rule(monkeypatch):
                                               torch.device("cpu"))
             assert got.dtype == want.dtype == torch.int32
             assert torch.equal(got, want), (B, malformed)
+
+
+def _quant_cases(g):
+    """(n, bucket_size, bits, count) cases: odd sizes, buckets that split a code byte,
+    one bucket larger than the layer, a partial count and a zero count."""
+    import torch
+
+    def r(lo, hi):
+        return int(torch.randint(lo, hi, (1,), generator=g))
+    return [(r(100_000, 300_000), 512, 4, None), (r(5_000, 20_000), r(2, 9), 4, None),
+            (r(1_000, 5_000), r(3, 40), 2, r(0, 900)), (r(1_000, 9_000), 512, 8, None),
+            (r(1, 30), r(1, 5), 2, None), (r(50, 400), 10_000, 4, 0)]
+
+
+def test_quantize_compiled_loop_gives_the_numpy_bits():
+    """native.quantize_pack / dequantize (quantize.c) against cpu.py's numpy blocks, bit
+    for bit, on fresh heavy-tailed data with NaN / Inf / -0.0 elements, over the aligned
+    thread ranges the CPU path hands out; outputs poisoned before the loops write."""
+    import numpy as np
+    import torch
+    from hvdsparse import cpu, native
+    if not native.available():
+        pytest.skip(f"compiled CPU loops unavailable: {native.why_unavailable()}")
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for n, B, bits, count in _quant_cases(g):
+        v = (torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g))).numpy()
+        if n > 40:
+            v[int(torch.randint(0, n, (1,), generator=g))] = np.nan
+            v[int(torch.randint(0, n, (1,), generator=g))] = -np.inf
+            v[int(torch.randint(0, n, (1,), generator=g))] = -0.0
+        c = n if count is None else min(count, n)
+        seed = int(torch.randint(0, 2 ** 62, (1,), generator=g))
+        nbytes, nb = -(-n * bits // 8), -(-n // B)
+        want_c, want_s = np.empty(nbytes, np.uint8), np.empty(nb, np.float32)
+        cpu._quantize_pack_np(v, c, bits, B, seed, want_c, want_s)
+        got_c, got_s = np.full(nbytes, 0xA5, np.uint8), np.full(nb, 7.0, np.float32)
+        L = cpu._q_block_len(B, bits)
+        cuts = sorted({0, n, *[min(n, L * k) for k in (1, 3)]})      # uneven thread ranges
+        for s0, e0 in zip(cuts[:-1], cuts[1:]):
+            native.quantize_pack(v, c, bits, B, seed, got_c, got_s, s0, e0)
+        assert np.array_equal(got_c, want_c), (n, B, bits, count)
+        assert np.array_equal(got_s.view(np.uint32), want_s.view(np.uint32)), (n, B, bits)
+        want_d = np.empty(n, np.float32)
+        cpu._dequantize_unpack_np(want_c, want_s, bits, B, n, want_d)
+        got_d = np.full(n, 3.0, np.float32)
+        for s0, e0 in zip(cuts[:-1], cuts[1:]):
+            native.dequantize(got_c, got_s, bits, B, s0, e0, got_d[s0:e0])
+        assert np.array_equal(got_d.view(np.uint32), want_d.view(np.uint32)), (n, B, bits)
+
+
+def test_dense_add_decode_is_the_arange_scatter():
+    """cpu.dense_add_decode (DENSE segments through quantize.c: no index array) against
+    scatter_add_decode with indices arange and the compiled loops off, rows in order, for
+    fp32 and 2/4/8-bit rows with partial counts; a count outside [0, cap] raises and
+    writes nothing."""
+    import torch
+    from hvdsparse import cpu, native
+    if not native.available():
+        pytest.skip(f"compiled CPU loops unavailable: {native.why_unavailable()}")
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for n, B, bits, _ in _quant_cases(g):
+        P = int(torch.randint(1, 6, (1,), generator=g))
+        counts = torch.randint(0, n + 1, (P, 1), generator=g, dtype=torch.int32)
+        counts[0, 0] = n
+        base = torch.randn(n, generator=g)
+        rows = [cpu.quantize_pack(torch.randn(n, generator=g) * 3, bits, B, 11 + p)
+                for p in range(P)]
+        pad = int(torch.randint(0, 9, (1,), generator=g))          # codec sections pad
+        codes = torch.stack([torch.cat([c, torch.zeros(pad, dtype=torch.uint8)])
+                             for c, _ in rows])
+        scales = torch.stack([s for _, s in rows])
+        vals = torch.randn(P, n + pad, generator=g)
+        idx = torch.arange(n, dtype=torch.int32).expand(P, n)
+        saved = native.available
+        for kind in ("codes", "fp32"):
+            kw = dict(codes=codes, scales=scales, bits=bits, bucket_size=B) \
+                if kind == "codes" else dict(values=vals)
+            got = base.clone()
+            cpu.dense_add_decode(got, counts, n, **kw)
+            want = base.clone()
+            native.available = lambda: False
+            try:
+                if kind == "fp32":
+                    cpu.scatter_add_decode(want, idx, counts, vals[:, :n])
+                else:
+                    cpu.scatter_add_decode(want, idx, counts, codes=codes, scales=scales,
+                                           bits=bits, bucket_size=B)
+            finally:
+                native.available = saved
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (kind, n, B)
+        bad = counts.clone()
+        bad[-1, 0] = n + 1
+        got = base.clone()
+        with pytest.raises(ValueError, match=rf"count\[{P - 1}\]"):
+            cpu.dense_add_decode(got, bad, n, codes=codes, scales=scales, bits=bits,
+                                 bucket_size=B)
+        assert torch.equal(got, base)
+
+
+QSGD_DECODE = textwrap.dedent("""
+    import hashlib, sys, torch
+    from hvdsparse import codec, native
+    from hvdsparse.compressors import QSGD
+    g = torch.Generator().manual_seed(int(sys.argv[1]))
+    shapes = [("a", (300, 64)), ("b", (1001,)), ("c", (10, 7))]
+    h = hashlib.sha256()
+    for bits in (2, 4, 8):
+        msgs = []
+        for r in range(3):
+            c = QSGD(bits, bucket_size=100, error_feedback=True, compress_1d=True, seed=r)
+            c.register_layers(shapes)
+            pays = [c.compress(n, torch.randn(s, generator=g), 0) for n, s in shapes]
+            msgs.append(codec.encode(pays))
+            for n, _ in shapes:
+                res = c.residual(n)                 # None for the policy-dense layer
+                h.update(b"-" if res is None else res.numpy().tobytes())
+        outs = [torch.zeros(torch.Size(s).numel()) for _, s in shapes]
+        codec.accumulate(torch.stack(msgs), pays, outs)
+        for o in outs:
+            h.update(o.numpy().tobytes())
+        h.update(codec.payload_to_dense(pays[0]).numpy().tobytes())
+    print("native", native.available())
+    print("digest", h.hexdigest())
+""")
+
+
+def test_qsgd_compiled_quantise_and_decode_give_the_numpy_bits():
+    """QSGD with error feedback end to end (quantise, residual ``v - deq``, encode, the
+    DENSE decode of three ranks' messages, a policy-dense fp32 layer among them) with
+    the compiled loops on and off (HVDSPARSE_NATIVE=0): the same residuals and sums."""
+    d_on, d_off = _native_on_off(QSGD_DECODE, "digest")
+    assert d_on == d_off and d_on

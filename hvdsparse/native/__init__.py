@@ -48,12 +48,15 @@ from typing import Optional
 
 import torch
 
-__all__ = ["adacomp_select", "available", "bin_slot_indices", "bucket_topk", "philox_uniform",
+__all__ = ["adacomp_select", "available", "bin_slot_indices", "bucket_topk", "dense_add_f32",
+           "dense_add_dequantize", "dequantize", "philox_uniform", "quantize_pack",
            "scatter_add_f32", "scatter_add_sign", "why_unavailable"]
 
 _log = logging.getLogger(__name__)
 _SRCS = [Path(__file__).with_name(f) for f in ("bucket_topk.c", "scatter_add.c",
-                                                 "philox.c", "adacomp.c")]
+                                                 "philox.c", "adacomp.c", "quantize.c")]
+#: included by the sources (part of the build's cache key)
+_HDRS = [Path(__file__).with_name("philox.h")]
 #: the most slots per bin adacomp.c keeps (its per-bin buffer)
 ADACOMP_MAX_C = 256
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno",
@@ -76,7 +79,7 @@ def _build() -> Path:
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
-    srcs = [f.read_bytes() for f in _SRCS]
+    srcs = [f.read_bytes() for f in (*_SRCS, *_HDRS)]
     st = os.stat(cc)
     key = hashlib.sha256(b"\0".join([*srcs, " ".join(_FLAGS).encode(), cc.encode(),
                                      str(st.st_mtime_ns).encode(),
@@ -89,7 +92,8 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, _SRCS), "-lm"],
+        res = subprocess.run([cc, *_FLAGS, "-I", str(_HDRS[0].parent), "-o", tmp,
+                              *map(str, _SRCS), "-lm"],
                              capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed ({res.returncode}): "
@@ -138,6 +142,16 @@ def _load():
         lib.hvd_adacomp_select.argtypes = [P, P, I64, I64, I64, P, ctypes.c_float,
                                            ctypes.c_float, P, P, P, P, P, P]
         lib.hvd_adacomp_select.restype = I64
+        lib.hvd_quantize_pack.argtypes = [P, I64, I64, I64, ctypes.c_int, I64,
+                                          ctypes.c_uint64, P, P]
+        lib.hvd_quantize_pack.restype = I64
+        lib.hvd_dequantize.argtypes = [P, P, ctypes.c_int, I64, I64, I64, P]
+        lib.hvd_dequantize.restype = None
+        lib.hvd_dense_add_dequantize.argtypes = [P, P, I64, P, I64, P, I64, ctypes.c_int,
+                                                 I64]
+        lib.hvd_dense_add_dequantize.restype = None
+        lib.hvd_dense_add_f32.argtypes = [P, P, I64, P, I64]
+        lib.hvd_dense_add_f32.restype = None
         _state["lib"] = lib
         _state["bucket_topk"] = _bucket_topk_namespace(lib)
         return lib
@@ -396,3 +410,108 @@ def bin_slot_indices(rel: torch.Tensor, bin_counts: torch.Tensor, bin_size: int,
                              bin_counts.shape[1], P, C, int(bin_size), int(numel),
                              hist.data_ptr(), out.data_ptr())
     return out
+
+
+def _np_ptr(name: str, a, dtype: str, n: int) -> int:
+    """The data pointer of a contiguous numpy array of ``dtype`` with >= ``n`` elements."""
+    if str(a.dtype) != dtype or not a.flags["C_CONTIGUOUS"] or a.size < n:
+        raise ValueError(f"hvdsparse.native: {name} must be a contiguous {dtype} array of "
+                         f">= {n} elements, got {a.dtype} [{a.size}]")
+    return a.ctypes.data
+
+
+def _check_quant(bits: int, bucket_size: int):
+    if bits not in (2, 4, 8) or bucket_size < 1:
+        raise ValueError(f"hvdsparse.native: bits must be 2, 4 or 8 and bucket_size >= 1, "
+                         f"got {bits} / {bucket_size}")
+
+
+def quantize_pack(v, count: int, bits: int, bucket_size: int, seed: int, codes, scales,
+                  start: int, end: int) -> None:
+    """``cpu.quantize_pack``'s bits for elements ``[start, end)`` of the fp32 numpy array
+    ``v`` (``count`` valid elements, the rest read as 0): their bucket scales into
+    ``scales`` and their packed codes into ``codes`` (uint8 numpy arrays of the whole
+    layer). ``start`` is a multiple of ``bucket_size`` and of ``8 // bits``; so is ``end``
+    unless it is ``len(v)``. Raises RuntimeError when :func:`available` is False."""
+    lib = _lib()
+    _check_quant(bits, bucket_size)
+    n = v.size
+    per = 8 // bits
+    if not (0 <= start <= end <= n) or start % bucket_size or start % per or \
+            (end != n and (end % bucket_size or end % per)):
+        raise ValueError(f"hvdsparse.native.quantize_pack: range [{start}, {end}) of {n} is "
+                         f"not aligned to the bucket size {bucket_size} and {per} codes/byte")
+    pv = _np_ptr("v", v, "float32", n)
+    pc = _np_ptr("codes", codes, "uint8", -(-n * bits // 8))
+    ps = _np_ptr("scales", scales, "float32", -(-n // bucket_size))
+    if end > start and lib.hvd_quantize_pack(pv, int(start), int(end), int(count), int(bits),
+                                             int(bucket_size), int(seed), pc, ps):
+        raise MemoryError("hvdsparse.native.quantize_pack: out of memory for a block")
+
+
+def dequantize(codes, scales, bits: int, bucket_size: int, start: int, end: int,
+               out) -> None:
+    """``cpu.dequantize_unpack``'s values of elements ``[start, end)`` into the fp32 numpy
+    array ``out`` (element ``start`` at ``out[0]``); ``codes`` / ``scales`` numpy arrays
+    of the whole layer."""
+    lib = _lib()
+    _check_quant(bits, bucket_size)
+    if not 0 <= start <= end:
+        raise ValueError(f"hvdsparse.native.dequantize: bad range [{start}, {end})")
+    pc = _np_ptr("codes", codes, "uint8", -(-end * bits // 8))
+    ps = _np_ptr("scales", scales, "float32", -(-end // bucket_size))
+    po = _np_ptr("out", out, "float32", end - start)
+    if end > start:
+        lib.hvd_dequantize(pc, ps, int(bits), int(bucket_size), int(start), int(end), po)
+
+
+def _dense_rows_checks(fn, dense, counts, rows, rows_name, dtype, per_row):
+    if dense.device.type != "cpu" or dense.dtype != torch.float32 or \
+            not dense.is_contiguous():
+        raise ValueError(f"hvdsparse.native.{fn}: dense must be a contiguous CPU fp32 tensor")
+    if rows.device.type != "cpu" or rows.dtype != dtype or rows.dim() != 2 or \
+            rows.stride(1) != 1:
+        raise ValueError(f"hvdsparse.native.{fn}: {rows_name} must be CPU {dtype} [P, ...] "
+                         f"rows with unit column stride, got {rows.dtype} "
+                         f"{tuple(rows.shape)} on {rows.device}")
+    P = rows.shape[0]
+    cnt = torch.tensor([int(c) for c in counts], dtype=torch.int64)
+    lim = min(dense.numel(), per_row)
+    if cnt.numel() != P or bool(((cnt < 0) | (cnt > lim)).any()):
+        raise ValueError(f"hvdsparse.native.{fn}: counts must be P={P} ints in [0, {lim}], "
+                         f"got {cnt.tolist()}")
+    return cnt
+
+
+def dense_add_dequantize(dense: torch.Tensor, counts, codes: torch.Tensor,
+                         scales: torch.Tensor, bits: int, bucket_size: int) -> None:
+    """The decode of quantised DENSE segments: ``dense[j] += dequantize(codes[p],
+    scales[p])[j]`` for ``j < counts[p]``, rows in order (the bits of ``index_add_`` of
+    ``cpu.dequantize_unpack`` rows at indices ``arange``). ``codes`` uint8 [P, >=
+    ceil(cap * bits / 8)], ``scales`` fp32 [P, >= ceil(cap / bucket_size)], unit column
+    stride."""
+    lib = _lib()
+    _check_quant(bits, bucket_size)
+    cnt = _dense_rows_checks("dense_add_dequantize", dense, counts, codes, "codes",
+                             torch.uint8, codes.shape[1] * 8 // bits if codes.dim() == 2
+                             else 0)
+    lim = int(cnt.max()) if cnt.numel() else 0
+    if scales.device.type != "cpu" or scales.dtype != torch.float32 or scales.dim() != 2 or \
+            scales.shape[0] != codes.shape[0] or scales.stride(1) != 1 or \
+            scales.shape[1] < -(-lim // bucket_size):
+        raise ValueError(f"hvdsparse.native.dense_add_dequantize: scales must be CPU fp32 "
+                         f"[P={codes.shape[0]}, >= {-(-lim // bucket_size)}] rows, got "
+                         f"{scales.dtype} {tuple(scales.shape)}")
+    lib.hvd_dense_add_dequantize(dense.data_ptr(), codes.data_ptr(), codes.stride(0),
+                                 scales.data_ptr(), scales.stride(0), cnt.data_ptr(),
+                                 codes.shape[0], int(bits), int(bucket_size))
+
+
+def dense_add_f32(dense: torch.Tensor, counts, values: torch.Tensor) -> None:
+    """The decode of fp32 DENSE segments: ``dense[j] += values[p, j]`` for ``j <
+    counts[p]``, rows in order (``index_add_`` at indices ``arange``, row by row)."""
+    lib = _lib()
+    cnt = _dense_rows_checks("dense_add_f32", dense, counts, values, "values", torch.float32,
+                             values.shape[1] if values.dim() == 2 else 0)
+    lib.hvd_dense_add_f32(dense.data_ptr(), values.data_ptr(), values.stride(0),
+                          cnt.data_ptr(), values.shape[0])

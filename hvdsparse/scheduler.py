@@ -236,6 +236,13 @@ class LayerScheduler:
         # only a compressor that overrides after_exchange needs the unscaled gradient
         self._has_after = getattr(type(compressor), "after_exchange", None) is not \
             Compressor.after_exchange
+        # The average's 1/P is applied where the gradient is written into p.grad
+        # (torch.mul(g, 1/P, out=p.grad): one pass over the bucket instead of an
+        # in-place scale and then a copy; the same product, so the same bits) unless
+        # something reads the averaged bucket first: GradScaler's unscale, the
+        # local-gradient combination, a compressor's after_exchange
+        self._scale_at_write = grad_scaler is None and local is None and \
+            not self._has_after
         # Non-finite counters: once the plan exists, every layer of the step counts into
         # its slice of one zeroed int32[len(_dense_order)] tensor made at the step's first
         # compress (one allocation per step instead of one per layer), which is then
@@ -720,8 +727,8 @@ class LayerScheduler:
             total = pend.finish()
             t0 = time.perf_counter()
             self.events.append(("finish", b))
-            if scale != 1.0:       # x * 1.0 == x bit for bit: no pass at P = 1 / Sum
-                total.mul_(scale)
+            if scale != 1.0 and not self._scale_at_write:
+                total.mul_(scale)  # x * 1.0 == x bit for bit: no pass at P = 1 / Sum
             totals.append(total)
             self._feed_back(b, spec, pend.undelivered)
             t_dec += pend.decode_s + time.perf_counter() - t0
@@ -739,8 +746,9 @@ class LayerScheduler:
                 inv = self._grad_scale(total.device)
                 if inv is not None:   # back to the scaled units GradScaler expects
                     total.div_(inv)
+                pending = scale if scale != 1.0 and self._scale_at_write else None
                 for name, view in zip(spec.names, spec.views(total)):
-                    self._apply(name, view, inv)
+                    self._apply(name, view, inv, pending)
         self._finish_sparse(write=not skip)
         self._retire_error_flag()
         n_total = sum(s.numel for s in self._specs)
@@ -880,16 +888,32 @@ class LayerScheduler:
                 p.grad = out.coalesce()
         self._sparse_handles.clear()
 
-    def _apply(self, name: str, g_flat: torch.Tensor, inv: Optional[torch.Tensor] = None):
+    def _apply(self, name: str, g_flat: torch.Tensor, inv: Optional[torch.Tensor] = None,
+               scale: Optional[float] = None):
         """Write the exchanged gradient ``g_flat`` (in GradScaler's scaled units when
         ``inv`` = 1 / scale is given) into ``p.grad``. The local-gradient combination,
         dense-layer momentum (DGC) and ``after_exchange`` (Slim-DP's core choice) work
         in unscaled units, like the residuals and payloads: ``x * inv`` and ``x / inv``
-        are exact (a power of two)."""
+        are exact (a power of two). ``scale``: the average's 1/P when the bucket is
+        still the sum (``_scale_at_write``), applied here."""
         p = self.params[name]
         g = g_flat.view(p.shape)
         payload = self._payloads[name]
-        if name not in self._frozen:
+        written = False
+        if scale is not None:
+            grad = p.grad
+            lu = self.local_update
+            if name not in self._frozen and name not in self._was_sparse and \
+                    grad is not None and not grad.is_sparse and grad.shape == p.shape and \
+                    grad.dtype == torch.float32 and not (
+                        lu is not None and lu.momentum_correction and
+                        self.compressor.policy.is_dense(name, p.shape)):
+                with torch.no_grad():
+                    torch.mul(g, scale, out=grad)       # average and write in one pass
+                g, written = grad, True
+            else:
+                g = g * scale
+        if name not in self._frozen and not written:
             if self.local is not None and p.grad is not None:
                 s = 1.0 / self.world_size if self.average else 1.0
                 if inv is None:

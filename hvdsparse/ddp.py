@@ -611,7 +611,18 @@ class State:
                         slots.append(len(payloads))
                         payloads.append(None)
                         continue
-                if used and lu is not None and lu.wants(name):
+                mspec = lu.fused_spec(self.compressor, name, g.view(p.shape), p.detach()) \
+                    if used and lu is not None and lu.wants(name) and \
+                    hasattr(lu, "fused_spec") else None
+                if mspec is not None:
+                    # the compressor folds the velocity update into its own pass
+                    # (AdaComp's compiled CPU route), the same bits as corrected()
+                    kw = {"momentum": mspec}
+                    if self._inv is not None:
+                        kw["grad_scale"] = self._inv
+                    payloads.append(self.compressor.compress(
+                        name, g.view(p.shape), self.step, param=p.detach(), **kw))
+                elif used and lu is not None and lu.wants(name):
                     # DGC: clip, fold in weight decay, accumulate the velocity locally;
                     # Adam recipe: the local momentum (dense gradient in its warm-up)
                     dense = self.compressor.policy.is_dense(name, p.shape)

@@ -264,6 +264,17 @@ class LocalUpdate:
                                            device=grad.device)
         return True, MomentumSpec(u, h.momentum, h.dampening, h.nesterov, h.weight_decay)
 
+    def fused_spec(self, compressor, name: str, grad: torch.Tensor, param: torch.Tensor):
+        """The ``MomentumSpec`` to hand to ``compressor.compress(..., momentum=spec)``
+        when the compressor folds the velocity update into its own pass for this layer
+        (``Compressor.fuses_momentum``: AdaComp's compiled CPU route), else None (the
+        caller uses :meth:`corrected`). The same bits either way."""
+        dense = compressor.policy.is_dense(name, grad.shape)
+        if dense or not compressor.fuses_momentum(name, grad, param):
+            return None
+        fusable, spec = self.bucket_spec(name, grad, dense)
+        return spec if fusable else None
+
     def masks_now(self, name: str, warmup_density: Optional[float]) -> bool:
         """Whether :meth:`mask` masks layer ``name`` at this step (the warm-up rule)."""
         return warmup_density is None or warmup_density <= \

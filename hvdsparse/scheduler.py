@@ -401,10 +401,19 @@ class LayerScheduler:
         nonfinite = self._nonfinite_counter(name, grad.device)
         with torch.no_grad():
             if lu is not None and lu.wants(name):
-                # DGC: clip, fold in weight decay, accumulate the velocity locally
-                dense = self.compressor.policy.is_dense(name, p.shape)
-                grad, nonfinite = lu.corrected(name, p.grad, p, dense, inv,
-                                               nonfinite=nonfinite)
+                # the compressor may fold the velocity update into its own pass
+                # (AdaComp's compiled CPU route), the same bits as corrected()
+                spec = lu.fused_spec(self.compressor, name, grad, p.detach()) \
+                    if hasattr(lu, "fused_spec") else None
+                if spec is not None:
+                    kw["momentum"] = spec
+                    if inv is not None:
+                        kw["grad_scale"] = inv
+                else:
+                    # DGC: clip, fold in weight decay, accumulate the velocity locally
+                    dense = self.compressor.policy.is_dense(name, p.shape)
+                    grad, nonfinite = lu.corrected(name, p.grad, p, dense, inv,
+                                                   nonfinite=nonfinite)
             elif inv is not None:
                 kw["grad_scale"] = inv
             if lu is not None and lu.sends_dense(name):   # Adam recipe warm-up: exact

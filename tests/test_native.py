@@ -453,3 +453,66 @@ def test_qsgd_compiled_quantise_and_decode_give_the_numpy_bits():
     the compiled loops on and off (HVDSPARSE_NATIVE=0): the same residuals and sums."""
     d_on, d_off = _native_on_off(QSGD_DECODE, "digest")
     assert d_on == d_off and d_on
+
+
+ADACOMP_MC = textwrap.dedent(r"""
+    import hashlib, sys, torch
+    from hvdsparse import native
+    from hvdsparse.compressors import AdaComp
+    from hvdsparse.momentum import LocalUpdate
+    g = torch.Generator().manual_seed(int(sys.argv[1]))
+    shapes = [("fc", (600, 500)), ("conv", (32, 16, 3, 3)), ("vec", (7777,)), ("tiny", (30,))]
+    params = {n: torch.nn.Parameter(torch.randn(s, generator=g)) for n, s in shapes}
+    opt = torch.optim.SGD([
+        dict(params=[params["fc"]], momentum=0.9, weight_decay=1e-3, nesterov=True),
+        dict(params=[params["conv"]], momentum=0.8, dampening=0.25),
+        dict(params=[params["vec"], params["tiny"]], momentum=0.9)], lr=0.1)
+    lu = LocalUpdate(opt, params, 4, momentum_correction=True, clip_grad_norm=None)
+    comp = AdaComp(compress_1d=True, seed=1)
+    comp.register_layers(shapes)
+    h = hashlib.sha256()
+    fused = 0
+    for step in range(4):
+        comp.begin_step(step)
+        lu.begin_step()
+        for n, s in shapes:
+            p = params[n]
+            x = torch.randn(s, generator=g) * torch.exp(torch.randn(s, generator=g))
+            if n == "fc" and step == 1:
+                x.view(-1)[7] = float("nan")
+                x.view(-1)[900] = float("-inf")
+            gs = torch.tensor([0.5]) if step == 2 else None
+            nf = torch.zeros(1, dtype=torch.int32)
+            spec = lu.fused_spec(comp, n, x, p.detach())
+            if spec is not None:
+                fused += 1
+                pay = comp.compress(n, x, step, param=p.detach(), nonfinite=nf,
+                                    grad_scale=gs, momentum=spec)
+            else:
+                y, nf = lu.corrected(n, x, p, comp.policy.is_dense(n, s), gs, nonfinite=nf)
+                pay = comp.compress(n, y, step, param=p.detach(), nonfinite=nf)
+            seg = pay.segments[0]
+            for t in (seg.count, seg.values, seg.indices, seg.scales, seg.bin_counts,
+                      comp.residual(n), lu.u.get(n), nf):
+                h.update(b"-" if t is None else t.contiguous().view(torch.uint8).numpy().tobytes())
+            lu.mask(n, pay)
+        comp.commit()
+        lu.commit()
+    print("native", native.available())
+    print("digest", fused, h.hexdigest())
+""")
+
+
+def test_adacomp_folds_the_velocity_update_with_the_corrected_bits():
+    """AdaComp with DGC momentum correction: the velocity update folded into the compiled
+    pass (``LocalUpdate.fused_spec`` -> ``compress(momentum=...)``) against
+    ``LocalUpdate.corrected`` + ``compress`` (the compiled loops off), on fresh data over
+    four steps with masking in between: Nesterov with weight decay, dampening, plain,
+    NaN / -Inf gradient elements and an AMP scale; payload, residual, velocity and
+    non-finite count, bit for bit. The compiled run must fuse every compressed layer
+    (three of four: the 30-element one is sent dense), the other none."""
+    (on,), (off,) = _native_on_off(ADACOMP_MC, "digest")
+    _, n_on, h_on = on.split()
+    _, n_off, h_off = off.split()
+    assert (n_on, n_off) == ("12", "0")
+    assert h_on == h_off

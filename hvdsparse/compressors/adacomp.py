@@ -96,32 +96,50 @@ class AdaComp(Compressor):
     def capacity(self, shape, name: str = "") -> int:
         """Slots for a layer of this shape: ``nbins * max_per_bin`` (data-independent)."""
         cfg = self.layer_cfg(name) if name else self._base_cfg()
+        return self._layout(shape, cfg)[4]
+
+    def _layout(self, shape, cfg):
+        """``(n, L, nb, c, cap, ienc, dense)``: bin size, bins, slots per bin, capacity,
+        index encoding, and whether the sparse form would not be smaller (sent dense)."""
         n = 1
         for s in shape:
             n *= int(s)
-        L = min(self.bin_size_for(shape, cfg["bin_size"]), n)
-        c = cfg["max_per_bin"] or max(4, math.ceil(L / 50))
-        return ceil_div(n, L) * min(c, L)
-
-    def _compress(self, name, flat, shape, step, cfg, param):
-        n = flat.numel()
-        L = min(self.bin_size_for(shape, cfg["bin_size"]), n)
+        L = max(1, min(self.bin_size_for(shape, cfg["bin_size"]), n))   # (n = 0: no bins)
         nb = ceil_div(n, L)
         c = min(cfg["max_per_bin"] or max(4, math.ceil(L / 50)), L)
         cap = nb * c
         ienc = IndexEncoding.BIN_U8 if L <= 256 else IndexEncoding.BIN_U16
         ib = 1.0 if L <= 256 else 2.0
-        if cap * (ib + 0.125) + bin_count_width(L) * nb >= 4 * n:   # not smaller: dense
+        dense = cap * (ib + 0.125) + bin_count_width(L) * nb >= 4 * n
+        return n, L, nb, c, cap, ienc, dense
+
+    def fuses_momentum(self, name, grad, param) -> bool:
+        """On the compiled CPU route (``native.adacomp_select``) AdaComp folds DGC's
+        velocity update into its accumulate pass: one pass over gradient, velocity and
+        residual where LocalUpdate.corrected + compress made four."""
+        if grad.numel() == 0 or self.policy.is_dense(name, grad.shape):
+            return False
+        n, L, nb, c, cap, ienc, dense = self._layout(grad.shape, self.layer_cfg(name))
+        return not dense and self._native_takes(grad, c) and param is not None and \
+            param.dtype == torch.float32 and param.is_contiguous() and \
+            param.device.type == "cpu"
+
+    def _compress(self, name, flat, shape, step, cfg, param):
+        n, L, nb, c, cap, ienc, dense = self._layout(shape, cfg)
+        if dense:                                        # not smaller: sent dense
             acc, _ = self._acc(name, flat, None, True)
             return (self._dense_from_acc(name, acc, shape, ValueEncoding.FP32, 0, 512),
                     dict())
         if self._native_takes(flat, c):
             # CPU with the compiled loops: accumulate, bin maxima and selection in one
             # pass over the layer (hvdsparse/native/adacomp.c; the bits of the numpy
-            # route below: residual_add_binmax, then binned_select)
+            # route below: residual_add_binmax, then binned_select), with DGC's velocity
+            # update in the same pass when the scheduler hands it over (fuses_momentum)
             G = self._residual_for(name, flat)
             gmax, gidx, rel, vmask, count, bin_counts, selected = native.adacomp_select(
-                flat, G, L, c, cfg["scale"], self._call.grad_scale, self._call.nonfinite)
+                flat, G, L, c, cfg["scale"], self._call.grad_scale, self._call.nonfinite,
+                momentum=self._call.momentum,
+                param=None if param is None else param.detach().reshape(-1))
             scale = gmax.mean()
             return self._pack(name, shape, n, cap, L, ienc, G, scale, gidx,
                               binned_rel(rel, L), vmask, count, bin_counts, selected)
@@ -159,7 +177,7 @@ class AdaComp(Compressor):
         call = self._call
         return flat.device.type == "cpu" and flat.dtype == torch.float32 and \
             flat.is_contiguous() and c <= native.ADACOMP_MAX_C and \
-            call.nonfinite is not None and call.nonfinite.device.type == "cpu" and \
+            (call.nonfinite is None or call.nonfinite.device.type == "cpu") and \
             not ops.use_triton(flat) and native.available()
 
     def _pack(self, name, shape, n, cap, L, ienc, G, scale, gidx, rel, vmask, count,

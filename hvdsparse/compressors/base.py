@@ -280,11 +280,12 @@ def residual_add(flat: torch.Tensor, residual: torch.Tensor, bin_size: int, grad
 
 class _Call:
     """Per-call inputs of one ``compress`` that the shared helpers need."""
-    __slots__ = ("grad_scale", "nonfinite")
+    __slots__ = ("grad_scale", "nonfinite", "momentum")
 
-    def __init__(self, grad_scale=None, nonfinite=None):
+    def __init__(self, grad_scale=None, nonfinite=None, momentum=None):
         self.grad_scale = grad_scale
         self.nonfinite = nonfinite
+        self.momentum = momentum
 
 
 class Compressor:
@@ -574,14 +575,21 @@ class Compressor:
     def compress(self, name: str, grad: torch.Tensor, step: int,
                  param: Optional[torch.Tensor] = None,
                  grad_scale: Optional[torch.Tensor] = None,
-                 nonfinite: Optional[torch.Tensor] = None) -> LayerPayload:
+                 nonfinite: Optional[torch.Tensor] = None,
+                 momentum=None) -> LayerPayload:
         """Compress one layer's gradient for this step (see the class docstring).
         ``payload.nonfinite`` counts the non-finite elements of ``grad`` (int32[1],
         device). ``nonfinite``: an int32[1] device counter that already holds this
         layer's count of an earlier stage (the local update's clean gradient); the
         compressor adds into it and returns it as ``payload.nonfinite`` (saves a
-        zeroed counter and a sum per layer)."""
+        zeroed counter and a sum per layer). ``momentum``: a
+        ``topk_bucket.MomentumSpec`` (``LocalUpdate.bucket_spec``) when
+        :meth:`fuses_momentum` said yes for this layer: DGC's velocity update is done
+        inside the compressor's pass (``grad`` is then the raw gradient)."""
         self._check_args(name, grad, step, "grad")
+        if momentum is not None and not self.fuses_momentum(name, grad, param):
+            raise ValueError(f"layer {name!r}: {type(self).__name__} cannot fold the "
+                             f"velocity update here (fuses_momentum is False)")
         grad_scale = _check_grad_scale(name, grad_scale, grad.device)
         if nonfinite is not None and (not isinstance(nonfinite, torch.Tensor) or
                                       nonfinite.dtype != torch.int32 or
@@ -591,7 +599,15 @@ class Compressor:
                             f"{grad.device}, got {nonfinite!r}")
         self._open_layer(name)
         return self._compress_layer(name, grad, step, param, grad_scale, record=True,
-                                    nonfinite=nonfinite)
+                                    nonfinite=nonfinite, momentum=momentum)
+
+    def fuses_momentum(self, name: str, grad: torch.Tensor,
+                       param: Optional[torch.Tensor]) -> bool:
+        """Whether :meth:`compress` can take DGC's velocity update for this layer into
+        its own pass (``momentum=``), with the bits of ``LocalUpdate.corrected``
+        followed by an ordinary call. None of the base class's compressors do; AdaComp
+        does on its compiled CPU route."""
+        return False
 
     def _open_layer(self, name: str) -> None:
         """Before layer ``name``'s payload is made again (``compress``, the bucket path):
@@ -644,12 +660,13 @@ class Compressor:
         if not _is_int(step) or step < 0:
             raise ValueError(f"layer {name!r}: step must be an int >= 0, got {step!r}")
 
-    def _compress_layer(self, name, grad, step, param, grad_scale, record, nonfinite=None):
+    def _compress_layer(self, name, grad, step, param, grad_scale, record, nonfinite=None,
+                        momentum=None):
         shape = grad.shape
         flat = grad.detach().reshape(-1)
         if nonfinite is None:
             nonfinite = torch.zeros(1, dtype=torch.int32, device=flat.device)
-        self._call = _Call(grad_scale, nonfinite)
+        self._call = _Call(grad_scale, nonfinite, momentum)
         try:
             if flat.numel() == 0:
                 seg = Segment(numel=0, capacity=0, index_encoding=IndexEncoding.DENSE,

@@ -139,8 +139,9 @@ def _load():
         lib.hvd_bin_slot_indices.restype = None
         lib.hvd_philox_uniform.argtypes = [ctypes.c_uint64, ctypes.c_uint64, I64, P]
         lib.hvd_philox_uniform.restype = None
-        lib.hvd_adacomp_select.argtypes = [P, P, I64, I64, I64, P, ctypes.c_float,
-                                           ctypes.c_float, P, P, P, P, P, P]
+        F = ctypes.c_float
+        lib.hvd_adacomp_select.argtypes = [P, P, I64, I64, I64, P, F, F, P, P, P, P, P, P,
+                                           P, P, F, F, F, ctypes.c_int]
         lib.hvd_adacomp_select.restype = I64
         lib.hvd_quantize_pack.argtypes = [P, I64, I64, I64, ctypes.c_int, I64,
                                           ctypes.c_uint64, P, P]
@@ -343,16 +344,32 @@ def philox_uniform(seed: int, offset: int, out) -> None:
 
 def adacomp_select(grad: torch.Tensor, residual: torch.Tensor, bin_size: int, c: int,
                    h_scale: float, grad_scale: Optional[torch.Tensor],
-                   nonfinite: torch.Tensor):
+                   nonfinite: torch.Tensor, momentum=None, param=None):
     """AdaComp's accumulate and bin selection in one pass (``adacomp.c``): the residual
     becomes ``G`` in place (non-finite gradient elements add nothing and are counted into
     ``nonfinite``), and returns ``(gmax fp32[nb], gidx int64[nb*c], rel int64[nb*c],
     vmask bool[nb*c], count int32[1], bin_counts int32[nb], selected int32[1])`` -- the
     bits of ``cpu.residual_add_binmax`` followed by ``cpu.binned_select`` with the
     threshold ``gmax.clamp_min(TINY)``. ``grad`` / ``residual``: contiguous fp32 CPU of
-    the same size; ``c`` in [1, ADACOMP_MAX_C]."""
+    the same size; ``c`` in [1, ADACOMP_MAX_C].
+
+    ``momentum`` (a ``topk_bucket.MomentumSpec``; its velocity ``u`` updated in place,
+    ``param`` read when it has weight decay): DGC's velocity update in the same pass,
+    the bits of ``LocalUpdate.corrected`` followed by the plain call on its result."""
     lib = _lib()
     n = residual.numel()
+    mc_args = (None, None, 0.0, 1.0, 0.0, 0)
+    if momentum is not None:
+        u = momentum.u
+        wd = float(momentum.weight_decay)
+        need = [("velocity", u)] + ([("param", param)] if wd else [])
+        for name, t in need:
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or \
+                    t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != n:
+                raise ValueError(f"hvdsparse.native.adacomp_select: {name} must be a "
+                                 f"contiguous CPU fp32 tensor of {n} elements")
+        mc_args = (u.data_ptr(), param.data_ptr() if wd else None, float(momentum.momentum),
+                   1.0 - float(momentum.dampening), wd, int(bool(momentum.nesterov)))
     for name, t in (("grad", grad), ("residual", residual)):
         if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() \
                 or t.numel() != n:
@@ -382,7 +399,9 @@ def adacomp_select(grad: torch.Tensor, residual: torch.Tensor, bin_size: int, c:
                                    None if s is None else s.data_ptr(), hm1, tiny,
                                    gmax.data_ptr(), gidx.data_ptr(), rel.data_ptr(),
                                    bin_counts.data_ptr(), sel.data_ptr(),
-                                   nonfinite.data_ptr())
+                                   nonfinite.data_ptr(), *mc_args)
+    if count < 0:
+        raise MemoryError("hvdsparse.native.adacomp_select: out of memory for a bin")
     vmask = torch.zeros(nb * c, dtype=torch.bool)
     vmask[:count] = True
     return (gmax, gidx, rel, vmask, torch.tensor([count], dtype=torch.int32), bin_counts,

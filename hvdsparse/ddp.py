@@ -188,8 +188,8 @@ class State:
             :class:`hvdsparse.settings.ExchangeSettings`); or pass ``settings=``.
         transport: a :class:`hvdsparse.transport.Transport` (default: torch.distributed
             on ``process_group``).
-        optimizer, momentum_correction, clip_grad_norm: DGC's momentum correction /
-            masking and local clipping (:mod:`hvdsparse.momentum`), as for
+        optimizer, momentum_correction, momentum_masking, clip_grad_norm: DGC's momentum
+            correction / masking and local clipping (:mod:`hvdsparse.momentum`), as for
             :func:`hvdsparse.DistributedOptimizer` (``momentum_correction=None``, the
             default, turns it on by the same rule when ``optimizer=`` is given, and
             leaves it off without it); they need the ``torch.optim.SGD``
@@ -214,7 +214,8 @@ class State:
                  settings: Optional[ExchangeSettings] = None,
                  transport: Optional[Transport] = None, optimizer=None,
                  momentum_correction=None, clip_grad_norm=None, adam_recipe=None,
-                 adam_warmup=None, adam_refresh=None, grad_scaler=None, **kwargs):
+                 adam_warmup=None, adam_refresh=None, grad_scaler=None,
+                 momentum_masking=True, **kwargs):
         from .compressors import Compressor
         if isinstance(compression, type) and issubclass(compression, Compressor):
             raise TypeError(f"compression must be an hvdsparse compressor instance, got the "
@@ -307,6 +308,8 @@ class State:
         # None (the rule) without optimizer= resolves to off: the rule needs an SGD
         momentum_correction = resolve_momentum_correction(momentum_correction, optimizer,
                                                           compression)
+        if not isinstance(momentum_masking, bool):
+            raise ValueError(f"momentum_masking must be a bool, got {momentum_masking!r}")
         if clip_grad_norm is not None and (not isinstance(clip_grad_norm, (int, float)) or
                                            isinstance(clip_grad_norm, bool) or
                                            not clip_grad_norm > 0):
@@ -326,7 +329,8 @@ class State:
         if adam_warmup is not None:
             self._setup_adam(optimizer, adam_warmup, adam_refresh, clip_grad_norm)
         elif momentum_correction or clip_grad_norm is not None:
-            self._setup_local_update(optimizer, momentum_correction, clip_grad_norm)
+            self._setup_local_update(optimizer, momentum_correction, clip_grad_norm,
+                                     momentum_masking)
         elif optimizer is not None and not isinstance(optimizer, torch.optim.SGD):
             # an SGD optimizer is read by the momentum-correction default even when that
             # leaves it off; anything else here is an optimizer= that does nothing
@@ -339,6 +343,7 @@ class State:
             self.local_update.transactional = transactional
         self._bucket_path = topk_bucket.enabled(compression, self.local_update)
         self.fingerprint["momentum_correction"] = bool(momentum_correction)
+        self.fingerprint["momentum_masking"] = momentum_masking
         self.fingerprint["clip_grad_norm"] = clip_grad_norm
         self.fingerprint["adam_warmup"] = adam_warmup
         self.fingerprint["adam_refresh"] = adam_refresh
@@ -349,7 +354,8 @@ class State:
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     lambda _p, _n=n: self._used.add(_n)))
 
-    def _setup_local_update(self, optimizer, momentum_correction, clip_grad_norm):
+    def _setup_local_update(self, optimizer, momentum_correction, clip_grad_norm,
+                            momentum_masking=True):
         from .momentum import LocalUpdate
         if optimizer is None:
             raise ValueError("momentum_correction / clip_grad_norm need optimizer= (the "
@@ -366,7 +372,7 @@ class State:
         lu = LocalUpdate(optimizer, {n: p for n, p in self.params.items()
                                      if id(p) in group_of}, self.world_size,
                          momentum_correction=momentum_correction,
-                         clip_grad_norm=clip_grad_norm)
+                         clip_grad_norm=clip_grad_norm, masking=momentum_masking)
         self.local_update = lu
         if self.world_size > 1 and momentum_correction:
             ctx = {}

@@ -172,9 +172,11 @@ class LocalUpdate:
     ``params``: name -> parameter."""
 
     def __init__(self, optimizer, params: Dict[str, torch.Tensor], world_size: int, *,
-                 momentum_correction: bool, clip_grad_norm: Optional[float]):
+                 momentum_correction: bool, clip_grad_norm: Optional[float],
+                 masking: bool = True):
         self.world_size = int(world_size)
         self.momentum_correction = bool(momentum_correction)
+        self.masking = bool(masking)         # momentum-factor masking (module docstring)
         self.clip = None if clip_grad_norm is None else float(clip_grad_norm) / \
             (self.world_size ** 0.5)
         self.params = dict(params)
@@ -276,7 +278,10 @@ class LocalUpdate:
         return spec if fusable else None
 
     def masks_now(self, name: str, warmup_density: Optional[float]) -> bool:
-        """Whether :meth:`mask` masks layer ``name`` at this step (the warm-up rule)."""
+        """Whether :meth:`mask` masks layer ``name`` at this step (masking on, and the
+        warm-up rule)."""
+        if not self.masking:
+            return False
         return warmup_density is None or warmup_density <= \
             (1.0 - _Group(self._groups.of(self.params[name])).momentum) / 2.0
 

@@ -53,7 +53,8 @@ def _compressor_base():
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, settings, grad_scaler,
-                 momentum_correction, clip_grad_norm, adam_warmup, adam_refresh=None):
+                 momentum_correction, clip_grad_norm, adam_warmup, adam_refresh=None,
+                 momentum_masking=True):
         import horovod.torch as hvd
         super(self.__class__, self).__init__(params)
         self._compression = compression
@@ -113,9 +114,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         elif momentum_correction or clip_grad_norm is not None:
             self._local_update = LocalUpdate(
                 self, dict(optimised), size,
-                momentum_correction=momentum_correction, clip_grad_norm=clip_grad_norm)
+                momentum_correction=momentum_correction, clip_grad_norm=clip_grad_norm,
+                masking=momentum_masking)
         self._fingerprint = fingerprint(settings, compression)
         self._fingerprint["momentum_correction"] = bool(momentum_correction)
+        self._fingerprint["momentum_masking"] = bool(momentum_masking)
         self._fingerprint["clip_grad_norm"] = clip_grad_norm
         self._fingerprint["adam_warmup"] = adam_warmup
         self._fingerprint["adam_refresh"] = adam_refresh
@@ -304,7 +307,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          sync_period=500, dense_dtype="fp32", split_dense_bits=0,
                          quant_bucket=512, validate=None, alpha_bytes=0.0,
                          nonfinite="raise", grad_scaler=None, momentum_correction=None,
-                         clip_grad_norm=None, adam_recipe=None, adam_warmup=None,
+                         momentum_masking=True, clip_grad_norm=None, adam_recipe=None, adam_warmup=None,
                          adam_refresh=None, num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=None):
     """Wrap ``optimizer`` so that gradients are compressed and exchanged sparsely.
@@ -346,6 +349,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             momentum around TopK / Threshold / AdaComp at low density, off otherwise
             (:func:`hvdsparse.momentum.resolve_momentum_correction`, measured in
             BENCHMARKS.md 4b and 7); ``True`` / ``False``: as given.
+        momentum_masking: with momentum correction, DGC's momentum-factor masking
+            (``u[sent] = 0`` after each exchange); ``False`` keeps the velocity of sent
+            coordinates (:mod:`hvdsparse.momentum`, BENCHMARKS.md 4b).
         clip_grad_norm: DGC's local gradient clipping: each layer's local gradient is
             clipped to norm ``clip_grad_norm / sqrt(size)`` before it is accumulated.
         adam_recipe: the Adam / AdamW recipe (:mod:`hvdsparse.adam`, 1-bit Adam's
@@ -404,6 +410,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                              f"momentum), got {type(optimizer).__name__}")
         if local_gradient is not None:
             raise ValueError("momentum_correction cannot be combined with local_gradient")
+    if not isinstance(momentum_masking, bool):
+        raise ValueError(f"momentum_masking must be a bool, got {momentum_masking!r}")
     if clip_grad_norm is not None and (not isinstance(clip_grad_norm, (int, float)) or
                                        isinstance(clip_grad_norm, bool) or
                                        not clip_grad_norm > 0):
@@ -431,7 +439,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     cls.__qualname__ = f"hvdsparse.DistributedOptimizer[{optimizer.__class__.__name__}]"
     return cls(optimizer.param_groups, named_parameters, compression, settings, grad_scaler,
                momentum_correction, clip_grad_norm, adam_warmup,
-               adam_refresh if adam_warmup is not None else None)
+               adam_refresh if adam_warmup is not None else None,
+               momentum_masking=momentum_masking)
 
 
 # ---------------------------------------------------------------------- routing

@@ -82,6 +82,11 @@ METHODS = {
     "topk1_warmup": ("TopK 1%, warm-up exp(20, 4 stages)", ["--compression", "topk",
                                                             "--ratio", "0.01",
                                                             "--warmup", "exp,20,4"]),
+    # DGC's momentum-factor masking on / off explicitly (BENCHMARKS.md 4b, eleventh session)
+    "topk1_mask": ("TopK 1%, momentum masking on", ["--compression", "topk", "--ratio",
+                                                     "0.01", "--momentum-masking"]),
+    "topk1_nomask": ("TopK 1%, momentum masking off", ["--compression", "topk", "--ratio",
+                                                        "0.01", "--no-momentum-masking"]),
     "threshold99": ("Threshold 99%", ["--compression", "threshold", "--sparsity", "0.99"]),
     "adacomp": ("AdaComp", ["--compression", "adacomp"]),
     "slimdp": ("Slim-DP (alpha 0.2, beta 0.1)", ["--compression", "slimdp", "--alpha", "0.2",
@@ -103,7 +108,7 @@ METHODS["adacomp_numpy"] = ("AdaComp, numpy CPU path (HVDSPARSE_NATIVE=0)",
                              METHODS["adacomp"][1])
 METHOD_ENV = {m: {"HVDSPARSE_NATIVE": "0"} for m in METHODS if m.endswith("_numpy")}
 DEFAULT_METHODS = [m for m in METHODS if not m.startswith("topk5") and m != "topk1_warmup"
-                   and m not in METHOD_ENV]
+                   and m not in METHOD_ENV and m not in ("topk1_mask", "topk1_nomask")]
 
 
 def parse_args(argv=None):

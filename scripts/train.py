@@ -157,6 +157,10 @@ def parse_args(argv=None):
                    default=None,
                    help="hvdsparse: DGC momentum correction + masking (SGD momentum); "
                         "default: the library's rule (on for SGD momentum with a sparsifier)")
+    g.add_argument("--momentum-masking", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="hvdsparse: with momentum correction, DGC's momentum-factor masking "
+                        "(u[sent] = 0); default: the library's")
     g.add_argument("--clip-grad-norm", type=float, default=None,
                    help="hvdsparse: DGC local gradient clipping threshold")
     g.add_argument("--amp", choices=("off", "fp16", "bf16"), default="off",
@@ -296,6 +300,8 @@ def build_optimizer(args, model, hvd, grad_scaler=None):
         kwargs["sync_period"] = args.sync_period
     if args.momentum_correction is not None:
         kwargs["momentum_correction"] = args.momentum_correction
+    if args.momentum_masking is not None:
+        kwargs["momentum_masking"] = args.momentum_masking
     if args.clip_grad_norm is not None:
         kwargs["clip_grad_norm"] = args.clip_grad_norm
     if grad_scaler is not None:

@@ -9,7 +9,8 @@ TopK's output-layer rule: the last compressed layer (in ``weights`` order) takes
 ``max(ratio, output_ratio)``. ``warmup=(T, S)``: DGC's exponential density warm-up in
 ``S`` stages over ``T`` steps (density ``r^((s+1)/(S+1))`` at stage ``s = floor(t S / T)``
 for a layer of target density ``r``, then ``r``); while it holds a layer above both ``r``
-and ``(1 - m) / 2`` that layer's velocity is not masked.
+and ``(1 - m) / 2`` that layer's velocity is not masked. ``masking=False``: never masked
+(``momentum_masking=False``).
 """
 import math
 
@@ -18,7 +19,7 @@ import torch
 
 class DGCReplay:
     def __init__(self, weights, P, *, lr, m, wd, nesterov, clip, ratio, dense_below=1024,
-                 output_ratio=0.1, warmup=None):
+                 output_ratio=0.1, warmup=None, masking=True):
         self.W = {n: w.detach().clone() for n, w in weights.items()}
         self.P, self.lr, self.m, self.wd = P, lr, m, wd
         self.nesterov, self.clip, self.ratio, self.dense_below = nesterov, clip, ratio, \
@@ -27,6 +28,7 @@ class DGCReplay:
         self.v = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
         self.buf = {}
         self.warmup, self.t = warmup, 0
+        self.masking = masking
         compressed = [n for n, w in self.W.items() if w.numel() >= dense_below]
         self.layer_ratio = {n: ratio for n in compressed}
         if compressed and output_ratio is not None:
@@ -69,7 +71,7 @@ class DGCReplay:
                 sent = torch.zeros(W.numel())
                 sent[S] = v[n].reshape(-1)[S]
                 v[n].view(-1)[S] = 0
-                if masked:
+                if masked and self.masking:
                     u[n].view(-1)[S] = 0
                 sent_sum = sent_sum + sent.view_as(W)
             self.W[n] = W - lr * (sent_sum * (1.0 / P))

@@ -40,17 +40,20 @@ class Net(nn.Module):
         return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
 
 
-def run(nesterov, clip, ratio=0.05, lr=0.1, m=0.9, wd=1e-3, steps=8, tag="", warmup=None):
+def run(nesterov, clip, ratio=0.05, lr=0.1, m=0.9, wd=1e-3, steps=8, tag="", warmup=None,
+        masking=True):
     torch.manual_seed(7)
     model = Net()
     replay = DGCReplay({n: p for n, p in model.named_parameters()}, P, lr=lr, m=m, wd=wd,
-                       nesterov=nesterov, clip=clip, ratio=ratio, warmup=warmup)
+                       nesterov=nesterov, clip=clip, ratio=ratio, warmup=warmup,
+                       masking=masking)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=m, nesterov=nesterov,
                           weight_decay=wd)
     comp = hvdsparse.TopK(ratio, exact=True, warmup=None if warmup is None else
                           hvdsparse.ExponentialWarmup(warmup[0], stages=warmup[1]))
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                    compression=comp, momentum_correction=True,
+                                   momentum_masking=masking,
                                    clip_grad_norm=clip, fusion_threshold=2048)
     for step in range(steps):
         gen = torch.Generator().manual_seed(100 * step + R)
@@ -82,4 +85,5 @@ run(nesterov=False, clip=0.5, tag="clip")
 # a 2-stage warm-up over 4 steps: fc1 at 0.368 / 0.136, the output layer fc2.weight at
 # 0.464 / 0.215 (unmasked: above (1 - m) / 2 = 0.05), then 0.05 / 0.1 masked
 run(nesterov=True, clip=None, tag="warmup", warmup=(4, 2))
+run(nesterov=False, clip=None, tag="unmasked", masking=False)
 print(f"HVDSPARSE-OK rank={R}", flush=True)

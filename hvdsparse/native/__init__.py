@@ -5,8 +5,11 @@ accumulate of received (index, value) rows (``scatter_add.c``, the twin of
 ``kernels/scatter.py``'s fp32 branch, called by ``hvdsparse/cpu.py``); and the Philox
 uniforms of stochastic quantisation (``philox.c``, the twin of ``hvdsparse/philox.py``'s
 numpy stream and of Triton's ``tl.rand``); AdaComp's accumulate + bin selection in one
-pass (``adacomp.c``, ``cpu.residual_add_binmax`` + ``cpu.binned_select``'s bits) and its
-decode (sign rows and bin-relative indices, in ``scatter_add.c``).
+pass (``adacomp.c``, ``cpu.residual_add_binmax`` + ``cpu.binned_select``'s bits; with
+DGC's velocity update folded in when the scheduler hands it over) and its decode (sign
+rows and bin-relative indices, in ``scatter_add.c``); QSGD's quantiser and dequantiser
+and the decode of DENSE segments (``quantize.c``: the bits of ``cpu.py``'s numpy blocks,
+Philox drawn inline through ``philox.h``).
 
 Why C: the numpy CPU path walks a layer once per operation (velocity update, residual
 add, finiteness check, counting, selection: ~10 passes over a layer per step for TopK
@@ -56,7 +59,7 @@ _log = logging.getLogger(__name__)
 _SRCS = [Path(__file__).with_name(f) for f in ("bucket_topk.c", "scatter_add.c",
                                                  "philox.c", "adacomp.c", "quantize.c")]
 #: included by the sources (part of the build's cache key)
-_HDRS = [Path(__file__).with_name("philox.h")]
+_HDRS = [Path(__file__).with_name(f) for f in ("philox.h", "dgc.h")]
 #: the most slots per bin adacomp.c keeps (its per-bin buffer)
 ADACOMP_MAX_C = 256
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno",

@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dgc.h"
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define HOT_ADA __attribute__((target_clones("avx2", "default")))
 #else
@@ -63,19 +65,10 @@ HOT_ADA static int64_t acc_bin(const float *restrict g, float *restrict r, int64
     return bad;
 }
 
-/* one element of the velocity update (the header's rule); x into xs[i] */
+/* one element of the velocity update (the header's rule, dgc.h); x into xs[i] */
 #define MC_BODY(WDTERM, NESTEROV)                                                      \
     {                                                                                  \
-        float d = has_scale ? g[i] * s : g[i];                                         \
-        int fin = fabsf(d) < INFINITY;                                                 \
-        float gg = fin ? d : 0.0f;                                                     \
-        gg = WDTERM;                                                                   \
-        float uu = u[i] * mom;                                                         \
-        uu = uu + cd * gg;                                                             \
-        u[i] = uu;                                                                     \
-        float x = (NESTEROV) ? gg + mom * uu : uu;                                     \
-        int fin2 = fabsf(x) < INFINITY;                                                \
-        bad += !fin + !fin2;                                                           \
+        DGC_VELOCITY(has_scale ? g[i] * s : g[i], WDTERM, NESTEROV, u, mom, cd, bad)   \
         float a = r[i];                                                                \
         a = fin2 ? a + x : a;                                                          \
         r[i] = a;                                                                      \

@@ -37,6 +37,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "dgc.h"
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -102,19 +104,10 @@ HOT static int64_t acc_plain(const float *restrict g, float *restrict r, int64_t
     return bad;
 }
 
-/* one element of a momentum row (the module docstring's rule) */
+/* one element of a momentum row (the module docstring's rule, dgc.h) */
 #define MOMENTUM_BODY(D, WDTERM, NESTEROV)                                            \
     {                                                                                  \
-        float d = (D);                                                                 \
-        int fin = fabsf(d) < INFINITY;                                                 \
-        float gg = fin ? d : 0.0f;                                                     \
-        gg = WDTERM;                                                                   \
-        float uu = u[i] * m;                                                           \
-        uu = uu + c * gg;                                                              \
-        u[i] = uu;                                                                     \
-        float x = (NESTEROV) ? gg + m * uu : uu;                                       \
-        int fin2 = fabsf(x) < INFINITY;                                                \
-        bad += !fin + !fin2;                                                           \
+        DGC_VELOCITY(D, WDTERM, NESTEROV, u, m, c, bad)                                \
         float a = r[i];                                                                \
         r[i] = fin2 ? a + x : a;                                                       \
     }

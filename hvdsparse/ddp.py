@@ -215,7 +215,7 @@ class State:
                  transport: Optional[Transport] = None, optimizer=None,
                  momentum_correction=None, clip_grad_norm=None, adam_recipe=None,
                  adam_warmup=None, adam_refresh=None, grad_scaler=None,
-                 momentum_masking=True, **kwargs):
+                 momentum_masking=False, **kwargs):
         from .compressors import Compressor
         if isinstance(compression, type) and issubclass(compression, Compressor):
             raise TypeError(f"compression must be an hvdsparse compressor instance, got the "
@@ -355,7 +355,7 @@ class State:
                     lambda _p, _n=n: self._used.add(_n)))
 
     def _setup_local_update(self, optimizer, momentum_correction, clip_grad_norm,
-                            momentum_masking=True):
+                            momentum_masking):
         from .momentum import LocalUpdate
         if optimizer is None:
             raise ValueError("momentum_correction / clip_grad_norm need optimizer= (the "

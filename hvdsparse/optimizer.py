@@ -54,7 +54,7 @@ def _compressor_base():
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, settings, grad_scaler,
                  momentum_correction, clip_grad_norm, adam_warmup, adam_refresh=None,
-                 momentum_masking=True):
+                 momentum_masking=False):
         import horovod.torch as hvd
         super(self.__class__, self).__init__(params)
         self._compression = compression
@@ -307,7 +307,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          sync_period=500, dense_dtype="fp32", split_dense_bits=0,
                          quant_bucket=512, validate=None, alpha_bytes=0.0,
                          nonfinite="raise", grad_scaler=None, momentum_correction=None,
-                         momentum_masking=True, clip_grad_norm=None, adam_recipe=None, adam_warmup=None,
+                         momentum_masking=False, clip_grad_norm=None, adam_recipe=None, adam_warmup=None,
                          adam_refresh=None, num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=None):
     """Wrap ``optimizer`` so that gradients are compressed and exchanged sparsely.
@@ -350,8 +350,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             (:func:`hvdsparse.momentum.resolve_momentum_correction`, measured in
             BENCHMARKS.md 4b and 7); ``True`` / ``False``: as given.
         momentum_masking: with momentum correction, DGC's momentum-factor masking
-            (``u[sent] = 0`` after each exchange); ``False`` keeps the velocity of sent
-            coordinates (:mod:`hvdsparse.momentum`, BENCHMARKS.md 4b).
+            (``u[sent] = 0`` after each exchange). ``False`` (default, measured: BENCHMARKS.md
+            4b, eleventh session): the velocity of a sent coordinate is kept, so the
+            ranks' sent velocities add up to the momentum SGD update, only delayed;
+            ``True``: DGC's rule as published (:mod:`hvdsparse.momentum`).
         clip_grad_norm: DGC's local gradient clipping: each layer's local gradient is
             clipped to norm ``clip_grad_norm / sqrt(size)`` before it is accumulated.
         adam_recipe: the Adam / AdamW recipe (:mod:`hvdsparse.adam`, 1-bit Adam's

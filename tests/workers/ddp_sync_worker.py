@@ -90,7 +90,7 @@ def main():
             if kind == "sgd+scaler" else None
         state = hvdsparse.ddp.State(make(), net.named_parameters(), validate=False,
                                     optimizer=None if kind == "plain" else opt,
-                                    grad_scaler=scaler, **kw)
+                                    grad_scaler=scaler, momentum_masking=True, **kw)
         model.register_comm_hook(state, hvdsparse.ddp.hook)
         g = torch.Generator().manual_seed(100 + rank)
         n_rec, n_ro = len(det.records), len(readouts.records)

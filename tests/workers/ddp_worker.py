@@ -434,7 +434,8 @@ def check_momentum_correction():
         comp = hvdsparse.TopK(ratio, exact=True, warmup=None if warm is None else
                               hvdsparse.ExponentialWarmup(warm[0], stages=warm[1]))
         state = hvdsparse.ddp.State(comp, net.named_parameters(), optimizer=opt,
-                                    momentum_correction=True, clip_grad_norm=clip)
+                                    momentum_correction=True, clip_grad_norm=clip,
+                                    momentum_masking=True)
         model.register_comm_hook(state, hvdsparse.ddp.hook)
         replay = DGCReplay(dict(net.named_parameters()), P, lr=lr, m=m, wd=wd,
                            nesterov=nesterov, clip=clip, ratio=ratio, warmup=warm)

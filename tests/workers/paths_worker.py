@@ -62,7 +62,7 @@ def train(make_comp, forced: bool, exchange: str, nan_at=None, bucket_path=True)
         opt = hvdsparse.DistributedOptimizer(
             torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3),
             named_parameters=net.named_parameters(), compression=make_comp(),
-            exchange=exchange, validate=not forced,
+            exchange=exchange, validate=not forced, momentum_masking=True,
             nonfinite="raise" if nan_at is None else "skip")
         g = torch.Generator().manual_seed(100 + R)
         snaps = []

@@ -363,7 +363,8 @@ def main():
             opt = hvdsparse.DistributedOptimizer(
                 torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                 named_parameters=model.named_parameters(), compression=make(),
-                exchange=ex, validate=False, fusion_threshold=0)
+                exchange=ex, validate=False, fusion_threshold=0,
+                momentum_masking=True)
             g = torch.Generator().manual_seed(100 + rank)
             n_rec, n_ro = len(det.records), len(readouts.records)
             det.hvd_ops.clear()

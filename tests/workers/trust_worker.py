@@ -921,7 +921,8 @@ def nan_skip(exchange="allgather", dgc=False):
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                        named_parameters=model.named_parameters(),
                                        compression=comp, exchange=exchange,
-                                       nonfinite="skip", momentum_correction=dgc)
+                                       nonfinite="skip", momentum_correction=dgc,
+                                       momentum_masking=True)
     except Exception as e:  # noqa: BLE001
         case.fail(f"nonfinite='skip' refused: {type(e).__name__}: {e}")
         cap.remove()

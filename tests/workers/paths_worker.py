@@ -13,7 +13,8 @@ is a kernel that does not compute what the CPU path computes.
 
 Layers are large enough for TopK's sampled estimate (65,536-element weights, so the
 refinement kernel runs) and AdaComp's 500-element bins; SGD with momentum 0.9 and
-weight decay, so momentum correction (the default) and its masking run. TopK's forced
+weight decay, so momentum correction (the default) runs, and its masking (asked for:
+``momentum_masking=True``, off by default, so both kernels are compared). TopK's forced
 run goes through the bucket path (every layer of a bucket in one launch sequence,
 ``compressors/topk_bucket.py``; Threshold's too, after its step-0 refresh), so this also
 checks that path against the CPU path; the CPU run of TopK / Threshold with fp32 values takes the bucket path too, through the compiled

@@ -1012,11 +1012,12 @@ def _scatter(dense: torch.Tensor, venc: ValueEncoding, capacity: int, quant_buck
         return
     if ienc == IndexEncoding.DENSE and (venc == ValueEncoding.FP32 or venc in QUANT_BITS):
         if venc == ValueEncoding.FP32:
-            ops.dense_add_decode(dense, count, capacity, values, error_flag=error_flag)
+            ops.dense_add_decode(dense, count, capacity, values, error_flag=error_flag,
+                                 indices=idx)
         else:
             ops.dense_add_decode(dense, count, capacity, codes=values, scales=scales,
                                  bits=QUANT_BITS[venc], bucket_size=quant_bucket,
-                                 error_flag=error_flag)
+                                 error_flag=error_flag, indices=idx)
         return
     if venc in FLOAT_DTYPES:
         ops.scatter_add_decode(dense, idx, count, values, error_flag=error_flag)

@@ -397,18 +397,20 @@ def scatter_add_decode(dense: torch.Tensor, indices: torch.Tensor, count: torch.
 def dense_add_decode(dense: torch.Tensor, count: torch.Tensor, capacity: int,
                      values: Optional[torch.Tensor] = None, *, codes=None, scales=None,
                      bits: int = 0, bucket_size: int = 512,
-                     error_flag: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                     error_flag: Optional[torch.Tensor] = None,
+                     indices: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """:func:`scatter_add_decode` of DENSE segments (slot j is element j). On the CPU
     :func:`hvdsparse.cpu.dense_add_decode` (no index array); on the Triton path the
-    scatter kernel with indices ``arange``. Returns the error flag as
-    :func:`scatter_add_decode` does."""
+    scatter kernel with ``indices`` (``arange(capacity)`` rows: the caller's cached
+    ones, or made here). Returns the error flag as :func:`scatter_add_decode` does."""
     if not use_triton(dense):
-        _ref.dense_add_decode(dense, count, capacity, values, codes=codes, scales=scales, bits=bits,
-                              bucket_size=bucket_size)
+        _ref.dense_add_decode(dense, count, capacity, values, codes=codes, scales=scales,
+                              bits=bits, bucket_size=bucket_size)
         return error_flag
     rows = values if values is not None else codes
     cap = _ref._check_pos_int("capacity", capacity, 0)
-    idx = torch.arange(cap, dtype=torch.int32, device=dense.device).expand(rows.shape[0], cap)
+    idx = indices if indices is not None else torch.arange(
+        cap, dtype=torch.int32, device=dense.device).expand(rows.shape[0], cap)
     return scatter_add_decode(dense, idx, count, values, codes=codes, scales=scales,
                               bits=bits, bucket_size=bucket_size, error_flag=error_flag)
 

@@ -920,6 +920,14 @@ def _q_block_len(B: int, bits: int) -> int:
     return rows * B
 
 
+def _q_parallel(n: int, B: int, bits: int, work) -> None:
+    """Run ``work(start, end)`` over the elements [0, n) of a quantised layer in pieces of
+    whole :func:`_q_block_len` blocks (each piece starts on a bucket and a code byte),
+    one per thread (:func:`hvdsparse.philox._philox_parallel`)."""
+    L = _q_block_len(B, bits)
+    _philox_parallel(n, work, align=L, min_per=max(L, _PHILOX_PAR_MIN))
+
+
 def _quantize_pack_np(v: np.ndarray, c: int, bits: int, B: int, seed: int,
                       codes: np.ndarray, scales: np.ndarray) -> None:
     """numpy :func:`quantize_pack` of fp32 ``v`` (count ``c``), block by block, with the
@@ -996,7 +1004,7 @@ def _quantize_pack_np(v: np.ndarray, c: int, bits: int, B: int, seed: int,
                     np.left_shift(CU[:, k], np.uint8(k * bits), out=S)
                     np.bitwise_or(out, S, out=out)
 
-    _philox_parallel(n, work, align=L, min_per=max(L, _PHILOX_PAR_MIN))
+    _q_parallel(n, B, bits, work)
 
 
 def quantize_pack(values: torch.Tensor, bits: int, bucket_size: int, seed: int,
@@ -1032,10 +1040,8 @@ def quantize_pack(values: torch.Tensor, bits: int, bucket_size: int, seed: int,
         if native.available():
             # hvdsparse/native/quantize.c: the same bits, Philox drawn inline
             cn, sn = codes.numpy(), scales.numpy()
-            L = _q_block_len(B, bits)
-            _philox_parallel(n, lambda s0, e0: native.quantize_pack(
-                v, c, bits, B, seed, cn, sn, s0, e0), align=L,
-                min_per=max(L, _PHILOX_PAR_MIN))
+            _q_parallel(n, B, bits, lambda s0, e0: native.quantize_pack(
+                v, c, bits, B, seed, cn, sn, s0, e0))
         else:
             _quantize_pack_np(v, c, bits, B, seed, codes.numpy(), scales.numpy())
     return codes, scales
@@ -1107,7 +1113,7 @@ def _dequantize_unpack_np(codes: np.ndarray, scales: np.ndarray, bits: int, B: i
                 np.multiply(F2, scales[bs // B: bs // B + R, None], out=F2)
             np.divide(F[:m], s, out=out[bs:be])
 
-    _philox_parallel(n, work, align=L, min_per=max(L, _PHILOX_PAR_MIN))
+    _q_parallel(n, B, bits, work)
 
 
 def dequantize_unpack(codes: torch.Tensor, scales: torch.Tensor, bits: int,
@@ -1131,9 +1137,8 @@ def dequantize_unpack(codes: torch.Tensor, scales: torch.Tensor, bits: int,
         if n:
             cn, sn, on = codes.contiguous().numpy(), scales.contiguous().numpy(), out.numpy()
             if native.available():              # hvdsparse/native/quantize.c, same bits
-                _philox_parallel(n, lambda s0, e0: native.dequantize(
-                    cn, sn, bits, B, s0, e0, on[s0:e0]), align=_q_block_len(B, bits),
-                    min_per=max(_q_block_len(B, bits), _PHILOX_PAR_MIN))
+                _q_parallel(n, B, bits, lambda s0, e0: native.dequantize(
+                    cn, sn, bits, B, s0, e0, on[s0:e0]))
             else:
                 _dequantize_unpack_np(cn, sn, bits, B, n, on)
         return out
@@ -1238,6 +1243,14 @@ def _check_scatter_args(dense, indices, count, values, codes, scales, bits, buck
     return ind, P, cap, cnt, vals, cds, scl, bits, bucket_size, sgn, ssc
 
 
+def _check_counts(counts, cap: int) -> None:
+    """Every row's count (host ints) in [0, cap], else ValueError naming the first bad
+    row; the compiled decodes check all rows before anything is written."""
+    for p, c in enumerate(counts):
+        if not 0 <= int(c) <= cap:
+            raise ValueError(f"count[{p}] = {int(c)} is outside [0, cap={cap}]")
+
+
 def _native_scatter(dense, ind, rows) -> bool:
     """Whether the compiled decode (``native.scatter_add_f32`` / ``scatter_add_sign``)
     takes these rows (fp32 values or sign bytes)."""
@@ -1273,9 +1286,7 @@ def scatter_add_decode(dense: torch.Tensor, indices: torch.Tensor, count: torch.
         # fp32 (index, value) or sign-bit rows: one compiled pass per row (hvdsparse/
         # native/scatter_add.c), the same checks first and the same bits as the
         # torch.where + index_add_ route below
-        for p in range(P):
-            if not 0 <= int(counts[p]) <= cap:
-                raise ValueError(f"count[{p}] = {int(counts[p])} is outside [0, cap={cap}]")
+        _check_counts(counts, cap)
         if fp32_rows:
             bad = native.scatter_add_f32(dense, ind, counts, vals)
         else:
@@ -1323,8 +1334,9 @@ def dense_add_decode(dense: torch.Tensor, count: torch.Tensor, capacity: int,
     """:func:`scatter_add_decode` of DENSE segments, whose slot j is element j:
     ``dense[j] += value(p, j)`` for every row p (in order) and ``j < count[p, 0]``, with
     fp32 ``values`` [P, >= cap] or quantised ``codes`` [P, >= ceil(cap * bits / 8)] +
-    ``scales`` [P, >= ceil(cap / bucket_size)] rows, ``cap = capacity <= dense.numel()``. The same bits as :func:`scatter_add_decode` with
-    indices ``arange(cap)``; no index array is read. ValueError for a count outside
+    ``scales`` [P, >= ceil(cap / bucket_size)] rows, ``cap = capacity <= dense.numel()``.
+    The same bits as :func:`scatter_add_decode` with indices ``arange(cap)``; no index
+    array is read. ValueError for a count outside
     [0, cap] (nothing written)."""
     if (values is None) == (codes is None):
         raise ValueError("exactly one of values, codes (+scales, bits) must be given")
@@ -1349,22 +1361,18 @@ def dense_add_decode(dense: torch.Tensor, count: torch.Tensor, capacity: int,
         raise ValueError(f"dense_add_decode: capacity {cap} with rows of {have} slots and "
                          f"dense of {dense.numel()} elements")
     counts = cnt[:, 0].tolist()
-    for p, c in enumerate(counts):
-        if not 0 <= int(c) <= cap:
-            raise ValueError(f"count[{p}] = {int(c)} is outside [0, cap={cap}]")
+    _check_counts(counts, cap)
     native_ok = dense.device.type == "cpu" and dense.is_contiguous() and \
         dense.dtype == torch.float32 and rows.stride(1) == 1 and native.available()
     if values is not None:
         values = values[:, :cap]
-    else:
-        codes = codes[:, : -(-cap * bits // 8)]
-    if values is not None:
         if native_ok and values.dtype == torch.float32:
             native.dense_add_f32(dense, counts, values)
             return
         for p, c in enumerate(counts):
             dense[:c].add_(values[p, :c].to(torch.float32))
         return
+    codes = codes[:, : -(-cap * bits // 8)]
     if native_ok and scales.dim() == 2 and scales.stride(1) == 1 and \
             scales.dtype == torch.float32:
         native.dense_add_dequantize(dense, counts, codes, scales, bits, bucket_size)

@@ -42,8 +42,8 @@ from . import cpu as _ref
 
 __all__ = [
     "residual_add", "residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
-    "sign_unpack", "scatter_add_decode", "dense_add_decode", "philox_uniform", "use_triton", "pack_bits",
-    "unpack_bits", "row_threshold_kernel", "row_threshold_max_d", "count_abs_ge",
+    "sign_unpack", "scatter_add_decode", "dense_add_decode", "philox_uniform", "use_triton",
+    "pack_bits", "unpack_bits", "row_threshold_kernel", "row_threshold_max_d", "count_abs_ge",
     "has_cpu_path", "binned_select", "select_if_in_range", "refine_topk_threshold",
     "clean_grad", "zero_slots", "binned_pack", "binned_max_bin",
 ]

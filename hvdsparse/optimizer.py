@@ -307,8 +307,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          sync_period=500, dense_dtype="fp32", split_dense_bits=0,
                          quant_bucket=512, validate=None, alpha_bytes=0.0,
                          nonfinite="raise", grad_scaler=None, momentum_correction=None,
-                         momentum_masking=False, clip_grad_norm=None, adam_recipe=None, adam_warmup=None,
-                         adam_refresh=None, num_groups=0, groups=None, sparse_as_dense=False,
+                         momentum_masking=False, clip_grad_norm=None, adam_recipe=None,
+                         adam_warmup=None, adam_refresh=None, num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=None):
     """Wrap ``optimizer`` so that gradients are compressed and exchanged sparsely.
 

@@ -162,6 +162,47 @@ def test_scatter_add_matches_index_add_row_by_row():
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
+def test_top_m_gives_torch_topk_values():
+    """The radix select that replaced ``torch.topk`` on the bucket path's sample: the
+    same values, sorted, on fresh magnitudes, heavy ties, all zeros, -1 padding,
+    subnormals with +inf, NaN (sorted first, as torch.topk does) and the boundary bin
+    refined down to its last bits."""
+    import torch
+    from hvdsparse import native
+    if not native.available():
+        pytest.skip(f"compiled CPU loops unavailable: {native.why_unavailable()}")
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for trial in range(120):
+        L = int(torch.randint(1, 4, (1,), generator=g))
+        n = int(torch.randint(1, 5000, (1,), generator=g))
+        m = int(torch.randint(1, n + 1, (1,), generator=g))
+        S = torch.randn(L, n, generator=g).abs()
+        kind = trial % 7
+        if kind == 1:
+            S = torch.randint(0, 4, (L, n), generator=g).float()
+        elif kind == 2:
+            S[:, int(torch.randint(0, n, (1,), generator=g)):] = -1.0
+        elif kind == 3:
+            S = torch.zeros(L, n)
+        elif kind == 4:
+            S = S * 1e-40
+            S[0, 0] = float("inf")
+        elif kind == 5:
+            S[0, ::3] = float("nan")
+        elif kind == 6:      # one exponent, neighbouring mantissas: the last bits decide
+            S = (1.0 + torch.randint(0, 64, (L, n), generator=g).float() * 2.0 ** -23)
+        want = torch.topk(S, m, dim=1, sorted=True).values
+        got = native.top_m(S.contiguous(), m)
+        assert got.shape == want.shape
+        assert torch.equal(got.isnan(), want.isnan()), (trial, kind)
+        assert torch.equal(torch.nan_to_num(got, 7.0).view(torch.int32),
+                           torch.nan_to_num(want, 7.0).view(torch.int32)), (trial, kind)
+    with pytest.raises(ValueError, match="m must be in"):
+        native.top_m(torch.rand(2, 5), 6)
+    with pytest.raises(ValueError, match="S must be"):
+        native.top_m(torch.rand(5), 2)
+
+
 def test_scatter_add_rejects_a_bad_index_and_writes_nothing():
     import torch
     from hvdsparse import cpu, native

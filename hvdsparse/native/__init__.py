@@ -53,7 +53,7 @@ import torch
 
 __all__ = ["adacomp_select", "available", "bin_slot_indices", "bucket_topk", "dense_add_f32",
            "dense_add_dequantize", "dequantize", "philox_uniform", "quantize_pack",
-           "scatter_add_f32", "scatter_add_sign", "why_unavailable"]
+           "scatter_add_f32", "scatter_add_sign", "top_m", "why_unavailable"]
 
 _log = logging.getLogger(__name__)
 _SRCS = [Path(__file__).with_name(f) for f in ("bucket_topk.c", "scatter_add.c",
@@ -131,7 +131,8 @@ def _load():
         lib.hvd_sample.argtypes = [P, I64, P, I64]
         lib.hvd_select.argtypes = [P, I64, P, I64, P, I64, I64, P, P, P, P, ctypes.c_float]
         lib.hvd_mask.argtypes = [P, I64, P, P]
-        for f in ("hvd_accumulate", "hvd_sample", "hvd_select", "hvd_mask"):
+        lib.hvd_top_m.argtypes = [P, I64, I64, I64, P, P]
+        for f in ("hvd_accumulate", "hvd_sample", "hvd_top_m", "hvd_select", "hvd_mask"):
             getattr(lib, f).restype = None
         lib.hvd_scatter_add_f32.argtypes = [P, I64, P, I64, P, I64, P, I64, P]
         lib.hvd_scatter_add_f32.restype = I64
@@ -236,7 +237,7 @@ def _bucket_topk_namespace(lib) -> SimpleNamespace:
             raise ValueError(f"hvdsparse.native: L={L} but the table has {tab.shape[0]} rows")
         S = torch.empty((L, smax), dtype=torch.float32)
         lib.hvd_sample(tab.data_ptr(), L, S.data_ptr(), smax)
-        V = torch.topk(S, mmax, dim=1, largest=True, sorted=True).values.contiguous()
+        V = top_m(S, mmax)
         R = max(int(rounds), 1)
         counts = torch.zeros((L, R), dtype=torch.int32)
         idx = torch.empty(capacity_total, dtype=torch.int32)
@@ -260,6 +261,25 @@ def _bucket_topk_namespace(lib) -> SimpleNamespace:
     ns.threshold_and_select = threshold_and_select
     ns.mask = mask
     return ns
+
+
+def top_m(S: torch.Tensor, m: int) -> torch.Tensor:
+    """``torch.topk(S, m, dim=1, sorted=True).values`` of a contiguous fp32 CPU ``[L, n]``
+    sample of magnitudes (values >= +0, or -1 padding; NaN sorts first, as in
+    torch.topk): the same values, by a radix select in ``bucket_topk.c`` (O(n) per row
+    whatever the data). Raises RuntimeError when :func:`available` is False."""
+    lib = _lib()
+    if S.device.type != "cpu" or S.dtype != torch.float32 or not S.is_contiguous() or \
+            S.dim() != 2:
+        raise ValueError(f"hvdsparse.native.top_m: S must be a contiguous 2-d CPU fp32 "
+                         f"tensor, got {S.dtype} {tuple(S.shape)} on {S.device}")
+    L, n = S.shape
+    if not 0 < m <= n:
+        raise ValueError(f"hvdsparse.native.top_m: m must be in [1, {n}], got {m}")
+    V = torch.empty((L, m), dtype=torch.float32)
+    scratch = torch.empty(2 * n, dtype=torch.int32)
+    lib.hvd_top_m(S.data_ptr(), L, n, m, V.data_ptr(), scratch.data_ptr())
+    return V
 
 
 def _scatter_checks(fn, dense, indices, counts, rows, rows_name, rows_dtype, cap_of_rows):

@@ -312,52 +312,54 @@ static float replay(const float *v, const int32_t *counts, int64_t r0, float mf,
     return t;
 }
 
-/* The indices q in [0, 32) with |a[q]| >= t, ascending, into tmp; returns how many.
- * SSE2 (every x86-64): a compare mask per 4 elements, one store per hit. */
-static inline int hits32(const float *a, float t, int32_t base, int32_t *tmp)
+/* Bit q of the result: |a[q]| >= t, q in [0, 32) (ordered >=: false for NaN, as
+ * fabsf(x) >= t). SSE2 (every x86-64): a compare mask per 4 elements. */
+static inline uint32_t mask32(const float *a, float t)
 {
-    int h = 0;
 #if defined(__SSE2__)
     const __m128 tv = _mm_set1_ps(t);
     const __m128 absmask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
     uint32_t bits = 0;
     for (int q = 0; q < 32; q += 4) {
-        /* ordered >=: false for NaN, as fabsf(x) >= t */
         __m128 x = _mm_and_ps(_mm_loadu_ps(a + q), absmask);
         bits |= (uint32_t)_mm_movemask_ps(_mm_cmpge_ps(x, tv)) << q;
     }
-    while (bits) {
-        tmp[h++] = base + __builtin_ctz(bits);
-        bits &= bits - 1;
-    }
+    return bits;
 #else
-    for (int q = 0; q < 32; q++) {
-        tmp[h] = base + q;
-        h += fabsf(a[q]) >= t;
-    }
+    uint32_t bits = 0;
+    for (int q = 0; q < 32; q++)
+        bits |= (uint32_t)(fabsf(a[q]) >= t) << q;
+    return bits;
 #endif
-    return h;
 }
 
-/* #{|a_i| >= t}, the first `cap` such i written to idx in ascending order. Blocks of
- * 32 are tested with a vectorised any() first (at TopK densities most hold nothing);
- * a block with hits is compacted by hits32(). */
+/* #{|a_i| >= t}, the first `cap` such i written to idx in ascending order, 32 elements
+ * at a time: a block without hits costs its compare mask (at TopK densities most
+ * blocks have none); a block with hits writes each hit's index straight into idx while
+ * 32 slots are free (a store per hit, no staging copy), one by one near the end. */
 HOT static int64_t count_collect(const float *restrict a, int64_t n, float t,
                                  int32_t *restrict idx, int64_t cap)
 {
     int64_t c = 0, i = 0;
-    int32_t tmp[32];
     for (; i + 32 <= n; i += 32) {
-        int any = 0;
-        for (int q = 0; q < 32; q++)
-            any |= fabsf(a[i + q]) >= t;
-        if (!any)
+        uint32_t bits = mask32(a + i, t);
+        if (!bits)
             continue;
-        int h = hits32(a + i, t, (int32_t)i, tmp);
-        int64_t room = cap - c;
-        if (room > 0)
-            memcpy(idx + c, tmp, (size_t)(h < room ? h : room) * sizeof(int32_t));
-        c += h;
+        if (c + 32 <= cap) {
+            int32_t *o = idx + c;
+            c += __builtin_popcount(bits);
+            while (bits) {
+                *o++ = (int32_t)i + __builtin_ctz(bits);
+                bits &= bits - 1;
+            }
+        } else {
+            while (bits) {
+                if (c < cap)
+                    idx[c] = (int32_t)i + __builtin_ctz(bits);
+                c++;
+                bits &= bits - 1;
+            }
+        }
     }
     for (; i < n; i++) {
         if (fabsf(a[i]) >= t) {

@@ -727,28 +727,22 @@ class LayerScheduler:
 
         P = self.world_size
         scale = 1.0 / P if self.average else 1.0
-        table = self._finish_nonfinite(nf_handle)
         buckets, sent, recv = [], defaultdict(int), defaultdict(int)
-        t_wait = t_dec = 0.0
         totals = []
-        for b, spec in enumerate(self._specs):
-            pend = self._inflight[b]
-            total = pend.finish()
-            t0 = time.perf_counter()
-            self.events.append(("finish", b))
-            if scale != 1.0 and not self._scale_at_write:
-                total.mul_(scale)  # x * 1.0 == x bit for bit: no pass at P = 1 / Sum
-            totals.append(total)
-            self._feed_back(b, spec, pend.undelivered)
-            t_dec += pend.decode_s + time.perf_counter() - t0
-            t_wait += pend.wait_s
-            if pend.deferred_figures is not None:
-                self._history[b].later.append(pend.deferred_figures)
-            sent[pend.strategy] += pend.sent_bytes
-            recv[pend.strategy] += pend.recv_bytes
-            buckets.append(dict(id=b, layers=list(spec.names), numel=spec.numel,
-                                strategy=pend.strategy, sent_bytes=pend.sent_bytes,
-                                recv_bytes=pend.recv_bytes, figures=dict(pend.figures)))
+        try:
+            t_wait, t_dec = self._finish_buckets(scale, totals, buckets, sent, recv)
+        except BaseException:
+            if nf_handle is not None:       # leave no handle behind; the first error wins
+                try:
+                    self._finish_nonfinite(nf_handle)
+                except Exception:
+                    pass
+            raise
+        # the counts' allgather was queued after the buckets' collectives: waited for
+        # last, so each bucket's wait is its own and its decode overlaps the later ones
+        t0 = time.perf_counter()
+        table = self._finish_nonfinite(nf_handle)
+        t_wait += time.perf_counter() - t0
         skip = self._apply_nonfinite_policy(table, totals)
         if not skip:
             for spec, total in zip(self._specs, totals):
@@ -790,6 +784,30 @@ class LayerScheduler:
         self._batches.clear()
         self._dirty = False
         self._clear_events = True
+
+    def _finish_buckets(self, scale, totals, buckets, sent, recv):
+        """Every bucket in launch order: wait, decode, average (unless at write),
+        feed back; fills the step's lists, returns (seconds waited, seconds decoding)."""
+        t_wait = t_dec = 0.0
+        for b, spec in enumerate(self._specs):
+            pend = self._inflight[b]
+            total = pend.finish()
+            t0 = time.perf_counter()
+            self.events.append(("finish", b))
+            if scale != 1.0 and not self._scale_at_write:
+                total.mul_(scale)  # x * 1.0 == x bit for bit: no pass at P = 1 / Sum
+            totals.append(total)
+            self._feed_back(b, spec, pend.undelivered)
+            t_dec += pend.decode_s + time.perf_counter() - t0
+            t_wait += pend.wait_s
+            if pend.deferred_figures is not None:
+                self._history[b].later.append(pend.deferred_figures)
+            sent[pend.strategy] += pend.sent_bytes
+            recv[pend.strategy] += pend.recv_bytes
+            buckets.append(dict(id=b, layers=list(spec.names), numel=spec.numel,
+                                strategy=pend.strategy, sent_bytes=pend.sent_bytes,
+                                recv_bytes=pend.recv_bytes, figures=dict(pend.figures)))
+        return t_wait, t_dec
 
     def _feed_back(self, b: int, spec: BucketSpec, undelivered: Optional[torch.Tensor]):
         """What the exchange sent but did not deliver (``Pending.undelivered``:

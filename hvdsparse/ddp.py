@@ -306,10 +306,10 @@ class State:
         self.local_update = None
         from .momentum import resolve_momentum_correction
         # None (the rule) without optimizer= resolves to off: the rule needs an SGD
-        momentum_correction = resolve_momentum_correction(momentum_correction, optimizer,
-                                                          compression)
         if not isinstance(momentum_masking, bool):
             raise ValueError(f"momentum_masking must be a bool, got {momentum_masking!r}")
+        momentum_correction = resolve_momentum_correction(
+            momentum_correction, optimizer, compression, momentum_masking=momentum_masking)
         if clip_grad_norm is not None and (not isinstance(clip_grad_norm, (int, float)) or
                                            isinstance(clip_grad_norm, bool) or
                                            not clip_grad_norm > 0):

@@ -346,7 +346,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             ``torch.optim.SGD`` with momentum (:mod:`hvdsparse.momentum`): the velocity is
             accumulated locally and compressed; the wrapped optimizer's momentum and
             weight decay are applied there instead. ``None`` (default): on for SGD with
-            momentum around TopK / Threshold / AdaComp at low density, off otherwise
+            momentum around AdaComp, and TopK / Threshold at densities <= 0.25
+            (with ``momentum_masking=True``: <= (1 - momentum) / 2), off otherwise
             (:func:`hvdsparse.momentum.resolve_momentum_correction`, measured in
             BENCHMARKS.md 4b and 7); ``True`` / ``False``: as given.
         momentum_masking: with momentum correction, DGC's momentum-factor masking
@@ -403,17 +404,18 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     if grad_scaler is not None and not hasattr(grad_scaler, "is_enabled"):
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got "
                         f"{type(grad_scaler).__name__}")
+    if not isinstance(momentum_masking, bool):
+        raise ValueError(f"momentum_masking must be a bool, got {momentum_masking!r}")
     from .momentum import resolve_momentum_correction
     momentum_correction = resolve_momentum_correction(momentum_correction, optimizer,
-                                                      compression, local_gradient)
+                                                      compression, local_gradient,
+                                                      momentum_masking)
     if momentum_correction:
         if not isinstance(optimizer, torch.optim.SGD):
             raise ValueError(f"momentum_correction=True needs torch.optim.SGD (with "
                              f"momentum), got {type(optimizer).__name__}")
         if local_gradient is not None:
             raise ValueError("momentum_correction cannot be combined with local_gradient")
-    if not isinstance(momentum_masking, bool):
-        raise ValueError(f"momentum_masking must be a bool, got {momentum_masking!r}")
     if clip_grad_norm is not None and (not isinstance(clip_grad_norm, (int, float)) or
                                        isinstance(clip_grad_norm, bool) or
                                        not clip_grad_norm > 0):

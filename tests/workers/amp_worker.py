@@ -8,7 +8,7 @@ Two replicas of the same model train side by side on every rank:
 * B: no scaler, and step ``BAD`` never happens (the reference run that GradScaler's skip
   should be equivalent to).
 
-Runs: TopK(0.1) (momentum correction off by the default rule), TopK(0.05)
+Runs: TopK(0.3) (momentum correction off by the default rule: denser than 0.25), TopK(0.05)
 (on: the velocity and the dense layers' momentum buffers must live in unscaled units
 too; SGD has weight decay, which a buffer in scaled units would divide by the loss
 scale), Slim-DP with a fixed ``c`` (its core choice must see the unscaled gradient) and
@@ -131,7 +131,7 @@ def run(make_comp, tag, mc, steps=STEPS, **kw):
 
 # TopK exact: the selection does not depend on the step seed (A's step counter is one
 # ahead of B's after the skipped step)
-run(lambda: hvdsparse.TopK(0.1, exact=True), "plain", mc=False)
+run(lambda: hvdsparse.TopK(0.3, exact=True), "plain", mc=False)
 run(lambda: hvdsparse.TopK(0.05, exact=True), "momentum-correction", mc=True)
 # Slim-DP with a fixed c: its core (|w| + c |g|, re-chosen in after_exchange every 2
 # steps) must see the unscaled gradient. Steps before the overflow only: Slim-DP's

@@ -111,10 +111,9 @@ def resolve_momentum_correction(momentum_correction, optimizer, compression,
     unmasked correction against none): final accuracy -0.19 to +0.30 pp (means of
     9 seeds), steps to target fewer in 4 of 6 cells (MLP at 5%: 1.49x -> 1.29x of
     dense's steps; at 10%: 1.19x -> 1.06x), the same in one and more in one (the CNN at
-    5%: 1.17x -> 1.24x). Denser settings were
-    not measured, and at ``TopK(1.0)`` correction would only reorder the floating-point
-    sums of momentum SGD, so the rule stops at the densest measured one and
-    ``TopK(1.0)`` stays exactly plain Horovod.
+    5%: 1.17x -> 1.24x). Denser settings were not measured, and at ``TopK(1.0)``
+    correction would only reorder the floating-point sums of momentum SGD, so the rule
+    stops at the densest measured one and ``TopK(1.0)`` stays exactly plain Horovod.
 
     Why on (BENCHMARKS.md 4b, 3 seeds, digits MLP and CNN at P = 2 and 4, TopK 1%,
     Threshold 99%, AdaComp, m = 0.9): final accuracy rose in 8 of 9 (compressor,

@@ -305,9 +305,8 @@ class State:
             self._after_takes_param = False
         self.local_update = None
         from .momentum import resolve_momentum_correction
-        # None (the rule) without optimizer= resolves to off: the rule needs an SGD
-        if not isinstance(momentum_masking, bool):
-            raise ValueError(f"momentum_masking must be a bool, got {momentum_masking!r}")
+        # None (the rule) without optimizer= resolves to off: the rule needs an SGD; it
+        # also rejects a momentum_masking that is not a bool
         momentum_correction = resolve_momentum_correction(
             momentum_correction, optimizer, compression, momentum_masking=momentum_masking)
         if clip_grad_norm is not None and (not isinstance(clip_grad_norm, (int, float)) or

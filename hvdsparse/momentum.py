@@ -131,6 +131,8 @@ def resolve_momentum_correction(momentum_correction, optimizer, compression,
     if momentum_correction not in (None, True, False):
         raise ValueError(f"momentum_correction must be None (auto), True or False, got "
                          f"{momentum_correction!r}")
+    if not isinstance(momentum_masking, bool):
+        raise ValueError(f"momentum_masking must be a bool, got {momentum_masking!r}")
     if momentum_correction is not None:
         return momentum_correction
     from .compressors import AdaComp, Threshold, TopK

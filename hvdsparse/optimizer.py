@@ -308,8 +308,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          quant_bucket=512, validate=None, alpha_bytes=0.0,
                          nonfinite="raise", grad_scaler=None, momentum_correction=None,
                          momentum_masking=False, clip_grad_norm=None, adam_recipe=None,
-                         adam_warmup=None, adam_refresh=None, num_groups=0, groups=None, sparse_as_dense=False,
-                         process_set=None):
+                         adam_warmup=None, adam_refresh=None, num_groups=0, groups=None,
+                         sparse_as_dense=False, process_set=None):
     """Wrap ``optimizer`` so that gradients are compressed and exchanged sparsely.
 
     Arguments (Horovod's meaning where the name is Horovod's):
@@ -351,8 +351,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             (:func:`hvdsparse.momentum.resolve_momentum_correction`, measured in
             BENCHMARKS.md 4b and 7); ``True`` / ``False``: as given.
         momentum_masking: with momentum correction, DGC's momentum-factor masking
-            (``u[sent] = 0`` after each exchange). ``False`` (default, measured: BENCHMARKS.md
-            4b, eleventh session): the velocity of a sent coordinate is kept, so the
+            (``u[sent] = 0`` after each exchange). ``False`` (default, measured:
+            BENCHMARKS.md 4b, eleventh session): the velocity of a sent coordinate is kept, so the
             ranks' sent velocities add up to the momentum SGD update, only delayed;
             ``True``: DGC's rule as published (:mod:`hvdsparse.momentum`).
         clip_grad_norm: DGC's local gradient clipping: each layer's local gradient is
@@ -404,9 +404,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     if grad_scaler is not None and not hasattr(grad_scaler, "is_enabled"):
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got "
                         f"{type(grad_scaler).__name__}")
-    if not isinstance(momentum_masking, bool):
-        raise ValueError(f"momentum_masking must be a bool, got {momentum_masking!r}")
-    from .momentum import resolve_momentum_correction
+    from .momentum import resolve_momentum_correction     # also checks momentum_masking
     momentum_correction = resolve_momentum_correction(momentum_correction, optimizer,
                                                       compression, local_gradient,
                                                       momentum_masking)

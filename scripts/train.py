@@ -155,12 +155,12 @@ def parse_args(argv=None):
                    help="hvdsparse: parameter averaging period with --local-gradient")
     g.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction,
                    default=None,
-                   help="hvdsparse: DGC momentum correction + masking (SGD momentum); "
-                        "default: the library's rule (on for SGD momentum with a sparsifier)")
+                   help="hvdsparse: DGC momentum correction (SGD momentum); default: the "
+                        "library's rule (hvdsparse.momentum.resolve_momentum_correction)")
     g.add_argument("--momentum-masking", action=argparse.BooleanOptionalAction,
                    default=None,
-                   help="hvdsparse: with momentum correction, DGC's momentum-factor masking "
-                        "(u[sent] = 0); default: the library's")
+                   help="hvdsparse: with momentum correction, DGC's momentum-factor "
+                        "masking (u[sent] = 0); default: the library's (off)")
     g.add_argument("--clip-grad-norm", type=float, default=None,
                    help="hvdsparse: DGC local gradient clipping threshold")
     g.add_argument("--amp", choices=("off", "fp16", "bf16"), default="off",

@@ -43,7 +43,8 @@ def test_off_where_it_was_not_measured_or_does_not_apply():
     adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(3))])
     assert resolve_momentum_correction(None, adam, TopK(0.01)) is False
     assert resolve_momentum_correction(None, opt, TopK(0.01), "sum") is False
-    assert resolve_momentum_correction(None, None, TopK(0.01)) is False   # DDP, no optimizer=
+    # the DDP hook without optimizer=
+    assert resolve_momentum_correction(None, None, TopK(0.01)) is False
     # the largest momentum over the param groups decides
     mixed = _sgd(0.0, groups=2)
     mixed.param_groups[1]["momentum"] = 0.9
@@ -56,3 +57,8 @@ def test_explicit_values_win_and_bad_ones_are_named():
     assert resolve_momentum_correction(False, opt, TopK(0.01)) is False
     with pytest.raises(ValueError, match="momentum_correction must be None"):
         resolve_momentum_correction("auto", opt, TopK(0.01))
+    for bad in ("yes", 1, None):        # checked here for both front doors
+        with pytest.raises(ValueError, match="momentum_masking must be a bool"):
+            resolve_momentum_correction(None, opt, TopK(0.01), None, bad)
+        with pytest.raises(ValueError, match="momentum_masking must be a bool"):
+            resolve_momentum_correction(True, opt, TopK(0.01), None, bad)

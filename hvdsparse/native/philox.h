@@ -12,8 +12,8 @@
 #define PHILOX_ROUND_B 0xCD9E8D57u
 
 /* AVX-512 nearly halves the cost of the 64-bit products here (an ad-hoc timing, not a
- * benchmark in the repo: 4.35 M uniforms 24 -> 14 ms on one EPYC core); target_clones takes arch=x86-64-v4 from GCC 12 on, older
- * compilers keep the AVX2 / default pair */
+ * benchmark in the repo: 4.35 M uniforms 24 -> 14 ms on one EPYC core); target_clones
+ * takes arch=x86-64-v4 from GCC 12 on, older compilers keep the AVX2 / default pair */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
 #define HOT_PHILOX __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)

@@ -1,7 +1,8 @@
 """The Adam / AdamW recipe: a dense warm-up, then a frozen variance and the gradient,
 scaled by it, compressed with error feedback (after 1-bit Adam, Tang et al. 2021,
 Algorithm 1, and DeepSpeed's ``OnebitAdam``, which compress the momentum instead; 0/1
-Adam, Lu et al. 2022, refreshes the variance on a schedule: ``refresh=``).
+Adam, Lu et al. 2022, refreshes the variance on a schedule; ``refresh=`` here refreshes
+it from statistics each rank gathers locally).
 
 Why: Adam divides every coordinate by its own ``sqrt(v)``. With error feedback a small
 coordinate of a compressed *gradient* waits in the residual and then arrives in one
@@ -48,17 +49,38 @@ hyper-parameters of ``p``'s param group):
   re-sending the decaying momentum of recently sent coordinates -- which every rank
   already holds in ``m`` -- instead of new gradient mass.
 
-* **variance refresh** (``refresh=R``, 0/1 Adam's idea on a fixed period; off by
-  default): the ``R``-th, ``2R``-th, ... step after the warm-up (``(s + 1 - T_w) % R ==
-  0``) travels dense and exact (no residual added or taken) as a warm-up step does, and
-  every rank applies, with the averaged gradient ``G`` (plus ``wd * p`` for Adam):
+* **variance refresh** (``refresh=R``; ``R >= 2``): the ``R``-th, ``2R``-th, ... step
+  after the warm-up (``(s + 1 - T_w) % R == 0``) advances the frozen ``v`` by the ``R``
+  steps since the last one, from statistics every rank gathers locally (the default,
+  ``refresh_from="local"``). Every rank keeps, over the window (reset after each
+  refresh), ``A_i = beta2 * A_i + (1 - beta2) * g_i^2`` of its own gradient (weights
+  summing to ``1 - beta2^R`` at the refresh) and every rank the same
+  ``B = sum X * D`` (the exchanged average gradient). The refresh step sends
+  ``a_i = beta2 * A_i + (1 - beta2) * g_i^2`` dense and exact (fp32, no residual) instead of its
+  gradient; with ``M = (1/P) sum_i a_i`` and ``mu = B / R`` every rank applies
 
-      D_old = D of this step;   v <- beta2^R * v + (1 - beta2^R) * G^2   (R steps of G)
-      m <- beta1 * m + (1 - beta1) * G;   p <- p - lr / bc1 * m / D_new
+      D_old = D of this step
+      v <- beta2^R * v + M / P + (1 - 1/P) * min((1 - beta2^R) * mu^2, M)
+      m <- beta1 * m;   p <- p - lr / bc1 * m / D_new
       r_i <- r_i * D_old / D_new          (the residual holds g / D units: same mass)
+      c_i <- g_i                           (sent with the next step: x_i = (g_i' + c_i) / D)
 
-  ``v`` stays an average with weights summing to ``1 - beta2^(c + R)``, so ``bc2``
-  follows ``c``. It costs one dense step in ``R``.
+  Why that estimate: Adam on the averaged gradient ``G = (1/P) sum g_i`` averages ``G^2``,
+  and with independent per-rank batches ``E[G^2] = mu^2 + (E[g_i^2] - mu^2) / P``; each
+  rank's ``g_i^2`` sees its own batch's noise, ``P`` times ``G``'s, so the average of the
+  local squares is corrected by the window's mean gradient, capped so the ``mu^2`` part
+  never exceeds the squares it is part of. The step's own gradient is not lost: it
+  travels with the next step (``c_i``, also without a residual: QSGD). ``v`` stays an
+  average with weights summing to ``1 - beta2^(c + R)``, so ``bc2`` follows ``c``.
+  Cost: one dense fp32 step in ``R`` (the statistics instead of the gradient) and, per
+  compressed layer, three fp32 buffers on every rank (``A_i``, ``B``, the pending
+  ``g_i^2``; ``c_i`` between a refresh and the next step). Off by default
+  (``refresh=None``: ``v`` frozen for good).
+
+  ``refresh_from="sample"`` (0/1 Adam's idea on a fixed period, a study variant,
+  measured worse with compression: BENCHMARKS.md 4b): the refresh step travels dense and
+  exact as a warm-up step does, and ``v <- beta2^R v + (1 - beta2^R) G^2`` with that one
+  step's averaged gradient standing for ``R`` steps; ``m <- beta1 m + (1 - beta1) G``.
 
   Two deviations from 1-bit Adam as published (which compresses ``m_i`` itself and
   divides by ``sqrt(v)`` after the exchange), both measured in ``docs/bench/adam/``
@@ -269,7 +291,8 @@ class AdamRecipe:
     def __init__(self, optimizer, params: Dict[str, torch.Tensor], world_size: int,
                  compressed, *, warmup: int, clip_grad_norm: Optional[float] = None,
                  precondition: bool = True, floor: float = 0.1, wire: str = "gradient",
-                 refresh: Optional[int] = None, residual=None):
+                 refresh: Optional[int] = None, refresh_from: str = "local",
+                 residual=None):
         self.optimizer = optimizer
         self.params = dict(params)
         self.world_size = int(world_size)
@@ -289,8 +312,25 @@ class AdamRecipe:
         #: the momentum applied to the exchanged average on every rank
         self.wire = wire
         #: variance refresh period R (None: v frozen for good): every R-th step after
-        #: the warm-up travels dense and updates ``v`` as R steps of that gradient
+        #: the warm-up travels dense and advances ``v`` by R steps
         self.refresh = check_refresh(refresh)
+        if refresh_from not in ("local", "sample"):
+            raise ValueError(f"refresh_from must be 'local' or 'sample', got "
+                             f"{refresh_from!r}")
+        if refresh_from == "local" and self.refresh is not None:
+            if self.refresh < 2:
+                raise ValueError(f"adam_refresh={self.refresh}: a refresh step's gradient "
+                                 f"travels with the next step, so the period must be >= 2")
+            if wire != "gradient" or not precondition:
+                raise ValueError(f"the local variance refresh needs wire='gradient' and "
+                                 f"precondition=True (got wire={wire!r}, precondition="
+                                 f"{precondition!r}); use refresh_from='sample'")
+        #: what a refresh advances ``v`` with: ``"local"`` (every rank's running average
+        #: of its own ``g_i^2`` since the last refresh, averaged by the refresh step's
+        #: dense exchange and corrected to the global batch; the refresh step's gradient
+        #: travels with the next step) or ``"sample"`` (the refresh step's averaged
+        #: gradient ``G`` itself, standing for R steps; measured worse, BENCHMARKS.md 4b)
+        self.refresh_from = refresh_from
         #: name -> the compressor's residual of that layer (rescaled when D changes)
         self._residual = residual or (lambda name: None)
         self._steps: dict = {}       # name -> Adam step before this step (host copy)
@@ -299,6 +339,14 @@ class AdamRecipe:
         self._after: set = set()     # layers known to be past their warm-up (cache)
         self._groups = GroupLookup(optimizer)   # param -> its current param group
         self._stash: list = []
+        # refresh_from="local": name -> this rank's running average of g_i^2 since the
+        # last refresh (A), the window's sum of the exchanged gradient (B, identical on
+        # every rank), this step's pending contribution (g_i^2, or on a refresh step its
+        # gradient), committed in _update, and the gradient a refresh step carries over
+        self._acc: dict = {}
+        self._gsum: dict = {}
+        self._pend: dict = {}
+        self._carry: dict = {}
 
     # ----------------------------------------------------------------- phase
     def frozen(self, name: str) -> bool:
@@ -364,7 +412,8 @@ class AdamRecipe:
         zeroed int32[1] counter to count into (the scheduler's slice of the step's
         counter tensor, ``clean_local_gradient``); None: a new one."""
         g, nonfinite = clean_local_gradient(grad, grad_scale, self.clip, nonfinite)
-        if dense or not self.frozen(name) or self.refreshing(name):
+        local = self._local() and not dense and self.frozen(name)
+        if dense or not self.frozen(name) or (self.refreshing(name) and not local):
             return g, nonfinite
         group = self._groups.of(param)
         wd = group.get("weight_decay", 0.0)
@@ -374,6 +423,8 @@ class AdamRecipe:
             g = -g
         b1 = _value(group["betas"][0])
         st = self.optimizer.state[self.params[name]]
+        if local:
+            return self._local_x(name, g, st, group), nonfinite
         if self.wire == "gradient":
             if self.precondition:
                 return g / self._denom(st, group, self._steps[name]), nonfinite
@@ -382,6 +433,29 @@ class AdamRecipe:
         if self.precondition:
             return mi / self._denom(st, group, self._steps[name]), nonfinite
         return mi, nonfinite
+
+    def _local(self) -> bool:
+        """Refreshes on, from the ranks' local statistics."""
+        return self.refresh is not None and self.refresh_from == "local"
+
+    def _local_x(self, name, g, st, group):
+        """``refresh_from="local"`` (nothing stored here; :meth:`_update` commits): a
+        compressed step sends ``(g + c) / D`` (``c``: the gradient the last refresh step
+        deferred) and keeps ``g^2`` pending; a refresh step sends this rank's window
+        average ``b2 A + (1 - b2) g^2`` (dense) and keeps ``g + c`` pending, to be sent
+        with the next step."""
+        c = self._carry.get(name)
+        sent = g if c is None else g + c
+        if self.refreshing(name):
+            b2 = _value(group["betas"][1])
+            # a copy: ``g`` may be the gradient buffer itself, which the exchange's
+            # result overwrites (DDP's bucket, ``p.grad``)
+            self._pend[name] = sent.clone() if c is None else sent
+            x = g * g * (1 - b2)
+            A = self._acc.get(name)
+            return x if A is None else x.add_(A, alpha=b2)
+        self._pend[name] = g * g
+        return sent / self._denom(st, group, self._steps[name])
 
     def _denom(self, st: dict, group: dict, step: int) -> torch.Tensor:
         """``D = max(s, floor * mean(s)) + eps`` with ``s = sqrt(v) / sqrt(1 - beta2^c)``,
@@ -439,7 +513,10 @@ class AdamRecipe:
         s = self._steps[name]
         refresh = self.refreshing(name)
         self._steps[name] = s + 1
-        if refresh:                                   # before step / p change
+        local = self._local()
+        if refresh and local:
+            d_old = self._denom(st, group, s)
+        elif refresh:                                 # before step / p change
             G = M.float()
             if wd and not group.get("decoupled_weight_decay", False):
                 G = G + wd * p.detach().float()
@@ -458,13 +535,19 @@ class AdamRecipe:
         else:
             bc1 = 1 - b1 ** _value(step_t)
         step_size = lr / bc1
+        if refresh and local:
+            self._refresh_local(name, st, group, M.float(), d_old, s, step_size, p)
+            return
         if refresh:
             self._refresh(name, st, group, G, d_old, s, step_size, p)
             return
         denom = self._denom(st, group, s)
         if self.wire == "gradient":                   # M holds X = avg C(g_i [/ D])
             m = st["exp_avg"]
-            m.mul_(b1).add_(M * denom if self.precondition else M, alpha=1 - b1)
+            XD = M * denom if self.precondition else M
+            m.mul_(b1).add_(XD, alpha=1 - b1)
+            if local:
+                self._accumulate(name, group, XD)
             if isinstance(step_size, torch.Tensor):
                 p.sub_(m / denom * step_size.to(p.device))
             else:
@@ -504,9 +587,58 @@ class AdamRecipe:
         if r is not None and self.precondition and self.rescale_residual:
             r.mul_((d_old / d_new).reshape(r.shape))
 
+    def _accumulate(self, name, group, XD):
+        """Commit a compressed step's local statistics: ``A <- b2 A + (1 - b2) g_i^2``,
+        ``B <- B + X D``."""
+        b2 = _value(group["betas"][1])
+        pend = self._pend.pop(name)
+        self._carry.pop(name, None)          # the deferred gradient went out with X
+        A = self._acc.get(name)
+        if A is None:
+            self._acc[name] = pend.mul_(1 - b2)
+            self._gsum[name] = XD.detach().float().clone()
+            return
+        A.mul_(b2).add_(pend, alpha=1 - b2)
+        self._gsum[name].add_(XD)
+
+    def _refresh_local(self, name, st, group, M, d_old, s, step_size, p):
+        """A local refresh: ``M`` = the ranks' average of their window averages of
+        ``g_i^2`` (weights summing to ``1 - b2^R``). With ``mu = B / R`` (the window's
+        mean exchanged gradient) the global batch's ``E[G^2] = mu^2 + (E[g_i^2] -
+        mu^2) / P``: ``v <- b2^R v + M / P + (1 - 1/P) min((1 - b2^R) mu^2, M)``. The
+        step's gradient was not sent: ``m <- b1 m``, ``p <- p - lr / bc1 * m / D_new``,
+        it is added to the next step's gradient (``c``); the residual, in ``g / D`` units,
+        is rescaled: ``r <- r * D_old / D_new``."""
+        b1 = _value(group["betas"][0])
+        b2R = _value(group["betas"][1]) ** self.refresh
+        P = self.world_size
+        B = self._gsum.pop(name, None)
+        self._acc.pop(name, None)
+        self._carry[name] = self._pend.pop(name)     # sent with the next step
+        mu2 = torch.zeros_like(M) if B is None else (B / self.refresh).square_()
+        est = torch.minimum(mu2.mul_(1 - b2R), M).mul_(1 - 1 / P).add_(M, alpha=1 / P)
+        st["exp_avg_sq"].mul_(b2R).add_(est)
+        d_new = self._denom(st, group, s + 1)
+        m = st["exp_avg"]
+        m.mul_(b1)
+        if isinstance(step_size, torch.Tensor):
+            p.sub_(m / d_new * step_size.to(p.device))
+        else:
+            p.addcdiv_(m, d_new, value=-step_size)
+        r = self._residual(name)
+        if r is not None and self.precondition and self.rescale_residual:
+            r.mul_((d_old / d_new).reshape(r.shape))
+
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
-        return dict(warmup=self.warmup, refresh=self.refresh, wire=self.wire)
+        """Settings, plus this rank's local refresh statistics (``refresh_from="local"``:
+        per layer the window's ``A``, ``B`` and the carried gradient, copies)."""
+        local = {}
+        for key, d in (("acc", self._acc), ("gsum", self._gsum), ("carry", self._carry)):
+            for name, t in d.items():
+                local.setdefault(name, {})[key] = t.detach().clone()
+        return dict(warmup=self.warmup, refresh=self.refresh, wire=self.wire,
+                    refresh_from=self.refresh_from, local=local)
 
     def load_state_dict(self, sd: dict):
         import warnings
@@ -523,6 +655,25 @@ class AdamRecipe:
             warnings.warn(f"hvdsparse: the compression state was saved with the Adam "
                           f"recipe's wire={sd['wire']!r}; this run uses {self.wire!r} (the "
                           f"residuals hold the other quantity)")
+        if sd.get("refresh_from", "sample") != self.refresh_from:
+            warnings.warn(f"hvdsparse: the compression state was saved with the Adam "
+                          f"recipe's refresh_from={sd.get('refresh_from', 'sample')!r}; "
+                          f"this run uses {self.refresh_from!r}")
+        self._acc, self._gsum, self._carry, self._pend = {}, {}, {}, {}
+        for name, entry in sd.get("local", {}).items():
+            if name not in self.params:
+                raise ValueError(f"hvdsparse: the Adam recipe's saved state names layer "
+                                 f"{name!r}, which this optimizer does not have")
+            p = self.params[name]
+            for key, d in (("acc", self._acc), ("gsum", self._gsum),
+                           ("carry", self._carry)):
+                if key in entry:
+                    t = entry[key]
+                    if tuple(t.shape) != tuple(p.shape):
+                        raise ValueError(f"hvdsparse: the Adam recipe's saved {key} of "
+                                         f"layer {name!r} has shape {tuple(t.shape)}, the "
+                                         f"parameter {tuple(p.shape)}")
+                    d[name] = t.detach().to(device=p.device, dtype=torch.float32).clone()
         self.forget()
 
 

@@ -368,8 +368,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             :data:`hvdsparse.adam.DEFAULT_WARMUP`. Not much under ~30% of a short run
             (measured: BENCHMARKS.md 6).
         adam_refresh: ``None`` (default: the variance stays frozen after the warm-up) or
-            ``R``: every ``R``-th step after the warm-up travels dense and refreshes the
-            variance (:mod:`hvdsparse.adam`; costs one dense step in ``R``).
+            ``R >= 2``: every ``R``-th step after the warm-up sends each rank's local
+            average of its squared gradient over the last ``R`` steps (dense) instead
+            of its gradient, which goes out with the next step, and the variance
+            advances by those ``R`` steps (:mod:`hvdsparse.adam`; costs one dense step
+            in ``R``).
     """
     import horovod.torch as hvd
     if op is None:

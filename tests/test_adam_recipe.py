@@ -34,7 +34,7 @@ class SimRanks:
     rank; one compressor per rank)."""
 
     def __init__(self, model, opt, make_comp, P, warmup, precondition=True, floor=0.1,
-                 wire=None, refresh=None):
+                 wire=None, refresh=None, refresh_from="sample"):
         self.model, self.opt, self.P = model, opt, P
         self.named = dict(model.named_parameters())
         self.comps = [make_comp().bind(r, P) for r in range(P)]
@@ -43,7 +43,7 @@ class SimRanks:
                                  lambda n: not pol.is_dense(n, self.named[n].shape),
                                  warmup=warmup, precondition=precondition,
                                  floor=floor, refresh=refresh,
-                                 residual=self._residuals,
+                                 refresh_from=refresh_from, residual=self._residuals,
                                  **({} if wire is None else dict(wire=wire)))
         self.t = 0
 
@@ -136,10 +136,10 @@ def test_recipe_matches_replay(seed, kind, comp, pre, wire):
 @pytest.mark.parametrize("wire", ["gradient", "momentum"])
 @pytest.mark.parametrize("kind,comp,pre", [("adam", "topk", True), ("adamw", "adacomp", True),
                                            ("adamw", "topk", False)])
-def test_refresh_matches_replay(seed, kind, comp, pre, wire):
-    """adam_refresh=R: every R-th step after the warm-up is exact Adam on the dense
-    average with v advanced by R steps of it; D's bias correction counts the refreshes;
-    the residuals are rescaled by D_old / D_new."""
+def test_sample_refresh_matches_replay(seed, kind, comp, pre, wire):
+    """refresh_from="sample" (the study variant): every R-th step after the warm-up is
+    exact Adam on the dense average with v advanced by R steps of it; D's bias correction
+    counts the refreshes; the residuals are rescaled by D_old / D_new."""
     torch.manual_seed(seed)
     P, warmup, R, lr, wd, betas, eps = 3, 3, 3, 3e-3, 1e-2, (0.9, 0.99), 1e-8
     model = Net()
@@ -154,7 +154,7 @@ def test_refresh_matches_replay(seed, kind, comp, pre, wire):
                      decoupled=kind == "adamw", warmup=warmup, select=sel, needs_dw=dw,
                      precondition=pre, floor=floor, wire=wire, refresh=R)
     sim = SimRanks(model, opt, make, P, warmup, precondition=pre, floor=floor, wire=wire,
-                   refresh=R)
+                   refresh=R)                          # SimRanks: refresh_from="sample"
     refreshed = []
     for step in range(12):
         refreshed.append(sim.recipe.refreshing("fc1.weight"))
@@ -179,6 +179,203 @@ def test_refresh_matches_replay(seed, kind, comp, pre, wire):
     for n, p in sim.named.items():
         torch.testing.assert_close(opt.state[p]["exp_avg_sq"], rep.v[n], rtol=1e-5,
                                    atol=1e-10)
+
+
+class Replicas:
+    """P real replicas in one process, as P ranks hold them: each its own model, wrapped
+    optimizer, compressor and recipe (the local refresh keeps per-rank statistics), the
+    payloads averaged as the exchange averages them."""
+
+    def __init__(self, make_model, make_opt, make_comp, P, warmup, refresh,
+                 refresh_from="local"):
+        self.P = P
+        self.models = [make_model() for _ in range(P)]
+        for m in self.models[1:]:
+            m.load_state_dict(self.models[0].state_dict())
+        self.opts = [make_opt(m) for m in self.models]
+        self.named = [dict(m.named_parameters()) for m in self.models]
+        self.comps = [make_comp().bind(r, P) for r in range(P)]
+        for c in self.comps:
+            c.transactional = True       # as under GradScaler / nonfinite="skip"
+        pol = self.comps[0].policy
+        self.recipes = [
+            AdamRecipe(o, nm, P, lambda n, nm=nm: not pol.is_dense(n, nm[n].shape),
+                       warmup=warmup, refresh=refresh, refresh_from=refresh_from,
+                       residual=c.residual)
+            for o, nm, c in zip(self.opts, self.named, self.comps)]
+        self.t = 0
+        self.dense_steps = []           # per step: the compressed layers sent dense
+
+    def step(self, everyone, apply=True):
+        P, avg, dense_now = self.P, {}, set()
+        for c in self.comps:
+            c.begin_step(self.t)
+        for n in self.named[0]:
+            total = None
+            for r in range(P):
+                p, rc = self.named[r][n], self.recipes[r]
+                dense = self.comps[r].policy.is_dense(n, p.shape)
+                x, nf = rc.corrected(n, everyone[r][n], p, dense, None)
+                assert int(nf) == 0
+                if rc.sends_dense(n):
+                    pl = rc.dense_payload(n, x)
+                    if not dense:
+                        dense_now.add(n)
+                else:
+                    pl = self.comps[r].compress(n, x, self.t, param=p.detach())
+                d = codec.payload_to_dense(pl).reshape(-1)
+                total = d if total is None else total + d
+            avg[n] = total * (1.0 / P)
+        for r in range(P):
+            for n, p in self.named[r].items():
+                p.grad = avg[n].view(p.shape).clone()
+            if apply:
+                with self.recipes[r].neutralised():
+                    self.opts[r].step()
+                self.comps[r].commit()
+            else:                        # a skipped step (GradScaler, nonfinite="skip")
+                self.recipes[r].enter()
+                self.recipes[r].exit(False)
+                self.comps[r].rollback()
+        self.t += 1
+        self.dense_steps.append(sorted(dense_now))
+
+    def assert_identical(self, what):
+        for r in range(1, self.P):
+            for n, p in self.named[r].items():
+                assert torch.equal(p, self.named[0][n]), f"{what}: rank {r}'s {n} differs"
+                a, b = self.opts[r].state[p], self.opts[0].state[self.named[0][n]]
+                for k in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(a[k], b[k]), f"{what}: rank {r}'s {n} {k} differs"
+
+
+@pytest.mark.parametrize("kind,comp", [("adam", "topk"), ("adamw", "topk"),
+                                       ("adam", "adacomp"), ("adamw", "no-residual")])
+def test_local_refresh_matches_replay(seed, kind, comp):
+    """adam_refresh=R (refresh_from="local", the default): every rank averages its own
+    g_i^2 over the window, the refresh step sends that (dense) and defers its gradient to
+    the next step, v advances by the batch-corrected average; replicas stay bitwise
+    identical and follow the written definition (tests/workers/adam_replay.py)."""
+    torch.manual_seed(seed)
+    P, warmup, R, lr, wd, betas, eps = 3, 3, 3, 3e-3, 1e-2, (0.9, 0.99), 1e-8
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+    if comp == "topk":
+        make, sel, dw = (lambda: hvdsparse.TopK(0.05, exact=True)), topk_exact(0.05), False
+    elif comp == "adacomp":
+        make, sel, dw = hvdsparse.AdaComp, adacomp(), True
+    else:                                 # no residual: the deferral is the recipe's own
+        make, sel, dw = (lambda: hvdsparse.TopK(1.0, error_feedback=False)), \
+            (lambda acc, name=None: acc), False
+    sim = Replicas(Net, lambda m: cls(m.parameters(), lr=lr, betas=betas, eps=eps,
+                                      weight_decay=wd), make, P, warmup, R)
+    rep = AdamReplay(sim.named[0], P, lr=lr, betas=betas, eps=eps, wd=wd,
+                     decoupled=kind == "adamw", warmup=warmup, select=sel, needs_dw=dw,
+                     refresh=R, refresh_from="local")
+    vs = []
+    for step in range(13):
+        everyone = grads(sim.models[0], P, step, seed)
+        sim.step(everyone)
+        rep.step(everyone)
+        sim.assert_identical(f"{kind}/{comp} step {step}")
+        for n, p in sim.named[0].items():
+            err = (p.detach() - rep.W[n]).abs().max().item()
+            assert torch.allclose(p.detach(), rep.W[n], rtol=1e-5, atol=1e-6), \
+                f"{kind}/{comp} step {step}: {n} differs from the replay by {err:.3g}"
+            torch.testing.assert_close(sim.opts[0].state[p]["exp_avg_sq"], rep.v[n],
+                                       rtol=1e-5, atol=1e-12)
+        if comp != "no-residual":
+            for r in range(P):
+                for n in ("fc1.weight", "fc2.weight"):
+                    if step >= warmup:
+                        torch.testing.assert_close(sim.comps[r].residual(n).view(-1),
+                                                   rep.e[r][n].view(-1), rtol=1e-4,
+                                                   atol=1e-5)
+        vs.append(sim.opts[0].state[sim.named[0]["fc1.weight"]]["exp_avg_sq"].clone())
+    # steps 5, 8, 11 refresh: the compressed layers travel dense there and only there
+    assert [i for i, d in enumerate(sim.dense_steps[warmup:], warmup) if d] == [5, 8, 11]
+    assert sim.dense_steps[5] == ["fc1.weight", "fc2.weight"]
+    moved = [i for i in range(warmup, 13) if not torch.equal(vs[i], vs[i - 1])]
+    assert moved == [5, 8, 11], f"v moved at steps {moved}"
+
+
+def test_local_refresh_loses_no_gradient(seed):
+    """With nothing compressed (TopK(1.0)) the gradient a refresh step defers arrives
+    with the next step: over a window the momentum receives every step's averaged
+    gradient exactly once (checked on the sum of what was folded into m)."""
+    torch.manual_seed(seed)
+    P, warmup, R = 2, 2, 4
+    b1 = 0.9
+    sim = Replicas(Net, lambda m: torch.optim.Adam(m.parameters(), lr=1e-3,
+                                                   betas=(b1, 0.999)),
+                   lambda: hvdsparse.TopK(1.0), P, warmup, R)
+    name = "fc1.weight"
+    p0 = sim.named[0][name]
+    sent_sum, grad_sum = torch.zeros_like(p0), torch.zeros_like(p0)
+    for step in range(warmup + 2 * R + 1):
+        everyone = grads(sim.models[0], P, step, seed)
+        m_before = sim.opts[0].state[p0]["exp_avg"].clone() if step else None
+        sim.step(everyone)
+        if step >= warmup:
+            m = sim.opts[0].state[p0]["exp_avg"]
+            sent_sum += (m - b1 * m_before) / (1 - b1)     # what this step folded in
+            grad_sum += sum(e[name] for e in everyone) / P
+    # the last step (warmup + 2R) is not a refresh: nothing is left carried
+    torch.testing.assert_close(sent_sum, grad_sum, rtol=1e-4, atol=1e-6)
+
+
+def test_local_refresh_skipped_step_and_checkpoint(seed):
+    """A skipped step changes none of the local statistics; a checkpoint taken inside a
+    window (after a refresh, with a carried gradient) resumes bitwise identically."""
+    torch.manual_seed(seed)
+    P, warmup, R = 2, 2, 3
+
+    def fresh():
+        torch.manual_seed(seed)
+        return Replicas(Net, lambda m: torch.optim.AdamW(m.parameters(), lr=5e-3),
+                        lambda: hvdsparse.TopK(0.05), P, warmup, R)
+
+    def snapshot(sim):
+        return torch.utils._pytree.tree_map(
+            lambda x: x.clone() if isinstance(x, torch.Tensor) else x,
+            [(m.state_dict(), o.state_dict(), c.state_dict(), rc.state_dict())
+             for m, o, c, rc in zip(sim.models, sim.opts, sim.comps, sim.recipes)])
+
+    sim = fresh()
+    for step in range(5):                       # step 4 (= T_w + R - 1) refreshes
+        sim.step(grads(sim.models[0], P, step, seed))
+    assert set(sim.recipes[0].state_dict()["local"]["fc1.weight"]) == {"carry"}
+    def kept(sim):      # what a skipped step must leave alone (not the byte counters)
+        return [(m, o, rc, {n: c.residual(n).clone() for n in ("fc1.weight", "fc2.weight")})
+                for (m, o, _, rc), c in zip(snapshot(sim), sim.comps)]
+
+    before = kept(sim)
+    sim.step(grads(sim.models[0], P, 5, seed), apply=False)       # skipped
+    after = kept(sim)
+    for r in range(P):
+        la, lb = (torch.utils._pytree.tree_leaves(x[r]) for x in (before, after))
+        assert len(la) == len(lb)
+        for a, b in zip(la, lb):
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a, b), "a skipped step changed the state"
+    sim.t = 5
+    for step in range(5, 7):
+        sim.step(grads(sim.models[0], P, step, seed))
+    saved = snapshot(sim)             # inside the window: A, B held, no carry
+    assert set(saved[0][3]["local"]["fc1.weight"]) == {"acc", "gsum"}
+    for step in range(7, 12):
+        sim.step(grads(sim.models[0], P, step, seed))
+    s2 = fresh()
+    for r, (msd, osd, csd, rsd) in enumerate(saved):
+        s2.models[r].load_state_dict(msd)
+        s2.opts[r].load_state_dict(osd)
+        s2.comps[r].load_state_dict(csd)
+        s2.recipes[r].load_state_dict(rsd)
+    s2.t = 7
+    for step in range(7, 12):
+        s2.step(grads(s2.models[0], P, step, seed))
+    for r in range(P):
+        for (n, a), b in zip(sim.models[r].named_parameters(), s2.models[r].parameters()):
+            assert torch.equal(a, b), f"rank {r}: {n} differs after resume"
 
 
 def test_warmup_is_exact_adam(seed):
@@ -255,6 +452,28 @@ def test_setup_checks():
         with pytest.raises(ValueError, match=words):
             adam_setup(args["optimizer"], args["compression"], args["adam_recipe"],
                        args["adam_warmup"], **extra)
+
+
+def test_local_refresh_checks():
+    """The local refresh's own argument checks name the argument."""
+    m = Net()
+    named = dict(m.named_parameters())
+    opt = torch.optim.Adam(m.parameters())
+    for kw, words in ((dict(refresh=1), "adam_refresh=1"),
+                      (dict(refresh=5, wire="momentum"), "wire='gradient'"),
+                      (dict(refresh=5, precondition=False), "precondition=True"),
+                      (dict(refresh=5, refresh_from="global"), "refresh_from")):
+        with pytest.raises(ValueError, match=words):
+            AdamRecipe(opt, named, 2, lambda n: True, warmup=3, **kw)
+    AdamRecipe(opt, named, 2, lambda n: True, warmup=3, refresh=1, refresh_from="sample")
+    rc = AdamRecipe(opt, named, 2, lambda n: True, warmup=3, refresh=4)
+    sd = rc.state_dict()
+    sd["local"] = {"fc1.weight": {"acc": torch.zeros(3, 3)}}
+    with pytest.raises(ValueError, match="fc1.weight.*shape"):
+        rc.load_state_dict(sd)
+    sd["local"] = {"nope": {"acc": torch.zeros(3, 3)}}
+    with pytest.raises(ValueError, match="'nope'"):
+        rc.load_state_dict(sd)
 
 
 def test_checkpoint_round_trip(seed):

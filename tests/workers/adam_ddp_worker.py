@@ -1,7 +1,8 @@
 """The Adam recipe in hvdsparse's DDP communication hook under real torchrun (run at P=2):
 ``State(..., optimizer=adam)`` turns it on by default. Against an independent plain-torch
 replay of the recipe (tests/workers/adam_replay.py) from every rank's raw local gradient,
-for Adam with L2 decay + TopK(0.05, exact) and AdamW + AdaComp with adam_refresh=2;
+for Adam with L2 decay + TopK(0.05, exact) and AdamW + AdaComp with adam_refresh=2 (the
+local variance refresh);
 parameters bitwise
 identical across ranks; a checkpoint (model, optimizer, hook state) resumes bitwise
 identically. Prints ``HVDSPARSE-OK rank=<r>``.
@@ -90,7 +91,7 @@ for cls, comp, sel, dw, wd, R_ in ((torch.optim.Adam, hvdsparse.TopK(0.05, exact
     check(type(state.local_update).__name__ == "AdamRecipe", "recipe not on by default")
     rep = AdamReplay(dict(net.named_parameters()), P, lr=3e-3, betas=(0.9, 0.99), eps=1e-8,
                      wd=wd, decoupled=cls is torch.optim.AdamW, warmup=2, select=sel,
-                     needs_dw=dw, refresh=R_)
+                     needs_dw=dw, refresh=R_, refresh_from="local")
     for step in range(6):
         step_once(net, model, opt, step, rep)
 

@@ -25,6 +25,16 @@ Per layer with ``t`` its Adam step count before this step:
   Between refreshes ``D`` uses ``s = sqrt(v) / sqrt(1 - b2^c)`` with ``c = T_w + R *
   floor((t - T_w) / R)``, the number of steps the frozen ``v`` stands for.
 
+* ``refresh_from="local"`` (gradient wire, ``R >= 2``): every rank keeps ``A_r``
+  (zero at the warm-up's end and after each refresh) and a carried gradient ``c_r``
+  (zero but after a refresh), the ranks share ``B`` (zero likewise). A compressed step
+  sends ``x_r = (g_r + c_r) / D`` as above, then ``A_r = b2 A_r + (1 - b2) g_r^2``,
+  ``B = B + X D``, ``c_r = 0``. A refresh step sends nothing of the gradient:
+  ``a_r = b2 A_r + (1 - b2) g_r^2``, ``M = mean_r a_r``, ``mu = B / R``,
+  ``v = b2^R v + M / P + (1 - 1/P) min((1 - b2^R) mu^2, M)``, ``m = b1 m``, ``t += 1``,
+  ``w -= lr / (1 - b1^t) * m / D_new``, ``e_r *= D / D_new``, ``c_r = g_r + c_r``,
+  ``A_r = B = 0``.
+
 ``select``: :func:`topk_exact` (TopK(ratio, exact=True)) or :func:`adacomp` (AdaComp's
 pack(), Algorithm 2 of the AdaComp paper with this project's fixed per-bin capacity).
 """
@@ -84,8 +94,8 @@ def adacomp(bin_size=500, scale=2.0, max_per_bin=None):
 class AdamReplay:
     def __init__(self, weights, P, *, lr, betas, eps, wd, decoupled, warmup, select,
                  dense_below=1024, needs_dw=False, precondition=True, floor=0.1,
-                 wire="gradient", refresh=None):
-        self.wire, self.refresh = wire, refresh
+                 wire="gradient", refresh=None, refresh_from="sample"):
+        self.wire, self.refresh, self.refresh_from = wire, refresh, refresh_from
         self.W = {n: w.detach().clone().float() for n, w in weights.items()}
         self.P, self.lr, self.eps, self.wd = P, lr, eps, wd
         self.b1, self.b2 = betas
@@ -96,6 +106,9 @@ class AdamReplay:
         self.v = {n: torch.zeros_like(w) for n, w in self.W.items()}
         self.t = {n: 0 for n in self.W}
         self.e = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
+        self.A = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
+        self.c = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
+        self.B = {n: torch.zeros_like(w) for n, w in self.W.items()}
 
     def _D(self, n, count):
         s = self.v[n].sqrt() / math.sqrt(1 - self.b2 ** count)
@@ -125,7 +138,27 @@ class AdamReplay:
             t0, Tw, R = self.t[n], self.warmup, self.refresh
             count = Tw if R is None else Tw + R * ((t0 - Tw) // R)
             D = self._D(n, count)
-            if R is not None and (t0 + 1 - Tw) % R == 0:
+            local = self.refresh_from == "local" and R is not None
+            if local and (t0 + 1 - Tw) % R == 0:
+                gs = [everyone[r][n].float() + (0 if self.decoupled else wd * W)
+                      for r in range(P)]
+                M = sum(b2 * self.A[r][n] + (1 - b2) * gs[r] ** 2 for r in range(P)) / P
+                mu = self.B[n] / R
+                est = M / P + (1 - 1 / P) * torch.minimum((1 - b2 ** R) * mu ** 2, M)
+                self.v[n] = b2 ** R * self.v[n] + est
+                if self.decoupled:
+                    W = W * (1 - lr * wd)
+                self.m[n] = b1 * self.m[n]
+                self.t[n] = t = t0 + 1
+                D_new = self._D(n, t)
+                self.W[n] = W - lr / (1 - b1 ** t) * self.m[n] / D_new
+                for r in range(P):
+                    self.e[r][n] = self.e[r][n] * (D / D_new)
+                    self.c[r][n] = self.c[r][n] + gs[r]
+                    self.A[r][n] = torch.zeros_like(W)
+                self.B[n] = torch.zeros_like(W)
+                continue
+            if R is not None and not local and (t0 + 1 - Tw) % R == 0:
                 G = sum(everyone[r][n].float() for r in range(P)) * (1.0 / P)
                 if self.decoupled:
                     W = W * (1 - lr * wd)
@@ -146,6 +179,10 @@ class AdamReplay:
                 if wd and not self.decoupled:
                     g = g + wd * W
                 xr = g if self.wire == "gradient" else b1 * self.m[n] + (1 - b1) * g
+                if local:
+                    self.A[r][n] = b2 * self.A[r][n] + (1 - b2) * g ** 2
+                    xr = g + self.c[r][n]
+                    self.c[r][n] = torch.zeros_like(W)
                 if self.precondition:
                     xr = xr / D
                 acc = self.e[r][n] + xr
@@ -157,6 +194,8 @@ class AdamReplay:
                 W = W * (1 - lr * wd)
             self.t[n] += 1
             t = self.t[n]
+            if local:
+                self.B[n] = self.B[n] + X * D
             if self.wire == "gradient":
                 self.m[n] = b1 * self.m[n] + (1 - b1) * (X * D if self.precondition else X)
                 self.W[n] = W - lr / (1 - b1 ** t) * self.m[n] / D

@@ -10,7 +10,8 @@ Checks, each at every step:
   elsewhere) and a NaN on rank 1 at one step under nonfinite="skip" (skipped on every
   rank, residuals rolled back); AdaComp() with AdamW: parameters bitwise identical
   across ranks and equal to the replay;
-* adam_refresh=2 (dense variance refreshes between compressed steps): equals the replay;
+* adam_refresh=2 (every 2nd step after the warm-up sends each rank's local average of
+  g_i^2 dense and defers its gradient to the next step): equals the replay;
 * GradScaler: an overflow step on rank 1 is skipped by the scaler everywhere and rolled
   back; the run equals the replay without that step;
 * checkpoint: optimizer.state_dict() + compression_state_dict() saved mid-run and loaded
@@ -99,7 +100,7 @@ def replay_for(model, select, *, warmup, wd=0.0, decoupled=False, needs_dw=False
                refresh=None):
     return AdamReplay(dict(model.named_parameters()), P, lr=3e-3, betas=(0.9, 0.99),
                       eps=1e-8, wd=wd, decoupled=decoupled, warmup=warmup, select=select,
-                      needs_dw=needs_dw, refresh=refresh)
+                      needs_dw=needs_dw, refresh=refresh, refresh_from="local")
 
 
 # 1. TopK(1.0): warm-up longer than the run = Horovod's dense Adam
@@ -142,8 +143,9 @@ model, opt = make(torch.optim.AdamW, comp=hvdsparse.AdaComp(), adam_warmup=2,
 train(opt, model, 6, replay=replay_for(model, adacomp(), warmup=2, wd=1e-2, decoupled=True,
                                        needs_dw=True), tag="adacomp")
 
-# 2a. adam_refresh=2: every 2nd step after the warm-up travels dense and refreshes v
-# (a dense exchange between compressed ones, the rank-0-only layer a dense zero elsewhere)
+# 2a. adam_refresh=2: every 2nd step after the warm-up sends the ranks' local averages
+# of g_i^2 dense and refreshes v from them (a dense exchange between compressed ones, the
+# rank-0-only layer a zero gradient elsewhere); its gradient goes out with the next step
 model, opt = make(comp=hvdsparse.TopK(0.05, exact=True), adam_warmup=2, adam_refresh=2,
                   weight_decay=1e-2)
 rep = replay_for(model, topk_exact(0.05, output=out_layer(model)), warmup=2, wd=1e-2,
@@ -153,6 +155,12 @@ check(torch.allclose(opt.state[model.fc1.weight]["exp_avg_sq"], rep.v["fc1.weigh
                      rtol=1e-5, atol=1e-10), "refresh: v differs from the replay's")
 check(opt.compression_state_dict().get("adam_recipe", {}).get("refresh") == 2,
       "refresh: the period is not in compression_state_dict()")
+# ... and with AdamW, where the local gradient the refresh step defers is p.grad itself
+# until the exchange's result overwrites it
+model, opt = make(torch.optim.AdamW, comp=hvdsparse.AdaComp(), adam_warmup=2,
+                  adam_refresh=3, weight_decay=1e-2)
+train(opt, model, 9, replay=replay_for(model, adacomp(), warmup=2, wd=1e-2, decoupled=True,
+                                       needs_dw=True, refresh=3), tag="refresh-w")
 
 # 2b. GradScaler (the README's AMP recipe): an overflow on rank 1 at step 4 is skipped by
 # the scaler on every rank and rolled back; the rest equals the replay

@@ -132,6 +132,7 @@ from .compressors import topk_bucket
 from .compressors.base import inverse_loss_scale
 from .exchange import BucketSpec, BufferPool, ExchangeContext, HostReadout, cost_model
 from .exchange import launch as launch_exchange
+from .exchange.base import TaggedFigures, bucket_capacity
 from .exchange.split import pair_dtype
 from .stats import add_totals, empty_totals
 from .settings import DEFAULT_FUSION_THRESHOLD, ExchangeSettings, differences, fingerprint
@@ -148,16 +149,26 @@ _UNSUPPORTED = {
 }
 
 
+def _history_entry(saved) -> tuple:
+    """``(pairs, reduced, capacity)`` of a saved history entry (checkpoints written
+    before the capacity was recorded hold ``(pairs, reduced)``)."""
+    if saved is None:
+        return None, None, None
+    saved = tuple(saved)
+    return saved + (None,) * (3 - len(saved))
+
+
 class _Layout:
     """Per bucket layout (keyed by its parameter names): the spec and the cost model's
     history."""
 
-    __slots__ = ("spec", "pairs", "reduced", "deferred", "_first")
+    __slots__ = ("spec", "pairs", "reduced", "capacity", "deferred", "_first")
 
     def __init__(self, spec: BucketSpec):
         self.spec = spec
         self.pairs: Optional[float] = None
         self.reduced: Optional[int] = None
+        self.capacity: Optional[int] = None     # the bucket's capacity behind pairs / reduced
         self.deferred = None           # DeferredFigures of the previous exchange (CUDA)
         self._first = None             # spec.first_elements(), for NaN marking
 
@@ -423,7 +434,7 @@ class State:
         return dict(compressor=self.compressor.state_dict(), step=self.step, **extra,
                     rank=self.rank, world_size=self.world_size,
                     fingerprint=self.fingerprint,
-                    history={"\x1f".join(k): (v.pairs, v.reduced)
+                    history={"\x1f".join(k): (v.pairs, v.reduced, v.capacity)
                              for k, v in self._layouts.items()
                              if v.pairs is not None or v.reduced is not None})
 
@@ -447,7 +458,8 @@ class State:
         self._saved_history = {tuple(k.split("\x1f")): v
                                for k, v in sd.get("history", {}).items()}
         for key, lay in self._layouts.items():
-            lay.pairs, lay.reduced = self._saved_history.get(key, (None, None))
+            lay.pairs, lay.reduced, lay.capacity = _history_entry(
+                self._saved_history.get(key))
             lay.deferred = None
 
     def stats(self) -> dict:
@@ -495,7 +507,7 @@ class State:
             lay = _Layout(BucketSpec.build(len(self._layouts), names, numels))
             saved = getattr(self, "_saved_history", {}).get(key)
             if saved is not None:
-                lay.pairs, lay.reduced = saved
+                lay.pairs, lay.reduced, lay.capacity = _history_entry(saved)
             self._layouts[key] = lay
         return lay
 
@@ -542,8 +554,9 @@ class State:
             figs = lay.deferred.get()
             lay.pairs = figs.get("pairs", lay.pairs)
             lay.reduced = figs.get("reduced", lay.reduced)
+            lay.capacity = figs.get("capacity", lay.capacity)
             lay.deferred = None
-        cap = sum(int(s.capacity) for p in payloads for s in p.segments)
+        cap = bucket_capacity(payloads)
         vb = torch.tensor([], dtype=pair_dtype(payloads)).element_size()
         figs = cost_model.BucketFigures(
             world_size=self.world_size, numel=lay.spec.numel,
@@ -551,7 +564,7 @@ class State:
             sparse_value_bytes=vb,
             dense_value_bytes=torch.tensor([], dtype=st.dense_dtype).element_size(),
             split_dense_bits=st.split_dense_bits, quant_bucket=st.quant_bucket,
-            prev_pairs=lay.pairs, prev_reduced=lay.reduced)
+            prev_pairs=lay.pairs, prev_reduced=lay.reduced, prev_capacity=lay.capacity)
         return cost_model.choose(figs, alpha_bytes=st.alpha_bytes)
 
     def _check_deferred(self):
@@ -676,7 +689,8 @@ class State:
             pend = it.pend
             self._feed_back(it, pend.undelivered)
             if pend.deferred_figures is not None:
-                it.layout.deferred = pend.deferred_figures
+                it.layout.deferred = TaggedFigures(pend.deferred_figures,
+                                                   bucket_capacity(it.payloads))
             sent[pend.strategy] += pend.sent_bytes
             recv[pend.strategy] += pend.recv_bytes
             stats_b.append(dict(layers=list(it.names), numel=it.layout.spec.numel,

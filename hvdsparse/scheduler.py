@@ -83,7 +83,7 @@ import torch
 from . import codec
 from .exchange import ExchangeContext, BucketSpec, launch as launch_exchange
 from .exchange import cost_model
-from .exchange.base import BufferPool, HostReadout
+from .exchange.base import BufferPool, HostReadout, TaggedFigures, bucket_capacity
 from .compressors.base import Compressor, inverse_loss_scale
 from .compressors import topk_bucket
 from .exchange.split import pair_dtype
@@ -208,6 +208,7 @@ class LayerScheduler:
         self._ready_order: List[str] = []
         self._ready_count: List[int] = []
         self._inflight: Dict[int, object] = {}
+        self._launch_capacity: Dict[int, int] = {}   # bucket -> capacity at its launch
         self._cb_queued = False
         self._step_open = False
         self._await_step = False        # synchronized, optimizer step not applied yet
@@ -554,7 +555,7 @@ class LayerScheduler:
     def figures(self, b: int, payloads) -> cost_model.BucketFigures:
         """The rank-independent figures the auto cost model reads for bucket ``b``."""
         spec, prev = self._specs[b], self._history[b].figures()
-        cap = sum(int(s.capacity) for p in payloads for s in p.segments)
+        cap = bucket_capacity(payloads)
         st = self.settings
         return cost_model.BucketFigures(
             world_size=self.world_size, numel=spec.numel,
@@ -562,7 +563,8 @@ class LayerScheduler:
             sparse_value_bytes=torch.finfo(pair_dtype(payloads)).bits // 8,
             dense_value_bytes=torch.finfo(st.dense_dtype).bits // 8,
             split_dense_bits=st.split_dense_bits, quant_bucket=st.quant_bucket,
-            prev_pairs=prev.get("pairs"), prev_reduced=prev.get("reduced"))
+            prev_pairs=prev.get("pairs"), prev_reduced=prev.get("reduced"),
+            prev_capacity=prev.get("capacity"))
 
     def strategy_for(self, b: int, payloads) -> str:
         if self.exchange != "auto":
@@ -574,6 +576,7 @@ class LayerScheduler:
         payloads = [self._payloads[n] for n in spec.names]
         strategy = self.strategy_for(b, payloads)
         pend = launch_exchange(strategy, spec, payloads, self._ctx(self.exchange == "auto"))
+        self._launch_capacity[b] = bucket_capacity(payloads)
         self._inflight[b] = pend
         self.events.append(("launch", b, strategy))
 
@@ -801,7 +804,8 @@ class LayerScheduler:
             t_dec += pend.decode_s + time.perf_counter() - t0
             t_wait += pend.wait_s
             if pend.deferred_figures is not None:
-                self._history[b].later.append(pend.deferred_figures)
+                self._history[b].later.append(
+                    TaggedFigures(pend.deferred_figures, self._launch_capacity[b]))
             sent[pend.strategy] += pend.sent_bytes
             recv[pend.strategy] += pend.recv_bytes
             buckets.append(dict(id=b, layers=list(spec.names), numel=spec.numel,

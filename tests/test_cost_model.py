@@ -134,6 +134,22 @@ def test_history_moves_split(P):
     assert choose(base) == ("allgather" if P <= 64 else "split")
 
 
+@pytest.mark.parametrize("P", [3, 4, 16, 256])
+def test_history_of_another_layout_is_ignored(P):
+    """A dense step between sparse ones (the Adam recipe's variance refresh, Slim-DP's
+    push): the sparse steps' counts must not price it. With them, split's phase 1 looks
+    like 1% of the bucket and beats dense; at the same capacity the history applies,
+    at another it is ignored and dense wins, as without history."""
+    k = N // 100
+    dense_step = dict(world_size=P, numel=N, capacity=N, wire_nbytes=4 * N + 96)
+    fooled = BucketFigures(**dense_step, prev_pairs=k, prev_reduced=P * k)
+    assert choose(fooled) != "dense", costs(fooled)        # what the tag prevents
+    tagged = BucketFigures(**dense_step, prev_pairs=k, prev_reduced=P * k, prev_capacity=k)
+    assert costs(tagged) == costs(BucketFigures(**dense_step)) and choose(tagged) == "dense"
+    same = fig(P, 0.01, prev_reduced=k, prev_pairs=k, prev_capacity=k)
+    assert costs(same) == costs(fig(P, 0.01, prev_reduced=k, prev_pairs=k))
+
+
 @pytest.mark.parametrize("P", PS)
 def test_quantised_dense_phase_cheapens_split(P):
     f32, f8 = fig(P, 0.05), fig(P, 0.05, split_dense_bits=8)

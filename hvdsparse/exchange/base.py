@@ -286,6 +286,28 @@ class DeferredFigures:
         return dict(self._value)
 
 
+class TaggedFigures:
+    """An exchange's figures (a ``DeferredFigures`` or anything with ``get()``) with the
+    bucket's capacity at that exchange added as ``"capacity"`` (the cost model uses
+    earlier figures only for a bucket of the same capacity)."""
+
+    __slots__ = ("figures", "capacity")
+
+    def __init__(self, figures, capacity: int):
+        self.figures, self.capacity = figures, int(capacity)
+
+    def get(self) -> Dict[str, float]:
+        out = self.figures.get()
+        out["capacity"] = self.capacity
+        return out
+
+
+def bucket_capacity(payloads) -> int:
+    """Slots per rank of a bucket's payloads (the sum of their segments' capacities):
+    the same on every rank."""
+    return sum(int(s.capacity) for p in payloads for s in p.segments)
+
+
 class BufferPool:
     """Reused per-bucket buffers: ``(kind, bucket_id, numel, dtype, device) -> tensor``.
 

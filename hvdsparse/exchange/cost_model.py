@@ -20,6 +20,9 @@ identical on all ranks:
   rank learned it (split headers carry each range's nnz; after a dense allreduce every
   rank holds the identical sum; after allgather the sum of the counts, an upper bound of
   the union). ``None`` = unknown, use the SparCML bound ``min(N, P*k)``.
+* ``prev_capacity`` -- the bucket's capacity at that earlier exchange: when it differs
+  from this one's (a dense step between sparse ones, or the reverse) both ``prev_``
+  figures are ignored.
 
 Costs (bytes that cross one rank's link in a bandwidth-optimal ring/pairwise algorithm,
 ``c`` = 4 index bytes, ``v`` = value bytes of the sparse pairs, ``d`` = dense value bytes):
@@ -112,6 +115,8 @@ class BucketFigures:
     quant_bucket: int = 512
     prev_pairs: Optional[float] = None
     prev_reduced: Optional[int] = None
+    #: the bucket's ``capacity`` at the exchange ``prev_*`` come from (None: not known)
+    prev_capacity: Optional[int] = None
 
 
 def split_dense_value_bytes(bits: int, quant_bucket: int) -> float:
@@ -157,8 +162,15 @@ def costs(f: BucketFigures, alpha_bytes: float = 0.0) -> Dict[str, float]:
                          f"P={P}, N={N}")
     frac = (P - 1) / P
     pair = INDEX_BYTES + f.sparse_value_bytes
-    k = f.capacity if f.prev_pairs is None else min(float(f.prev_pairs), float(f.capacity))
-    K = min(N, P * k) if f.prev_reduced is None else min(N, int(f.prev_reduced))
+    # an earlier exchange predicts this one only if it had the same layout: after a
+    # step that sent the bucket at another capacity (a dense step: the Adam recipe's
+    # variance refresh, Slim-DP's push, a compressor's warm-up) its counts say nothing
+    # (a sparse history would price a dense step's split at the sparse step's bytes)
+    same = f.prev_capacity is None or int(f.prev_capacity) == int(f.capacity)
+    prev_pairs = f.prev_pairs if same else None
+    prev_reduced = f.prev_reduced if same else None
+    k = f.capacity if prev_pairs is None else min(float(prev_pairs), float(f.capacity))
+    K = min(N, P * k) if prev_reduced is None else min(N, int(prev_reduced))
     q = split_dense_value_bytes(f.split_dense_bits, f.quant_bucket)
     out = {
         "allgather": (P - 1) * float(f.wire_nbytes) + alpha_bytes * (P - 1),

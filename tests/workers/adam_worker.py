@@ -161,6 +161,16 @@ model, opt = make(torch.optim.AdamW, comp=hvdsparse.AdaComp(), adam_warmup=2,
                   adam_refresh=3, weight_decay=1e-2)
 train(opt, model, 9, replay=replay_for(model, adacomp(), warmup=2, wd=1e-2, decoupled=True,
                                        needs_dw=True, refresh=3), tag="refresh-w")
+# exchange="auto" prices a refresh step as the dense step it is, not by the sparse
+# steps' counts (cost_model: prev_capacity); step 10 refreshes ((10 + 1 - 2) % 3 == 0)
+for step in (9, 10):
+    x, y = batch(step)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    strategies = opt.stats()["last"]["strategies"]
+    check((set(strategies) == {"dense"}) == (step == 10),
+          f"refresh-w step {step}: strategies {strategies}")
 
 # 2b. GradScaler (the README's AMP recipe): an overflow on rank 1 at step 4 is skipped by
 # the scaler on every rank and rolled back; the rest equals the replay

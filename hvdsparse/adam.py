@@ -51,31 +51,35 @@ hyper-parameters of ``p``'s param group):
 
 * **variance refresh** (``refresh=R``; ``R >= 2``): the ``R``-th, ``2R``-th, ... step
   after the warm-up (``(s + 1 - T_w) % R == 0``) advances the frozen ``v`` by the ``R``
-  steps since the last one, from statistics every rank gathers locally (the default,
-  ``refresh_from="local"``). Every rank keeps, over the window (reset after each
-  refresh), ``A_i = beta2 * A_i + (1 - beta2) * g_i^2`` of its own gradient (weights
-  summing to ``1 - beta2^R`` at the refresh) and every rank the same
-  ``B = sum X * D`` (the exchanged average gradient). The refresh step sends
-  ``a_i = beta2 * A_i + (1 - beta2) * g_i^2`` dense and exact (fp32, no residual) instead of its
-  gradient; with ``M = (1/P) sum_i a_i`` and ``mu = B / R`` every rank applies
+  steps since the last one, from statistics every rank gathers from its own gradients
+  (the default, ``refresh_from="local"``). Every rank sums, over the window's ``R``
+  steps (the refresh step included), its ``g_i`` and ``g_i^2``; with ``gbar_i`` and
+  ``s_i`` their means, the refresh step sends, dense and exact (fp32, no residual),
+  instead of its gradient
 
-      D_old = D of this step
-      v <- beta2^R * v + M / P + (1 - 1/P) * min((1 - beta2^R) * mu^2, M)
+      t_i = ((1 - 1/P) * R * gbar_i^2 + (R/P - 1) * s_i) / (R - 1)
+
+  and with ``M = (1/P) sum_i t_i`` every rank applies
+
+      D_old = D of this step;   v <- beta2^R * v + (1 - beta2^R) * max(M, 0)
       m <- beta1 * m;   p <- p - lr / bc1 * m / D_new
       r_i <- r_i * D_old / D_new          (the residual holds g / D units: same mass)
       c_i <- g_i                           (sent with the next step: x_i = (g_i' + c_i) / D)
 
-  Why that estimate: Adam on the averaged gradient ``G = (1/P) sum g_i`` averages ``G^2``,
-  and with independent per-rank batches ``E[G^2] = mu^2 + (E[g_i^2] - mu^2) / P``; each
-  rank's ``g_i^2`` sees its own batch's noise, ``P`` times ``G``'s, so the average of the
-  local squares is corrected by the window's mean gradient, capped so the ``mu^2`` part
-  never exceeds the squares it is part of. The step's own gradient is not lost: it
-  travels with the next step (``c_i``, also without a residual: QSGD). ``v`` stays an
-  average with weights summing to ``1 - beta2^(c + R)``, so ``bc2`` follows ``c``.
-  Cost: one dense fp32 step in ``R`` (the statistics instead of the gradient) and, per
-  compressed layer, three fp32 buffers on every rank (``A_i``, ``B``, the pending
-  ``g_i^2``; ``c_i`` between a refresh and the next step). Off by default
-  (``refresh=None``: ``v`` frozen for good).
+  Why ``t_i``: dense Adam averages ``G^2`` of the averaged gradient
+  ``G = (1/P) sum_i g_i``, and over independent batches (mean ``mu``, per-rank variance
+  ``sigma^2``) ``E[G^2] = mu^2 + sigma^2 / P``, while a rank sees ``E[s_i] = mu^2 +
+  sigma^2`` (its own batch's noise, ``P`` times ``G``'s) and ``E[gbar_i^2] = mu^2 +
+  sigma^2 / R``; the combination above is exactly ``mu^2 + sigma^2 / P`` in
+  expectation, linear in the ranks' statistics (one averaged vector) and independent of
+  what the compressor sent. ``v`` stays an average with weights summing to
+  ``1 - beta2^(c + R)``, so ``bc2`` follows ``c`` (the window's ``R`` steps weigh
+  equally inside it, where Adam's ``beta2^k`` would give them 0.95-1 for R = 50).
+  The step's own gradient is not lost: it travels with the next step (``c_i``, so also
+  without a residual: QSGD). Cost: one dense fp32 step in ``R`` (the statistics instead
+  of the gradient; ``exchange="auto"`` sends it by allreduce) and, per compressed
+  layer, two fp32 sums and the pending ``g_i`` on every rank (``c_i`` between a refresh
+  and the next step). Off by default (``refresh=None``: ``v`` frozen for good).
 
   ``refresh_from="sample"`` (0/1 Adam's idea on a fixed period, a study variant,
   measured worse with compression: BENCHMARKS.md 4b): the refresh step travels dense and
@@ -339,12 +343,11 @@ class AdamRecipe:
         self._after: set = set()     # layers known to be past their warm-up (cache)
         self._groups = GroupLookup(optimizer)   # param -> its current param group
         self._stash: list = []
-        # refresh_from="local": name -> this rank's running average of g_i^2 since the
-        # last refresh (A), the window's sum of the exchanged gradient (B, identical on
-        # every rank), this step's pending contribution (g_i^2, or on a refresh step its
-        # gradient), committed in _update, and the gradient a refresh step carries over
-        self._acc: dict = {}
-        self._gsum: dict = {}
+        # refresh_from="local": name -> this rank's sums of g_i and g_i^2 over the steps
+        # of the window so far, this step's pending gradient (committed in _update) and
+        # the gradient a refresh step carries over to the next
+        self._sum: dict = {}
+        self._sq: dict = {}
         self._pend: dict = {}
         self._carry: dict = {}
 
@@ -441,21 +444,31 @@ class AdamRecipe:
     def _local_x(self, name, g, st, group):
         """``refresh_from="local"`` (nothing stored here; :meth:`_update` commits): a
         compressed step sends ``(g + c) / D`` (``c``: the gradient the last refresh step
-        deferred) and keeps ``g^2`` pending; a refresh step sends this rank's window
-        average ``b2 A + (1 - b2) g^2`` (dense) and keeps ``g + c`` pending, to be sent
-        with the next step."""
+        deferred) and keeps a copy of ``g`` pending; a refresh step sends this rank's
+        ``t_i`` (dense) and keeps ``g + c`` pending, to be sent with the next step."""
         c = self._carry.get(name)
         sent = g if c is None else g + c
+        # copies: ``g`` may be the gradient buffer itself, which the exchange's result
+        # overwrites before the commit (``p.grad``, DDP's bucket)
         if self.refreshing(name):
-            b2 = _value(group["betas"][1])
-            # a copy: ``g`` may be the gradient buffer itself, which the exchange's
-            # result overwrites (DDP's bucket, ``p.grad``)
             self._pend[name] = sent.clone() if c is None else sent
-            x = g * g * (1 - b2)
-            A = self._acc.get(name)
-            return x if A is None else x.add_(A, alpha=b2)
-        self._pend[name] = g * g
+            return self._window_estimate(name, g)
+        self._pend[name] = g.clone()
         return sent / self._denom(st, group, self._steps[name])
+
+    def _window_estimate(self, name, g):
+        """``t_i = ((1 - 1/P) R gbar^2 + (R/P - 1) s) / (R - 1)`` with ``gbar`` and ``s``
+        this rank's means of ``g_i`` and ``g_i^2`` over the window's ``R`` steps (this
+        one included). Over independent batches ``E[gbar^2] = mu^2 + sigma^2 / R`` and
+        ``E[s] = mu^2 + sigma^2``, so ``E[t_i] = mu^2 + sigma^2 / P = E[G^2]``: the
+        average over the ranks estimates what dense Adam's ``v`` averages."""
+        R, P = self.refresh, self.world_size
+        gsum, sq = self._sum.get(name), self._sq.get(name)
+        g = g.float()
+        gbar = g.clone() if gsum is None else gsum + g
+        s = g.square() if sq is None else sq.addcmul(g, g)
+        gbar = gbar.div_(R).square_().mul_((1 - 1 / P) * R)
+        return gbar.add_(s, alpha=(R / P - 1) / R).div_(R - 1)
 
     def _denom(self, st: dict, group: dict, step: int) -> torch.Tensor:
         """``D = max(s, floor * mean(s)) + eps`` with ``s = sqrt(v) / sqrt(1 - beta2^c)``,
@@ -547,7 +560,7 @@ class AdamRecipe:
             XD = M * denom if self.precondition else M
             m.mul_(b1).add_(XD, alpha=1 - b1)
             if local:
-                self._accumulate(name, group, XD)
+                self._accumulate(name)
             if isinstance(step_size, torch.Tensor):
                 p.sub_(m / denom * step_size.to(p.device))
             else:
@@ -587,37 +600,31 @@ class AdamRecipe:
         if r is not None and self.precondition and self.rescale_residual:
             r.mul_((d_old / d_new).reshape(r.shape))
 
-    def _accumulate(self, name, group, XD):
-        """Commit a compressed step's local statistics: ``A <- b2 A + (1 - b2) g_i^2``,
-        ``B <- B + X D``."""
-        b2 = _value(group["betas"][1])
-        pend = self._pend.pop(name)
+    def _accumulate(self, name):
+        """Commit a compressed step's local statistics: this rank's window sums of
+        ``g_i`` and ``g_i^2``."""
+        g = self._pend.pop(name).float()
         self._carry.pop(name, None)          # the deferred gradient went out with X
-        A = self._acc.get(name)
-        if A is None:
-            self._acc[name] = pend.mul_(1 - b2)
-            self._gsum[name] = XD.detach().float().clone()
+        if name not in self._sum:
+            self._sq[name] = g.square()
+            self._sum[name] = g
             return
-        A.mul_(b2).add_(pend, alpha=1 - b2)
-        self._gsum[name].add_(XD)
+        self._sq[name].addcmul_(g, g)
+        self._sum[name].add_(g)
 
     def _refresh_local(self, name, st, group, M, d_old, s, step_size, p):
-        """A local refresh: ``M`` = the ranks' average of their window averages of
-        ``g_i^2`` (weights summing to ``1 - b2^R``). With ``mu = B / R`` (the window's
-        mean exchanged gradient) the global batch's ``E[G^2] = mu^2 + (E[g_i^2] -
-        mu^2) / P``: ``v <- b2^R v + M / P + (1 - 1/P) min((1 - b2^R) mu^2, M)``. The
-        step's gradient was not sent: ``m <- b1 m``, ``p <- p - lr / bc1 * m / D_new``,
-        it is added to the next step's gradient (``c``); the residual, in ``g / D`` units,
-        is rescaled: ``r <- r * D_old / D_new``."""
+        """A local refresh: ``M`` = the ranks' average of their ``t_i``
+        (:meth:`_window_estimate`), an estimate of the mean ``G^2`` over the window, so
+        ``v <- b2^R v + (1 - b2^R) max(M, 0)`` (R steps of it). The step's gradient was
+        not sent: ``m <- b1 m``, ``p <- p - lr / bc1 * m / D_new``, it is added to the
+        next step's gradient (``c``); the residual, in ``g / D`` units, is rescaled:
+        ``r <- r * D_old / D_new``."""
         b1 = _value(group["betas"][0])
         b2R = _value(group["betas"][1]) ** self.refresh
-        P = self.world_size
-        B = self._gsum.pop(name, None)
-        self._acc.pop(name, None)
+        self._sum.pop(name, None)
+        self._sq.pop(name, None)
         self._carry[name] = self._pend.pop(name)     # sent with the next step
-        mu2 = torch.zeros_like(M) if B is None else (B / self.refresh).square_()
-        est = torch.minimum(mu2.mul_(1 - b2R), M).mul_(1 - 1 / P).add_(M, alpha=1 / P)
-        st["exp_avg_sq"].mul_(b2R).add_(est)
+        st["exp_avg_sq"].mul_(b2R).add_(M.clamp_min(0.0), alpha=1 - b2R)
         d_new = self._denom(st, group, s + 1)
         m = st["exp_avg"]
         m.mul_(b1)
@@ -632,9 +639,10 @@ class AdamRecipe:
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
         """Settings, plus this rank's local refresh statistics (``refresh_from="local"``:
-        per layer the window's ``A``, ``B`` and the carried gradient, copies)."""
+        per layer the window's sums of ``g_i`` and ``g_i^2`` and the carried gradient,
+        copies)."""
         local = {}
-        for key, d in (("acc", self._acc), ("gsum", self._gsum), ("carry", self._carry)):
+        for key, d in (("sum", self._sum), ("sq", self._sq), ("carry", self._carry)):
             for name, t in d.items():
                 local.setdefault(name, {})[key] = t.detach().clone()
         return dict(warmup=self.warmup, refresh=self.refresh, wire=self.wire,
@@ -659,13 +667,13 @@ class AdamRecipe:
             warnings.warn(f"hvdsparse: the compression state was saved with the Adam "
                           f"recipe's refresh_from={sd.get('refresh_from', 'sample')!r}; "
                           f"this run uses {self.refresh_from!r}")
-        self._acc, self._gsum, self._carry, self._pend = {}, {}, {}, {}
+        self._sum, self._sq, self._carry, self._pend = {}, {}, {}, {}
         for name, entry in sd.get("local", {}).items():
             if name not in self.params:
                 raise ValueError(f"hvdsparse: the Adam recipe's saved state names layer "
                                  f"{name!r}, which this optimizer does not have")
             p = self.params[name]
-            for key, d in (("acc", self._acc), ("gsum", self._gsum),
+            for key, d in (("sum", self._sum), ("sq", self._sq),
                            ("carry", self._carry)):
                 if key in entry:
                     t = entry[key]

@@ -298,6 +298,33 @@ def test_local_refresh_matches_replay(seed, kind, comp):
     assert moved == [5, 8, 11], f"v moved at steps {moved}"
 
 
+@pytest.mark.parametrize("P,R", [(4, 50), (3, 3), (8, 5)])
+def test_window_estimate_is_unbiased(seed, P, R):
+    """t_i averaged over the ranks estimates E[G^2] = mu^2 + sigma^2 / P of the global
+    batch's gradient from the ranks' own gradients (here 40000 independent coordinates,
+    each a fresh draw of g_i = mu + sigma * noise per rank and step); the plain mean of
+    the local squares would say mu^2 + sigma^2."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 40000
+    mu = torch.randn(n, generator=gen) * 0.5
+    sigma = torch.rand(n, generator=gen) * 2.0
+    m = Net()
+    rc = AdamRecipe(torch.optim.Adam(m.parameters()), dict(m.named_parameters()), P,
+                    lambda _n: True, warmup=1, refresh=R)
+    ts, local_sq = [], []
+    for _ in range(P):
+        gs = [mu + sigma * torch.randn(n, generator=gen) for _ in range(R)]
+        rc._sum = {"x": sum(gs[:-1])}
+        rc._sq = {"x": sum(g * g for g in gs[:-1])}
+        ts.append(rc._window_estimate("x", gs[-1]))
+        local_sq.append(sum(g * g for g in gs) / R)
+    M = sum(ts) / P
+    want = mu ** 2 + sigma ** 2 / P
+    assert abs(float((M - want).mean())) < 0.02 * float(want.mean())
+    naive = sum(local_sq) / P
+    assert float((naive - want).mean()) > 0.2 * float(want.mean())
+
+
 def test_local_refresh_loses_no_gradient(seed):
     """With nothing compressed (TopK(1.0)) the gradient a refresh step defers arrives
     with the next step: over a window the momentum receives every step's averaged
@@ -361,7 +388,7 @@ def test_local_refresh_skipped_step_and_checkpoint(seed):
     for step in range(5, 7):
         sim.step(grads(sim.models[0], P, step, seed))
     saved = snapshot(sim)             # inside the window: A, B held, no carry
-    assert set(saved[0][3]["local"]["fc1.weight"]) == {"acc", "gsum"}
+    assert set(saved[0][3]["local"]["fc1.weight"]) == {"sum", "sq"}
     for step in range(7, 12):
         sim.step(grads(sim.models[0], P, step, seed))
     s2 = fresh()
@@ -468,10 +495,10 @@ def test_local_refresh_checks():
     AdamRecipe(opt, named, 2, lambda n: True, warmup=3, refresh=1, refresh_from="sample")
     rc = AdamRecipe(opt, named, 2, lambda n: True, warmup=3, refresh=4)
     sd = rc.state_dict()
-    sd["local"] = {"fc1.weight": {"acc": torch.zeros(3, 3)}}
+    sd["local"] = {"fc1.weight": {"sq": torch.zeros(3, 3)}}
     with pytest.raises(ValueError, match="fc1.weight.*shape"):
         rc.load_state_dict(sd)
-    sd["local"] = {"nope": {"acc": torch.zeros(3, 3)}}
+    sd["local"] = {"nope": {"sq": torch.zeros(3, 3)}}
     with pytest.raises(ValueError, match="'nope'"):
         rc.load_state_dict(sd)
 

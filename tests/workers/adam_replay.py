@@ -25,15 +25,15 @@ Per layer with ``t`` its Adam step count before this step:
   Between refreshes ``D`` uses ``s = sqrt(v) / sqrt(1 - b2^c)`` with ``c = T_w + R *
   floor((t - T_w) / R)``, the number of steps the frozen ``v`` stands for.
 
-* ``refresh_from="local"`` (gradient wire, ``R >= 2``): every rank keeps ``A_r``
-  (zero at the warm-up's end and after each refresh) and a carried gradient ``c_r``
-  (zero but after a refresh), the ranks share ``B`` (zero likewise). A compressed step
-  sends ``x_r = (g_r + c_r) / D`` as above, then ``A_r = b2 A_r + (1 - b2) g_r^2``,
-  ``B = B + X D``, ``c_r = 0``. A refresh step sends nothing of the gradient:
-  ``a_r = b2 A_r + (1 - b2) g_r^2``, ``M = mean_r a_r``, ``mu = B / R``,
-  ``v = b2^R v + M / P + (1 - 1/P) min((1 - b2^R) mu^2, M)``, ``m = b1 m``, ``t += 1``,
-  ``w -= lr / (1 - b1^t) * m / D_new``, ``e_r *= D / D_new``, ``c_r = g_r + c_r``,
-  ``A_r = B = 0``.
+* ``refresh_from="local"`` (gradient wire, ``R >= 2``): every rank keeps the sums
+  ``S1_r`` of its ``g_r`` and ``S2_r`` of its ``g_r^2`` over the window (zero at the
+  warm-up's end and after each refresh) and a carried gradient ``c_r`` (zero but after a
+  refresh). A compressed step sends ``x_r = (g_r + c_r) / D`` as above, then
+  ``S1_r += g_r``, ``S2_r += g_r^2``, ``c_r = 0``. A refresh step (its ``g_r`` counted
+  in the sums first) sends ``t_r = ((1 - 1/P) R (S1_r / R)^2 + (R/P - 1) S2_r / R) /
+  (R - 1)`` dense, ``M = mean_r t_r``, ``v = b2^R v + (1 - b2^R) max(M, 0)``,
+  ``m = b1 m``, ``t += 1``, ``w -= lr / (1 - b1^t) * m / D_new``, ``e_r *= D / D_new``,
+  ``c_r = g_r + c_r``, sums zeroed.
 
 ``select``: :func:`topk_exact` (TopK(ratio, exact=True)) or :func:`adacomp` (AdaComp's
 pack(), Algorithm 2 of the AdaComp paper with this project's fixed per-bin capacity).
@@ -106,9 +106,9 @@ class AdamReplay:
         self.v = {n: torch.zeros_like(w) for n, w in self.W.items()}
         self.t = {n: 0 for n in self.W}
         self.e = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
-        self.A = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
+        self.S1 = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
+        self.S2 = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
         self.c = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
-        self.B = {n: torch.zeros_like(w) for n, w in self.W.items()}
 
     def _D(self, n, count):
         s = self.v[n].sqrt() / math.sqrt(1 - self.b2 ** count)
@@ -142,10 +142,13 @@ class AdamReplay:
             if local and (t0 + 1 - Tw) % R == 0:
                 gs = [everyone[r][n].float() + (0 if self.decoupled else wd * W)
                       for r in range(P)]
-                M = sum(b2 * self.A[r][n] + (1 - b2) * gs[r] ** 2 for r in range(P)) / P
-                mu = self.B[n] / R
-                est = M / P + (1 - 1 / P) * torch.minimum((1 - b2 ** R) * mu ** 2, M)
-                self.v[n] = b2 ** R * self.v[n] + est
+                ts = []
+                for r in range(P):
+                    gbar = (self.S1[r][n] + gs[r]) / R
+                    s2 = (self.S2[r][n] + gs[r] ** 2) / R
+                    ts.append(((1 - 1 / P) * R * gbar ** 2 + (R / P - 1) * s2) / (R - 1))
+                M = sum(ts) / P
+                self.v[n] = b2 ** R * self.v[n] + (1 - b2 ** R) * torch.clamp(M, min=0.0)
                 if self.decoupled:
                     W = W * (1 - lr * wd)
                 self.m[n] = b1 * self.m[n]
@@ -155,8 +158,8 @@ class AdamReplay:
                 for r in range(P):
                     self.e[r][n] = self.e[r][n] * (D / D_new)
                     self.c[r][n] = self.c[r][n] + gs[r]
-                    self.A[r][n] = torch.zeros_like(W)
-                self.B[n] = torch.zeros_like(W)
+                    self.S1[r][n] = torch.zeros_like(W)
+                    self.S2[r][n] = torch.zeros_like(W)
                 continue
             if R is not None and not local and (t0 + 1 - Tw) % R == 0:
                 G = sum(everyone[r][n].float() for r in range(P)) * (1.0 / P)
@@ -180,7 +183,8 @@ class AdamReplay:
                     g = g + wd * W
                 xr = g if self.wire == "gradient" else b1 * self.m[n] + (1 - b1) * g
                 if local:
-                    self.A[r][n] = b2 * self.A[r][n] + (1 - b2) * g ** 2
+                    self.S1[r][n] = self.S1[r][n] + g
+                    self.S2[r][n] = self.S2[r][n] + g ** 2
                     xr = g + self.c[r][n]
                     self.c[r][n] = torch.zeros_like(W)
                 if self.precondition:
@@ -194,8 +198,6 @@ class AdamReplay:
                 W = W * (1 - lr * wd)
             self.t[n] += 1
             t = self.t[n]
-            if local:
-                self.B[n] = self.B[n] + X * D
             if self.wire == "gradient":
                 self.m[n] = b1 * self.m[n] + (1 - b1) * (X * D if self.precondition else X)
                 self.W[n] = W - lr / (1 - b1 ** t) * self.m[n] / D

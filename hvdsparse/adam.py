@@ -589,9 +589,15 @@ class AdamRecipe:
         b1 = _value(group["betas"][0])
         b2R = _value(group["betas"][1]) ** self.refresh
         st["exp_avg_sq"].mul_(b2R).addcmul_(G, G, value=1 - b2R)
+        st["exp_avg"].mul_(b1).add_(G, alpha=1 - b1)
+        self._step_refreshed(name, st, group, d_old, s, step_size, p)
+
+    def _step_refreshed(self, name, st, group, d_old, s, step_size, p):
+        """After a refresh changed ``v`` (and ``m``): ``p <- p - lr / bc1 * m / D_new``,
+        and the residual, in ``g / D`` units, rescaled by ``D_old / D_new`` (the gradient
+        mass it carries unchanged)."""
         d_new = self._denom(st, group, s + 1)
         m = st["exp_avg"]
-        m.mul_(b1).add_(G, alpha=1 - b1)
         if isinstance(step_size, torch.Tensor):
             p.sub_(m / d_new * step_size.to(p.device))
         else:
@@ -625,16 +631,8 @@ class AdamRecipe:
         self._sq.pop(name, None)
         self._carry[name] = self._pend.pop(name)     # sent with the next step
         st["exp_avg_sq"].mul_(b2R).add_(M.clamp_min(0.0), alpha=1 - b2R)
-        d_new = self._denom(st, group, s + 1)
-        m = st["exp_avg"]
-        m.mul_(b1)
-        if isinstance(step_size, torch.Tensor):
-            p.sub_(m / d_new * step_size.to(p.device))
-        else:
-            p.addcdiv_(m, d_new, value=-step_size)
-        r = self._residual(name)
-        if r is not None and self.precondition and self.rescale_residual:
-            r.mul_((d_old / d_new).reshape(r.shape))
+        st["exp_avg"].mul_(b1)
+        self._step_refreshed(name, st, group, d_old, s, step_size, p)
 
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:

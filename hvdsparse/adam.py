@@ -53,11 +53,11 @@ hyper-parameters of ``p``'s param group):
   after the warm-up (``(s + 1 - T_w) % R == 0``) advances the frozen ``v`` by the ``R``
   steps since the last one, from statistics every rank gathers from its own gradients
   (the default, ``refresh_from="local"``). Every rank sums, over the window's ``R``
-  steps (the refresh step included), its ``g_i`` and ``g_i^2``; with ``gbar_i`` and
-  ``s_i`` their means, the refresh step sends, dense and exact (fp32, no residual),
-  instead of its gradient
+  steps (the refresh step included), its ``g_i^2`` and the products of consecutive
+  gradients ``g_i(t) g_i(t - 1)``; with ``s_i`` and ``l_i`` their means, the refresh
+  step sends, dense and exact (fp32, no residual), instead of its gradient
 
-      t_i = ((1 - 1/P) * R * gbar_i^2 + (R/P - 1) * s_i) / (R - 1)
+      t_i = (1 - 1/P) * l_i + s_i / P
 
   and with ``M = (1/P) sum_i t_i`` every rank applies
 
@@ -69,17 +69,19 @@ hyper-parameters of ``p``'s param group):
   Why ``t_i``: dense Adam averages ``G^2`` of the averaged gradient
   ``G = (1/P) sum_i g_i``, and over independent batches (mean ``mu``, per-rank variance
   ``sigma^2``) ``E[G^2] = mu^2 + sigma^2 / P``, while a rank sees ``E[s_i] = mu^2 +
-  sigma^2`` (its own batch's noise, ``P`` times ``G``'s) and ``E[gbar_i^2] = mu^2 +
-  sigma^2 / R``; the combination above is exactly ``mu^2 + sigma^2 / P`` in
-  expectation, linear in the ranks' statistics (one averaged vector) and independent of
-  what the compressor sent. ``v`` stays an average with weights summing to
-  ``1 - beta2^(c + R)``, so ``bc2`` follows ``c`` (the window's ``R`` steps weigh
-  equally inside it, where Adam's ``beta2^k`` would give them 0.95-1 for R = 50).
+  sigma^2`` (its own batch's noise, ``P`` times ``G``'s) and ``E[l_i] = mu^2`` (two
+  steps' noise is independent, and ``mu`` moves little in one step, where the square
+  of the window's mean gradient would lose what ``mu`` moved across the window, early
+  in training a lot); so ``E[t_i] = mu^2 + sigma^2 / P``, linear in the ranks'
+  statistics (one averaged vector) and independent of what the compressor sent. ``v``
+  stays an average with weights summing to ``1 - beta2^(c + R)``, so ``bc2`` follows
+  ``c`` (the window's ``R`` steps weigh equally inside it, where Adam's ``beta2^k``
+  would give them 0.95-1 for R = 50).
   The step's own gradient is not lost: it travels with the next step (``c_i``, so also
   without a residual: QSGD). Cost: one dense fp32 step in ``R`` (the statistics instead
   of the gradient; ``exchange="auto"`` sends it by allreduce) and, per compressed
-  layer, two fp32 sums and the pending ``g_i`` on every rank (``c_i`` between a refresh
-  and the next step). Off by default (``refresh=None``: ``v`` frozen for good).
+  layer, two fp32 sums, the last and the pending ``g_i`` on every rank (``c_i`` between a
+  refresh and the next step). Off by default (``refresh=None``: ``v`` frozen for good).
 
   ``refresh_from="sample"`` (0/1 Adam's idea on a fixed period, a study variant,
   measured worse with compression: BENCHMARKS.md 4b): the refresh step travels dense and
@@ -346,8 +348,10 @@ class AdamRecipe:
         # refresh_from="local": name -> this rank's sums of g_i and g_i^2 over the steps
         # of the window so far, this step's pending gradient (committed in _update) and
         # the gradient a refresh step carries over to the next
-        self._sum: dict = {}
-        self._sq: dict = {}
+        self._sq: dict = {}          # sum of g_i^2 over the window
+        self._lag: dict = {}         # sum of g_i(t) * g_i(t - 1) over the window
+        self._pairs: dict = {}       # how many products _lag holds
+        self._prev: dict = {}        # g_i of the last committed recipe step
         self._pend: dict = {}
         self._carry: dict = {}
 
@@ -457,18 +461,23 @@ class AdamRecipe:
         return sent / self._denom(st, group, self._steps[name])
 
     def _window_estimate(self, name, g):
-        """``t_i = ((1 - 1/P) R gbar^2 + (R/P - 1) s) / (R - 1)`` with ``gbar`` and ``s``
-        this rank's means of ``g_i`` and ``g_i^2`` over the window's ``R`` steps (this
-        one included). Over independent batches ``E[gbar^2] = mu^2 + sigma^2 / R`` and
-        ``E[s] = mu^2 + sigma^2``, so ``E[t_i] = mu^2 + sigma^2 / P = E[G^2]``: the
-        average over the ranks estimates what dense Adam's ``v`` averages."""
+        """``t_i = (1 - 1/P) l_i + s_i / P`` with ``s_i`` this rank's mean of ``g_i^2``
+        over the window's ``R`` steps (this one included) and ``l_i`` its mean of the
+        products of consecutive gradients ``g_i(t) g_i(t - 1)``. Over independent
+        batches ``E[s_i] = mu^2 + sigma^2`` and ``E[l_i] = mu^2`` (the noise of two steps
+        is independent; ``mu`` moves little in one step), so ``E[t_i] = mu^2 + sigma^2 /
+        P = E[G^2]``: the average over the ranks estimates what dense Adam's ``v``
+        averages."""
         R, P = self.refresh, self.world_size
-        gsum, sq = self._sum.get(name), self._sq.get(name)
         g = g.float()
-        gbar = g.clone() if gsum is None else gsum + g
+        sq, lag, prev = self._sq.get(name), self._lag.get(name), self._prev.get(name)
         s = g.square() if sq is None else sq.addcmul(g, g)
-        gbar = gbar.div_(R).square_().mul_((1 - 1 / P) * R)
-        return gbar.add_(s, alpha=(R / P - 1) / R).div_(R - 1)
+        pairs = self._pairs.get(name, 0)
+        if prev is not None:
+            lag = g * prev if lag is None else lag.addcmul(g, prev)
+            pairs += 1
+        t = s.div_(R * P)
+        return t if pairs == 0 else t.add_(lag, alpha=(1 - 1 / P) / pairs)
 
     def _denom(self, st: dict, group: dict, step: int) -> torch.Tensor:
         """``D = max(s, floor * mean(s)) + eps`` with ``s = sqrt(v) / sqrt(1 - beta2^c)``,
@@ -608,15 +617,25 @@ class AdamRecipe:
 
     def _accumulate(self, name):
         """Commit a compressed step's local statistics: this rank's window sums of
-        ``g_i`` and ``g_i^2``."""
+        ``g_i^2`` and of ``g_i(t) g_i(t - 1)``."""
         g = self._pend.pop(name).float()
         self._carry.pop(name, None)          # the deferred gradient went out with X
-        if name not in self._sum:
+        self._add_stats(name, g)
+
+    def _add_stats(self, name, g):
+        sq, prev = self._sq.get(name), self._prev.get(name)
+        if sq is None:
             self._sq[name] = g.square()
-            self._sum[name] = g
-            return
-        self._sq[name].addcmul_(g, g)
-        self._sum[name].add_(g)
+        else:
+            sq.addcmul_(g, g)
+        if prev is not None:
+            lag = self._lag.get(name)
+            if lag is None:
+                self._lag[name] = g * prev
+            else:
+                lag.addcmul_(g, prev)
+            self._pairs[name] = self._pairs.get(name, 0) + 1
+        self._prev[name] = g
 
     def _refresh_local(self, name, st, group, M, d_old, s, step_size, p):
         """A local refresh: ``M`` = the ranks' average of their ``t_i``
@@ -627,9 +646,11 @@ class AdamRecipe:
         ``r <- r * D_old / D_new``."""
         b1 = _value(group["betas"][0])
         b2R = _value(group["betas"][1]) ** self.refresh
-        self._sum.pop(name, None)
-        self._sq.pop(name, None)
-        self._carry[name] = self._pend.pop(name)     # sent with the next step
+        for d in (self._sq, self._lag, self._pairs):
+            d.pop(name, None)
+        g = self._pend.pop(name)
+        self._carry[name] = g                        # sent with the next step
+        self._prev[name] = g                         # (R >= 2: no older carry in it)
         st["exp_avg_sq"].mul_(b2R).add_(M.clamp_min(0.0), alpha=1 - b2R)
         st["exp_avg"].mul_(b1)
         self._step_refreshed(name, st, group, d_old, s, step_size, p)
@@ -640,9 +661,12 @@ class AdamRecipe:
         per layer the window's sums of ``g_i`` and ``g_i^2`` and the carried gradient,
         copies)."""
         local = {}
-        for key, d in (("sum", self._sum), ("sq", self._sq), ("carry", self._carry)):
+        for key, d in (("sq", self._sq), ("lag", self._lag), ("prev", self._prev),
+                       ("carry", self._carry)):
             for name, t in d.items():
                 local.setdefault(name, {})[key] = t.detach().clone()
+        for name, n in self._pairs.items():
+            local.setdefault(name, {})["pairs"] = int(n)
         return dict(warmup=self.warmup, refresh=self.refresh, wire=self.wire,
                     refresh_from=self.refresh_from, local=local)
 
@@ -665,13 +689,16 @@ class AdamRecipe:
             warnings.warn(f"hvdsparse: the compression state was saved with the Adam "
                           f"recipe's refresh_from={sd.get('refresh_from', 'sample')!r}; "
                           f"this run uses {self.refresh_from!r}")
-        self._sum, self._sq, self._carry, self._pend = {}, {}, {}, {}
+        self._sq, self._lag, self._pairs, self._prev = {}, {}, {}, {}
+        self._carry, self._pend = {}, {}
         for name, entry in sd.get("local", {}).items():
             if name not in self.params:
                 raise ValueError(f"hvdsparse: the Adam recipe's saved state names layer "
                                  f"{name!r}, which this optimizer does not have")
             p = self.params[name]
-            for key, d in (("sum", self._sum), ("sq", self._sq),
+            if "pairs" in entry:
+                self._pairs[name] = int(entry["pairs"])
+            for key, d in (("sq", self._sq), ("lag", self._lag), ("prev", self._prev),
                            ("carry", self._carry)):
                 if key in entry:
                     t = entry[key]

@@ -25,15 +25,17 @@ Per layer with ``t`` its Adam step count before this step:
   Between refreshes ``D`` uses ``s = sqrt(v) / sqrt(1 - b2^c)`` with ``c = T_w + R *
   floor((t - T_w) / R)``, the number of steps the frozen ``v`` stands for.
 
-* ``refresh_from="local"`` (gradient wire, ``R >= 2``): every rank keeps the sums
-  ``S1_r`` of its ``g_r`` and ``S2_r`` of its ``g_r^2`` over the window (zero at the
-  warm-up's end and after each refresh) and a carried gradient ``c_r`` (zero but after a
-  refresh). A compressed step sends ``x_r = (g_r + c_r) / D`` as above, then
-  ``S1_r += g_r``, ``S2_r += g_r^2``, ``c_r = 0``. A refresh step (its ``g_r`` counted
-  in the sums first) sends ``t_r = ((1 - 1/P) R (S1_r / R)^2 + (R/P - 1) S2_r / R) /
-  (R - 1)`` dense, ``M = mean_r t_r``, ``v = b2^R v + (1 - b2^R) max(M, 0)``,
-  ``m = b1 m``, ``t += 1``, ``w -= lr / (1 - b1^t) * m / D_new``, ``e_r *= D / D_new``,
-  ``c_r = g_r + c_r``, sums zeroed.
+* ``refresh_from="local"`` (gradient wire, ``R >= 2``): every rank keeps, over the
+  window (zeroed at the warm-up's end and after each refresh), the sum ``S_r`` of its
+  ``g_r^2``, the sum ``L_r`` of ``g_r * g_prev_r`` and their count ``n_r``, where
+  ``g_prev_r`` is its gradient of the previous step after the warm-up (none at the first),
+  and a carried gradient ``c_r`` (zero but after a refresh). A compressed step sends
+  ``x_r = (g_r + c_r) / D`` as above, then adds ``g_r`` to the sums, ``c_r = 0``. A
+  refresh step adds its ``g_r`` to the sums first, sends
+  ``t_r = (1 - 1/P) L_r / n_r + S_r / (R P)`` dense, ``M = mean_r t_r``,
+  ``v = b2^R v + (1 - b2^R) max(M, 0)``, ``m = b1 m``, ``t += 1``,
+  ``w -= lr / (1 - b1^t) * m / D_new``, ``e_r *= D / D_new``, ``c_r = g_r + c_r``,
+  sums and count zeroed (``g_prev_r = g_r`` stays).
 
 ``select``: :func:`topk_exact` (TopK(ratio, exact=True)) or :func:`adacomp` (AdaComp's
 pack(), Algorithm 2 of the AdaComp paper with this project's fixed per-bin capacity).
@@ -106,9 +108,19 @@ class AdamReplay:
         self.v = {n: torch.zeros_like(w) for n, w in self.W.items()}
         self.t = {n: 0 for n in self.W}
         self.e = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
-        self.S1 = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
         self.S2 = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
+        self.L = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
+        self.npairs = [{n: 0 for n in self.W} for _ in range(P)]
+        self.gprev = [{} for _ in range(P)]
         self.c = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
+
+    def _stats(self, r, n, g):
+        """Add rank ``r``'s gradient ``g`` of layer ``n`` to its window sums."""
+        self.S2[r][n] = self.S2[r][n] + g ** 2
+        if n in self.gprev[r]:
+            self.L[r][n] = self.L[r][n] + g * self.gprev[r][n]
+            self.npairs[r][n] += 1
+        self.gprev[r][n] = g
 
     def _D(self, n, count):
         s = self.v[n].sqrt() / math.sqrt(1 - self.b2 ** count)
@@ -144,9 +156,9 @@ class AdamReplay:
                       for r in range(P)]
                 ts = []
                 for r in range(P):
-                    gbar = (self.S1[r][n] + gs[r]) / R
-                    s2 = (self.S2[r][n] + gs[r] ** 2) / R
-                    ts.append(((1 - 1 / P) * R * gbar ** 2 + (R / P - 1) * s2) / (R - 1))
+                    self._stats(r, n, gs[r])
+                    ts.append((1 - 1 / P) * self.L[r][n] / self.npairs[r][n]
+                              + self.S2[r][n] / (R * P))
                 M = sum(ts) / P
                 self.v[n] = b2 ** R * self.v[n] + (1 - b2 ** R) * torch.clamp(M, min=0.0)
                 if self.decoupled:
@@ -158,8 +170,9 @@ class AdamReplay:
                 for r in range(P):
                     self.e[r][n] = self.e[r][n] * (D / D_new)
                     self.c[r][n] = self.c[r][n] + gs[r]
-                    self.S1[r][n] = torch.zeros_like(W)
                     self.S2[r][n] = torch.zeros_like(W)
+                    self.L[r][n] = torch.zeros_like(W)
+                    self.npairs[r][n] = 0
                 continue
             if R is not None and not local and (t0 + 1 - Tw) % R == 0:
                 G = sum(everyone[r][n].float() for r in range(P)) * (1.0 / P)
@@ -183,8 +196,7 @@ class AdamReplay:
                     g = g + wd * W
                 xr = g if self.wire == "gradient" else b1 * self.m[n] + (1 - b1) * g
                 if local:
-                    self.S1[r][n] = self.S1[r][n] + g
-                    self.S2[r][n] = self.S2[r][n] + g ** 2
+                    self._stats(r, n, g)
                     xr = g + self.c[r][n]
                     self.c[r][n] = torch.zeros_like(W)
                 if self.precondition:

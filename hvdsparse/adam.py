@@ -331,11 +331,11 @@ class AdamRecipe:
                 raise ValueError(f"the local variance refresh needs wire='gradient' and "
                                  f"precondition=True (got wire={wire!r}, precondition="
                                  f"{precondition!r}); use refresh_from='sample'")
-        #: what a refresh advances ``v`` with: ``"local"`` (every rank's running average
-        #: of its own ``g_i^2`` since the last refresh, averaged by the refresh step's
-        #: dense exchange and corrected to the global batch; the refresh step's gradient
-        #: travels with the next step) or ``"sample"`` (the refresh step's averaged
-        #: gradient ``G`` itself, standing for R steps; measured worse, BENCHMARKS.md 4b)
+        #: what a refresh advances ``v`` with: ``"local"`` (every rank's statistics of
+        #: its own gradients since the last refresh, ``t_i``, averaged by the refresh
+        #: step's dense exchange; the refresh step's gradient travels with the next
+        #: step) or ``"sample"`` (the refresh step's averaged gradient ``G`` itself,
+        #: standing for R steps; measured worse, BENCHMARKS.md 4b)
         self.refresh_from = refresh_from
         #: name -> the compressor's residual of that layer (rescaled when D changes)
         self._residual = residual or (lambda name: None)
@@ -345,9 +345,9 @@ class AdamRecipe:
         self._after: set = set()     # layers known to be past their warm-up (cache)
         self._groups = GroupLookup(optimizer)   # param -> its current param group
         self._stash: list = []
-        # refresh_from="local": name -> this rank's sums of g_i and g_i^2 over the steps
-        # of the window so far, this step's pending gradient (committed in _update) and
-        # the gradient a refresh step carries over to the next
+        # refresh_from="local", per layer name, this rank's: window statistics, this
+        # step's pending gradient (committed in _update) and the gradient a refresh step
+        # carries over to the next
         self._sq: dict = {}          # sum of g_i^2 over the window
         self._lag: dict = {}         # sum of g_i(t) * g_i(t - 1) over the window
         self._pairs: dict = {}       # how many products _lag holds
@@ -658,8 +658,8 @@ class AdamRecipe:
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
         """Settings, plus this rank's local refresh statistics (``refresh_from="local"``:
-        per layer the window's sums of ``g_i`` and ``g_i^2`` and the carried gradient,
-        copies)."""
+        per layer the window's sums and their count, the last gradient and the carried
+        one, copies)."""
         local = {}
         for key, d in (("sq", self._sq), ("lag", self._lag), ("prev", self._prev),
                        ("carry", self._carry)):

@@ -51,37 +51,39 @@ hyper-parameters of ``p``'s param group):
 
 * **variance refresh** (``refresh=R``; ``R >= 2``): the ``R``-th, ``2R``-th, ... step
   after the warm-up (``(s + 1 - T_w) % R == 0``) advances the frozen ``v`` by the ``R``
-  steps since the last one, from statistics every rank gathers from its own gradients
-  (the default, ``refresh_from="local"``). Every rank sums, over the window's ``R``
-  steps (the refresh step included), its ``g_i^2`` and the products of consecutive
-  gradients ``g_i(t) g_i(t - 1)``; with ``s_i`` and ``l_i`` their means, the refresh
-  step sends, dense and exact (fp32, no residual), instead of its gradient
+  steps since the last one, from statistics the ranks gather over those steps (the
+  default, ``refresh_from="local"``). Over the window (reset after each
+  refresh) every rank keeps ``A_i = beta2 * A_i + (1 - beta2) * g_i^2`` of its own
+  gradient (weights summing to ``1 - beta2^R`` at the refresh) and every rank the same
+  ``B = sum X * D`` (the exchanged average gradient, what the momentum received). The
+  refresh step sends, dense and exact (fp32, no residual), instead of its gradient,
+  ``a_i = beta2 * A_i + (1 - beta2) * g_i^2``; with ``M = (1/P) sum_i a_i`` and
+  ``mu = B / R`` every rank applies
 
-      t_i = (1 - 1/P) * l_i + s_i / P
-
-  and with ``M = (1/P) sum_i t_i`` every rank applies
-
-      D_old = D of this step;   v <- beta2^R * v + (1 - beta2^R) * max(M, 0)
+      D_old = D of this step
+      v <- beta2^R * v + M / P + (1 - 1/P) * min((1 - beta2^R) * mu^2, M)
       m <- beta1 * m;   p <- p - lr / bc1 * m / D_new
       r_i <- r_i * D_old / D_new          (the residual holds g / D units: same mass)
       c_i <- g_i                           (sent with the next step: x_i = (g_i' + c_i) / D)
 
-  Why ``t_i``: dense Adam averages ``G^2`` of the averaged gradient
-  ``G = (1/P) sum_i g_i``, and over independent batches (mean ``mu``, per-rank variance
-  ``sigma^2``) ``E[G^2] = mu^2 + sigma^2 / P``, while a rank sees ``E[s_i] = mu^2 +
-  sigma^2`` (its own batch's noise, ``P`` times ``G``'s) and ``E[l_i] = mu^2`` (two
-  steps' noise is independent, and ``mu`` moves little in one step, where the square
-  of the window's mean gradient would lose what ``mu`` moved across the window, early
-  in training a lot); so ``E[t_i] = mu^2 + sigma^2 / P``, linear in the ranks'
-  statistics (one averaged vector) and independent of what the compressor sent. ``v``
-  stays an average with weights summing to ``1 - beta2^(c + R)``, so ``bc2`` follows
-  ``c`` (the window's ``R`` steps weigh equally inside it, where Adam's ``beta2^k``
-  would give them 0.95-1 for R = 50).
+  Why: dense Adam averages ``G^2`` of the averaged gradient ``G = (1/P) sum_i g_i``;
+  over independent batches ``E[G^2] = mu^2 + (E[g_i^2] - mu^2) / P`` -- a rank's own
+  ``g_i^2`` carries its batch's noise, ``P`` times ``G``'s, hence ``M / P`` -- and the
+  signal part ``mu^2`` is taken from what was applied, the exchanged gradient, capped
+  by the squares it is part of. With compression, ``B`` counts only the mass that was
+  sent (the rest waits in the residuals), so this ``v`` is lower than dense Adam's for
+  coordinates whose mean dominates. Two estimates of ``mu^2`` from the ranks' own
+  gradients (the window mean's square, unbiased without drift; the products of
+  consecutive gradients, unbiased with it) measured worse on text-lm at 900 steps
+  (BENCHMARKS.md 4b, thirteenth session). ``v`` stays an average with weights summing
+  to ``1 - beta2^(c + R)`` (in expectation), so ``bc2`` follows ``c``.
   The step's own gradient is not lost: it travels with the next step (``c_i``, so also
   without a residual: QSGD). Cost: one dense fp32 step in ``R`` (the statistics instead
   of the gradient; ``exchange="auto"`` sends it by allreduce) and, per compressed
-  layer, two fp32 sums, the last and the pending ``g_i`` on every rank (``c_i`` between a
-  refresh and the next step). Off by default (``refresh=None``: ``v`` frozen for good).
+  layer, ``A_i``, ``B`` and the pending ``g_i^2`` on every rank (``c_i`` between a
+  refresh and the next step). Off by default (``refresh=None``: ``v`` frozen for good):
+  on text-lm (P = 4) it lowers the loss gap to dense Adam at 900 steps and raises it at
+  300 (BENCHMARKS.md 4b).
 
   ``refresh_from="sample"`` (0/1 Adam's idea on a fixed period, a study variant,
   measured worse with compression: BENCHMARKS.md 4b): the refresh step travels dense and
@@ -348,10 +350,8 @@ class AdamRecipe:
         # refresh_from="local", per layer name, this rank's: window statistics, this
         # step's pending gradient (committed in _update) and the gradient a refresh step
         # carries over to the next
-        self._sq: dict = {}          # sum of g_i^2 over the window
-        self._lag: dict = {}         # sum of g_i(t) * g_i(t - 1) over the window
-        self._pairs: dict = {}       # how many products _lag holds
-        self._prev: dict = {}        # g_i of the last committed recipe step
+        self._acc: dict = {}         # A: this rank's average of g_i^2 over the window
+        self._gsum: dict = {}        # B: the window's sum of the exchanged gradient
         self._pend: dict = {}
         self._carry: dict = {}
 
@@ -448,36 +448,21 @@ class AdamRecipe:
     def _local_x(self, name, g, st, group):
         """``refresh_from="local"`` (nothing stored here; :meth:`_update` commits): a
         compressed step sends ``(g + c) / D`` (``c``: the gradient the last refresh step
-        deferred) and keeps a copy of ``g`` pending; a refresh step sends this rank's
-        ``t_i`` (dense) and keeps ``g + c`` pending, to be sent with the next step."""
+        deferred) and keeps ``g^2`` pending; a refresh step sends this rank's window
+        average ``b2 A + (1 - b2) g^2`` (dense) and keeps ``g + c`` pending, to be sent
+        with the next step."""
         c = self._carry.get(name)
         sent = g if c is None else g + c
-        # copies: ``g`` may be the gradient buffer itself, which the exchange's result
-        # overwrites before the commit (``p.grad``, DDP's bucket)
         if self.refreshing(name):
+            b2 = _value(group["betas"][1])
+            # a copy: ``g`` may be the gradient buffer itself, which the exchange's
+            # result overwrites before the commit (``p.grad``, DDP's bucket)
             self._pend[name] = sent.clone() if c is None else sent
-            return self._window_estimate(name, g)
-        self._pend[name] = g.clone()
+            x = g * g * (1 - b2)
+            A = self._acc.get(name)
+            return x if A is None else x.add_(A, alpha=b2)
+        self._pend[name] = g * g
         return sent / self._denom(st, group, self._steps[name])
-
-    def _window_estimate(self, name, g):
-        """``t_i = (1 - 1/P) l_i + s_i / P`` with ``s_i`` this rank's mean of ``g_i^2``
-        over the window's ``R`` steps (this one included) and ``l_i`` its mean of the
-        products of consecutive gradients ``g_i(t) g_i(t - 1)``. Over independent
-        batches ``E[s_i] = mu^2 + sigma^2`` and ``E[l_i] = mu^2`` (the noise of two steps
-        is independent; ``mu`` moves little in one step), so ``E[t_i] = mu^2 + sigma^2 /
-        P = E[G^2]``: the average over the ranks estimates what dense Adam's ``v``
-        averages."""
-        R, P = self.refresh, self.world_size
-        g = g.float()
-        sq, lag, prev = self._sq.get(name), self._lag.get(name), self._prev.get(name)
-        s = g.square() if sq is None else sq.addcmul(g, g)
-        pairs = self._pairs.get(name, 0)
-        if prev is not None:
-            lag = g * prev if lag is None else lag.addcmul(g, prev)
-            pairs += 1
-        t = s.div_(R * P)
-        return t if pairs == 0 else t.add_(lag, alpha=(1 - 1 / P) / pairs)
 
     def _denom(self, st: dict, group: dict, step: int) -> torch.Tensor:
         """``D = max(s, floor * mean(s)) + eps`` with ``s = sqrt(v) / sqrt(1 - beta2^c)``,
@@ -569,7 +554,7 @@ class AdamRecipe:
             XD = M * denom if self.precondition else M
             m.mul_(b1).add_(XD, alpha=1 - b1)
             if local:
-                self._accumulate(name)
+                self._accumulate(name, group, XD)
             if isinstance(step_size, torch.Tensor):
                 p.sub_(m / denom * step_size.to(p.device))
             else:
@@ -615,58 +600,48 @@ class AdamRecipe:
         if r is not None and self.precondition and self.rescale_residual:
             r.mul_((d_old / d_new).reshape(r.shape))
 
-    def _accumulate(self, name):
-        """Commit a compressed step's local statistics: this rank's window sums of
-        ``g_i^2`` and of ``g_i(t) g_i(t - 1)``."""
-        g = self._pend.pop(name).float()
+    def _accumulate(self, name, group, XD):
+        """Commit a compressed step's local statistics: ``A <- b2 A + (1 - b2) g_i^2``
+        (this rank's), ``B <- B + X D`` (the exchanged gradient: the same on every
+        rank)."""
+        b2 = _value(group["betas"][1])
+        pend = self._pend.pop(name)
         self._carry.pop(name, None)          # the deferred gradient went out with X
-        self._add_stats(name, g)
-
-    def _add_stats(self, name, g):
-        sq, prev = self._sq.get(name), self._prev.get(name)
-        if sq is None:
-            self._sq[name] = g.square()
-        else:
-            sq.addcmul_(g, g)
-        if prev is not None:
-            lag = self._lag.get(name)
-            if lag is None:
-                self._lag[name] = g * prev
-            else:
-                lag.addcmul_(g, prev)
-            self._pairs[name] = self._pairs.get(name, 0) + 1
-        self._prev[name] = g
+        A = self._acc.get(name)
+        if A is None:
+            self._acc[name] = pend.mul_(1 - b2)
+            self._gsum[name] = XD.detach().float().clone()
+            return
+        A.mul_(b2).add_(pend, alpha=1 - b2)
+        self._gsum[name].add_(XD)
 
     def _refresh_local(self, name, st, group, M, d_old, s, step_size, p):
-        """A local refresh: ``M`` = the ranks' average of their ``t_i``
-        (:meth:`_window_estimate`), an estimate of the mean ``G^2`` over the window, so
-        ``v <- b2^R v + (1 - b2^R) max(M, 0)`` (R steps of it). The step's gradient was
-        not sent: ``m <- b1 m``, ``p <- p - lr / bc1 * m / D_new``, it is added to the
-        next step's gradient (``c``); the residual, in ``g / D`` units, is rescaled:
-        ``r <- r * D_old / D_new``."""
+        """A local refresh: ``M`` = the ranks' average of their window averages of
+        ``g_i^2`` (weights summing to ``1 - b2^R``), ``mu = B / R`` the window's mean
+        exchanged gradient: ``v <- b2^R v + M / P + (1 - 1/P) min((1 - b2^R) mu^2, M)``.
+        The step's gradient was not sent: ``m <- b1 m``, ``p <- p - lr / bc1 * m /
+        D_new``, it is added to the next step's gradient (``c``); the residual, in
+        ``g / D`` units, is rescaled: ``r <- r * D_old / D_new``."""
         b1 = _value(group["betas"][0])
         b2R = _value(group["betas"][1]) ** self.refresh
-        for d in (self._sq, self._lag, self._pairs):
-            d.pop(name, None)
-        g = self._pend.pop(name)
-        self._carry[name] = g                        # sent with the next step
-        self._prev[name] = g                         # (R >= 2: no older carry in it)
-        st["exp_avg_sq"].mul_(b2R).add_(M.clamp_min(0.0), alpha=1 - b2R)
+        P = self.world_size
+        B = self._gsum.pop(name, None)
+        self._acc.pop(name, None)
+        self._carry[name] = self._pend.pop(name)     # sent with the next step
+        mu2 = torch.zeros_like(M) if B is None else (B / self.refresh).square_()
+        est = torch.minimum(mu2.mul_(1 - b2R), M).mul_(1 - 1 / P).add_(M, alpha=1 / P)
+        st["exp_avg_sq"].mul_(b2R).add_(est)
         st["exp_avg"].mul_(b1)
         self._step_refreshed(name, st, group, d_old, s, step_size, p)
 
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
         """Settings, plus this rank's local refresh statistics (``refresh_from="local"``:
-        per layer the window's sums and their count, the last gradient and the carried
-        one, copies)."""
+        per layer the window's ``A``, ``B`` and the carried gradient, copies)."""
         local = {}
-        for key, d in (("sq", self._sq), ("lag", self._lag), ("prev", self._prev),
-                       ("carry", self._carry)):
+        for key, d in (("acc", self._acc), ("gsum", self._gsum), ("carry", self._carry)):
             for name, t in d.items():
                 local.setdefault(name, {})[key] = t.detach().clone()
-        for name, n in self._pairs.items():
-            local.setdefault(name, {})["pairs"] = int(n)
         return dict(warmup=self.warmup, refresh=self.refresh, wire=self.wire,
                     refresh_from=self.refresh_from, local=local)
 
@@ -689,16 +664,13 @@ class AdamRecipe:
             warnings.warn(f"hvdsparse: the compression state was saved with the Adam "
                           f"recipe's refresh_from={sd.get('refresh_from', 'sample')!r}; "
                           f"this run uses {self.refresh_from!r}")
-        self._sq, self._lag, self._pairs, self._prev = {}, {}, {}, {}
-        self._carry, self._pend = {}, {}
+        self._acc, self._gsum, self._carry, self._pend = {}, {}, {}, {}
         for name, entry in sd.get("local", {}).items():
             if name not in self.params:
                 raise ValueError(f"hvdsparse: the Adam recipe's saved state names layer "
                                  f"{name!r}, which this optimizer does not have")
             p = self.params[name]
-            if "pairs" in entry:
-                self._pairs[name] = int(entry["pairs"])
-            for key, d in (("sq", self._sq), ("lag", self._lag), ("prev", self._prev),
+            for key, d in (("acc", self._acc), ("gsum", self._gsum),
                            ("carry", self._carry)):
                 if key in entry:
                     t = entry[key]

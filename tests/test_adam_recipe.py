@@ -298,38 +298,6 @@ def test_local_refresh_matches_replay(seed, kind, comp):
     assert moved == [5, 8, 11], f"v moved at steps {moved}"
 
 
-@pytest.mark.parametrize("P,R,drift", [(4, 50, 0.0), (3, 3, 0.0), (8, 5, 0.0),
-                                        (4, 50, 1.0)])
-def test_window_estimate_is_unbiased(seed, P, R, drift):
-    """t_i averaged over the ranks estimates the window's mean E[G^2] = mu_t^2 +
-    sigma^2 / P of the global batch's gradient from the ranks' own gradients (40000
-    independent coordinates, g_i(t) = mu_t + sigma * noise per rank and step), also when
-    mu moves across the window (``drift``: by about its own size); the plain mean of the
-    local squares would say mu^2 + sigma^2."""
-    gen = torch.Generator().manual_seed(seed)
-    n = 40000
-    mu0 = torch.randn(n, generator=gen) * 0.5
-    step = torch.randn(n, generator=gen) * 0.5 * drift / R
-    sigma = torch.rand(n, generator=gen) * 2.0
-    mus = [mu0 + t * step for t in range(R)]
-    m = Net()
-    rc = AdamRecipe(torch.optim.Adam(m.parameters()), dict(m.named_parameters()), P,
-                    lambda _n: True, warmup=1, refresh=R)
-    ts, local_sq = [], []
-    for _ in range(P):
-        gs = [mu + sigma * torch.randn(n, generator=gen) for mu in mus]
-        rc._sq, rc._lag, rc._pairs, rc._prev = {}, {}, {}, {}
-        for g in gs[:-1]:
-            rc._add_stats("x", g)
-        ts.append(rc._window_estimate("x", gs[-1]))
-        local_sq.append(sum(g * g for g in gs) / R)
-    M = sum(ts) / P
-    want = sum(mu * mu for mu in mus) / R + sigma ** 2 / P
-    assert abs(float((M - want).mean())) < 0.03 * float(want.mean())
-    naive = sum(local_sq) / P
-    assert float((naive - want).mean()) > 0.2 * float(want.mean())
-
-
 def test_local_refresh_loses_no_gradient(seed):
     """With nothing compressed (TopK(1.0)) the gradient a refresh step defers arrives
     with the next step: over a window the momentum receives every step's averaged
@@ -375,7 +343,7 @@ def test_local_refresh_skipped_step_and_checkpoint(seed):
     sim = fresh()
     for step in range(5):                       # step 4 (= T_w + R - 1) refreshes
         sim.step(grads(sim.models[0], P, step, seed))
-    assert set(sim.recipes[0].state_dict()["local"]["fc1.weight"]) == {"carry", "prev"}
+    assert set(sim.recipes[0].state_dict()["local"]["fc1.weight"]) == {"carry"}
     def kept(sim):      # what a skipped step must leave alone (not the byte counters)
         return [(m, o, rc, {n: c.residual(n).clone() for n in ("fc1.weight", "fc2.weight")})
                 for (m, o, _, rc), c in zip(snapshot(sim), sim.comps)]
@@ -393,7 +361,7 @@ def test_local_refresh_skipped_step_and_checkpoint(seed):
     for step in range(5, 7):
         sim.step(grads(sim.models[0], P, step, seed))
     saved = snapshot(sim)             # inside the window: A, B held, no carry
-    assert set(saved[0][3]["local"]["fc1.weight"]) == {"sq", "lag", "pairs", "prev"}
+    assert set(saved[0][3]["local"]["fc1.weight"]) == {"acc", "gsum"}
     for step in range(7, 12):
         sim.step(grads(sim.models[0], P, step, seed))
     s2 = fresh()
@@ -500,10 +468,10 @@ def test_local_refresh_checks():
     AdamRecipe(opt, named, 2, lambda n: True, warmup=3, refresh=1, refresh_from="sample")
     rc = AdamRecipe(opt, named, 2, lambda n: True, warmup=3, refresh=4)
     sd = rc.state_dict()
-    sd["local"] = {"fc1.weight": {"sq": torch.zeros(3, 3)}}
+    sd["local"] = {"fc1.weight": {"acc": torch.zeros(3, 3)}}
     with pytest.raises(ValueError, match="fc1.weight.*shape"):
         rc.load_state_dict(sd)
-    sd["local"] = {"nope": {"sq": torch.zeros(3, 3)}}
+    sd["local"] = {"nope": {"acc": torch.zeros(3, 3)}}
     with pytest.raises(ValueError, match="'nope'"):
         rc.load_state_dict(sd)
 

@@ -25,17 +25,15 @@ Per layer with ``t`` its Adam step count before this step:
   Between refreshes ``D`` uses ``s = sqrt(v) / sqrt(1 - b2^c)`` with ``c = T_w + R *
   floor((t - T_w) / R)``, the number of steps the frozen ``v`` stands for.
 
-* ``refresh_from="local"`` (gradient wire, ``R >= 2``): every rank keeps, over the
-  window (zeroed at the warm-up's end and after each refresh), the sum ``S_r`` of its
-  ``g_r^2``, the sum ``L_r`` of ``g_r * g_prev_r`` and their count ``n_r``, where
-  ``g_prev_r`` is its gradient of the previous step after the warm-up (none at the first),
-  and a carried gradient ``c_r`` (zero but after a refresh). A compressed step sends
-  ``x_r = (g_r + c_r) / D`` as above, then adds ``g_r`` to the sums, ``c_r = 0``. A
-  refresh step adds its ``g_r`` to the sums first, sends
-  ``t_r = (1 - 1/P) L_r / n_r + S_r / (R P)`` dense, ``M = mean_r t_r``,
-  ``v = b2^R v + (1 - b2^R) max(M, 0)``, ``m = b1 m``, ``t += 1``,
+* ``refresh_from="local"`` (gradient wire, ``R >= 2``): every rank keeps ``A_r``
+  (zero at the warm-up's end and after each refresh) and a carried gradient ``c_r``
+  (zero but after a refresh), the ranks share ``B`` (zero likewise). A compressed step
+  sends ``x_r = (g_r + c_r) / D`` as above, then ``A_r = b2 A_r + (1 - b2) g_r^2``,
+  ``B = B + X D``, ``c_r = 0``. A refresh step sends nothing of the gradient:
+  ``a_r = b2 A_r + (1 - b2) g_r^2``, ``M = mean_r a_r``, ``mu = B / R``,
+  ``v = b2^R v + M / P + (1 - 1/P) min((1 - b2^R) mu^2, M)``, ``m = b1 m``, ``t += 1``,
   ``w -= lr / (1 - b1^t) * m / D_new``, ``e_r *= D / D_new``, ``c_r = g_r + c_r``,
-  sums and count zeroed (``g_prev_r = g_r`` stays).
+  ``A_r = B = 0``.
 
 ``select``: :func:`topk_exact` (TopK(ratio, exact=True)) or :func:`adacomp` (AdaComp's
 pack(), Algorithm 2 of the AdaComp paper with this project's fixed per-bin capacity).
@@ -108,19 +106,9 @@ class AdamReplay:
         self.v = {n: torch.zeros_like(w) for n, w in self.W.items()}
         self.t = {n: 0 for n in self.W}
         self.e = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
-        self.S2 = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
-        self.L = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
-        self.npairs = [{n: 0 for n in self.W} for _ in range(P)]
-        self.gprev = [{} for _ in range(P)]
+        self.A = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
         self.c = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
-
-    def _stats(self, r, n, g):
-        """Add rank ``r``'s gradient ``g`` of layer ``n`` to its window sums."""
-        self.S2[r][n] = self.S2[r][n] + g ** 2
-        if n in self.gprev[r]:
-            self.L[r][n] = self.L[r][n] + g * self.gprev[r][n]
-            self.npairs[r][n] += 1
-        self.gprev[r][n] = g
+        self.B = {n: torch.zeros_like(w) for n, w in self.W.items()}
 
     def _D(self, n, count):
         s = self.v[n].sqrt() / math.sqrt(1 - self.b2 ** count)
@@ -154,13 +142,10 @@ class AdamReplay:
             if local and (t0 + 1 - Tw) % R == 0:
                 gs = [everyone[r][n].float() + (0 if self.decoupled else wd * W)
                       for r in range(P)]
-                ts = []
-                for r in range(P):
-                    self._stats(r, n, gs[r])
-                    ts.append((1 - 1 / P) * self.L[r][n] / self.npairs[r][n]
-                              + self.S2[r][n] / (R * P))
-                M = sum(ts) / P
-                self.v[n] = b2 ** R * self.v[n] + (1 - b2 ** R) * torch.clamp(M, min=0.0)
+                M = sum(b2 * self.A[r][n] + (1 - b2) * gs[r] ** 2 for r in range(P)) / P
+                mu = self.B[n] / R
+                est = M / P + (1 - 1 / P) * torch.minimum((1 - b2 ** R) * mu ** 2, M)
+                self.v[n] = b2 ** R * self.v[n] + est
                 if self.decoupled:
                     W = W * (1 - lr * wd)
                 self.m[n] = b1 * self.m[n]
@@ -170,9 +155,8 @@ class AdamReplay:
                 for r in range(P):
                     self.e[r][n] = self.e[r][n] * (D / D_new)
                     self.c[r][n] = self.c[r][n] + gs[r]
-                    self.S2[r][n] = torch.zeros_like(W)
-                    self.L[r][n] = torch.zeros_like(W)
-                    self.npairs[r][n] = 0
+                    self.A[r][n] = torch.zeros_like(W)
+                self.B[n] = torch.zeros_like(W)
                 continue
             if R is not None and not local and (t0 + 1 - Tw) % R == 0:
                 G = sum(everyone[r][n].float() for r in range(P)) * (1.0 / P)
@@ -196,7 +180,7 @@ class AdamReplay:
                     g = g + wd * W
                 xr = g if self.wire == "gradient" else b1 * self.m[n] + (1 - b1) * g
                 if local:
-                    self._stats(r, n, g)
+                    self.A[r][n] = b2 * self.A[r][n] + (1 - b2) * g ** 2
                     xr = g + self.c[r][n]
                     self.c[r][n] = torch.zeros_like(W)
                 if self.precondition:
@@ -210,6 +194,8 @@ class AdamReplay:
                 W = W * (1 - lr * wd)
             self.t[n] += 1
             t = self.t[n]
+            if local:
+                self.B[n] = self.B[n] + X * D
             if self.wire == "gradient":
                 self.m[n] = b1 * self.m[n] + (1 - b1) * (X * D if self.precondition else X)
                 self.W[n] = W - lr / (1 - b1 ** t) * self.m[n] / D

@@ -72,10 +72,10 @@ hyper-parameters of ``p``'s param group):
   signal part ``mu^2`` is taken from what was applied, the exchanged gradient, capped
   by the squares it is part of. With compression, ``B`` counts only the mass that was
   sent (the rest waits in the residuals), so this ``v`` is lower than dense Adam's for
-  coordinates whose mean dominates. Two estimates of ``mu^2`` from the ranks' own
-  gradients (the window mean's square, unbiased without drift; the products of
-  consecutive gradients, unbiased with it) measured worse on text-lm at 900 steps
-  (BENCHMARKS.md 4b, thirteenth session). ``v`` stays an average with weights summing
+  coordinates whose mean dominates. Estimating ``mu^2`` from the ranks' own gradients
+  instead, without that bias (the products of consecutive gradients), measured worse
+  on text-lm at 900 steps; the window mean's square matched this one on the seed it
+  ran (BENCHMARKS.md 4b, thirteenth session). ``v`` stays an average with weights summing
   to ``1 - beta2^(c + R)`` (in expectation), so ``bc2`` follows ``c``.
   The step's own gradient is not lost: it travels with the next step (``c_i``, so also
   without a residual: QSGD). Cost: one dense fp32 step in ``R`` (the statistics instead

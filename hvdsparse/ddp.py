@@ -552,6 +552,8 @@ class State:
             return st.exchange
         if lay.deferred is not None:     # the previous exchange's figures (all ranks equal)
             figs = lay.deferred.get()
+            if figs.get("capacity") != lay.capacity:     # another layout's: start over
+                lay.pairs = lay.reduced = None
             lay.pairs = figs.get("pairs", lay.pairs)
             lay.reduced = figs.get("reduced", lay.reduced)
             lay.capacity = figs.get("capacity", lay.capacity)

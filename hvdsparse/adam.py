@@ -333,10 +333,10 @@ class AdamRecipe:
                 raise ValueError(f"the local variance refresh needs wire='gradient' and "
                                  f"precondition=True (got wire={wire!r}, precondition="
                                  f"{precondition!r}); use refresh_from='sample'")
-        #: what a refresh advances ``v`` with: ``"local"`` (every rank's statistics of
-        #: its own gradients since the last refresh, ``t_i``, averaged by the refresh
-        #: step's dense exchange; the refresh step's gradient travels with the next
-        #: step) or ``"sample"`` (the refresh step's averaged gradient ``G`` itself,
+        #: what a refresh advances ``v`` with: ``"local"`` (every rank's window average
+        #: of its own ``g_i^2``, averaged by the refresh step's dense exchange, and the
+        #: window's mean exchanged gradient; the refresh step's gradient travels with
+        #: the next step) or ``"sample"`` (the refresh step's averaged gradient ``G`` itself,
         #: standing for R steps; measured worse, BENCHMARKS.md 4b)
         self.refresh_from = refresh_from
         #: name -> the compressor's residual of that layer (rescaled when D changes)
@@ -521,15 +521,14 @@ class AdamRecipe:
         refresh = self.refreshing(name)
         self._steps[name] = s + 1
         local = self._local()
-        if refresh and local:
+        if refresh:                                   # before step / p change
             d_old = self._denom(st, group, s)
-        elif refresh:                                 # before step / p change
-            G = M.float()
-            if wd and not group.get("decoupled_weight_decay", False):
-                G = G + wd * p.detach().float()
-            if group.get("maximize", False):
-                G = -G
-            d_old = self._denom(st, group, s)
+            if not local:                             # M holds the averaged gradient
+                G = M.float()
+                if wd and not group.get("decoupled_weight_decay", False):
+                    G = G + wd * p.detach().float()
+                if group.get("maximize", False):
+                    G = -G
         step_t = st["step"]
         if isinstance(step_t, torch.Tensor):
             step_t += 1                               # in place, as torch's Adam does
@@ -542,11 +541,11 @@ class AdamRecipe:
         else:
             bc1 = 1 - b1 ** _value(step_t)
         step_size = lr / bc1
-        if refresh and local:
-            self._refresh_local(name, st, group, M.float(), d_old, s, step_size, p)
-            return
         if refresh:
-            self._refresh(name, st, group, G, d_old, s, step_size, p)
+            if local:                                 # M holds the ranks' statistics
+                self._refresh_local(name, st, group, M.float(), d_old, s, step_size, p)
+            else:
+                self._refresh(name, st, group, G, d_old, s, step_size, p)
             return
         denom = self._denom(st, group, s)
         if self.wire == "gradient":                   # M holds X = avg C(g_i [/ D])
@@ -635,11 +634,15 @@ class AdamRecipe:
         self._step_refreshed(name, st, group, d_old, s, step_size, p)
 
     # ----------------------------------------------------------------- checkpoints
+    def _local_state(self):
+        """The per-rank local-refresh dicts a checkpoint holds, by their saved key."""
+        return (("acc", self._acc), ("gsum", self._gsum), ("carry", self._carry))
+
     def state_dict(self) -> dict:
         """Settings, plus this rank's local refresh statistics (``refresh_from="local"``:
         per layer the window's ``A``, ``B`` and the carried gradient, copies)."""
         local = {}
-        for key, d in (("acc", self._acc), ("gsum", self._gsum), ("carry", self._carry)):
+        for key, d in self._local_state():
             for name, t in d.items():
                 local.setdefault(name, {})[key] = t.detach().clone()
         return dict(warmup=self.warmup, refresh=self.refresh, wire=self.wire,
@@ -670,8 +673,7 @@ class AdamRecipe:
                 raise ValueError(f"hvdsparse: the Adam recipe's saved state names layer "
                                  f"{name!r}, which this optimizer does not have")
             p = self.params[name]
-            for key, d in (("acc", self._acc), ("gsum", self._gsum),
-                           ("carry", self._carry)):
+            for key, d in self._local_state():
                 if key in entry:
                     t = entry[key]
                     if tuple(t.shape) != tuple(p.shape):

@@ -208,7 +208,6 @@ class LayerScheduler:
         self._ready_order: List[str] = []
         self._ready_count: List[int] = []
         self._inflight: Dict[int, object] = {}
-        self._launch_capacity: Dict[int, int] = {}   # bucket -> capacity at its launch
         self._cb_queued = False
         self._step_open = False
         self._await_step = False        # synchronized, optimizer step not applied yet
@@ -576,7 +575,6 @@ class LayerScheduler:
         payloads = [self._payloads[n] for n in spec.names]
         strategy = self.strategy_for(b, payloads)
         pend = launch_exchange(strategy, spec, payloads, self._ctx(self.exchange == "auto"))
-        self._launch_capacity[b] = bucket_capacity(payloads)
         self._inflight[b] = pend
         self.events.append(("launch", b, strategy))
 
@@ -804,8 +802,9 @@ class LayerScheduler:
             t_dec += pend.decode_s + time.perf_counter() - t0
             t_wait += pend.wait_s
             if pend.deferred_figures is not None:
-                self._history[b].later.append(
-                    TaggedFigures(pend.deferred_figures, self._launch_capacity[b]))
+                self._history[b].later.append(TaggedFigures(
+                    pend.deferred_figures,
+                    bucket_capacity([self._payloads[n] for n in spec.names])))
             sent[pend.strategy] += pend.sent_bytes
             recv[pend.strategy] += pend.recv_bytes
             buckets.append(dict(id=b, layers=list(spec.names), numel=spec.numel,

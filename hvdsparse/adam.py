@@ -37,7 +37,7 @@ hyper-parameters of ``p``'s param group):
       p <- p - lr / bc1 * m / D           (Adam with v frozen)
       bc1 = 1 - beta1 ** (s + 1),   bc2 = 1 - beta2 ** c,   f = 0.1 (mean over the layer)
 
-  ``c`` = the steps ``v`` averages: ``T_w``, plus ``R`` per refresh done (below).
+  ``c`` = the steps ``v`` averages: ``T_w``, or the step of the last refresh (below).
   ``D`` is frozen, so the update is linear in ``X``: momentum SGD on the preconditioned
   gradient, with the momentum applied *after* the exchange on the synchronised ``X``.
 
@@ -49,19 +49,21 @@ hyper-parameters of ``p``'s param group):
   re-sending the decaying momentum of recently sent coordinates -- which every rank
   already holds in ``m`` -- instead of new gradient mass.
 
-* **variance refresh** (``refresh=R``; ``R >= 2``): the ``R``-th, ``2R``-th, ... step
-  after the warm-up (``(s + 1 - T_w) % R == 0``) advances the frozen ``v`` by the ``R``
-  steps since the last one, from statistics the ranks gather over those steps (the
-  default, ``refresh_from="local"``). Over the window (reset after each
-  refresh) every rank keeps ``A_i = beta2 * A_i + (1 - beta2) * g_i^2`` of its own
-  gradient (weights summing to ``1 - beta2^R`` at the refresh) and every rank the same
-  ``B = sum X * D`` (the exchanged average gradient, what the momentum received). The
-  refresh step sends, dense and exact (fp32, no residual), instead of its gradient,
+* **variance refresh** (``refresh=R``, ``R >= 2``, from step ``S = refresh_start >=
+  T_w``; the front doors' defaults: ``R = 50``, ``S = 3 T_w``): the steps ``k = s + 1 =
+  S + R, S + 2R, ...`` advance the frozen ``v`` by the ``W`` steps since the last
+  refresh (``W = R``; for the first, the ``S + R - T_w`` steps since the warm-up), from
+  statistics the ranks gather over those steps (``refresh_from="local"``). Over the
+  window (reset after each refresh) every rank keeps
+  ``A_i = beta2 * A_i + (1 - beta2) * g_i^2`` of its own gradient (weights summing to
+  ``1 - beta2^W`` at the refresh) and every rank the same ``B = sum X * D`` (the
+  exchanged average gradient, what the momentum received). The refresh step sends,
+  dense and exact (fp32, no residual), instead of its gradient,
   ``a_i = beta2 * A_i + (1 - beta2) * g_i^2``; with ``M = (1/P) sum_i a_i`` and
-  ``mu = B / R`` every rank applies
+  ``mu = B / W`` every rank applies
 
       D_old = D of this step
-      v <- beta2^R * v + M / P + (1 - 1/P) * min((1 - beta2^R) * mu^2, M)
+      v <- beta2^W * v + M / P + (1 - 1/P) * min((1 - beta2^W) * mu^2, M)
       m <- beta1 * m;   p <- p - lr / bc1 * m / D_new
       r_i <- r_i * D_old / D_new          (the residual holds g / D units: same mass)
       c_i <- g_i                           (sent with the next step: x_i = (g_i' + c_i) / D)
@@ -76,14 +78,19 @@ hyper-parameters of ``p``'s param group):
   instead, without that bias (the products of consecutive gradients), measured worse
   on text-lm at 900 steps; the window mean's square matched this one on the seed it
   ran (BENCHMARKS.md 4b, thirteenth session). ``v`` stays an average with weights summing
-  to ``1 - beta2^(c + R)`` (in expectation), so ``bc2`` follows ``c``.
+  to ``1 - beta2^(c + W)`` (in expectation), so ``bc2`` follows ``c``.
   The step's own gradient is not lost: it travels with the next step (``c_i``, so also
   without a residual: QSGD). Cost: one dense fp32 step in ``R`` (the statistics instead
   of the gradient; ``exchange="auto"`` sends it by allreduce) and, per compressed
   layer, ``A_i``, ``B`` and the pending ``g_i^2`` on every rank (``c_i`` between a
-  refresh and the next step). Off by default (``refresh=None``: ``v`` frozen for good):
-  on text-lm (P = 4) it lowers the loss gap to dense Adam at 900 steps and raises it at
-  300 (BENCHMARKS.md 4b).
+  refresh and the next step). The front doors' default (``adam_refresh=None``) refreshes
+  every 50 steps from step ``3 T_w``, for every compressor but AdaComp (off: no gain
+  measured, and it costs AdaComp 28% of its byte saving); ``adam_refresh=0`` freezes
+  ``v`` for good. Measured on text-lm (P = 4, BENCHMARKS.md 4b): at 900 steps the
+  refresh lowers TopK's / Threshold's loss gap to dense Adam by about one point, from
+  step ``T_w`` or from ``3 T_w`` alike; refreshes from ``T_w`` cost 300-step runs
+  0.6-1.2 points, and from ``3 T_w`` such runs never refresh (bitwise the frozen
+  recipe).
 
   ``refresh_from="sample"`` (0/1 Adam's idea on a fixed period, a study variant,
   measured worse with compression: BENCHMARKS.md 4b): the refresh step travels dense and
@@ -123,10 +130,11 @@ what the dense baseline does.
 State, where the user expects it: ``state[p]["exp_avg"]`` (the synchronised momentum),
 ``["exp_avg_sq"]`` (frozen after ``T_w`` but for the refreshes) and ``["step"]`` stay
 Adam's, so ``optimizer.state_dict()`` checkpoints and resumes the recipe; the phase of
-every parameter (and ``c``) follows from its ``step``, ``T_w`` and ``R``. Nothing else is
-kept between steps (``compression_state_dict()`` records ``T_w``, ``R`` and the wire
-under ``"adam_recipe"`` and warns when a checkpoint was saved with others). The per-rank residuals are the
-compressor's, saved by ``compression_state_dict()`` as usual.
+every parameter (and ``c``) follows from its ``step``, ``T_w``, ``R`` and ``S``.
+``compression_state_dict()`` records ``T_w``, ``R``, ``S`` and the wire under
+``"adam_recipe"`` (and warns when a checkpoint was saved with others), with the local
+refresh's per-rank window statistics; the per-rank residuals are the compressor's,
+saved there as usual.
 
 Transactions: nothing of this module's state changes before the optimizer applies a
 step (``x_i`` is computed without being stored; ``m``, ``v``, ``step``, the host copy of
@@ -158,7 +166,7 @@ leaves its warm-up).
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict, NamedTuple, Optional
 
 import torch
 
@@ -166,12 +174,22 @@ from .payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
 from .momentum import clean_local_gradient
 from .param_groups import GroupLookup
 
-__all__ = ["AdamRecipe", "DEFAULT_WARMUP", "adam_setup", "check_adam", "is_adam"]
+__all__ = ["AdamRecipe", "AdamSettings", "DEFAULT_REFRESH", "DEFAULT_WARMUP",
+           "REFRESH_START_FACTOR", "adam_setup", "check_adam", "default_refresh", "is_adam"]
 
 #: warm-up steps when the user gives none: ~30% of the 300-330-step runs measured in
 #: docs/bench/adam/ (BENCHMARKS.md 6); on a 900-step run 300 was no better than 100
 #: with the gradient wire (BENCHMARKS.md 4b)
 DEFAULT_WARMUP = 100
+
+#: variance refresh period when the user gives none (``adam_refresh=None``; AdaComp:
+#: off, :func:`default_refresh`), and the start of the first window, in units of the
+#: warm-up: on text-lm (P = 4, 900 steps) refreshing every 50 steps from step 3 T_w
+#: takes TopK's loss gap to dense Adam from +2.54% to +1.66% and Threshold's from
+#: +2.37% to +1.34%, and leaves runs of up to 3 T_w steps as they were (refreshes
+#: from T_w cost 300-step runs 0.6-1.2 points; BENCHMARKS.md 4b, fourteenth session)
+DEFAULT_REFRESH = 50
+REFRESH_START_FACTOR = 3
 
 
 def is_adam(optimizer) -> bool:
@@ -215,6 +233,9 @@ def check_warmup(warmup) -> int:
 
 
 def check_refresh(refresh) -> Optional[int]:
+    """The recipe's own ``refresh``: None (off) or an int >= 1 (R = 1 only for the
+    sample refresh; the front doors resolve ``adam_refresh`` with
+    :func:`resolve_refresh`)."""
     if refresh is None:
         return None
     if not isinstance(refresh, int) or isinstance(refresh, bool) or refresh < 1:
@@ -224,10 +245,63 @@ def check_refresh(refresh) -> Optional[int]:
     return refresh
 
 
+def default_refresh(compression) -> Optional[int]:
+    """``adam_refresh=None``: :data:`DEFAULT_REFRESH`, but off (None) for AdaComp. Its
+    loss gap to dense Adam is not the frozen variance's (text-lm, P = 4, 900 steps:
+    +3.14% frozen, +3.11% refreshed from step 3 T_w), and one dense step in 50 costs it
+    28% of its byte saving (20.4x -> 14.7x fewer bytes; BENCHMARKS.md 4b)."""
+    from .compressors import AdaComp
+    return None if isinstance(compression, AdaComp) else DEFAULT_REFRESH
+
+
+def resolve_refresh(refresh, refresh_start, warmup: int, compression=None):
+    """A front door's ``adam_refresh`` / ``adam_refresh_start`` -> the recipe's
+    ``(refresh, refresh_start)``: ``adam_refresh=None`` is the compressor's default
+    (:func:`default_refresh`), ``0`` / ``False`` freezes ``v`` for good (then
+    ``refresh_start`` must be None); ``adam_refresh_start=None`` is
+    ``REFRESH_START_FACTOR * T_w``, an int must be ``>= T_w``."""
+    if refresh is None:
+        refresh = default_refresh(compression)
+        if refresh is None:
+            if refresh_start is not None:
+                raise ValueError(f"adam_refresh_start={refresh_start!r} is given but the "
+                                 f"variance refresh is off by default for "
+                                 f"{type(compression).__name__}; pass adam_refresh=R too")
+            return None, None
+    elif refresh is False or (refresh == 0 and isinstance(refresh, int)
+                              and not isinstance(refresh, bool)):
+        if refresh_start is not None:
+            raise ValueError(f"adam_refresh_start={refresh_start!r} is given but "
+                             f"adam_refresh={refresh!r} turns the variance refresh off")
+        return None, None
+    elif not isinstance(refresh, int) or isinstance(refresh, bool) or refresh < 2:
+        raise ValueError(f"adam_refresh must be None (default: every {DEFAULT_REFRESH} "
+                         f"steps), 0 / False (variance frozen after the warm-up) or an int "
+                         f">= 2 (steps between variance refreshes), got {refresh!r}")
+    if refresh_start is None:
+        refresh_start = REFRESH_START_FACTOR * warmup
+    elif not isinstance(refresh_start, int) or isinstance(refresh_start, bool) or \
+            refresh_start < warmup:
+        raise ValueError(f"adam_refresh_start must be None (default {REFRESH_START_FACTOR} "
+                         f"x adam_warmup) or an int >= adam_warmup ({warmup}): the Adam "
+                         f"step after which the refresh windows start, got "
+                         f"{refresh_start!r}")
+    return refresh, refresh_start
+
+
+class AdamSettings(NamedTuple):
+    """The recipe's resolved front-door settings."""
+    warmup: int
+    refresh: Optional[int]            # None: v frozen for good after the warm-up
+    refresh_start: Optional[int]
+
+
 def adam_setup(optimizer, compression, adam_recipe, adam_warmup, *, local_gradient=None,
-               momentum_correction=False, adam_refresh=None) -> Optional[int]:
-    """Validate the ``adam_recipe`` / ``adam_warmup`` / ``adam_refresh`` arguments of a
-    front door; return the warm-up length when the recipe is on, None when it is off.
+               momentum_correction=False, adam_refresh=None,
+               adam_refresh_start=None) -> Optional[AdamSettings]:
+    """Validate the ``adam_recipe`` / ``adam_warmup`` / ``adam_refresh`` /
+    ``adam_refresh_start`` arguments of a front door; return the resolved
+    :class:`AdamSettings` when the recipe is on, None when it is off.
     ``adam_recipe=None`` (auto): on for ``torch.optim.Adam`` / ``AdamW`` with a compressor
     that compresses."""
     if adam_recipe not in (None, True, False):
@@ -239,19 +313,16 @@ def adam_setup(optimizer, compression, adam_recipe, adam_warmup, *, local_gradie
     else:
         on = adam_recipe
     if not on:
-        if adam_refresh is not None:
-            raise ValueError(f"adam_refresh={adam_refresh!r} is given but the Adam recipe "
-                             f"is off (adam_recipe={adam_recipe!r}, optimizer "
-                             f"{type(optimizer).__name__}, compression "
-                             f"{type(compression).__name__})")
-        if adam_warmup is not None:
-            raise ValueError(f"adam_warmup={adam_warmup!r} is given but the Adam recipe is "
-                             f"off (adam_recipe={adam_recipe!r}, optimizer "
-                             f"{type(optimizer).__name__}, compression "
-                             f"{type(compression).__name__})")
+        for arg, val in (("adam_refresh", adam_refresh), ("adam_warmup", adam_warmup),
+                         ("adam_refresh_start", adam_refresh_start)):
+            if val is not None:
+                raise ValueError(f"{arg}={val!r} is given but the Adam recipe is off "
+                                 f"(adam_recipe={adam_recipe!r}, optimizer "
+                                 f"{type(optimizer).__name__}, compression "
+                                 f"{type(compression).__name__})")
         return None
     warmup = check_warmup(adam_warmup)
-    check_refresh(adam_refresh)
+    refresh, start = resolve_refresh(adam_refresh, adam_refresh_start, warmup, compression)
     check_adam(optimizer)
     if local_gradient is not None:
         raise ValueError(f"local_gradient={local_gradient!r} cannot be combined with the "
@@ -262,7 +333,7 @@ def adam_setup(optimizer, compression, adam_recipe, adam_warmup, *, local_gradie
         raise ValueError("momentum_correction is DGC's for torch.optim.SGD; with Adam / "
                          "AdamW the Adam recipe applies the momentum after the exchange "
                          "(adam_recipe)")
-    return warmup
+    return AdamSettings(warmup, refresh, start)
 
 
 def _value(t) -> float:
@@ -300,7 +371,7 @@ class AdamRecipe:
                  compressed, *, warmup: int, clip_grad_norm: Optional[float] = None,
                  precondition: bool = True, floor: float = 0.1, wire: str = "gradient",
                  refresh: Optional[int] = None, refresh_from: str = "local",
-                 residual=None):
+                 refresh_start: Optional[int] = None, residual=None):
         self.optimizer = optimizer
         self.params = dict(params)
         self.world_size = int(world_size)
@@ -322,6 +393,14 @@ class AdamRecipe:
         #: variance refresh period R (None: v frozen for good): every R-th step after
         #: the warm-up travels dense and advances ``v`` by R steps
         self.refresh = check_refresh(refresh)
+        #: the Adam step ``S`` after which the refresh windows start (None: ``T_w``): the
+        #: first refresh is step ``S + R`` and advances ``v`` by ``S + R - T_w`` steps
+        if refresh_start is not None and (not isinstance(refresh_start, int) or
+                                          isinstance(refresh_start, bool) or
+                                          refresh_start < self.warmup):
+            raise ValueError(f"adam_refresh_start must be None or an int >= the warm-up "
+                             f"({self.warmup}), got {refresh_start!r}")
+        self.refresh_start = refresh_start
         if refresh_from not in ("local", "sample"):
             raise ValueError(f"refresh_from must be 'local' or 'sample', got "
                              f"{refresh_from!r}")
@@ -378,19 +457,37 @@ class AdamRecipe:
         self._after.clear()
         self._steps.clear()
 
+    def _first_refresh(self) -> int:
+        """The Adam step (1-based) of the first refresh: ``S + R`` (``S`` =
+        ``refresh_start``, ``T_w`` when None)."""
+        start = self.warmup if self.refresh_start is None else self.refresh_start
+        return start + self.refresh
+
     def refreshing(self, name: str) -> bool:
-        """This step of the recipe layer ``name`` refreshes its variance: it is the
-        ``R``-th, ``2R``-th, ... step after the warm-up (``(s + 1 - T_w) % R == 0``)."""
+        """This step of the recipe layer ``name`` refreshes its variance: its Adam step
+        ``k = s + 1`` is ``S + R``, ``S + 2R``, ... (``S`` = ``refresh_start``, ``T_w``
+        by default)."""
         if self.refresh is None or not self.frozen(name):
             return False
-        return (self._steps[name] + 1 - self.warmup) % self.refresh == 0
+        k = self._steps[name] + 1
+        first = self._first_refresh()
+        return k >= first and (k - first) % self.refresh == 0
+
+    def _window(self, k: int) -> int:
+        """The steps refresh step ``k`` advances ``v`` by: the steps since the last
+        refresh, or since the warm-up for the first one (``S + R - T_w``)."""
+        first = self._first_refresh()
+        return first - self.warmup if k == first else self.refresh
 
     def _v_count(self, s: int) -> int:
-        """How many steps the frozen ``v`` stands for before step ``s``: ``T_w`` plus
-        ``R`` per refresh done (its bias correction is ``1 - beta2^count``)."""
-        if self.refresh is None or s < self.warmup:
+        """How many steps the frozen ``v`` stands for before step ``s``: ``T_w``, or the
+        step of the last refresh done (its bias correction is ``1 - beta2^count``)."""
+        if self.refresh is None:
             return self.warmup
-        return self.warmup + self.refresh * ((s - self.warmup) // self.refresh)
+        first = self._first_refresh()
+        if s < first:
+            return self.warmup
+        return first + self.refresh * ((s - first) // self.refresh)
 
     def sends_dense(self, name: str) -> bool:
         """Warm-up (exact Adam) or a variance refresh of a recipe layer: its gradient
@@ -580,7 +677,7 @@ class AdamRecipe:
         residual holds ``g / D_old`` units: it is rescaled by ``D_old / D_new``, so the
         gradient mass it carries is unchanged."""
         b1 = _value(group["betas"][0])
-        b2R = _value(group["betas"][1]) ** self.refresh
+        b2R = _value(group["betas"][1]) ** self._window(s + 1)
         st["exp_avg_sq"].mul_(b2R).addcmul_(G, G, value=1 - b2R)
         st["exp_avg"].mul_(b1).add_(G, alpha=1 - b1)
         self._step_refreshed(name, st, group, d_old, s, step_size, p)
@@ -622,12 +719,13 @@ class AdamRecipe:
         D_new``, it is added to the next step's gradient (``c``); the residual, in
         ``g / D`` units, is rescaled: ``r <- r * D_old / D_new``."""
         b1 = _value(group["betas"][0])
-        b2R = _value(group["betas"][1]) ** self.refresh
+        W = self._window(s + 1)
+        b2R = _value(group["betas"][1]) ** W
         P = self.world_size
         B = self._gsum.pop(name, None)
         self._acc.pop(name, None)
         self._carry[name] = self._pend.pop(name)     # sent with the next step
-        mu2 = torch.zeros_like(M) if B is None else (B / self.refresh).square_()
+        mu2 = torch.zeros_like(M) if B is None else (B / W).square_()
         est = torch.minimum(mu2.mul_(1 - b2R), M).mul_(1 - 1 / P).add_(M, alpha=1 / P)
         st["exp_avg_sq"].mul_(b2R).add_(est)
         st["exp_avg"].mul_(b1)
@@ -646,7 +744,8 @@ class AdamRecipe:
             for name, t in d.items():
                 local.setdefault(name, {})[key] = t.detach().clone()
         return dict(warmup=self.warmup, refresh=self.refresh, wire=self.wire,
-                    refresh_from=self.refresh_from, local=local)
+                    refresh_from=self.refresh_from, refresh_start=self.refresh_start,
+                    local=local)
 
     def load_state_dict(self, sd: dict):
         import warnings
@@ -659,6 +758,11 @@ class AdamRecipe:
             warnings.warn(f"hvdsparse: the compression state was saved with adam_refresh="
                           f"{sd['refresh']}; this run uses {self.refresh} (the frozen "
                           f"variance's bias correction assumes this run's period)")
+        if "refresh_start" in sd and sd["refresh_start"] != self.refresh_start:
+            warnings.warn(f"hvdsparse: the compression state was saved with "
+                          f"adam_refresh_start={sd['refresh_start']}; this run uses "
+                          f"{self.refresh_start} (the refresh steps and the frozen "
+                          f"variance's bias correction follow this run's)")
         if "wire" in sd and sd["wire"] != self.wire:
             warnings.warn(f"hvdsparse: the compression state was saved with the Adam "
                           f"recipe's wire={sd['wire']!r}; this run uses {self.wire!r} (the "

@@ -208,7 +208,7 @@ class State:
             applied in the hook and set to 0 for the duration of its ``step()``
             (optimizer step pre/post hooks; ``param_groups`` and checkpoints keep the
             user's values).
-        adam_recipe, adam_warmup, adam_refresh: the Adam / AdamW recipe
+        adam_recipe, adam_warmup, adam_refresh, adam_refresh_start: the Adam / AdamW recipe
             (:mod:`hvdsparse.adam`), as
             for :func:`hvdsparse.DistributedOptimizer`: on by default when
             ``optimizer=`` is a ``torch.optim.Adam`` / ``AdamW`` (the hook cannot see
@@ -225,7 +225,8 @@ class State:
                  settings: Optional[ExchangeSettings] = None,
                  transport: Optional[Transport] = None, optimizer=None,
                  momentum_correction=None, clip_grad_norm=None, adam_recipe=None,
-                 adam_warmup=None, adam_refresh=None, grad_scaler=None,
+                 adam_warmup=None, adam_refresh=None, adam_refresh_start=None,
+                 grad_scaler=None,
                  momentum_masking=False, **kwargs):
         from .compressors import Compressor
         if isinstance(compression, type) and issubclass(compression, Compressor):
@@ -327,17 +328,17 @@ class State:
                              f"{clip_grad_norm!r}")
         from .adam import adam_setup
         if optimizer is None and (adam_recipe or adam_warmup is not None or
-                                  adam_refresh is not None):
-            raise ValueError("adam_recipe / adam_warmup / adam_refresh need optimizer= (the "
-                             "torch.optim.Adam / AdamW that steps the DDP model)")
-        adam_warmup = adam_setup(optimizer, compression, adam_recipe, adam_warmup,
-                                 momentum_correction=momentum_correction,
-                                 adam_refresh=adam_refresh) \
+                                  adam_refresh is not None or
+                                  adam_refresh_start is not None):
+            raise ValueError("adam_recipe / adam_warmup / adam_refresh / adam_refresh_start "
+                             "need optimizer= (the torch.optim.Adam / AdamW that steps the "
+                             "DDP model)")
+        adam = adam_setup(optimizer, compression, adam_recipe, adam_warmup,
+                          momentum_correction=momentum_correction, adam_refresh=adam_refresh,
+                          adam_refresh_start=adam_refresh_start) \
             if optimizer is not None else None
-        if adam_warmup is None:
-            adam_refresh = None
-        if adam_warmup is not None:
-            self._setup_adam(optimizer, adam_warmup, adam_refresh, clip_grad_norm)
+        if adam is not None:
+            self._setup_adam(optimizer, adam, clip_grad_norm)
         elif momentum_correction or clip_grad_norm is not None:
             self._setup_local_update(optimizer, momentum_correction, clip_grad_norm,
                                      momentum_masking)
@@ -355,8 +356,9 @@ class State:
         self.fingerprint["momentum_correction"] = bool(momentum_correction)
         self.fingerprint["momentum_masking"] = momentum_masking
         self.fingerprint["clip_grad_norm"] = clip_grad_norm
-        self.fingerprint["adam_warmup"] = adam_warmup
-        self.fingerprint["adam_refresh"] = adam_refresh
+        self.fingerprint["adam_warmup"] = adam and adam.warmup
+        self.fingerprint["adam_refresh"] = adam and adam.refresh
+        self.fingerprint["adam_refresh_start"] = adam and adam.refresh_start
         self.fingerprint["grad_scaler"] = grad_scaler is not None
         self._hooks = []
         for n, p in self.params.items():
@@ -398,7 +400,7 @@ class State:
             self._opt_hooks = [optimizer.register_step_pre_hook(pre),
                                optimizer.register_step_post_hook(post)]
 
-    def _setup_adam(self, optimizer, warmup, refresh, clip_grad_norm):
+    def _setup_adam(self, optimizer, adam, clip_grad_norm):
         """The Adam recipe (:mod:`hvdsparse.adam`): scaled gradient compressed in the hook, the
         recipe's update applied around the optimizer's ``step()`` (pre/post hooks)."""
         from .adam import AdamRecipe
@@ -411,9 +413,9 @@ class State:
         pol = self.compressor.policy
         shapes = {n: p.shape for n, p in self.params.items()}
         lu = AdamRecipe(optimizer, self.params, self.world_size,
-                        lambda n: not pol.is_dense(n, shapes[n]), warmup=warmup,
-                        refresh=refresh, clip_grad_norm=clip_grad_norm,
-                        residual=self.compressor.residual)
+                        lambda n: not pol.is_dense(n, shapes[n]), warmup=adam.warmup,
+                        refresh=adam.refresh, refresh_start=adam.refresh_start,
+                        clip_grad_norm=clip_grad_norm, residual=self.compressor.residual)
         self.local_update = lu
         if self.world_size > 1:
             self._opt_hooks = [
@@ -424,10 +426,13 @@ class State:
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
         """This rank's compressor state (residuals: per rank), the step counter and the
-        cost model's history per bucket layout. Call between steps."""
+        cost model's history per bucket layout (including the last exchange's figures,
+        which the next step would read: a host read on CUDA). Call between steps."""
         if self._inflight:
             raise RuntimeError("hvdsparse.ddp.State.state_dict() during a step")
         self._settle()                  # a skipped step is not saved (CUDA: reads a flag)
+        for lay in self._layouts.values():     # the last exchange's figures, not yet read
+            self._fold_deferred(lay)
         lu = self.local_update
         extra = {} if lu is None else \
             {getattr(lu, "state_key", "momentum_correction"): lu.state_dict()}
@@ -550,14 +555,7 @@ class State:
         st = self.settings
         if st.exchange != "auto":
             return st.exchange
-        if lay.deferred is not None:     # the previous exchange's figures (all ranks equal)
-            figs = lay.deferred.get()
-            if figs.get("capacity") != lay.capacity:     # another layout's: start over
-                lay.pairs = lay.reduced = None
-            lay.pairs = figs.get("pairs", lay.pairs)
-            lay.reduced = figs.get("reduced", lay.reduced)
-            lay.capacity = figs.get("capacity", lay.capacity)
-            lay.deferred = None
+        self._fold_deferred(lay)
         cap = bucket_capacity(payloads)
         vb = torch.tensor([], dtype=pair_dtype(payloads)).element_size()
         figs = cost_model.BucketFigures(
@@ -568,6 +566,20 @@ class State:
             split_dense_bits=st.split_dense_bits, quant_bucket=st.quant_bucket,
             prev_pairs=lay.pairs, prev_reduced=lay.reduced, prev_capacity=lay.capacity)
         return cost_model.choose(figs, alpha_bytes=st.alpha_bytes)
+
+    @staticmethod
+    def _fold_deferred(lay: _Layout) -> None:
+        """Read the previous exchange's figures (all ranks equal; a host read of a
+        device tensor on CUDA) into the layout's history."""
+        if lay.deferred is None:
+            return
+        figs = lay.deferred.get()
+        if figs.get("capacity") != lay.capacity:         # another layout's: start over
+            lay.pairs = lay.reduced = None
+        lay.pairs = figs.get("pairs", lay.pairs)
+        lay.reduced = figs.get("reduced", lay.reduced)
+        lay.capacity = figs.get("capacity", lay.capacity)
+        lay.deferred = None
 
     def _check_deferred(self):
         reads, self._pending_reads = self._pending_reads, []

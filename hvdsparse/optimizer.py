@@ -53,8 +53,7 @@ def _compressor_base():
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, settings, grad_scaler,
-                 momentum_correction, clip_grad_norm, adam_warmup, adam_refresh=None,
-                 momentum_masking=False):
+                 momentum_correction, clip_grad_norm, adam, momentum_masking=False):
         import horovod.torch as hvd
         super(self.__class__, self).__init__(params)
         self._compression = compression
@@ -104,13 +103,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         _bind(compression, rank, size, prefix)
         compression.register_layers([(k, v.shape) for k, v in optimised])
         self._local_update = None
-        if adam_warmup is not None:        # the Adam recipe (hvdsparse.adam)
+        if adam is not None:               # the Adam recipe (hvdsparse.adam)
             self._local_update = AdamRecipe(
                 self, dict(optimised), size,
                 lambda n, _s={k: v.shape for k, v in optimised}:
                     not compression.policy.is_dense(n, _s[n]),
-                warmup=adam_warmup, refresh=adam_refresh, clip_grad_norm=clip_grad_norm,
-                residual=compression.residual)
+                warmup=adam.warmup, refresh=adam.refresh, refresh_start=adam.refresh_start,
+                clip_grad_norm=clip_grad_norm, residual=compression.residual)
         elif momentum_correction or clip_grad_norm is not None:
             self._local_update = LocalUpdate(
                 self, dict(optimised), size,
@@ -120,8 +119,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._fingerprint["momentum_correction"] = bool(momentum_correction)
         self._fingerprint["momentum_masking"] = bool(momentum_masking)
         self._fingerprint["clip_grad_norm"] = clip_grad_norm
-        self._fingerprint["adam_warmup"] = adam_warmup
-        self._fingerprint["adam_refresh"] = adam_refresh
+        self._fingerprint["adam_warmup"] = adam and adam.warmup
+        self._fingerprint["adam_refresh"] = adam and adam.refresh
+        self._fingerprint["adam_refresh_start"] = adam and adam.refresh_start
         self._hvdsparse = LayerScheduler(
             optimised, compression, settings, rank=rank, world_size=size, prefix=prefix,
             local=self._local, fingerprint=self._fingerprint, grad_scaler=grad_scaler,
@@ -308,8 +308,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          quant_bucket=512, validate=None, alpha_bytes=0.0,
                          nonfinite="raise", grad_scaler=None, momentum_correction=None,
                          momentum_masking=False, clip_grad_norm=None, adam_recipe=None,
-                         adam_warmup=None, adam_refresh=None, num_groups=0, groups=None,
-                         sparse_as_dense=False, process_set=None):
+                         adam_warmup=None, adam_refresh=None, adam_refresh_start=None,
+                         num_groups=0, groups=None, sparse_as_dense=False, process_set=None):
     """Wrap ``optimizer`` so that gradients are compressed and exchanged sparsely.
 
     Arguments (Horovod's meaning where the name is Horovod's):
@@ -367,12 +367,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             parameter, counted by Adam's ``state["step"]``); ``None`` =
             :data:`hvdsparse.adam.DEFAULT_WARMUP`. Not much under ~30% of a short run
             (measured: BENCHMARKS.md 6).
-        adam_refresh: ``None`` (default: the variance stays frozen after the warm-up) or
-            ``R >= 2``: every ``R``-th step after the warm-up sends each rank's local
-            average of its squared gradient over the last ``R`` steps (dense) instead
-            of its gradient, which goes out with the next step, and the variance
-            advances by those ``R`` steps (:mod:`hvdsparse.adam`; costs one dense step
-            in ``R``).
+        adam_refresh: the frozen variance's refresh period ``R``: every ``R``-th step
+            from ``adam_refresh_start`` on sends each rank's local average of its
+            squared gradient since the last refresh (dense) instead of its gradient,
+            which goes out with the next step, and the variance advances by those steps
+            (:mod:`hvdsparse.adam`; costs one dense step in ``R``). ``None`` (default):
+            :data:`hvdsparse.adam.DEFAULT_REFRESH` (50); ``0`` / ``False``: the
+            variance stays frozen after the warm-up; an int ``>= 2``.
+        adam_refresh_start: the Adam step ``S`` after which the refreshes start (the
+            first at step ``S + R``); ``None`` (default): 3 x the warm-up, so runs of up
+            to ``3 * adam_warmup`` steps keep the frozen variance (refreshing earlier
+            measured worse on short runs: BENCHMARKS.md 4b); an int ``>= adam_warmup``.
     """
     import horovod.torch as hvd
     if op is None:
@@ -422,10 +427,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                                        not clip_grad_norm > 0):
         raise ValueError(f"clip_grad_norm must be None or a number > 0, got "
                          f"{clip_grad_norm!r}")
-    adam_warmup = adam_setup(optimizer, compression, adam_recipe, adam_warmup,
-                             local_gradient=local_gradient,
-                             momentum_correction=momentum_correction,
-                             adam_refresh=adam_refresh)
+    adam = adam_setup(optimizer, compression, adam_recipe, adam_warmup,
+                      local_gradient=local_gradient, momentum_correction=momentum_correction,
+                      adam_refresh=adam_refresh, adam_refresh_start=adam_refresh_start)
     settings = ExchangeSettings.from_args(
         exchange=exchange, fusion_threshold=fusion_threshold, average=(op == hvd.Average),
         gradient_predivide_factor=gradient_predivide_factor,
@@ -443,8 +447,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     cls.__module__ = "horovod.torch.optimizer"
     cls.__qualname__ = f"hvdsparse.DistributedOptimizer[{optimizer.__class__.__name__}]"
     return cls(optimizer.param_groups, named_parameters, compression, settings, grad_scaler,
-               momentum_correction, clip_grad_norm, adam_warmup,
-               adam_refresh if adam_warmup is not None else None,
+               momentum_correction, clip_grad_norm, adam,
                momentum_masking=momentum_masking)
 
 

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 import hvdsparse
 from hvdsparse import codec
-from hvdsparse.adam import AdamRecipe, DEFAULT_WARMUP, adam_setup
+from hvdsparse.adam import (AdamRecipe, DEFAULT_REFRESH, DEFAULT_WARMUP, REFRESH_START_FACTOR,
+                            adam_setup)
 from tests.workers.adam_replay import AdamReplay, adacomp, topk_exact
 
 
@@ -187,7 +188,7 @@ class Replicas:
     payloads averaged as the exchange averages them."""
 
     def __init__(self, make_model, make_opt, make_comp, P, warmup, refresh,
-                 refresh_from="local"):
+                 refresh_from="local", refresh_start=None):
         self.P = P
         self.models = [make_model() for _ in range(P)]
         for m in self.models[1:]:
@@ -201,7 +202,7 @@ class Replicas:
         self.recipes = [
             AdamRecipe(o, nm, P, lambda n, nm=nm: not pol.is_dense(n, nm[n].shape),
                        warmup=warmup, refresh=refresh, refresh_from=refresh_from,
-                       residual=c.residual)
+                       refresh_start=refresh_start, residual=c.residual)
             for o, nm, c in zip(self.opts, self.named, self.comps)]
         self.t = 0
         self.dense_steps = []           # per step: the compressed layers sent dense
@@ -249,13 +250,17 @@ class Replicas:
                     assert torch.equal(a[k], b[k]), f"{what}: rank {r}'s {n} {k} differs"
 
 
-@pytest.mark.parametrize("kind,comp", [("adam", "topk"), ("adamw", "topk"),
-                                       ("adam", "adacomp"), ("adamw", "no-residual")])
-def test_local_refresh_matches_replay(seed, kind, comp):
+@pytest.mark.parametrize("kind,comp,start", [("adam", "topk", None), ("adamw", "topk", None),
+                                             ("adam", "adacomp", None),
+                                             ("adamw", "no-residual", None),
+                                             ("adamw", "topk", 5), ("adam", "adacomp", 4)])
+def test_local_refresh_matches_replay(seed, kind, comp, start):
     """adam_refresh=R (refresh_from="local", the default): every rank averages its own
     g_i^2 over the window, the refresh step sends that (dense) and defers its gradient to
     the next step, v advances by the batch-corrected average; replicas stay bitwise
-    identical and follow the written definition (tests/workers/adam_replay.py)."""
+    identical and follow the written definition (tests/workers/adam_replay.py).
+    ``start``: refresh_start=S, the first refresh at step S + R stands for the S + R - T_w
+    steps since the warm-up."""
     torch.manual_seed(seed)
     P, warmup, R, lr, wd, betas, eps = 3, 3, 3, 3e-3, 1e-2, (0.9, 0.99), 1e-8
     cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
@@ -267,10 +272,11 @@ def test_local_refresh_matches_replay(seed, kind, comp):
         make, sel, dw = (lambda: hvdsparse.TopK(1.0, error_feedback=False)), \
             (lambda acc, name=None: acc), False
     sim = Replicas(Net, lambda m: cls(m.parameters(), lr=lr, betas=betas, eps=eps,
-                                      weight_decay=wd), make, P, warmup, R)
+                                      weight_decay=wd), make, P, warmup, R,
+                   refresh_start=start)
     rep = AdamReplay(sim.named[0], P, lr=lr, betas=betas, eps=eps, wd=wd,
                      decoupled=kind == "adamw", warmup=warmup, select=sel, needs_dw=dw,
-                     refresh=R, refresh_from="local")
+                     refresh=R, refresh_from="local", refresh_start=start)
     vs = []
     for step in range(13):
         everyone = grads(sim.models[0], P, step, seed)
@@ -291,11 +297,48 @@ def test_local_refresh_matches_replay(seed, kind, comp):
                                                    rep.e[r][n].view(-1), rtol=1e-4,
                                                    atol=1e-5)
         vs.append(sim.opts[0].state[sim.named[0]["fc1.weight"]]["exp_avg_sq"].clone())
-    # steps 5, 8, 11 refresh: the compressed layers travel dense there and only there
-    assert [i for i, d in enumerate(sim.dense_steps[warmup:], warmup) if d] == [5, 8, 11]
-    assert sim.dense_steps[5] == ["fc1.weight", "fc2.weight"]
+    # refresh steps (0-based: Adam step S + R is index S + R - 1), S = T_w by default:
+    # the compressed layers travel dense there and only there
+    first = (warmup if start is None else start) + R - 1
+    want = list(range(first, 13, R))
+    assert len(want) >= 2
+    assert [i for i, d in enumerate(sim.dense_steps[warmup:], warmup) if d] == want
+    assert sim.dense_steps[first] == ["fc1.weight", "fc2.weight"]
     moved = [i for i in range(warmup, 13) if not torch.equal(vs[i], vs[i - 1])]
-    assert moved == [5, 8, 11], f"v moved at steps {moved}"
+    assert moved == want, f"v moved at steps {moved}"
+
+
+@pytest.mark.parametrize("comp", ["topk", "adacomp"])
+def test_refresh_changes_nothing_before_its_start(seed, comp):
+    """The default schedule (refresh windows from S = 3 T_w) leaves a run that ends before
+    its first refresh bitwise identical to the frozen variance (the statistics gathered
+    meanwhile change nothing that travels), and the first refresh then moves v."""
+    torch.manual_seed(seed)
+    P, warmup, R, start = 3, 2, 3, 6
+    make = (lambda: hvdsparse.TopK(0.05)) if comp == "topk" else hvdsparse.AdaComp
+    mk_opt = lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, weight_decay=1e-2)  # noqa
+    frozen = Replicas(Net, mk_opt, make, P, warmup, None)
+    refresh = Replicas(Net, mk_opt, make, P, warmup, R, refresh_start=start)
+    for sim in (frozen, refresh):
+        sim.models[0].load_state_dict(frozen.models[0].state_dict())
+        for m in sim.models[1:]:
+            m.load_state_dict(sim.models[0].state_dict())
+    for step in range(start + R):
+        everyone = grads(frozen.models[0], P, step, seed)
+        frozen.step(everyone)
+        refresh.step(everyone)
+        refresh.assert_identical(f"{comp} step {step}")
+        same = all(torch.equal(a, b) for a, b in zip(frozen.models[0].parameters(),
+                                                      refresh.models[0].parameters()))
+        v = [o.state[p]["exp_avg_sq"] for o, p in ((frozen.opts[0], frozen.named[0]["fc1.weight"]),
+                                                  (refresh.opts[0], refresh.named[0]["fc1.weight"]))]
+        if step < start + R - 1:     # Adam steps 1 .. S + R - 1: no refresh yet
+            assert same and torch.equal(*v), f"{comp} step {step}: the refresh schedule " \
+                                             f"changed a step before its start"
+        else:                        # Adam step S + R: the first refresh
+            assert refresh.dense_steps[step] == ["fc1.weight", "fc2.weight"]
+            assert not torch.equal(*v), f"{comp}: the first refresh left v as it was"
+    assert not any(refresh.dense_steps[warmup:start + R - 1])
 
 
 def test_local_refresh_loses_no_gradient(seed):
@@ -422,8 +465,17 @@ def test_setup_checks():
     p = nn.Parameter(torch.randn(4, 4))
     adam = torch.optim.Adam([p])
     topk = hvdsparse.TopK(0.01)
-    assert adam_setup(adam, topk, None, None) == DEFAULT_WARMUP
-    assert adam_setup(torch.optim.AdamW([p]), topk, None, 7) == 7
+    assert adam_setup(adam, topk, None, None) == (DEFAULT_WARMUP, DEFAULT_REFRESH,
+                                                  REFRESH_START_FACTOR * DEFAULT_WARMUP)
+    assert adam_setup(torch.optim.AdamW([p]), topk, None, 7) == (7, DEFAULT_REFRESH, 21)
+    assert adam_setup(adam, topk, None, 7, adam_refresh=0) == (7, None, None)
+    assert adam_setup(adam, topk, None, 7, adam_refresh=False) == (7, None, None)
+    assert adam_setup(adam, topk, None, 7, adam_refresh=4, adam_refresh_start=7) == (7, 4, 7)
+    ada = hvdsparse.AdaComp()               # off by default for AdaComp; on when asked
+    assert adam_setup(adam, ada, None, None) == (DEFAULT_WARMUP, None, None)
+    assert adam_setup(adam, ada, None, 7, adam_refresh=50) == (7, 50, 21)
+    with pytest.raises(ValueError, match="adam_refresh_start=30 .*AdaComp"):
+        adam_setup(adam, ada, None, 7, adam_refresh_start=30)
     assert adam_setup(adam, topk, False, None) is None
     assert adam_setup(adam, hvdsparse.NoCompression(), None, None) is None
     assert adam_setup(torch.optim.SGD([p], lr=0.1), topk, None, None) is None
@@ -440,15 +492,22 @@ def test_setup_checks():
         (dict(adam_recipe=False, adam_warmup=10), "recipe is off"),
         (dict(local_gradient="partial"), "local_gradient"),
         (dict(momentum_correction=True), "momentum_correction"),
-        (dict(adam_refresh=0), "adam_refresh"),
+        (dict(adam_refresh=1), "adam_refresh"),
+        (dict(adam_refresh=-3), "adam_refresh"),
         (dict(adam_refresh=2.0), "adam_refresh"),
+        (dict(adam_refresh=True), "adam_refresh"),
         (dict(adam_recipe=False, adam_refresh=50), "recipe is off"),
+        (dict(adam_recipe=False, adam_refresh_start=300), "adam_refresh_start=300 .*off"),
+        (dict(adam_refresh_start=99), "adam_refresh_start .*adam_warmup \\(100\\)"),
+        (dict(adam_refresh_start=150.0), "adam_refresh_start"),
+        (dict(adam_refresh=0, adam_refresh_start=300), "adam_refresh_start=300"),
     ]
     for kw, words in bad:
         args = dict(optimizer=adam, compression=topk, adam_recipe=None, adam_warmup=None)
         args.update(kw)
         extra = {k: args.pop(k) for k in ("local_gradient", "momentum_correction",
-                                          "adam_refresh") if k in args}
+                                          "adam_refresh", "adam_refresh_start")
+                 if k in args}
         with pytest.raises(ValueError, match=words):
             adam_setup(args["optimizer"], args["compression"], args["adam_recipe"],
                        args["adam_warmup"], **extra)
@@ -462,7 +521,8 @@ def test_local_refresh_checks():
     for kw, words in ((dict(refresh=1), "adam_refresh=1"),
                       (dict(refresh=5, wire="momentum"), "wire='gradient'"),
                       (dict(refresh=5, precondition=False), "precondition=True"),
-                      (dict(refresh=5, refresh_from="global"), "refresh_from")):
+                      (dict(refresh=5, refresh_from="global"), "refresh_from"),
+                      (dict(refresh=5, refresh_start=2), "adam_refresh_start.*\\(3\\)")):
         with pytest.raises(ValueError, match=words):
             AdamRecipe(opt, named, 2, lambda n: True, warmup=3, **kw)
     AdamRecipe(opt, named, 2, lambda n: True, warmup=3, refresh=1, refresh_from="sample")

@@ -51,8 +51,10 @@ def build(cls, comp, wd, seed=4, refresh=None):
     net = Net()
     model = DDP(net, bucket_cap_mb=0.01)
     opt = cls(model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=wd)
+    # the refresh windows start right after the 2-step warm-up (adam_refresh_start=2)
     state = hvdsparse.ddp.State(comp, net.named_parameters(), optimizer=opt, adam_warmup=2,
-                                adam_refresh=refresh)
+                                adam_refresh=refresh,
+                                adam_refresh_start=None if refresh is None else 2)
     model.register_comm_hook(state, hvdsparse.ddp.hook)
     return net, model, opt, state
 

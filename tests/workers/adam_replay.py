@@ -17,21 +17,24 @@ Per layer with ``t`` its Adam step count before this step:
 * after, ``wire="gradient"``: the same with ``x_r = (g_r [+ wd w]) / D`` (or ``g_r``
   without ``precondition``), and then ``m = b1 m + (1 - b1) X D`` (or ``... + (1 - b1) X``),
   ``w -= lr / (1 - b1^t) * m / D``: the momentum is applied after the exchange.
-* ``refresh=R``: the steps with ``t >= T_w`` and ``(t + 1 - T_w) % R == 0`` are exact
-  dense steps that refresh ``v``: ``G`` as in warm-up (residuals untouched and not sent),
-  ``D_old`` = ``D`` of this step, ``v = b2^R v + (1 - b2^R) G^2``, ``m = b1 m + (1 - b1) G``,
-  ``t += 1``, ``D_new`` from the new ``v`` with ``s = sqrt(v) / sqrt(1 - b2^t)``,
-  ``w -= lr / (1 - b1^t) * m / D_new``, every ``e_r *= D_old / D_new`` (precondition).
-  Between refreshes ``D`` uses ``s = sqrt(v) / sqrt(1 - b2^c)`` with ``c = T_w + R *
-  floor((t - T_w) / R)``, the number of steps the frozen ``v`` stands for.
+* ``refresh=R`` (``refresh_start=S``, ``T_w`` when None): the steps whose count
+  ``k = t + 1`` is ``S + R``, ``S + 2R``, ... are refreshes; ``W`` = ``k`` minus the
+  step of the last refresh (``T_w`` before the first), the steps it stands for. The
+  sample refresh: exact dense steps, ``G`` as in warm-up (residuals untouched and not
+  sent), ``D_old`` = ``D`` of this step, ``v = b2^W v + (1 - b2^W) G^2``,
+  ``m = b1 m + (1 - b1) G``, ``t += 1``, ``D_new`` from the new ``v`` with
+  ``s = sqrt(v) / sqrt(1 - b2^t)``, ``w -= lr / (1 - b1^t) * m / D_new``, every
+  ``e_r *= D_old / D_new`` (precondition). Between refreshes ``D`` uses
+  ``s = sqrt(v) / sqrt(1 - b2^c)`` with ``c`` the step of the last refresh (``T_w``
+  before the first), the number of steps the frozen ``v`` stands for.
 
 * ``refresh_from="local"`` (gradient wire, ``R >= 2``): every rank keeps ``A_r``
   (zero at the warm-up's end and after each refresh) and a carried gradient ``c_r``
   (zero but after a refresh), the ranks share ``B`` (zero likewise). A compressed step
   sends ``x_r = (g_r + c_r) / D`` as above, then ``A_r = b2 A_r + (1 - b2) g_r^2``,
   ``B = B + X D``, ``c_r = 0``. A refresh step sends nothing of the gradient:
-  ``a_r = b2 A_r + (1 - b2) g_r^2``, ``M = mean_r a_r``, ``mu = B / R``,
-  ``v = b2^R v + M / P + (1 - 1/P) min((1 - b2^R) mu^2, M)``, ``m = b1 m``, ``t += 1``,
+  ``a_r = b2 A_r + (1 - b2) g_r^2``, ``M = mean_r a_r``, ``mu = B / W``,
+  ``v = b2^W v + M / P + (1 - 1/P) min((1 - b2^W) mu^2, M)``, ``m = b1 m``, ``t += 1``,
   ``w -= lr / (1 - b1^t) * m / D_new``, ``e_r *= D / D_new``, ``c_r = g_r + c_r``,
   ``A_r = B = 0``.
 
@@ -94,8 +97,9 @@ def adacomp(bin_size=500, scale=2.0, max_per_bin=None):
 class AdamReplay:
     def __init__(self, weights, P, *, lr, betas, eps, wd, decoupled, warmup, select,
                  dense_below=1024, needs_dw=False, precondition=True, floor=0.1,
-                 wire="gradient", refresh=None, refresh_from="sample"):
+                 wire="gradient", refresh=None, refresh_from="sample", refresh_start=None):
         self.wire, self.refresh, self.refresh_from = wire, refresh, refresh_from
+        self.start = warmup if refresh_start is None else refresh_start
         self.W = {n: w.detach().clone().float() for n, w in weights.items()}
         self.P, self.lr, self.eps, self.wd = P, lr, eps, wd
         self.b1, self.b2 = betas
@@ -109,6 +113,7 @@ class AdamReplay:
         self.A = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
         self.c = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
         self.B = {n: torch.zeros_like(w) for n, w in self.W.items()}
+        self.last = {n: warmup for n in self.W}     # step of the last refresh (or T_w)
 
     def _D(self, n, count):
         s = self.v[n].sqrt() / math.sqrt(1 - self.b2 ** count)
@@ -135,17 +140,21 @@ class AdamReplay:
                 denom = self.v[n].sqrt() / math.sqrt(1 - b2 ** t) + eps
                 self.W[n] = W - lr / (1 - b1 ** t) * self.m[n] / denom
                 continue
-            t0, Tw, R = self.t[n], self.warmup, self.refresh
-            count = Tw if R is None else Tw + R * ((t0 - Tw) // R)
-            D = self._D(n, count)
+            t0, R = self.t[n], self.refresh
+            D = self._D(n, self.last[n])
             local = self.refresh_from == "local" and R is not None
-            if local and (t0 + 1 - Tw) % R == 0:
+            k = t0 + 1
+            refresh = R is not None and k > self.start and (k - self.start) % R == 0
+            Wn = k - self.last[n]                    # steps this refresh stands for
+            if refresh:
+                self.last[n] = k
+            if local and refresh:
                 gs = [everyone[r][n].float() + (0 if self.decoupled else wd * W)
                       for r in range(P)]
                 M = sum(b2 * self.A[r][n] + (1 - b2) * gs[r] ** 2 for r in range(P)) / P
-                mu = self.B[n] / R
-                est = M / P + (1 - 1 / P) * torch.minimum((1 - b2 ** R) * mu ** 2, M)
-                self.v[n] = b2 ** R * self.v[n] + est
+                mu = self.B[n] / Wn
+                est = M / P + (1 - 1 / P) * torch.minimum((1 - b2 ** Wn) * mu ** 2, M)
+                self.v[n] = b2 ** Wn * self.v[n] + est
                 if self.decoupled:
                     W = W * (1 - lr * wd)
                 self.m[n] = b1 * self.m[n]
@@ -158,13 +167,13 @@ class AdamReplay:
                     self.A[r][n] = torch.zeros_like(W)
                 self.B[n] = torch.zeros_like(W)
                 continue
-            if R is not None and not local and (t0 + 1 - Tw) % R == 0:
+            if refresh and not local:
                 G = sum(everyone[r][n].float() for r in range(P)) * (1.0 / P)
                 if self.decoupled:
                     W = W * (1 - lr * wd)
                 elif wd:
                     G = G + wd * W
-                self.v[n] = b2 ** R * self.v[n] + (1 - b2 ** R) * G * G
+                self.v[n] = b2 ** Wn * self.v[n] + (1 - b2 ** Wn) * G * G
                 self.m[n] = b1 * self.m[n] + (1 - b1) * G
                 self.t[n] = t = t0 + 1
                 D_new = self._D(n, t)

@@ -11,7 +11,8 @@ Checks, each at every step:
   rank, residuals rolled back); AdaComp() with AdamW: parameters bitwise identical
   across ranks and equal to the replay;
 * adam_refresh=2 (every 2nd step after the warm-up sends each rank's local average of
-  g_i^2 dense and defers its gradient to the next step): equals the replay;
+  g_i^2 dense and defers its gradient to the next step): equals the replay; so does
+  adam_refresh=3 with the default start (3 x the warm-up: a long first window);
 * GradScaler: an overflow step on rank 1 is skipped by the scaler everywhere and rolled
   back; the run equals the replay without that step;
 * checkpoint: optimizer.state_dict() + compression_state_dict() saved mid-run and loaded
@@ -97,10 +98,11 @@ def make(cls=torch.optim.Adam, comp=None, seed=3, **kw):
 
 
 def replay_for(model, select, *, warmup, wd=0.0, decoupled=False, needs_dw=False,
-               refresh=None):
+               refresh=None, refresh_start=None):
     return AdamReplay(dict(model.named_parameters()), P, lr=3e-3, betas=(0.9, 0.99),
                       eps=1e-8, wd=wd, decoupled=decoupled, warmup=warmup, select=select,
-                      needs_dw=needs_dw, refresh=refresh, refresh_from="local")
+                      needs_dw=needs_dw, refresh=refresh, refresh_from="local",
+                      refresh_start=refresh_start)
 
 
 # 1. TopK(1.0): warm-up longer than the run = Horovod's dense Adam
@@ -143,11 +145,12 @@ model, opt = make(torch.optim.AdamW, comp=hvdsparse.AdaComp(), adam_warmup=2,
 train(opt, model, 6, replay=replay_for(model, adacomp(), warmup=2, wd=1e-2, decoupled=True,
                                        needs_dw=True), tag="adacomp")
 
-# 2a. adam_refresh=2: every 2nd step after the warm-up sends the ranks' local averages
-# of g_i^2 dense and refreshes v from them (a dense exchange between compressed ones, the
-# rank-0-only layer a zero gradient elsewhere); its gradient goes out with the next step
+# 2a. adam_refresh=2, adam_refresh_start=2: every 2nd step after the warm-up sends the
+# ranks' local averages of g_i^2 dense and refreshes v from them (a dense exchange between
+# compressed ones, the rank-0-only layer a zero gradient elsewhere); its gradient goes out
+# with the next step
 model, opt = make(comp=hvdsparse.TopK(0.05, exact=True), adam_warmup=2, adam_refresh=2,
-                  weight_decay=1e-2)
+                  adam_refresh_start=2, weight_decay=1e-2)
 rep = replay_for(model, topk_exact(0.05, output=out_layer(model)), warmup=2, wd=1e-2,
                  refresh=2)
 train(opt, model, 7, side=True, replay=rep, tag="refresh")
@@ -156,20 +159,23 @@ check(torch.allclose(opt.state[model.fc1.weight]["exp_avg_sq"], rep.v["fc1.weigh
 check(opt.compression_state_dict().get("adam_recipe", {}).get("refresh") == 2,
       "refresh: the period is not in compression_state_dict()")
 # ... and with AdamW, where the local gradient the refresh step defers is p.grad itself
-# until the exchange's result overwrites it
+# until the exchange's result overwrites it; the default start (3 x the warm-up = 6): the
+# first refresh is Adam step 9 (index 8) and stands for the 7 steps since the warm-up
 model, opt = make(torch.optim.AdamW, comp=hvdsparse.AdaComp(), adam_warmup=2,
                   adam_refresh=3, weight_decay=1e-2)
+check(opt._local_update.refresh_start == 6, "refresh-w: the default start is not 3 T_w")
 train(opt, model, 9, replay=replay_for(model, adacomp(), warmup=2, wd=1e-2, decoupled=True,
-                                       needs_dw=True, refresh=3), tag="refresh-w")
+                                       needs_dw=True, refresh=3, refresh_start=6),
+      tag="refresh-w")
 # exchange="auto" prices a refresh step as the dense step it is, not by the sparse
-# steps' counts (cost_model: prev_capacity); step 10 refreshes ((10 + 1 - 2) % 3 == 0)
-for step in (9, 10):
+# steps' counts (cost_model: prev_capacity); index 11 (Adam step 12 = 6 + 2 x 3) refreshes
+for step in (9, 10, 11):
     x, y = batch(step)
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
     opt.step()
     strategies = opt.stats()["last"]["strategies"]
-    check((set(strategies) == {"dense"}) == (step == 10),
+    check((set(strategies) == {"dense"}) == (step == 11),
           f"refresh-w step {step}: strategies {strategies}")
 
 # 2b. GradScaler (the README's AMP recipe): an overflow on rank 1 at step 4 is skipped by
@@ -229,8 +235,11 @@ for (n, a), b in zip(model.named_parameters(), model2.parameters()):
 
 # 4. on by default for Adam; the front door's checks
 model, opt = make(comp=hvdsparse.TopK(0.01))
-check(type(opt._local_update).__name__ == "AdamRecipe" and opt._local_update.warmup ==
-      hvdsparse.adam.DEFAULT_WARMUP, "the recipe is not the default for Adam")
+lu = opt._local_update
+check(type(lu).__name__ == "AdamRecipe" and lu.warmup == hvdsparse.adam.DEFAULT_WARMUP and
+      (lu.refresh, lu.refresh_start) == (50, 300) and lu.refresh_from == "local",
+      "the recipe (warm-up 100, refresh every 50 steps from step 300) is not the default "
+      "for Adam")
 for kw, words in ((dict(amsgrad=True), "amsgrad"),):
     try:
         hvd.DistributedOptimizer(torch.optim.Adam(Net().parameters(), **kw),

@@ -52,7 +52,8 @@ def configs():
                                   dict(exchange="allgather")),
         # warm-up step 0, a compressed step 1, a variance refresh at step 2
         "TopK+adam/allgather": (lambda: hs.TopK(0.05), "adam",
-                                dict(exchange="allgather", adam_warmup=1, adam_refresh=2)),
+                                dict(exchange="allgather", adam_warmup=1, adam_refresh=2,
+                                     adam_refresh_start=1)),
         "TopK+propagate/auto": (lambda: hs.TopK(0.05), "plain",
                                 dict(exchange="auto", nonfinite="propagate")),
         # positive control: .item() inside compress, i.e. inside DDP's call of the hook

@@ -20,6 +20,7 @@ from hvdsparse.compressors import (AdaComp, ExponentialWarmup, NoCompression, QS
                                    RandomK, RtWarmup, SlimDP, Threshold, TopK)
 from hvdsparse.payload import IndexEncoding as IE
 from hvdsparse.payload import ValueEncoding as VE
+from tests.workers.topk_oracle import topk_indices
 
 SEED = int(os.environ.get("HVDSPARSE_TEST_SEED", random.randrange(2 ** 31)))
 print(f"\n[test_compressors] HVDSPARSE_TEST_SEED={SEED}")
@@ -378,8 +379,26 @@ def test_topk_exact_equals_true_topk():
         p = comp.compress("layer", x, 0)
         _, sent, _ = ref_decode(p)
         k = max(1, math.ceil(0.05 * n - 1e-9))
-        ref = set(torch.topk(x.abs(), k).indices.tolist())
+        ref = set(topk_indices(x, k).tolist())
         assert set(sent.nonzero().reshape(-1).tolist()) == ref
+
+
+def test_topk_exact_breaks_ties_to_the_lower_index(seed):
+    """Equal |acc| at the k-th value: the lower indices are sent, whatever torch.topk's
+    kernel would pick (the rule the replays reproduce)."""
+    g = torch.Generator().manual_seed(seed)
+    for n, k in ((40, 2), (1000, 50), (4096, 205)):
+        x = torch.randn(n, generator=g) * 0.1
+        tied = torch.randperm(n, generator=g)[:3 * k]
+        big = tied[:k - 1]
+        x[big] = 10.0 + torch.rand(k - 1, generator=g)       # k - 1 clear winners
+        x[tied[k - 1:]] = torch.where(torch.rand(2 * k + 1, generator=g) < 0.5, 3.0, -3.0)
+        comp = TopK(k / n, exact=True, **POL)
+        p = comp.compress("layer", x, 0)
+        _, sent, _ = ref_decode(p)
+        want = set(big.tolist()) | {int(tied[k - 1:].min())}
+        assert set(sent.nonzero().reshape(-1).tolist()) == want
+        assert want == set(topk_indices(x, k).tolist())
 
 
 @pytest.mark.parametrize("dist", ["normal", "laplace", "lognormal", "student2"])
@@ -977,7 +996,7 @@ def test_without_error_feedback_nothing_is_remembered():
         y = torch.randn(60, 70, generator=g)
         dec, sent, _ = ref_decode(tk.compress("w", y, t))
         assert set(sent.nonzero().reshape(-1).tolist()) == \
-            set(torch.topk(y.reshape(-1).abs(), math.ceil(0.05 * n)).indices.tolist())
+            set(topk_indices(y, math.ceil(0.05 * n)).tolist())
 
 
 def test_topk_output_layer_ratio():

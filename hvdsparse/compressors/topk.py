@@ -10,9 +10,10 @@ the step (``ratio``, or the warm-up schedule's value):
 Three selection modes:
 
 ``exact=True``
-    a true top-k: ``torch.topk(|acc|, k)``; capacity ``k``; exactly
-    ``min(k, #nonzero)`` elements are sent (exact zeros never are). Ties at the k-th
-    value are broken by ``torch.topk``. For tests and small layers.
+    a true top-k of ``|acc|``; capacity ``k``; exactly ``min(k, #nonzero)`` elements
+    are sent (exact zeros never are). Ties at the k-th value go to the lower index (a
+    stable sort of the whole layer, so the choice does not depend on the kernel: an
+    oracle can reproduce it). For tests and small layers.
 
 default: sampled threshold estimate + fused select (no sort of the whole layer)
     capacity ``C = min(n, ceil(slack * k))`` (``slack=1.5``). Aim: a count in
@@ -303,7 +304,9 @@ class TopK(Compressor):
                     dict(density=d))
         acc, _ = self._acc(name, flat, None, ef)
         if cfg["exact"]:
-            tv, ti = torch.topk(self._abs_buf(acc), k, sorted=True)
+            # stable: equal |acc| in index order (torch.topk leaves tie order unspecified)
+            tv, ti = torch.sort(self._abs_buf(acc), descending=True, stable=True)
+            tv, ti = tv[:k], ti[:k]
             valid = tv >= TINY                       # a prefix: sorted descending
             count = valid.sum(dtype=torch.int32).reshape(1)
             idx = torch.where(valid, ti, torch.zeros_like(ti))

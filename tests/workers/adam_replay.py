@@ -45,6 +45,8 @@ import math
 
 import torch
 
+from tests.workers.topk_oracle import topk_indices
+
 
 def out_layer(model, min_numel=1024):
     """TopK's output layer under the default policy: the last registered parameter
@@ -60,7 +62,7 @@ def topk_exact(ratio, output=None, output_ratio=0.1):
         flat = acc.reshape(-1)
         r = max(ratio, output_ratio) if name is not None and name == output else ratio
         k = max(1, min(flat.numel(), math.ceil(r * flat.numel() - 1e-9)))
-        idx = torch.topk(flat.abs(), k).indices
+        idx = topk_indices(flat, k)              # ties to the lower index, as TopK's
         idx = idx[flat[idx] != 0]
         sent = torch.zeros_like(flat)
         sent[idx] = flat[idx]

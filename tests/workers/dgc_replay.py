@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from tests.workers.topk_oracle import topk_indices
+
 
 class DGCReplay:
     def __init__(self, weights, P, *, lr, m, wd, nesterov, clip, ratio, dense_below=1024,
@@ -67,7 +69,7 @@ class DGCReplay:
                 v[n] = v[n] + (g + m * u[n] if self.nesterov else u[n])
                 d, masked = self._density(self.layer_ratio[n])
                 k = max(1, math.ceil(d * W.numel() - 1e-9))
-                S = torch.topk(v[n].abs().reshape(-1), k).indices
+                S = topk_indices(v[n], k)
                 sent = torch.zeros(W.numel())
                 sent[S] = v[n].reshape(-1)[S]
                 v[n].view(-1)[S] = 0

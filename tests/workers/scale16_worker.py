@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 import horovod.torch as hvd
 import hvdsparse
+from tests.workers.topk_oracle import topk_indices
 
 T0 = time.time()
 hvd.init()
@@ -118,7 +119,7 @@ def exact_topk_replay(strategy, salt):
                     continue
                 acc = residual.get((r, name), torch.zeros(n)) + g
                 k = max(1, min(n, math.ceil(0.1 * n - 1e-9)))
-                idx = torch.topk(acc.abs(), k).indices
+                idx = topk_indices(acc, k)
                 sent = torch.zeros(n)
                 sent[idx] = acc[idx]
                 residual[(r, name)] = acc - sent

@@ -61,6 +61,8 @@ COMPRESSORS = {
     "adacomp": ("AdaComp", ()),
     "slimdp": ("SlimDP", (0.3, 0.15)),      # the paper's GoogLeNet setting
     "qsgd": ("QSGD", (4,)),
+    # study variants (scripts/study_compressors.py), not library options
+    "adacomp-fp32": ("study_compressors.AdaCompExactValues", ()),
 }
 SGD_METHODS = ["dense", "topk", "topk+mc", "threshold", "threshold+mc", "adacomp",
                "adacomp+mc", "slimdp", "qsgd"]
@@ -130,7 +132,11 @@ def worker(args):
                 opt = hvd.DistributedOptimizer(base, named_parameters=named)
             else:
                 cls, pos = COMPRESSORS[name]
-                klass = getattr(hvdsparse, cls)
+                if cls.startswith("study_compressors."):
+                    import study_compressors
+                    klass = getattr(study_compressors, cls.split(".", 1)[1])
+                else:
+                    klass = getattr(hvdsparse, cls)
                 # a keyword naming a positional default replaces it (topk:ratio=1.0)
                 names = list(inspect.signature(klass.__init__).parameters)[1:]
                 pos = tuple(kw.pop(n) if n in kw else v for n, v in zip(names, pos))

@@ -11,9 +11,9 @@ Three selection modes:
 
 ``exact=True``
     a true top-k of ``|acc|``; capacity ``k``; exactly ``min(k, #nonzero)`` elements
-    are sent (exact zeros never are). Ties at the k-th value go to the lower index (a
-    stable sort of the whole layer, so the choice does not depend on the kernel: an
-    oracle can reproduce it). For tests and small layers.
+    are sent (exact zeros never are). Ties at the k-th value go to the lower index (one
+    ``torch.topk`` over an int64 key of value and index, so the choice does not depend
+    on the kernel: an oracle can reproduce it). For tests and small layers.
 
 default: sampled threshold estimate + fused select (no sort of the whole layer)
     capacity ``C = min(n, ceil(slack * k))`` (``slack=1.5``). Aim: a count in
@@ -283,6 +283,27 @@ class TopK(Compressor):
         return k, (k if cfg["exact"] else min(n, math.ceil(cfg["slack"] * k)))
 
     # ------------------------------------------------------------------
+    def _exact_top(self, a: torch.Tensor, k: int) -> torch.Tensor:
+        """Indices of the ``k`` largest of ``a = |acc|``, largest first, ties to the lower
+        index: one ``torch.topk`` over the int64 key ``bits(a) * 2^32 + (2^32 - 1 - i)``
+        (a non-negative float's bits order as its value, NaN above +inf as torch.topk
+        puts it; ``torch.topk`` itself leaves the order of equal values unspecified).
+        The key lives in a reused scratch buffer, the indices in a cached arange."""
+        n = a.numel()
+        key = self._scratch_buf("exact_key", n, torch.int64, a.device)
+        key.copy_(a.view(torch.int32))
+        key.bitwise_left_shift_(32).sub_(self._arange_buf(n, a.device)).add_(0xFFFFFFFF)
+        return torch.topk(key, k, sorted=True).indices
+
+    def _arange_buf(self, n: int, device) -> torch.Tensor:
+        """``arange(n)`` (int64), cached per device and grown to the largest layer."""
+        key = ("arange", torch.int64, str(device))
+        b = self._scratch.get(key)
+        if b is None or b.numel() < n:
+            b = torch.arange(n, dtype=torch.int64, device=device)
+            self._scratch[key] = b
+        return b[:n]
+
     def _abs_buf(self, acc):
         """``|acc|`` into the reused fp32 scratch buffer (no per-step allocation)."""
         return torch.abs(acc, out=self._scratch_buf("abs", acc.numel(), torch.float32,
@@ -304,9 +325,9 @@ class TopK(Compressor):
                     dict(density=d))
         acc, _ = self._acc(name, flat, None, ef)
         if cfg["exact"]:
-            # stable: equal |acc| in index order (torch.topk leaves tie order unspecified)
-            tv, ti = torch.sort(self._abs_buf(acc), descending=True, stable=True)
-            tv, ti = tv[:k], ti[:k]
+            a = self._abs_buf(acc)
+            ti = self._exact_top(a, k)
+            tv = a[ti]
             valid = tv >= TINY                       # a prefix: sorted descending
             count = valid.sum(dtype=torch.int32).reshape(1)
             idx = torch.where(valid, ti, torch.zeros_like(ti))

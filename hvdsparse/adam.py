@@ -390,8 +390,9 @@ class AdamRecipe:
         #: what travels after the warm-up: ``m_i / D`` (1-bit Adam) or ``g_i / D`` with
         #: the momentum applied to the exchanged average on every rank
         self.wire = wire
-        #: variance refresh period R (None: v frozen for good): every R-th step after
-        #: the warm-up travels dense and advances ``v`` by R steps
+        #: variance refresh period R (None: v frozen for good): every R-th step from
+        #: ``refresh_start`` on travels dense and advances ``v`` (a checkpoint's
+        #: schedule replaces it in load_state_dict)
         self.refresh = check_refresh(refresh)
         #: the Adam step ``S`` after which the refresh windows start (None: ``T_w``): the
         #: first refresh is step ``S + R`` and advances ``v`` by ``S + R - T_w`` steps
@@ -754,15 +755,17 @@ class AdamRecipe:
             warnings.warn(f"hvdsparse: the compression state was saved with adam_warmup="
                           f"{saved}; this run uses {self.warmup} (parameters whose step is "
                           f"past {self.warmup} use the frozen variance)")
-        if "refresh" in sd and sd["refresh"] != self.refresh:
+        # the refresh schedule is part of what v means (its bias correction counts the
+        # refreshes done): a run continues with the schedule it was saved with (a
+        # checkpoint without the keys predates them: v frozen / windows from T_w)
+        saved_sched = (sd.get("refresh"), sd.get("refresh_start"))
+        if saved_sched != (self.refresh, self.refresh_start):
             warnings.warn(f"hvdsparse: the compression state was saved with adam_refresh="
-                          f"{sd['refresh']}; this run uses {self.refresh} (the frozen "
-                          f"variance's bias correction assumes this run's period)")
-        if "refresh_start" in sd and sd["refresh_start"] != self.refresh_start:
-            warnings.warn(f"hvdsparse: the compression state was saved with "
-                          f"adam_refresh_start={sd['refresh_start']}; this run uses "
-                          f"{self.refresh_start} (the refresh steps and the frozen "
-                          f"variance's bias correction follow this run's)")
+                          f"{saved_sched[0]}, adam_refresh_start={saved_sched[1]}; this "
+                          f"run was set up with {self.refresh}, {self.refresh_start} and "
+                          f"continues with the saved schedule (the frozen variance's "
+                          f"bias correction counts its refreshes)")
+            self.refresh, self.refresh_start = saved_sched
         if "wire" in sd and sd["wire"] != self.wire:
             warnings.warn(f"hvdsparse: the compression state was saved with the Adam "
                           f"recipe's wire={sd['wire']!r}; this run uses {self.wire!r} (the "

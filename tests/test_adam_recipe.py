@@ -421,6 +421,49 @@ def test_local_refresh_skipped_step_and_checkpoint(seed):
             assert torch.equal(a, b), f"rank {r}: {n} differs after resume"
 
 
+@pytest.mark.parametrize("saved_R,saved_S", [(None, None), (3, None)])
+def test_checkpoint_keeps_its_refresh_schedule(seed, saved_R, saved_S):
+    """A checkpoint saved with another refresh schedule (v frozen for good, as every
+    checkpoint before the refresh became the default; or windows from T_w) continues
+    with that schedule, with a warning: v's bias correction counts the refreshes done,
+    so this run's own schedule would rescale the saved v."""
+    torch.manual_seed(seed)
+    P, warmup = 2, 2
+
+    def fresh(R, S):
+        torch.manual_seed(seed)
+        return Replicas(Net, lambda m: torch.optim.AdamW(m.parameters(), lr=5e-3),
+                        lambda: hvdsparse.TopK(0.05), P, warmup, R, refresh_start=S)
+
+    sim = fresh(saved_R, saved_S)
+    for step in range(6):
+        sim.step(grads(sim.models[0], P, step, seed))
+    saved = torch.utils._pytree.tree_map(
+        lambda x: x.clone() if isinstance(x, torch.Tensor) else x,
+        [(m.state_dict(), o.state_dict(), c.state_dict(), rc.state_dict())
+         for m, o, c, rc in zip(sim.models, sim.opts, sim.comps, sim.recipes)])
+    for step in range(6, 12):
+        sim.step(grads(sim.models[0], P, step, seed))
+    s2 = fresh(4, 3)                            # this run's own schedule differs
+    for r, (msd, osd, csd, rsd) in enumerate(saved):
+        s2.models[r].load_state_dict(msd)
+        s2.opts[r].load_state_dict(osd)
+        s2.comps[r].load_state_dict(csd)
+        if r == 0 and saved_R is None:          # as a checkpoint from before the keys
+            rsd = {k: v for k, v in rsd.items() if k not in ("refresh", "refresh_start")}
+        with pytest.warns(UserWarning, match=f"adam_refresh={saved_R}, "
+                                             f"adam_refresh_start={saved_S}.*continues"):
+            s2.recipes[r].load_state_dict(rsd)
+        assert (s2.recipes[r].refresh, s2.recipes[r].refresh_start) == (saved_R, saved_S)
+    s2.t = 6
+    for step in range(6, 12):
+        s2.step(grads(s2.models[0], P, step, seed))
+    assert sim.dense_steps[6:] == s2.dense_steps      # the same refresh steps
+    for r in range(P):
+        for (n, a), b in zip(sim.models[r].named_parameters(), s2.models[r].parameters()):
+            assert torch.equal(a, b), f"rank {r}: {n} differs after resume"
+
+
 def test_warmup_is_exact_adam(seed):
     """Before T_w the recipe is torch's own Adam on the averaged gradient, bit for bit."""
     torch.manual_seed(seed)

@@ -70,7 +70,7 @@ def topk_exact(ratio, output=None, output_ratio=0.1):
     return select
 
 
-def adacomp(bin_size=500, scale=2.0, max_per_bin=None):
+def adacomp(bin_size=500, scale=4.0, max_per_bin=None):
     """AdaComp: G = acc (residue + dW), H = G + (scale - 1) dW, gmax per bin, send
     |H| >= gmax (at most ``max_per_bin`` largest |H| per bin) as sign(G) * s with
     s = mean of the bin maxima."""

@@ -247,9 +247,10 @@ def check_refresh(refresh) -> Optional[int]:
 
 def default_refresh(compression) -> Optional[int]:
     """``adam_refresh=None``: :data:`DEFAULT_REFRESH`, but off (None) for AdaComp. Its
-    loss gap to dense Adam is not the frozen variance's (text-lm, P = 4, 900 steps:
-    +3.14% frozen, +3.11% refreshed from step 3 T_w), and one dense step in 50 costs it
-    28% of its byte saving (20.4x -> 14.7x fewer bytes; BENCHMARKS.md 4b)."""
+    loss gap to dense Adam was not the frozen variance's (text-lm, P = 4, 900 steps,
+    AdaComp's former ``scale=2``: +3.14% frozen, +3.11% refreshed from step 3 T_w), and
+    one dense step in 50 costs it 28% of its byte saving (20.4x -> 14.7x fewer bytes;
+    BENCHMARKS.md 4b). Not re-measured with ``scale=4``."""
     from .compressors import AdaComp
     return None if isinstance(compression, AdaComp) else DEFAULT_REFRESH
 

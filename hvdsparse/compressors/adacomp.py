@@ -23,10 +23,10 @@ Deviations (documented):
   decides how many elements of a bin travel, and with the messages' fixed capacity
   (below) the bytes on the wire do not depend on it. Measured (BENCHMARKS.md 4b,
   fourteenth session; 3 seeds, P = 4): on the char-LSTM with the Adam recipe the loss
-  gap to dense Adam falls from +3.14% to +1.98% at 900 steps and from +2.21% to +0.30%
+  gap to dense Adam falls from +3.14% to +1.99% at 900 steps and from +2.21% to +0.30%
   at 300, at the same 20.4x fewer bytes; the digits MLP (SGD, momentum correction)
   gains 0.7 pp and the CNN stays within a test image of ``scale = 2``. There ``scale =
-  2`` passed ~1 element per 500-bin on the LSTM where 10 slots are paid for: exact
+  2`` passed ~4 elements per 500-bin on the LSTM where 10 slots are paid for: exact
   fp32 values, more slots and larger bins did not help, letting more through did.
 
 * **Fixed capacity.** The paper sends every element that passes the compare, a number

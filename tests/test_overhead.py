@@ -237,7 +237,8 @@ def test_binned_select_matches_definition(seed, dtype):
 
 def test_adacomp_cpu_path_end_to_end(seed):
     """Sent + new residual == G = old residual + dW, and the sent set is the
-    reference's (|H| = |G + dW| per bin, ties to the lower index)."""
+    reference's (|H| = |G + 3 dW| per bin at the default scale 4, ties to the lower
+    index)."""
     g = _gen(seed)
     comp = AdaComp()
     comp.bind(0, 1)
@@ -252,8 +253,8 @@ def test_adacomp_cpu_path_end_to_end(seed):
         nb = -(-G.numel() // L)
         pad = torch.cat([G.abs(), G.new_zeros(nb * L - G.numel())]).view(nb, L)
         thr = pad.amax(1).clamp_min(TINY)
-        sel, bc, _ = _binned_reference(G, x.reshape(-1), 2.0, thr, L, seg.capacity // nb,
-                                       None)
+        sel, bc, _ = _binned_reference(G, x.reshape(-1), 4.0, thr, L, seg.capacity // nb,
+                                       None)            # the documented default scale
         cnt = int(seg.count)
         assert cnt == len(sel) and seg.bin_counts.tolist() == bc
         scale = float(seg.scales[0])

@@ -486,7 +486,7 @@ def check_layer(case, kind, cfg, name, step, grad, rb, ra, pl, replay, policy_de
         nb = -(-n // L)
         pad = nb * L - n
         G = acc
-        H = G + (2.0 - 1.0) * flat
+        H = G + (cfg.get("scale", 4.0) - 1.0) * flat     # AdaComp's documented default: 4
         Gp = torch.cat([G.abs(), torch.zeros(pad)]).view(nb, L)
         Hp = torch.cat([H.abs(), torch.zeros(pad)]).view(nb, L)
         gmax = Gp.max(1).values

@@ -250,7 +250,8 @@ def default_refresh(compression) -> Optional[int]:
     loss gap to dense Adam was not the frozen variance's (text-lm, P = 4, 900 steps,
     AdaComp's former ``scale=2``: +3.14% frozen, +3.11% refreshed from step 3 T_w), and
     one dense step in 50 costs it 28% of its byte saving (20.4x -> 14.7x fewer bytes;
-    BENCHMARKS.md 4b). Not re-measured with ``scale=4``."""
+    BENCHMARKS.md 4b). With today's ``scale=4`` no gain either: +2.19% refreshed from
+    step 300 against +1.99% frozen."""
     from .compressors import AdaComp
     return None if isinstance(compression, AdaComp) else DEFAULT_REFRESH
 

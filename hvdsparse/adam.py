@@ -256,39 +256,41 @@ def default_refresh(compression) -> Optional[int]:
     return None if isinstance(compression, AdaComp) else DEFAULT_REFRESH
 
 
-def resolve_refresh(refresh, refresh_start, warmup: int, compression=None):
-    """A front door's ``adam_refresh`` / ``adam_refresh_start`` -> the recipe's
-    ``(refresh, refresh_start)``: ``adam_refresh=None`` is the compressor's default
-    (:func:`default_refresh`), ``0`` / ``False`` freezes ``v`` for good (then
-    ``refresh_start`` must be None); ``adam_refresh_start=None`` is
-    ``REFRESH_START_FACTOR * T_w``, an int must be ``>= T_w``."""
-    if refresh is None:
-        refresh = default_refresh(compression)
-        if refresh is None:
-            if refresh_start is not None:
-                raise ValueError(f"adam_refresh_start={refresh_start!r} is given but the "
-                                 f"variance refresh is off by default for "
-                                 f"{type(compression).__name__}; pass adam_refresh=R too")
-            return None, None
-    elif refresh is False or (refresh == 0 and isinstance(refresh, int)
-                              and not isinstance(refresh, bool)):
-        if refresh_start is not None:
-            raise ValueError(f"adam_refresh_start={refresh_start!r} is given but "
-                             f"adam_refresh={refresh!r} turns the variance refresh off")
-        return None, None
-    elif not isinstance(refresh, int) or isinstance(refresh, bool) or refresh < 2:
-        raise ValueError(f"adam_refresh must be None (default: every {DEFAULT_REFRESH} "
-                         f"steps), 0 / False (variance frozen after the warm-up) or an int "
-                         f">= 2 (steps between variance refreshes), got {refresh!r}")
+def check_refresh_start(refresh_start, warmup: int) -> int:
+    """``adam_refresh_start``: None -> ``REFRESH_START_FACTOR * T_w``; an int ``>= T_w``."""
     if refresh_start is None:
-        refresh_start = REFRESH_START_FACTOR * warmup
-    elif not isinstance(refresh_start, int) or isinstance(refresh_start, bool) or \
+        return REFRESH_START_FACTOR * warmup
+    if not isinstance(refresh_start, int) or isinstance(refresh_start, bool) or \
             refresh_start < warmup:
         raise ValueError(f"adam_refresh_start must be None (default {REFRESH_START_FACTOR} "
                          f"x adam_warmup) or an int >= adam_warmup ({warmup}): the Adam "
                          f"step after which the refresh windows start, got "
                          f"{refresh_start!r}")
-    return refresh, refresh_start
+    return refresh_start
+
+
+def resolve_refresh(refresh, refresh_start, warmup: int, compression=None):
+    """A front door's ``adam_refresh`` / ``adam_refresh_start`` -> the recipe's
+    ``(refresh, refresh_start)``: ``adam_refresh=None`` is the compressor's default
+    (:func:`default_refresh`), ``0`` / ``False`` freezes ``v`` for good (then
+    ``refresh_start`` must be None); ``adam_refresh_start``: :func:`check_refresh_start`."""
+    if refresh is None:
+        refresh = default_refresh(compression)
+        off = (f"the variance refresh is off by default for {type(compression).__name__}; "
+               f"pass adam_refresh=R too")
+    elif refresh is False or (refresh == 0 and isinstance(refresh, int)
+                              and not isinstance(refresh, bool)):
+        off = f"adam_refresh={refresh!r} turns the variance refresh off"
+        refresh = None
+    elif not isinstance(refresh, int) or isinstance(refresh, bool) or refresh < 2:
+        raise ValueError(f"adam_refresh must be None (default: every {DEFAULT_REFRESH} "
+                         f"steps), 0 / False (variance frozen after the warm-up) or an int "
+                         f">= 2 (steps between variance refreshes), got {refresh!r}")
+    if refresh is None:
+        if refresh_start is not None:
+            raise ValueError(f"adam_refresh_start={refresh_start!r} is given but {off}")
+        return None, None
+    return refresh, check_refresh_start(refresh_start, warmup)
 
 
 class AdamSettings(NamedTuple):
@@ -398,12 +400,8 @@ class AdamRecipe:
         self.refresh = check_refresh(refresh)
         #: the Adam step ``S`` after which the refresh windows start (None: ``T_w``): the
         #: first refresh is step ``S + R`` and advances ``v`` by ``S + R - T_w`` steps
-        if refresh_start is not None and (not isinstance(refresh_start, int) or
-                                          isinstance(refresh_start, bool) or
-                                          refresh_start < self.warmup):
-            raise ValueError(f"adam_refresh_start must be None or an int >= the warm-up "
-                             f"({self.warmup}), got {refresh_start!r}")
-        self.refresh_start = refresh_start
+        self.refresh_start = None if refresh_start is None else \
+            check_refresh_start(refresh_start, self.warmup)
         if refresh_from not in ("local", "sample"):
             raise ValueError(f"refresh_from must be 'local' or 'sample', got "
                              f"{refresh_from!r}")

@@ -98,6 +98,7 @@ from typing import Optional
 import torch
 
 from .. import ops
+from ..codec import _arange
 from ..payload import FLOAT_DTYPES, QUANT_BITS, IndexEncoding, LayerPayload, Segment, \
     ValueEncoding, bin_count_width
 from .base import (PURPOSE_QUANT, PURPOSE_SAMPLE, TINY, Compressor, binned_topc, ceil_div,
@@ -288,21 +289,13 @@ class TopK(Compressor):
         index: one ``torch.topk`` over the int64 key ``bits(a) * 2^32 + (2^32 - 1 - i)``
         (a non-negative float's bits order as its value, NaN above +inf as torch.topk
         puts it; ``torch.topk`` itself leaves the order of equal values unspecified).
-        The key lives in a reused scratch buffer, the indices in a cached arange."""
+        The key lives in a reused scratch buffer, the indices in the codec's cached
+        arange."""
         n = a.numel()
         key = self._scratch_buf("exact_key", n, torch.int64, a.device)
         key.copy_(a.view(torch.int32))
-        key.bitwise_left_shift_(32).sub_(self._arange_buf(n, a.device)).add_(0xFFFFFFFF)
+        key.bitwise_left_shift_(32).sub_(_arange(n, torch.int64, a.device)).add_(0xFFFFFFFF)
         return torch.topk(key, k, sorted=True).indices
-
-    def _arange_buf(self, n: int, device) -> torch.Tensor:
-        """``arange(n)`` (int64), cached per device and grown to the largest layer."""
-        key = ("arange", torch.int64, str(device))
-        b = self._scratch.get(key)
-        if b is None or b.numel() < n:
-            b = torch.arange(n, dtype=torch.int64, device=device)
-            self._scratch[key] = b
-        return b[:n]
 
     def _abs_buf(self, acc):
         """``|acc|`` into the reused fp32 scratch buffer (no per-step allocation)."""

@@ -95,6 +95,15 @@ were 47% of the bytes.) Payloads carry int32 ``bin_counts``; the encoder narrows
 (a count above ``B`` is invalid anyway; after wrapping it fails the receiver's sum or
 range check).
 
+Narrowed INT32 (``Segment.narrow_indices``, set by TopK, Threshold, RandomK and Slim-DP's
+explorer; rule: :func:`hvdsparse.payload.wire_indexing`): a segment held in memory with
+absolute int32 indices and float values is written as BIN_U16 with bins of
+``min(N, 65536)`` elements when that is shorter, its used slots sorted by index and its
+values in the same order (:class:`_Narrowing`, a fixed number of device ops per message,
+no host sync). Its record says BIN_U16, so receivers and :func:`decode` see an ordinary
+BIN_U16 segment; the sum is the same (a row's indices are distinct, and the decode adds
+by index). 6 bytes per fp32 slot instead of 8, 4 instead of 6 for fp16 / bf16.
+
 Slot semantics: slots ``j < count`` are used, the rest is padding (copied verbatim,
 content unspecified, ignored by decoders). BIN_*: slots are sorted by bin, bin ``k``
 owns ``bin_counts[k]`` consecutive slots, so the absolute index of slot j is
@@ -165,7 +174,7 @@ import torch
 
 from . import native, ops
 from .payload import (FLOAT_BYTES, FLOAT_DTYPES, QUANT_BITS, IndexEncoding, LayerPayload,
-                      Segment, ValueEncoding, bin_count_width)
+                      Segment, ValueEncoding, bin_count_width, wire_indexing)
 
 assert sys.byteorder == "little", "hvdsparse wire format assumes a little-endian host"
 
@@ -277,6 +286,7 @@ class _SegLayout:
     quant_bucket: int      # 0 unless INT*
     lengths: tuple         # (indices, bin_counts, values, scales) unpadded byte lengths
     offsets: tuple         # absolute start of each section
+    narrowed: bool = False  # INT32 in memory, BIN_U16 on the wire (payload.wire_indexing)
 
     @property
     def nbins(self) -> int:
@@ -355,6 +365,15 @@ def _seg_params(seg: Segment):
     return int(seg.numel), int(seg.capacity), ienc, venc, bin_size, qb
 
 
+def _wire_params(seg: Segment):
+    """:func:`_seg_params` as the segment travels (:func:`payload.wire_indexing`), plus
+    whether its INT32 indices are narrowed to BIN_U16 on the way."""
+    numel, cap, ienc, venc, bs, qb = _seg_params(seg)
+    wienc, wbs = wire_indexing(seg) if ienc == IndexEncoding.INT32 else (ienc, bs)
+    narrowed = wienc != ienc
+    return numel, cap, int(wienc), venc, (wbs if narrowed else bs), qb, narrowed
+
+
 def _layout(payloads: Sequence[LayerPayload]):
     """(list[_SegLayout], data_start, total_nbytes) from host-known fields only."""
     plan = _plan(payloads)
@@ -370,7 +389,7 @@ def _layout_uncached(payloads: Sequence[LayerPayload]):
         lnumel = p.numel
         for seg in p.segments:
             where = f"layer {li} ({p.name!r}) segment {s}"
-            numel, cap, ienc, venc, bs, qb = _seg_params(seg)
+            numel, cap, ienc, venc, bs, qb, narrowed = _wire_params(seg)
             if numel != lnumel:
                 raise CodecError(f"{where}: segment numel {numel} != layer numel {lnumel} "
                                  f"(shape {tuple(p.shape)})")
@@ -380,7 +399,7 @@ def _layout_uncached(payloads: Sequence[LayerPayload]):
                 offsets.append(pos)
                 pos += _align(ln)
             segs.append(_SegLayout(li, numel, cap, ienc, venc, bs, qb, lengths,
-                                   tuple(offsets)))
+                                   tuple(offsets), narrowed))
             s += 1
     return segs, HEADER_SIZE + RECORD_SIZE * nseg, pos
 
@@ -395,6 +414,7 @@ class _Plan:
     data_start: int          # end of the records
     total: int               # message length
     header: bytes            # header + records with every count field 0
+    narrowed: bool = False   # some segment's INT32 indices travel as BIN_U16
 
 
 _PLANS = _LRU(1024)          # layout signature -> _Plan
@@ -402,7 +422,7 @@ _DEVICE_BYTES = _LRU(512)    # (signature, device, kind) -> _DeviceBytes
 
 
 def _plan(payloads: Sequence[LayerPayload]) -> _Plan:
-    sig = layout_signature(payloads)
+    sig = _plan_key(payloads)
     plan = _PLANS.get_lru(sig)
     if plan is not None:
         return plan
@@ -414,7 +434,7 @@ def _plan(payloads: Sequence[LayerPayload]) -> _Plan:
                           sl.capacity, sl.layer, sl.bin_size, sl.quant_bucket, int(sl.ienc),
                           int(sl.venc), 0, *sl.lengths)
     return _PLANS.put(sig, _Plan(sig, tuple(segs), len(payloads), data_start, total,
-                                 bytes(raw)))
+                                 bytes(raw), any(sl.narrowed for sl in segs)))
 
 
 class _DeviceBytes:
@@ -478,10 +498,18 @@ def _plan_bytes(plan: _Plan, device: torch.device, kind: str) -> torch.Tensor:
 def layout_signature(payloads: Sequence[LayerPayload]) -> tuple:
     """Hashable description of the wire layout: per layer ``(numel, segments)`` with
     per segment ``(numel, capacity, index_encoding, value_encoding, bin_size,
-    quant_bucket)`` (bin_size / quant_bucket 0 where the encoding does not use them).
-    Two payload lists with equal signatures encode to messages of equal length and
+    quant_bucket)`` as the segment travels (a narrowed INT32 segment reads BIN_U16 with
+    its bins), bin_size / quant_bucket 0 where the encoding does not use them. Two
+    payload lists with equal signatures encode to messages of equal length and
     identical section offsets."""
-    return tuple((p.numel, tuple(map(_seg_params, p.segments))) for p in payloads)
+    return tuple((p.numel, tuple(w[:6] for w in map(_wire_params, p.segments)))
+                 for p in payloads)
+
+
+def _plan_key(payloads: Sequence[LayerPayload]) -> tuple:
+    """:func:`layout_signature` plus, per segment, whether it is narrowed: the encoder's
+    work differs from a BIN_U16 segment's of the same layout."""
+    return tuple((p.numel, tuple(map(_wire_params, p.segments))) for p in payloads)
 
 
 def encoded_nbytes(payloads: Sequence[LayerPayload]) -> int:
@@ -602,6 +630,9 @@ def _count_bytes(seg: Segment, where: str, device) -> torch.Tensor:
 def _segment_pieces(seg: Segment, sl: _SegLayout, where: str, device):
     """Byte views of the four sections (None for empty), validated against layout."""
     il, bl, vl, sll = sl.lengths
+    if sl.narrowed:
+        raise CodecError(f"{where}: a narrowed segment is encoded with its message "
+                         f"(_narrow_message)")
     pieces = [None, None, None, None]
     if il:
         if sl.ienc == IndexEncoding.INT32:
@@ -629,6 +660,140 @@ def _segment_pieces(seg: Segment, sl: _SegLayout, where: str, device):
     if sll:
         pieces[3] = _as_bytes(seg.scales, where, "scales", (torch.float32,), sll // 4, device)
     return pieces
+
+
+class _Narrowing:
+    """Everything host-known about narrowing one message's segments of one value dtype
+    (:func:`payload.wire_indexing`), with reused device buffers: built once per layout,
+    device and dtype, then :meth:`run` makes every member's sections in a fixed number
+    of launches, whatever the number of members.
+
+    All members' slots are sorted at once: member ``j``'s key of slot ``i`` is
+    ``j * 2^32 + index`` for a used slot (``i < count``) and ``j * 2^32 + 2^31`` for
+    padding, so the sorted keys keep each member in its own range of slots, used slots
+    first, by index. A bin's count is the difference of two ``searchsorted`` positions
+    of the bin bounds ``j * 2^32 + min(k B_j, N_j)``; the uint16 position inside the bin
+    is the key's low 16 bits (``B_j`` is 65536, or ``N_j <= 65536`` with one bin)."""
+
+    def __init__(self, plan: _Plan, members, device, vdtype):
+        self.members = members
+        caps = [plan.segs[s].capacity for s in members]
+        self.slot_off = np.concatenate([[0], np.cumsum(caps)]).astype(np.int64)
+        T = int(self.slot_off[-1])
+        member = np.repeat(np.arange(len(members), dtype=np.int64), caps)
+        local = np.concatenate([np.arange(c, dtype=np.int32) for c in caps])
+        bounds, diff_pos, self.bin_off, self.widths = [], [], [0], []
+        for j, s in enumerate(members):
+            sl = plan.segs[s]
+            nb = sl.nbins
+            start = len(bounds)
+            k = np.arange(nb + 1, dtype=np.int64)
+            bounds.extend(((j << 32) + np.minimum(k * sl.bin_size, sl.numel)).tolist())
+            diff_pos.extend(range(start, start + nb))
+            self.bin_off.append(self.bin_off[-1] + nb)
+            self.widths.append(bin_count_width(sl.bin_size))
+        dev = device
+
+        def up(a, dt):
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dt).to(dev)
+        self.member = up(member, torch.int64)
+        self.local = up(local, torch.int32)
+        self.base = up(member << 32, torch.int64)
+        self.pad = up((member << 32) + (1 << 31), torch.int64)
+        self.bounds = up(np.asarray(bounds, np.int64), torch.int64)
+        self.diff_pos = up(np.asarray(diff_pos, np.int64), torch.int64)
+        nbt = self.bin_off[-1]
+
+        def e(n, dt):
+            return torch.empty(n, dtype=dt, device=dev)
+        self.idx, self.cnt, self.cslot = e(T, torch.int32), e(len(members), torch.int32), \
+            e(T, torch.int32)
+        self.used, self.keys, self.skeys, self.perm = e(T, torch.bool), e(T, torch.int64), \
+            e(T, torch.int64), e(T, torch.int64)
+        self.rel, self.vals, self.pvals = e(T, torch.int16), e(T, vdtype), e(T, vdtype)
+        self.cum, self.dcum = e(len(bounds), torch.int32), e(max(len(bounds) - 1, 0), torch.int32)
+        self.counts = e(nbt, torch.int32)
+        # the counts at each wire width (uint8 / uint16 as int16 bits / int32)
+        self.wide = {w: (self.counts if w == 4 else e(nbt, _BIN_COUNT_DTYPE[w]))
+                     for w in set(self.widths)}
+
+    def run(self, segs, wheres, device):
+        """``[(s, pieces)]`` for the member segments ``segs`` (in member order)."""
+        T = self.idx.numel()
+        idx = [_as_bytes(seg.indices, w, "indices", (torch.int32,), int(n), device)
+               .view(torch.int32)
+               for seg, w, n in zip(segs, wheres, np.diff(self.slot_off))]
+        vdt = self.vals.dtype
+        vals = [_as_bytes(seg.values, w, "values", (vdt,), int(n), device).view(vdt)
+                for seg, w, n in zip(segs, wheres, np.diff(self.slot_off))]
+        cnts = [_count_bytes(seg, w, device).view(torch.int32) for seg, w in zip(segs, wheres)]
+        idx = _joined(idx, T, self.idx)
+        vals = _joined(vals, T, self.vals)
+        cnt = _joined(cnts, len(cnts), self.cnt)
+        torch.index_select(cnt, 0, self.member, out=self.cslot)
+        torch.lt(self.local, self.cslot, out=self.used)
+        torch.add(self.base, idx, out=self.keys)
+        torch.where(self.used, self.keys, self.pad, out=self.keys)
+        torch.sort(self.keys, out=(self.skeys, self.perm))
+        torch.searchsorted(self.skeys, self.bounds, out_int32=True, out=self.cum)
+        torch.diff(self.cum, out=self.dcum)
+        torch.index_select(self.dcum, 0, self.diff_pos, out=self.counts)
+        for w, t in self.wide.items():
+            if w != 4:
+                t.copy_(self.counts)
+        self.rel.copy_(self.skeys)                # the low 16 bits: position in the bin
+        torch.index_select(vals, 0, self.perm, out=self.pvals)
+        out = []
+        for j, s in enumerate(self.members):
+            a, b = int(self.slot_off[j]), int(self.slot_off[j + 1])
+            c0, c1 = self.bin_off[j], self.bin_off[j + 1]
+            cw = self.wide[self.widths[j]]
+            out.append((s, [self.rel[a:b].view(torch.uint8), cw[c0:c1].view(torch.uint8),
+                            self.pvals[a:b].view(torch.uint8), None]))
+        return out
+
+
+def _joined(ts, n, buf):
+    """``ts`` (1-D tensors of one dtype, ``n`` elements in all) as one tensor: a view when
+    they lie in order in one storage, evenly spaced (a bucket's slices of one buffer, or
+    its ``count`` rows), so nothing is copied; else concatenated into ``buf``."""
+    t0 = ts[0] if ts else None
+    if t0 is not None and all(t.dim() == 1 and t.dtype == t0.dtype for t in ts) and \
+            all(t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr()
+                for t in ts):
+        offs = [t.storage_offset() for t in ts]
+        if all(t.numel() == 1 for t in ts):
+            step = offs[1] - offs[0] if len(ts) > 1 else 1
+            if step > 0 and all(b - a == step for a, b in zip(offs, offs[1:])):
+                return t0.as_strided((len(ts),), (step,), offs[0])
+        elif all(t.numel() <= 1 or t.stride(0) == 1 for t in ts):
+            pos = offs[0]
+            if all(o == p for o, p in zip(offs, np.cumsum([pos] + [t.numel() for t in ts]))):
+                return t0.as_strided((n,), (1,), offs[0])
+    return torch.cat(ts, out=buf) if ts else buf
+
+
+_NARROWINGS = _LRU(256)      # (layout signature, device, value dtype) -> _Narrowing
+
+
+def _narrow_message(plan: _Plan, flat_segs, device) -> dict:
+    """``{segment ordinal: its four sections}`` for every narrowed segment of a message
+    (see :class:`_Narrowing`): one batch per value dtype."""
+    groups = {}
+    for s, sl in enumerate(plan.segs):
+        if sl.narrowed:
+            groups.setdefault(FLOAT_DTYPES[sl.venc], []).append(s)
+    out = {}
+    for vdt, members in groups.items():
+        key = (plan.sig, str(device), vdt)
+        nar = _NARROWINGS.get_lru(key)
+        if nar is None:
+            nar = _NARROWINGS.put(key, _Narrowing(plan, members, device, vdt))
+        segs = [flat_segs[s][2] for s in members]
+        wheres = [f"layer {flat_segs[s][0]} ({flat_segs[s][1].name!r}) segment {s}"
+                  for s in members]
+        out.update(nar.run(segs, wheres, device))
+    return out
 
 
 def new_message(payloads: Sequence[LayerPayload], device=None) -> torch.Tensor:
@@ -689,10 +854,12 @@ def encode(payloads: Sequence[LayerPayload], out: Optional[torch.Tensor] = None
         pieces.append(_count_bytes(seg, where, device))
         pos = rec + 4
     pieces.append(img[pos:data_start])
+    narrowed = _narrow_message(plan, flat_segs, device) if plan.narrowed else {}
     for s, (li, p, seg) in enumerate(flat_segs):
         where = f"layer {li} ({p.name!r}) segment {s}"
         sl = segs[s]
-        for piece, ln in zip(_segment_pieces(seg, sl, where, device), sl.lengths):
+        secs = narrowed[s] if sl.narrowed else _segment_pieces(seg, sl, where, device)
+        for piece, ln in zip(secs, sl.lengths):
             if piece is not None:
                 pieces.append(piece)
             pad = _align(ln) - ln

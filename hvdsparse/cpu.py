@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from . import native
+from .payload import to_wire_float
 from .philox import (_check_pos_int, _check_seed, _par_ranges, _par_run,  # noqa: F401
                      _philox_parallel, _philox_scratch, _PHILOX_CHUNK, _PHILOX_PAR_MIN,
                      philox_uint32, philox_uniform, uniform_block)
@@ -681,7 +682,7 @@ def _select_compact_chunks(acc, thr, capacity, L, ch, grad, use_h, hm1, ve, ssca
             signs.append(neg)
             a.index_copy_(0, idx, v - torch.where(neg, -sscale, sscale))
         else:
-            vc = v.to(_FLOAT_VE[ve])
+            vc = to_wire_float(v, ve)          # saturated (payload.FLOAT_MAX)
             values[sent:sent + k] = vc
             a.index_copy_(0, idx, v - vc.float())
         sent += k
@@ -788,7 +789,7 @@ def _select_compact_np(acc, thr, capacity, L, ch, grad, use_h, hm1, ve, sscale,
                 an[idx] = v - np.where(neg, -sc, sc)
             else:
                 v = torch.from_numpy(an[idx])
-                vc = v.to(_FLOAT_VE[ve])
+                vc = to_wire_float(v, ve)          # saturated (payload.FLOAT_MAX)
                 values[off:off + k] = vc
                 an[idx] = (v - vc.float()).numpy()
             off += k

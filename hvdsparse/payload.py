@@ -23,6 +23,7 @@ This module only describes data. It imports nothing of hvdsparse and is shared b
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -63,6 +64,25 @@ FLOAT_BYTES = {ValueEncoding.FP32: 4, ValueEncoding.FP16: 2, ValueEncoding.BF16:
 FLOAT_DTYPES = {ValueEncoding.FP32: torch.float32, ValueEncoding.FP16: torch.float16,
                 ValueEncoding.BF16: torch.bfloat16}
 
+#: largest finite value of each narrow float encoding. Values beyond it travel saturated
+#: (a plain cast of |x| > 65504 to fp16 gives inf, which would reach every rank's
+#: parameters); with error feedback the excess stays in the residual and goes out later.
+FLOAT_MAX = {ValueEncoding.FP16: 65504.0,
+             ValueEncoding.BF16: float(torch.finfo(torch.bfloat16).max)}
+
+
+def to_wire_float(v: torch.Tensor, enc: ValueEncoding) -> torch.Tensor:
+    """fp32 ``v`` -> the wire dtype of float encoding ``enc``, saturated at
+    ``+-FLOAT_MAX[enc]`` (round to nearest even otherwise; NaN stays NaN). The one
+    definition of a sent float value: the CPU select, the compressors' encoder and the
+    Triton select (``kernels/select.py``, which repeats the two constants) agree on it."""
+    enc = ValueEncoding(enc)
+    if enc == ValueEncoding.FP32:
+        return v.float()
+    m = FLOAT_MAX[enc]
+    return v.clamp(-m, m).to(FLOAT_DTYPES[enc])
+
+
 VALUE_ENCODING_NAMES = {"fp32": ValueEncoding.FP32, "fp16": ValueEncoding.FP16,
                         "bf16": ValueEncoding.BF16, "int8": ValueEncoding.INT8,
                         "int4": ValueEncoding.INT4, "int2": ValueEncoding.INT2}
@@ -74,6 +94,39 @@ def bin_count_width(bin_size: int) -> int:
     ``bin_size <= 255``, 2 (uint16) up to 65535, else 4 (int32). In memory,
     ``Segment.bin_counts`` is always int32; the codec narrows it."""
     return 1 if bin_size <= 0xFF else 2 if bin_size <= 0xFFFF else 4
+
+
+#: bins of an INT32 segment narrowed for the wire (see :func:`wire_indexing`)
+NARROW_BIN = 65536
+#: ``HVDSPARSE_NARROW_INDICES=0`` sends int32 indices as they are (for A/B benchmarks;
+#: read once at import; ranks that disagree fail the first step's layout comparison)
+NARROW_INDICES = os.environ.get("HVDSPARSE_NARROW_INDICES", "1") != "0"
+
+
+def wire_indexing(seg: "Segment"):
+    """``(index_encoding, bin_size)`` with which ``seg``'s indices travel.
+
+    A segment with ``narrow_indices=True``, absolute INT32 indices and float values
+    travels bin-relative: BIN_U16 with bins of ``B = min(numel, 65536)`` elements (a
+    uint16 position inside the bin per slot, one count per bin), when that is shorter
+    than 4 bytes per slot (``2 C + w ceil(N / B) < 4 C``, ``w`` the count width). The
+    codec then writes the used slots sorted by index (the order inside a row does not
+    change a decoded sum: a row's indices are distinct), so the receiver finds each
+    slot's bin from the counts. Lossless; 2 bytes of every 6 or 8 per sent element. Every
+    other segment travels as it is in memory."""
+    ienc = IndexEncoding(int(seg.index_encoding))
+    if not NARROW_INDICES or not getattr(seg, "narrow_indices", False) or \
+            ienc != IndexEncoding.INT32 or \
+            int(seg.value_encoding) not in FLOAT_BYTES:
+        return ienc, (int(seg.bin_size) if ienc in (IndexEncoding.BIN_U8,
+                                                    IndexEncoding.BIN_U16) else 0)
+    n, c = int(seg.numel), int(seg.capacity)
+    if n < 1 or c < 1:
+        return ienc, 0
+    b = min(n, NARROW_BIN)
+    if 2 * c + bin_count_width(b) * (-(-n // b)) >= 4 * c:
+        return ienc, 0
+    return IndexEncoding.BIN_U16, b
 
 
 @dataclass
@@ -107,6 +160,9 @@ class Segment:
     bin_size: int = 0               # BIN_* encodings
     quant_bucket: int = 512         # INT8/INT4/INT2 encodings
     implicit_indices: Optional[torch.Tensor] = field(default=None, repr=False)
+    #: INT32 with float values only: the codec may send the indices bin-relative
+    #: (:func:`wire_indexing`); set by the sparsifiers, whose slots hold distinct indices
+    narrow_indices: bool = False
 
 
 @dataclass

@@ -18,8 +18,9 @@ exactly; integer and bool tensors come back as ``int`` / ``bool``.
 Byte accounting (what :func:`segment_nbytes` counts for one fixed-capacity segment):
 
 * a 4-byte ``count`` word per segment;
-* indices: INT32 -> ``4 * capacity``; BIN_U8 -> ``capacity`` + ``w * nbins``
-  (the ``bin_counts``: ``w`` = 1, 2 or 4 bytes by bin size, see
+* indices, as they travel (an INT32 segment may go bin-relative:
+  :func:`hvdsparse.payload.wire_indexing`): INT32 -> ``4 * capacity``; BIN_U8 ->
+  ``capacity`` + ``w * nbins`` (the ``bin_counts``: ``w`` = 1, 2 or 4 bytes by bin size, see
   :func:`hvdsparse.payload.bin_count_width`); BIN_U16 -> ``2 * capacity + w * nbins``;
   BITMASK -> ``ceil(numel / 8)``; DENSE / IMPLICIT -> 0 (implicit indices never travel);
 * values: fp32 4, fp16/bf16 2 bytes per slot; INT8/INT4/INT2 ``ceil(capacity*bits/8)``
@@ -39,7 +40,7 @@ from typing import Dict, Optional
 import torch
 
 from .payload import (FLOAT_BYTES, QUANT_BITS, IndexEncoding, LayerPayload, Segment,
-                      ValueEncoding, bin_count_width)
+                      ValueEncoding, bin_count_width, wire_indexing)
 
 __all__ = ["empty_totals", "add_totals", "segment_nbytes", "segment_slot_bytes", "segment_fixed_bytes",
            "payload_nbytes", "LayerStats", "StatsCollector", "host_values"]
@@ -60,8 +61,9 @@ def _value_slot_bytes(enc: ValueEncoding) -> float:
 
 
 def segment_slot_bytes(seg: Segment) -> float:
-    """Bytes one used slot costs (index + value), fractional for packed encodings."""
-    return _INDEX_SLOT_BYTES[IndexEncoding(seg.index_encoding)] + \
+    """Bytes one used slot costs (index + value) as it travels
+    (:func:`hvdsparse.payload.wire_indexing`), fractional for packed encodings."""
+    return _INDEX_SLOT_BYTES[wire_indexing(seg)[0]] + \
         _value_slot_bytes(ValueEncoding(seg.value_encoding))
 
 
@@ -71,8 +73,11 @@ def segment_fixed_bytes(seg: Segment) -> int:
     b = 4
     if seg.scales is not None:
         b += 4 * int(seg.scales.numel())
+    ienc, bs = wire_indexing(seg)
     if seg.bin_counts is not None:
         b += bin_count_width(seg.bin_size) * int(seg.bin_counts.numel())
+    elif ienc != IndexEncoding(seg.index_encoding):          # INT32 narrowed for the wire
+        b += bin_count_width(bs) * (-(-int(seg.numel) // bs))
     if seg.index_encoding == IndexEncoding.BITMASK:
         b += (seg.numel + 7) // 8
     return b
@@ -88,7 +93,7 @@ def segment_nbytes(seg: Segment) -> int:
         vbytes = (cap * QUANT_BITS[enc] + 7) // 8
     else:  # SIGN1
         vbytes = (cap + 7) // 8
-    ibytes = int(_INDEX_SLOT_BYTES[IndexEncoding(seg.index_encoding)] * cap)
+    ibytes = int(_INDEX_SLOT_BYTES[wire_indexing(seg)[0]] * cap)
     return vbytes + ibytes + segment_fixed_bytes(seg)
 
 

@@ -62,14 +62,28 @@ def _reserve_slots(sel, count_ptr, capacity):
 @triton.jit
 def _store_float_values(a, val_ptr, at, w, VE: tl.constexpr):
     """Step 3 for fp32 / fp16 / bf16 values: ``val[at] = cast(a)`` where ``w``; returns
-    the new residual of those elements (0 for fp32, the cast error otherwise)."""
+    the new residual of those elements (0 for fp32, the cast error otherwise).
+
+    The narrow casts saturate first (fp16 overflows to inf above 65504, bf16 just below
+    fp32's max: ``hvdsparse.payload.FLOAT_MAX``; the excess stays in the residual) and
+    round to nearest even, as torch does. bf16 is rounded here with integer operations:
+    the GPU's fptrunc rounds to nearest even, but Triton's interpreter truncates (and its
+    "rtne" rounds ties up), so a plain cast would hide a different result from every
+    CPU test (tests/test_wire_float.py)."""
     if VE == 0:
         tl.store(val_ptr + at, a, mask=w)
         newa = tl.zeros_like(a)
-    else:
-        vc = a.to(val_ptr.dtype.element_ty)
+    elif VE == 1:
+        vc = tl.minimum(tl.maximum(a, -65504.0), 65504.0).to(tl.float16)
         tl.store(val_ptr + at, vc, mask=w)
         newa = a - vc.to(tl.float32)
+    else:
+        m = 3.3895313892515355e38
+        bits = tl.minimum(tl.maximum(a, -m), m).to(tl.uint32, bitcast=True)
+        # |x| <= bf16's max, so adding at most 0x8000 cannot carry out of the magnitude
+        r = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        tl.store(val_ptr + at, (r >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=w)
+        newa = a - r.to(tl.float32, bitcast=True)
     return newa
 
 

@@ -1,6 +1,7 @@
 """Mutation test of the wire codec: thousands of malformed messages, both decode paths.
 
-Valid messages (all 6 index encodings x 7 value encodings, 0-element layers,
+Valid messages (all 6 index encodings x 7 value encodings, INT32 narrowed to BIN_U16
+on the wire (``Segment.narrow_indices``), 0-element layers,
 capacity-0 segments, 1-3 layers per bucket, P = 1..4 ranks) are generated, encoded and
 then mutated: bit flips, byte overwrites in header / records / sections, counts
 (off by one, huge, >= 2**31), INT32 indices (negative, numel, duplicates), bin counts
@@ -78,6 +79,12 @@ def expected_layout(layout):
         for sp in specs:
             ie, ve, C = IE(sp["ienc"]), VE(sp["venc"]), sp["cap"]
             B = sp["bin_size"] if ie in (IE.BIN_U8, IE.BIN_U16) else 0
+            if sp.get("narrow") and ie == IE.INT32 and ve in FBYTES and N and C:
+                # documented: INT32 travels as BIN_U16 in bins of min(N, 65536) when
+                # 2 C + w * nbins < 4 C
+                nb = min(N, 65536)
+                if 2 * C + (1 if nb <= 255 else 2 if nb <= 65535 else 4) * _cdiv(N, nb) < 4 * C:
+                    ie, B = IE.BIN_U16, nb
             Q = sp["qb"] if ve in QBITS else 0
             il = {IE.DENSE: 0, IE.INT32: 4 * C, IE.BIN_U8: C, IE.BIN_U16: 2 * C,
                   IE.IMPLICIT: 0, IE.BITMASK: _cdiv(N, 8)}[ie]
@@ -203,6 +210,9 @@ def random_bundle(rng, k):
             ie, ve = _PAIRS[k % len(_PAIRS)]
             k += 1
             sp = seg_spec(rng, numel, ie, ve)
+            if ie == IE.INT32 and ve in FBYTES and rng.random() < 0.5:
+                sp["narrow"] = True                              # bin-relative on the wire
+                sp["cap"] = min(sp["cap"], numel)                # distinct indices
             if ie != IE.DENSE and rng.random() < 0.15:          # capacity-0 segment
                 sp["cap"] = 0
                 if sp["implicit"] is not None:
@@ -212,6 +222,10 @@ def random_bundle(rng, k):
     P = int(rng.integers(1, 5))
     ranks = [fill_payloads(np.random.default_rng(rng.integers(2 ** 63)), layout)
              for _ in range(P)]
+    for pl, _ in ranks:
+        for p, (_, _, specs) in zip(pl, layout):
+            for seg, sp in zip(p.segments, specs):
+                seg.narrow_indices = bool(sp.get("narrow"))
     rows = torch.stack([encode(p) for p, _ in ranks])
     return layout, ranks[0][0], rows, [t for _, t in ranks], k
 

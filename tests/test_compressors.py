@@ -592,7 +592,9 @@ def test_slimdp_core_identical_across_ranks_and_stable():
             assert payloads[0].segments[0].capacity == core
             assert payloads[0].segments[1].capacity == exs
             st = comps[0].stats()["w"]
-            assert st["payload_bytes"] == 4 * (core + 2 * exs) + 8
+            # on the wire the explorer's int32 indices go bin-relative: a uint16 each
+            # plus one uint16 count for the layer's single bin (1200 elements)
+            assert st["payload_bytes"] == 4 * core + 6 * exs + 2 + 8
             assert abs(4 * (core + 2 * exs) - 4 * (2 * 0.3 - 0.15) * n) <= 12
         avg = sum(payload_to_dense(p) for p in payloads) / 4
         ncalls = len(hub.calls)
@@ -858,8 +860,10 @@ def test_stats_fields():
     for key in ("sent", "selected", "payload_bytes", "dense_bytes", "compression_rate",
                 "effective_rate", "threshold", "steps"):
         assert key in w
-    assert w["dense_bytes"] == 40000 and w["payload_bytes"] == 150 * 8 + 4
-    assert w["compression_rate"] == pytest.approx(40000 / 1204)
+    # 150 slots of a uint16 position (the int32 index narrowed for the wire) + fp32
+    # value, one uint16 count for the single bin of 10000 elements, the count word
+    assert w["dense_bytes"] == 40000 and w["payload_bytes"] == 150 * 6 + 2 + 4
+    assert w["compression_rate"] == pytest.approx(40000 / 906)
     assert w["steps"] == 3 and w["total_sent"] >= w["sent"]
     assert st["b"]["compression_rate"] < 1.0         # dense 1-D bias
     tot = comp.stats_totals()

@@ -348,8 +348,11 @@ def test_device_ops_per_layer_budget(tmp_path):
     step. Since the bucket path (compressors/topk_bucket.py) a compressed weight costs
     no launch of its own on the compress side; what grows with the layers is the
     receive side (the decode's error flag, the copy into ``p.grad``) and the dense
-    bias (its clean kernel and momentum). Measured: 15 per layer at 2 layers, 8 per
-    additional layer (weight + bias); before the bucket path 25.5 per layer, 35 before
+    bias (its clean kernel and momentum). Measured: 19.5 per layer at 2 layers, 8 per
+    additional layer (weight + bias). The encode's index narrowing (int32 -> uint16
+    bin-relative positions, ``codec._Narrowing``) costs 9 launches per bucket, whatever
+    its layers: 15 per layer at 2 layers before it; before the bucket path 25.5 per
+    layer, 35 before
     the shared non-finite counters, 100 before the refinement / clean / masking
     kernels."""
     res = {}
@@ -371,5 +374,5 @@ def test_device_ops_per_layer_budget(tmp_path):
     assert res[2]["topk1+mc"]["triton"].get("synchronize", 0) > 0      # the kernels ran
     per_layer = added(2) / 2
     marginal = (added(8) - added(2)) / 6
-    assert 5 < per_layer <= 18, (per_layer, res[2])
+    assert 5 < per_layer <= 20, (per_layer, res[2])
     assert 0 < marginal <= 10, (marginal, added(8), added(2))

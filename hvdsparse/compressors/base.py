@@ -62,7 +62,7 @@ import torch
 
 from .. import ops
 from ..payload import (FLOAT_BYTES, FLOAT_DTYPES, QUANT_BITS, VALUE_ENCODING_NAMES,
-                       IndexEncoding, LayerPayload, Segment, ValueEncoding)
+                       IndexEncoding, LayerPayload, Segment, ValueEncoding, to_wire_float)
 from ..stats import StatsCollector
 from .policy import LayerPolicy
 
@@ -841,7 +841,7 @@ class Compressor:
         if enc in FLOAT_DTYPES:
             if enc == ValueEncoding.FP32:
                 return vals, None, vals
-            v = vals.to(FLOAT_DTYPES[enc])
+            v = to_wire_float(vals, enc)       # saturated: fp16 has no room above 65504
             return v, None, (v.float() if want_deq else None)
         bits = QUANT_BITS[enc]
         codes, scales = ops.quantize_pack(vals, bits, quant_bucket, seed, count=count)

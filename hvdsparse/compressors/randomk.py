@@ -95,5 +95,6 @@ class RandomK(Compressor):
         else:
             seg = Segment(numel=n, capacity=k, index_encoding=IndexEncoding.INT32,
                           value_encoding=enc, count=count, values=values,
-                          indices=idx.to(torch.int32), scales=scales, quant_bucket=qb)
+                          indices=idx.to(torch.int32), scales=scales, quant_bucket=qb,
+                          narrow_indices=True)
         return LayerPayload(name, shape, [seg]), dict(density=d)

@@ -272,5 +272,5 @@ class SlimDP(Compressor):
             segs.append(Segment(numel=n, capacity=ex_size, index_encoding=IndexEncoding.INT32,
                                 value_encoding=enc, count=self._count(ex_size, dev),
                                 values=values, indices=ex.to(torch.int32), scales=scales,
-                                quant_bucket=qb))
+                                quant_bucket=qb, narrow_indices=True))
         return LayerPayload(name, shape, segs), dict(extra=dict(dense_push=False))

@@ -327,7 +327,8 @@ class TopK(Compressor):
             values, scales = self._take(acc, idx, valid, count, enc, qseed, qb, ef)
             seg = Segment(numel=n, capacity=k, index_encoding=IndexEncoding.INT32,
                           value_encoding=enc, count=count, values=values,
-                          indices=idx.to(torch.int32), scales=scales, quant_bucket=qb)
+                          indices=idx.to(torch.int32), scales=scales, quant_bucket=qb,
+                          narrow_indices=True)
             thr = tv[k - 1].clamp_min(TINY)
             return LayerPayload(name, shape, [seg]), dict(selected=count, threshold=thr,
                                                           density=d)
@@ -376,7 +377,7 @@ class TopK(Compressor):
             values = vals
         seg = Segment(numel=n, capacity=cap, index_encoding=IndexEncoding.INT32,
                       value_encoding=enc, count=count, values=values, indices=idx,
-                      scales=scales, quant_bucket=qb)
+                      scales=scales, quant_bucket=qb, narrow_indices=True)
         return seg, cnt
 
     def _per_bucket(self, name, flat, shape, step, cfg, d, qseed):

@@ -275,7 +275,8 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         o, cap = int(tab[j, K.C_OUT]), pl["cap"]
         seg = Segment(numel=pl["n"], capacity=cap, index_encoding=IndexEncoding.INT32,
                       value_encoding=enc, count=cnt[j, 0:1], values=vals[o:o + cap],
-                      indices=idx[o:o + cap], scales=None, quant_bucket=pl["qb"])
+                      indices=idx[o:o + cap], scales=None, quant_bucket=pl["qb"],
+                      narrow_indices=True)
         payload = LayerPayload(it.name, it.grad.shape, [seg])
         payload.nonfinite = it.nonfinite
         extra = dict(nonfinite=it.nonfinite)

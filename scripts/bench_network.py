@@ -94,6 +94,9 @@ METHODS = {
     "qsgd4": ("QSGD 4-bit", ["--compression", "qsgd", "--bits", "4"]),
     "topk1_int4": ("TopK 1% + int4", ["--compression", "topk", "--ratio", "0.01",
                                       "--values", "int4"]),
+    # TopK 1% with bf16 values (the rounding error stays in the residual; BENCHMARKS 4b)
+    "topk1_bf16": ("TopK 1% + bf16 values", ["--compression", "topk", "--ratio", "0.01",
+                                             "--values", "bf16"]),
     # not in the default list: denser TopK, fewer steps to the target
     "topk5": ("TopK 5%", ["--compression", "topk", "--ratio", "0.05"]),
     "topk5_int4": ("TopK 5% + int4", ["--compression", "topk", "--ratio", "0.05",
@@ -107,8 +110,14 @@ METHODS["threshold99_numpy"] = ("Threshold 99%, per-layer numpy path (HVDSPARSE_
 METHODS["adacomp_numpy"] = ("AdaComp, numpy CPU path (HVDSPARSE_NATIVE=0)",
                              METHODS["adacomp"][1])
 METHOD_ENV = {m: {"HVDSPARSE_NATIVE": "0"} for m in METHODS if m.endswith("_numpy")}
+# the wire before index narrowing: int32 absolute indices (hvdsparse.payload.NARROW_INDICES)
+for _m in ("topk1", "threshold99"):
+    METHODS[_m + "_int32idx"] = (METHODS[_m][0] + ", int32 indices on the wire",
+                                 METHODS[_m][1])
+    METHOD_ENV[_m + "_int32idx"] = {"HVDSPARSE_NARROW_INDICES": "0"}
 DEFAULT_METHODS = [m for m in METHODS if not m.startswith("topk5") and m != "topk1_warmup"
-                   and m not in METHOD_ENV and m not in ("topk1_mask", "topk1_nomask")]
+                   and m not in METHOD_ENV and m not in ("topk1_mask", "topk1_nomask",
+                                                         "topk1_bf16")]
 
 
 def parse_args(argv=None):

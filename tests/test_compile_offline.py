@@ -19,7 +19,7 @@ asserted here:
   approximate fp32 division (``div.full`` / ``div.approx``) there either;
 * every tensor pointer offset in the Triton IR is 64-bit.
 
-Default: a representative subset (76 specialisations; about 40 s with a cold cache on
+Default: a representative subset (96 specialisations; about 40 s with a cold cache on
 2 cores, 10-15 s warm; the cache is ``~/.cache/hvdsparse/triton`` unless
 ``TRITON_CACHE_DIR`` is set). The full matrix (every compressor, encoding and bucket)
 runs with ``HVDSPARSE_COMPILE_FULL=1``.

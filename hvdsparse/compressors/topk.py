@@ -60,7 +60,9 @@ default: sampled threshold estimate + fused select (no sort of the whole layer)
     ``torch.topk`` along the bucket dimension (no global sort).
 
 Values (``values=``): fp32 (sent exactly, residual 0), fp16 / bf16 (cast by the fused
-select, residual = cast error), int8 / int4 / int2 (SparCML's quantised top-k: the
+select, residual = cast error; a value beyond the format's largest finite one, e.g.
+|acc| > 65504 for fp16, is sent saturated and its excess stays in the residual:
+``payload.to_wire_float``), int8 / int4 / int2 (SparCML's quantised top-k: the
 selected values are stochastically rounded with ``ops.quantize_pack``, one fp32 scale
 per ``quant_bucket`` slots). Residual fix-up for quantised values: the select writes
 ``residual_i = 0`` for the sent elements, then ``residual_i += v_i - deq(Q(v_i))`` is

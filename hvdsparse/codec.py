@@ -734,22 +734,29 @@ class _Narrowing:
         torch.lt(self.local, self.cslot, out=self.used)
         torch.add(self.base, idx, out=self.keys)
         torch.where(self.used, self.keys, self.pad, out=self.keys)
-        torch.sort(self.keys, out=(self.skeys, self.perm))
-        torch.searchsorted(self.skeys, self.bounds, out_int32=True, out=self.cum)
+        skeys, perm = self.skeys, self.perm
+        kn = self.keys.numpy() if self.keys.device.type == "cpu" else None
+        if kn is not None and (kn.size < 2 or bool((kn[1:] >= kn[:-1]).all())):
+            # the CPU selects write their slots in ascending index order: already sorted
+            # (a host check only where the data is on the host)
+            skeys, perm = self.keys, None
+        else:
+            torch.sort(self.keys, out=(skeys, perm))
+        torch.searchsorted(skeys, self.bounds, out_int32=True, out=self.cum)
         torch.diff(self.cum, out=self.dcum)
         torch.index_select(self.dcum, 0, self.diff_pos, out=self.counts)
         for w, t in self.wide.items():
             if w != 4:
                 t.copy_(self.counts)
-        self.rel.copy_(self.skeys)                # the low 16 bits: position in the bin
-        torch.index_select(vals, 0, self.perm, out=self.pvals)
+        self.rel.copy_(skeys)                     # the low 16 bits: position in the bin
+        pvals = vals if perm is None else torch.index_select(vals, 0, perm, out=self.pvals)
         out = []
         for j, s in enumerate(self.members):
             a, b = int(self.slot_off[j]), int(self.slot_off[j + 1])
             c0, c1 = self.bin_off[j], self.bin_off[j + 1]
             cw = self.wide[self.widths[j]]
             out.append((s, [self.rel[a:b].view(torch.uint8), cw[c0:c1].view(torch.uint8),
-                            self.pvals[a:b].view(torch.uint8), None]))
+                            pvals[a:b].view(torch.uint8), None]))
         return out
 
 
@@ -958,15 +965,23 @@ def _check_content(where: str, sl_numel: int, count: int, ienc, indices, bin_cou
             raise CodecError(f"{where}: bin_counts sum to {total}, expected count {count}")
         if count:
             rel = indices[:count].numpy()
-            rel = rel.astype(np.int64) & (0xFFFF if ienc == IndexEncoding.BIN_U16 else 0xFF)
-            bins = np.repeat(np.arange(nbins, dtype=np.int64), bc)
-            absidx = bins * bin_size + rel
-            bad = np.nonzero((rel >= bin_size) | (absidx >= sl_numel))[0]
+            rel = rel.view(np.uint16) if ienc == IndexEncoding.BIN_U16 else rel.view(np.uint8)
+            # absolute = k B + rel < N  <=>  rel < B in every bin but the last (whose
+            # (k + 1) B <= N), and rel < N - k B in the last: one pass, none when B is
+            # the index type's whole range
+            bad = np.nonzero(rel >= bin_size)[0] if bin_size <= np.iinfo(rel.dtype).max \
+                else np.zeros(0, np.int64)
+            last = nbins - 1
+            first = count - int(bc[last])
+            tail = np.nonzero(rel[first:] >= sl_numel - last * bin_size)[0] + first
+            bad = np.concatenate([bad, tail])
             if bad.size:
-                j = int(bad[0])
+                j = int(bad.min())
+                k = int(np.searchsorted(np.cumsum(bc), j, side="right"))
                 raise CodecError(f"{where}: index out of range: slot {j} has bin-relative "
-                                 f"index {int(rel[j])} in bin {int(bins[j])} (bin size "
-                                 f"{bin_size}, absolute {int(absidx[j])}, numel {sl_numel})")
+                                 f"index {int(rel[j])} in bin {k} (bin size "
+                                 f"{bin_size}, absolute {k * bin_size + int(rel[j])}, "
+                                 f"numel {sl_numel})")
     elif ienc == IndexEncoding.BITMASK:
         mask = indices.numpy()
         tail = sl_numel % 8

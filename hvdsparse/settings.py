@@ -163,8 +163,9 @@ def plain(x):
 
 def fingerprint(settings: ExchangeSettings, compressor) -> dict:
     """Everything that must agree across ranks, as plain data (see module docstring)."""
-    from . import __version__, codec
+    from . import __version__, codec, payload
     return {"hvdsparse version": __version__, "wire format version": int(codec.VERSION),
+            "narrowed indices (HVDSPARSE_NARROW_INDICES)": bool(payload.NARROW_INDICES),
             "compressor": plain(compressor.config()), **{
                 k: v for k, v in settings.plain().items()
                 # validate changes only how a rank checks what it receives;

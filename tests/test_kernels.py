@@ -282,16 +282,14 @@ def test_select_compact_no_overflow(K, seed, ve, mode):
     assert torch.equal(i2[:sent][order], i1[:sent]), f"seed={seed}"
     d2 = torch.tensor(_deq_values(v2, sent, ve, 1.25))[order]
     d1 = torch.tensor(_deq_values(v1, sent, ve, 1.25))
-    if ve == "bf16":  # the interpreter truncates fp32 -> bf16: 1 bf16 ulp
-        torch.testing.assert_close(d2, d1, rtol=2 ** -7, atol=0)
-        torch.testing.assert_close(a2, a1, rtol=0, atol=float(acc.abs().max()) * 2 ** -7)
-        # error feedback stays exact: residual + sent value == acc
+    # bf16 too: the kernel rounds with integer ops, so the interpreter gives the bits
+    # of compiled code and of the reference (its plain cast truncated: 1 ulp off)
+    assert torch.equal(d2, d1), f"seed={seed}"
+    assert torch.equal(a2, a1), f"seed={seed}"
+    if ve == "bf16":      # error feedback stays exact: residual + sent value == acc
         rec = a2.clone()
         rec[i2[:sent].long()] += v2[:sent].float()
         assert torch.equal(rec, acc)
-    else:
-        assert torch.equal(d2, d1), f"seed={seed}"
-        assert torch.equal(a2, a1), f"seed={seed}"
 
 
 @pytest.mark.parametrize("ve", ["fp32", "sign1", "bf16"])

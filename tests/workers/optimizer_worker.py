@@ -496,9 +496,22 @@ def misuse():
     out.sum().backward()
     expect_error(ValueError, "rank 1", lambda: o3.synchronize())
     o3.scheduler.remove_hooks()
+    # ranks disagree on the wire's index narrowing (HVDSPARSE_NARROW_INDICES on one rank)
+    from hvdsparse import payload as _payload
+    _payload.NARROW_INDICES = R != 1
+    try:
+        torch.manual_seed(0)
+        m4 = Net()
+        o4 = DO(torch.optim.SGD(m4.parameters(), lr=0.1),
+                named_parameters=m4.named_parameters(), compression=hvdsparse.TopK(0.1))
+        m4(batch(0, R)).sum().backward()
+        expect_error(ValueError, "HVDSPARSE_NARROW_INDICES", lambda: o4.synchronize())
+        o4.scheduler.remove_hooks()
+    finally:
+        _payload.NARROW_INDICES = True
     say("misuse errors: exchange / compression type / class / local_gradient / sync_period / "
         "split_dense_bits / Adasum / Horovod's named_parameters + predivide + bpps messages / "
-        "zero_grad race / too many backward passes / rank mismatch")
+        "zero_grad race / too many backward passes / rank mismatch / index narrowing")
 
 
 def main():

@@ -99,7 +99,8 @@ def bin_count_width(bin_size: int) -> int:
 #: bins of an INT32 segment narrowed for the wire (see :func:`wire_indexing`)
 NARROW_BIN = 65536
 #: ``HVDSPARSE_NARROW_INDICES=0`` sends int32 indices as they are (for A/B benchmarks;
-#: read once at import; ranks that disagree fail the first step's layout comparison)
+#: read once at import; it is in the settings fingerprint: ranks that disagree fail at
+#: the first step, naming it)
 NARROW_INDICES = os.environ.get("HVDSPARSE_NARROW_INDICES", "1") != "0"
 
 
@@ -112,8 +113,9 @@ def wire_indexing(seg: "Segment"):
     than 4 bytes per slot (``2 C + w ceil(N / B) < 4 C``, ``w`` the count width). The
     codec then writes the used slots sorted by index (the order inside a row does not
     change a decoded sum: a row's indices are distinct), so the receiver finds each
-    slot's bin from the counts. Lossless; 2 bytes of every 6 or 8 per sent element. Every
-    other segment travels as it is in memory."""
+    slot's bin from the counts. Lossless; 2 bytes fewer per sent element (8 -> 6 with
+    fp32 values, 6 -> 4 with fp16 / bf16). Every other segment travels as it is in
+    memory."""
     ienc = IndexEncoding(int(seg.index_encoding))
     if not NARROW_INDICES or not getattr(seg, "narrow_indices", False) or \
             ienc != IndexEncoding.INT32 or \

@@ -29,7 +29,7 @@ import torch
 
 from hvdsparse import RandomK, SlimDP, Threshold, TopK, codec, stats
 from hvdsparse.codec import CodecError, accumulate, decode, encode, encoded_nbytes
-from hvdsparse.payload import IndexEncoding, LayerPayload, ValueEncoding
+from hvdsparse.payload import IndexEncoding, ValueEncoding
 from tests.workers.allgather_worker import fill_payloads
 
 IE, VE = IndexEncoding, ValueEncoding
@@ -169,7 +169,7 @@ def test_what_is_not_narrowed():
     for ie, ve, cap, N, flag in cases:
         layout = [("l", (N,), [dict(ienc=ie, venc=ve, cap=cap, bin_size=0, qb=64,
                                     implicit=None)])]
-        (pl, _), = [_payloads(rng, layout, flag)]
+        pl, _ = _payloads(rng, layout, flag)
         d = decode(encode(pl))[0]
         assert d.index_encoding == IE.INT32, (ie, ve, cap, N, flag)
         assert stats.segment_nbytes(pl[0].segments[0]) == 4 + 4 * cap + \
@@ -183,7 +183,7 @@ def test_a_used_index_outside_the_layer_is_still_rejected(bad):
     N = int(rng.choice([300, 65536, 200003]))
     layout = [("l", (N,), [dict(ienc=IE.INT32, venc=VE.FP32, cap=50, bin_size=0, qb=512,
                                 implicit=None)])]
-    pl, _ = fill_payloads(rng, layout, )
+    pl, _ = fill_payloads(rng, layout)
     seg = pl[0].segments[0]
     seg.narrow_indices = True
     seg.count.fill_(50)

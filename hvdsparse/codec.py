@@ -630,9 +630,6 @@ def _count_bytes(seg: Segment, where: str, device) -> torch.Tensor:
 def _segment_pieces(seg: Segment, sl: _SegLayout, where: str, device):
     """Byte views of the four sections (None for empty), validated against layout."""
     il, bl, vl, sll = sl.lengths
-    if sl.narrowed:
-        raise CodecError(f"{where}: a narrowed segment is encoded with its message "
-                         f"(_narrow_message)")
     pieces = [None, None, None, None]
     if il:
         if sl.ienc == IndexEncoding.INT32:
@@ -677,7 +674,7 @@ class _Narrowing:
 
     def __init__(self, plan: _Plan, members, device, vdtype):
         self.members = members
-        caps = [plan.segs[s].capacity for s in members]
+        self.caps = caps = [plan.segs[s].capacity for s in members]
         self.slot_off = np.concatenate([[0], np.cumsum(caps)]).astype(np.int64)
         T = int(self.slot_off[-1])
         member = np.repeat(np.arange(len(members), dtype=np.int64), caps)
@@ -720,12 +717,12 @@ class _Narrowing:
     def run(self, segs, wheres, device):
         """``[(s, pieces)]`` for the member segments ``segs`` (in member order)."""
         T = self.idx.numel()
-        idx = [_as_bytes(seg.indices, w, "indices", (torch.int32,), int(n), device)
+        idx = [_as_bytes(seg.indices, w, "indices", (torch.int32,), n, device)
                .view(torch.int32)
-               for seg, w, n in zip(segs, wheres, np.diff(self.slot_off))]
+               for seg, w, n in zip(segs, wheres, self.caps)]
         vdt = self.vals.dtype
-        vals = [_as_bytes(seg.values, w, "values", (vdt,), int(n), device).view(vdt)
-                for seg, w, n in zip(segs, wheres, np.diff(self.slot_off))]
+        vals = [_as_bytes(seg.values, w, "values", (vdt,), n, device).view(vdt)
+                for seg, w, n in zip(segs, wheres, self.caps)]
         cnts = [_count_bytes(seg, w, device).view(torch.int32) for seg, w in zip(segs, wheres)]
         idx = _joined(idx, T, self.idx)
         vals = _joined(vals, T, self.vals)

@@ -3,7 +3,7 @@
 measure where a gap comes from. Not part of the library, not a user option."""
 import torch
 
-from hvdsparse.compressors import AdaComp
+from hvdsparse.compressors import AdaComp, Threshold
 from hvdsparse.payload import LayerPayload, Segment, ValueEncoding
 
 
@@ -23,3 +23,22 @@ class AdaCompExactValues(AdaComp):
                       value_encoding=ValueEncoding.FP32, count=count, values=g.contiguous(),
                       indices=rel, bin_counts=bin_counts, bin_size=L)
         return LayerPayload(name, shape, [seg]), dict(selected=selected, threshold=scale)
+
+
+class ThresholdTracking(Threshold):
+    """Threshold (DCT-DP) whose reused tau tracks a target count between refreshes: after
+    every step ``tau <- tau * clamp(sqrt(selected / target), 1 / 2, 2)`` (both ways),
+    ``target = k + track * (capacity - k)``, instead of only raising it on an overflow.
+    Per layer only (no bucket path) -- a study of the CNN divergence (BENCHMARKS 4b)."""
+
+    bucket_path = False
+
+    def __init__(self, *a, track=0.5, **kw):
+        super().__init__(*a, **kw)
+        self.track = float(track)
+
+    def _next_tau(self, tau, selected, k, cap):
+        target = k + self.track * (cap - k)
+        ratio = selected.to(torch.float32) / float(target)
+        f = ratio.double().sqrt().float().clamp(0.5, 2.0)
+        return tau * f

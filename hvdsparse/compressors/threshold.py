@@ -153,6 +153,16 @@ class Threshold(TopK):
         st = self._layers.get(name)
         return None if st is None else st["tau"]
 
+    @staticmethod
+    def _next_tau(tau, selected, k: int, cap: int):
+        """The overflow guard: raise tau for the next steps when more than ``cap`` passed
+        it (device scalar ops only; see the module docstring). The sqrt goes through
+        float64: correctly rounded on every device (torch's fp32 CPU sqrt is not, in ~14%
+        of inputs), so the bucket path's kernels (sqrt_rn / sqrtf) give the same bits."""
+        ratio = selected.to(torch.float32) / float(cap)
+        up = ratio.double().sqrt().float().clamp_max(2.0)
+        return torch.where(ratio > 1.0, tau * up, tau)
+
     def _compress(self, name, flat, shape, step, cfg, param):
         n = flat.numel()
         enc = cfg["values"]
@@ -187,14 +197,7 @@ class Threshold(TopK):
         tau = st["tau"]
         seg, cnt = self._select(acc, tau, cap, enc, qseed, qb, ef)
         if self.overflow_guard:
-            # raise tau for the next steps when more than `capacity` passed it (device
-            # scalar ops only; see the module docstring)
-            # (the sqrt through float64: correctly rounded on every device -- torch's
-            # fp32 CPU sqrt is not, in ~14% of inputs -- so the bucket path's kernels,
-            # sqrt_rn / sqrtf, give the same bits)
-            ratio = cnt[1].to(torch.float32) / float(cap)
-            up = ratio.double().sqrt().float().clamp_max(2.0)
-            st["tau"] = torch.where(ratio > 1.0, tau * up, tau)
+            st["tau"] = self._next_tau(tau, cnt[1], k, cap)
         return LayerPayload(name, shape, [seg]), dict(selected=cnt[1:2], threshold=tau,
                                                       density=d,
                                                       extra=dict(refreshed=refresh))

@@ -42,3 +42,25 @@ class ThresholdTracking(Threshold):
         ratio = selected.to(torch.float32) / float(target)
         f = ratio.double().sqrt().float().clamp(0.5, 2.0)
         return tau * f
+
+
+class ThresholdLargestOnOverflow(Threshold):
+    """Threshold (DCT-DP) whose overflowing selection keeps the ``capacity`` LARGEST
+    ``|acc|`` passing the reused tau instead of the first ``capacity`` in slot order
+    (ascending index on the CPU); the overflow guard is unchanged (it still sees the
+    count at tau). Per layer, host-synchronising -- a study of the CNN divergence
+    (BENCHMARKS 4b), not a library path."""
+
+    bucket_path = False
+
+    def _select(self, acc, thr, cap, enc, qseed, qb, ef, done=None, **kw):
+        a = acc.abs()
+        over = int((a >= thr).sum())
+        if done is None and over > cap:
+            t_cap = torch.topk(a, cap, sorted=False).values.min()
+            seg, cnt = super()._select(acc, torch.maximum(thr, t_cap), cap, enc, qseed, qb,
+                                       ef, **kw)
+            cnt = cnt.clone()
+            cnt[1] = over                          # the guard sees the count at tau
+            return seg, cnt
+        return super()._select(acc, thr, cap, enc, qseed, qb, ef, done=done, **kw)

@@ -28,12 +28,16 @@ Per bucket and step (``hvdsparse/compressors/topk_bucket.py`` drives them)::
     topk        torch.topk(S, M, dim=1, sorted=True)  (M = max_j m_j; the -1 padding
                            sorts last and is never read: every rank used is <= s_j)
     count x R   1 launch per refinement round: counts[j, round] += #{|r_j| >= t_j}
+    ladder      (Threshold's guard rows; zeroed lad[L, J] + 1 launch) lad[j, q] +=
+                           #{|r_j| >= t_j * gam[q]}, t_j = max(tau_j, TINY); the select
+                           then uses t_j * gam[r], r = min(#{q : lad[j, q] > cap_j}, J-1)
     select      1 launch   t_j = max(replay of all rounds, TINY) stored in tau[j]; select
                            |r_j| >= t_j into slots out_j + [0, cap_j) (indices local to the
                            layer), residual zeroed where sent (fp32) or left with the cast
                            error (fp16 / bf16); count[j] = [sent, selected]
     clamp       1 launch   count[j, 0] = min(count[j, 1], cap_j); MODE_GUARD rows
-                           (Threshold's overflow guard) also write the next step's
+                           (Threshold's overflow guard) set count[j, 1] = lad[j, 0] (the
+                           count at tau) and write the next step's
                            threshold to C_TOUT: ratio = fp32(selected) / fp32(cap_j),
                            tau' = ratio > 1 ? tau * min(sqrt(ratio), 2) : tau (div_rn,
                            sqrt_rn: threshold.py's torch expression, bit for bit)
@@ -226,9 +230,28 @@ def _count_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, W: tl.constexpr,
 
 
 @triton.jit
+def _is_ladder_row(row):
+    """ROUTE_GIVEN with MODE_GUARD: Threshold's overflow ladder applies."""
+    return (tl.load(row + _EXACT) == 2) & ((tl.load(row + _MODE) & 8) != 0)
+
+
+@triton.jit
+def _ladder_kernel(tab_ptr, blk_ptr, lad_ptr, gam_ptr, tiny, W: tl.constexpr,
+                   J: tl.constexpr, BLOCK: tl.constexpr):
+    """Threshold's overflow ladder: lad[j, q] += #{|r_j| >= max(tau_j, tiny) * gam[q]}."""
+    j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
+    if _is_ladder_row(row):
+        t = tl.maximum(tl.load(_fptr(row, _TIN)), tiny)
+        a = tl.abs(tl.load(_fptr(row, _R) + offs, mask=mask, other=0.0))
+        for q in tl.static_range(J):
+            c = tl.sum(((a >= t * tl.load(gam_ptr + q)) & mask).to(tl.int32), axis=0)
+            tl.atomic_add(lad_ptr + j * J + q, c, mask=c > 0, sem="relaxed")
+
+
+@triton.jit
 def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_ptr, val_ptr,
-                   cnt_ptr, tiny, W: tl.constexpr, ROUNDS: tl.constexpr, VE: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   cnt_ptr, tiny, lad_ptr, gam_ptr, W: tl.constexpr, ROUNDS: tl.constexpr,
+                   VE: tl.constexpr, J: tl.constexpr, BLOCK: tl.constexpr):
     j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
     if tl.load(row + _EXACT) == 2:             # ROUTE_GIVEN: Threshold's reused tau
         t = tl.load(_fptr(row, _TIN))
@@ -237,9 +260,17 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
     t = tl.maximum(t, tiny)
     if lb == 0:
         tl.store(tau_ptr + j, t)
+    ts = t
+    if J > 0:
+        if _is_ladder_row(row):
+            # the lowest rung whose count fits: r = min(#{q : c_q > cap}, J - 1)
+            q = tl.arange(0, J)
+            c = tl.load(lad_ptr + j * J + q).to(tl.int64)
+            r = tl.minimum(tl.sum((c > tl.load(row + _CAP)).to(tl.int32), axis=0), J - 1)
+            ts = t * tl.load(gam_ptr + r)
     rp = _fptr(row, _R)
     a = tl.load(rp + offs, mask=mask, other=0.0)
-    sel = (tl.abs(a) >= t) & mask
+    sel = (tl.abs(a) >= ts) & mask
     slot, w = _reserve_slots(sel, cnt_ptr + j * 2 + 1, tl.load(row + _CAP))
     out = tl.load(row + _OUT) + slot
     tl.store(idx_ptr + out, offs.to(tl.int32), mask=w)
@@ -248,12 +279,17 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
 
 
 @triton.jit
-def _clamp_kernel(tab_ptr, cnt_ptr, tau_ptr, W: tl.constexpr):
+def _clamp_kernel(tab_ptr, cnt_ptr, tau_ptr, lad_ptr, W: tl.constexpr, J: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     row = tab_ptr + j * W
     cap = tl.load(row + _CAP)
     sel = tl.load(cnt_ptr + j * 2 + 1).to(tl.int64)
     tl.store(cnt_ptr + j * 2, tl.minimum(sel, cap).to(tl.int32))
+    if J > 0:
+        if _is_ladder_row(row):
+            # selected: the count at tau (the ladder's rung 0), not at the rung used
+            sel = tl.load(lad_ptr + j * J).to(tl.int64)
+            tl.store(cnt_ptr + j * 2 + 1, sel.to(tl.int32))
     if (tl.load(row + _MODE) & 8) != 0:
         # MODE_GUARD (Threshold's overflow guard): the next step's tau, into a new tensor
         # ratio = fp32(selected) / fp32(cap); tau' = ratio > 1 ? tau * min(sqrt(ratio), 2)
@@ -284,11 +320,14 @@ def accumulate(tab, blk, grad_scale, gdt, *, block):
         GDT=gdt, BLOCK=block, num_warps=16, enable_fp_fusion=False)
 
 
-def threshold_and_select(tab, blk, L, smax, mmax, rounds, capacity_total, ve, *, block,
-                         sample_block=1024):
-    """Sample, sort, ``rounds`` counting passes, select and clamp. Returns ``(indices
-    int32[capacity_total], values, counts int32[L, 2], tau fp32[L])``; the slots of
-    segment ``j`` are ``[tab[j, _OUT], tab[j, _OUT] + cap_j)``."""
+def threshold_and_select(tab, blk, L, smax, mmax, rounds, capacity_total, ve, ladder=None,
+                         *, block, sample_block=1024):
+    """Sample, sort, ``rounds`` counting passes, (the ladder's counting pass), select
+    and clamp. Returns ``(indices int32[capacity_total], values, counts int32[L, 2], tau
+    fp32[L])``; the slots of segment ``j`` are ``[tab[j, _OUT], tab[j, _OUT] + cap_j)``.
+    ``ladder``: Threshold's rung factors (``threshold.ladder_factors``), given when a
+    row has MODE_GUARD (the driver's rule: the table is on the device, not checked
+    here); ``None``: no ladder pass."""
     dev = tab.device
     S = torch.empty((L, smax), dtype=torch.float32, device=dev)
     R = max(int(rounds), 1)
@@ -302,13 +341,18 @@ def threshold_and_select(tab, blk, L, smax, mmax, rounds, capacity_total, ve, *,
     for j in range(rounds):
         _count_kernel[(nblk,)](tab, blk, V, mmax, counts, R, W=W, ROUND=j, BLOCK=block,
                                num_warps=8, enable_fp_fusion=False)
+    J = 0 if ladder is None else ladder.numel()
+    lad = torch.zeros((L, max(J, 1)), dtype=torch.int32, device=dev) if J else cnt
+    if J:
+        _ladder_kernel[(nblk,)](tab, blk, lad, ladder, _TINY, W=W, J=J, BLOCK=block,
+                                num_warps=8, enable_fp_fusion=False)
     idx = torch.empty(capacity_total, dtype=torch.int32, device=dev)
     vals = torch.empty(capacity_total, dtype=_VE_DTYPE[ve], device=dev)
     tau = torch.empty(L, dtype=torch.float32, device=dev)
-    _select_kernel[(nblk,)](tab, blk, V, mmax, counts, R, tau, idx, vals, cnt, _TINY, W=W,
-                            ROUNDS=rounds, VE=ve, BLOCK=block, num_warps=16,
-                            enable_fp_fusion=False)
-    _clamp_kernel[(L,)](tab, cnt, tau, W=W, num_warps=1, enable_fp_fusion=False)
+    _select_kernel[(nblk,)](tab, blk, V, mmax, counts, R, tau, idx, vals, cnt, _TINY, lad,
+                            ladder if J else S, W=W, ROUNDS=rounds, VE=ve, J=J, BLOCK=block,
+                            num_warps=16, enable_fp_fusion=False)
+    _clamp_kernel[(L,)](tab, cnt, tau, lad, W=W, J=J, num_warps=1, enable_fp_fusion=False)
     return idx, vals, cnt, tau
 
 

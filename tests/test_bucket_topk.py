@@ -317,7 +317,8 @@ def _run_threshold(path, mc, seed, steps=5, life_span=3):
             TB.mask_bucket(batch)
         comp.commit()
         hist.append(_snapshot(comp, lu, payloads, nfs,
-                              tau={n: comp.current_threshold(n).clone() for n in payloads}))
+                              tau={n: comp.current_threshold(n).clone() for n in payloads},
+                              caps={n: payloads[n].segments[0].capacity for n in payloads}))
     return hist, routes
 
 
@@ -340,6 +341,12 @@ def test_threshold_bucket_path_matches_per_layer_path(monkeypatch, backend):
     raised = sum(not torch.equal(ref[step]["tau"][n], ref[step - 1]["tau"][n])
                  for step in (1, 4) for n in ref[step]["tau"])   # the guard moved tau
     assert raised > 0, "no step exercised the overflow guard"
+    # the overflow ladder chose a rung above tau somewhere: fewer sent than passed tau
+    # (stats' selected = the count at tau) although the capacity had room
+    laddered = sum(got[step]["pairs"][n][0] < min(int(got[step]["stats"][n][0]),
+                                                  got[step]["caps"][n])
+                   for step in (1, 2, 4) for n in got[step]["pairs"])
+    assert laddered > 0, "no step exercised the overflow ladder"
 
 
 def test_a_subclass_with_its_own_compress_is_never_bypassed(monkeypatch):

@@ -105,6 +105,7 @@ def test_built_once_per_source_and_reused(tmp_path):
 def test_bad_arguments_are_rejected_by_name():
     import torch
     from hvdsparse import native
+    from hvdsparse.compressors.threshold import ladder_factors
     if not native.available():
         pytest.skip(f"compiled CPU loops unavailable: {native.why_unavailable()}")
     K = native.bucket_topk()
@@ -119,7 +120,10 @@ def test_bad_arguments_are_rejected_by_name():
                      torch.ones(1, dtype=torch.float64), 0)
     with pytest.raises(ValueError, match="fp32 values only"):
         K.threshold_and_select(torch.zeros((1, K.W), dtype=torch.int64), None, 1, 8, 4, 2,
-                               16, 1)
+                               16, 1, ladder_factors("cpu"))
+    with pytest.raises(ValueError, match="ladder"):
+        K.threshold_and_select(torch.zeros((1, K.W), dtype=torch.int64), None, 1, 8, 4, 2,
+                               16, 0, ladder_factors("cpu").double())
 
 
 def _rows_in_message(g, P, cap, N):

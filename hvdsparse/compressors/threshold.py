@@ -26,13 +26,30 @@ Deviations, all forced by fixed-size messages:
   well above the raw gradient a threshold computed at step 0 was taken from, so a
   stale ``tau`` can let half the layer pass. The paper then simply sends half the
   layer (and the residual empties); with a fixed capacity the same elements (lowest
-  slots) would be sent every step and the others would starve. So when
-  ``selected > capacity`` the threshold used from the next step on is raised,
-  ``tau <- tau * min(2, sqrt(selected / capacity))`` (device scalar ops, no host
-  synchronisation), until the count fits again; ``tau`` is never lowered between
-  refreshes (a too-high ``tau`` only delays elements, which error feedback then
-  accumulates until they pass). Steps on which nothing overflows behave exactly as
-  Algorithm 1. ``overflow_guard=False`` keeps ``tau`` fixed between refreshes.
+  slots) would be sent every step and the others would starve. Two parts:
+
+  - *This step: the largest go first (the overflow ladder).* Between refreshes the
+    count is taken at 16 rungs ``t_j = tau * 2^(j/4)`` (``LADDER``, fp32 products;
+    ``c_j = #{|acc| >= t_j}``, one counting pass) and the selection uses the lowest
+    rung that fits, ``t* = t_r``, ``r = min(#{j : c_j > capacity}, 15)`` (``c_j``
+    never grows with ``j``; ``r = 0`` when nothing overflows, so such steps are
+    Algorithm 1 exactly). An overflow past the top rung (``tau`` too low by more than 2^3.75) is
+    cut as before. Without it, an overflowing step sends the lowest slots whatever
+    their size, and the starved elements' accumulations grow until they go out at once:
+    on the digits CNN with momentum correction that made training diverge for tens of
+    steps in 2 of 3 seeds (-2.2 pp over 6 seeds; with the ladder -0.3 pp, BENCHMARKS
+    4b, sixteenth session).
+  - *The next steps: tau is raised.* With ``selected = c_0`` (the count at ``tau``,
+    reported as the layer's ``selected``), when ``selected > capacity`` the threshold
+    used from the next step on is ``tau * min(2, sqrt(selected / capacity))``, until
+    the count fits again; ``tau`` is never lowered between refreshes (a too-high
+    ``tau`` only delays elements, which error feedback then accumulates until they
+    pass; a rule that also lowered it, tracking a target count, lost 5 pp on the
+    digits MLP).
+
+  All device ops, no host synchronisation. ``overflow_guard=False`` keeps ``tau`` fixed
+  between refreshes and cuts an overflow in slot order (the paper's rule with a fixed
+  capacity).
 * **Warm-up.** With a warm-up schedule ``k`` changes with the step; ``tau`` is
   recomputed on every step whose ``k`` differs from the ``k`` of the last refresh (and
   on every ``L``-th step as usual), so during warm-up the threshold is fresh each step.
@@ -53,7 +70,38 @@ from .base import PURPOSE_QUANT, TINY, check_values, k_of
 from .topk import TopK, _check_bool, _check_quant_bucket, _wrap
 from .warmup import make_warmup
 
-__all__ = ["Threshold"]
+__all__ = ["Threshold", "LADDER", "ladder_threshold"]
+
+#: the overflow ladder's rung factors: rung ``j`` selects at ``fp32(tau * LADDER[j])``
+#: (``2^(j/4)`` rounded to fp32; the bucket kernels get them as a tensor)
+LADDER = tuple(float(torch.tensor(2.0 ** (j / 4), dtype=torch.float32)) for j in range(16))
+_LADDER_T = {}
+
+
+def ladder_factors(device) -> torch.Tensor:
+    """``LADDER`` as an fp32 tensor on ``device`` (cached)."""
+    key = str(device)
+    t = _LADDER_T.get(key)
+    if t is None:
+        t = _LADDER_T[key] = torch.tensor(LADDER, dtype=torch.float32, device=device)
+    return t
+
+
+def ladder_threshold(a: torch.Tensor, tau: torch.Tensor, cap: int):
+    """The overflow ladder (module docstring): ``(t*, c_0)`` for magnitudes ``a`` (fp32,
+    ``>= 0``, no NaN), the reused ``tau`` (0-d fp32, ``>= TINY``) and ``cap``: ``t* =
+    t_r`` with ``t_j = tau * LADDER[j]``, ``c_j = #{a >= t_j}``, ``r = min(#{j :
+    c_j > cap}, 15)`` (the lowest rung that fits); ``c_0`` int32[1]. Device ops only (a bucketize and a scatter-add
+    histogram of how many rungs each element reaches; no host synchronisation)."""
+    J = len(LADDER)
+    rungs = tau.reshape(1) * ladder_factors(a.device)          # ascending
+    reached = torch.bucketize(a, rungs, right=True)            # #{j : t_j <= a_i}
+    hist = torch.zeros(J + 1, dtype=torch.int32, device=a.device)
+    hist.scatter_add_(0, reached, torch.ones((), dtype=torch.int32,
+                                             device=a.device).expand(a.numel()))
+    c = hist.flip(0).cumsum(0).flip(0)[1:]                     # c_j = #{reached > j}
+    r = (c > cap).sum().clamp_max(J - 1)
+    return rungs.gather(0, r.reshape(1)).reshape(()), c[:1].to(torch.int32)
 
 
 class Threshold(TopK):
@@ -195,7 +243,12 @@ class Threshold(TopK):
             st["true_history"].append((step, true_tau))
             del st["true_history"][:-self.max_history]
         tau = st["tau"]
-        seg, cnt = self._select(acc, tau, cap, enc, qseed, qb, ef)
+        if self.overflow_guard and not refresh:
+            t_sel, c0 = ladder_threshold(self._abs_buf(acc), tau, cap)
+            seg, cnt = self._select(acc, t_sel, cap, enc, qseed, qb, ef)
+            cnt = torch.cat([cnt[:1], c0])                # selected: the count at tau
+        else:
+            seg, cnt = self._select(acc, tau, cap, enc, qseed, qb, ef)
         if self.overflow_guard:
             st["tau"] = self._next_tau(tau, cnt[1], k, cap)
         return LayerPayload(name, shape, [seg]), dict(selected=cnt[1:2], threshold=tau,

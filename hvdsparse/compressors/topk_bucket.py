@@ -267,9 +267,14 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         else None
     K.accumulate(table, blk, grad_scale, K.GDT_CODE[items[0].grad.dtype], block=BLOCK)
     enc = plans[0]["enc"]
+    # Threshold's guard rows also select through the overflow ladder (threshold.py)
+    ladder = None
+    if any(pl.get("guard") for pl in plans):
+        from .threshold import ladder_factors
+        ladder = ladder_factors(dev)
     idx, vals, cnt, tau = K.threshold_and_select(
         table, blk, L, max(pl["s"] for pl in plans), max(pl["m"] for pl in plans),
-        plans[0]["rounds"], out, _VE_CODE[enc], block=BLOCK)
+        plans[0]["rounds"], out, _VE_CODE[enc], ladder, block=BLOCK)
     payloads = {}
     for j, (it, pl) in enumerate(zip(items, plans)):
         o, cap = int(tab[j, K.C_OUT]), pl["cap"]

@@ -129,7 +129,8 @@ def _load():
         lib.hvd_layout.argtypes = []
         lib.hvd_accumulate.argtypes = [P, I64, P]
         lib.hvd_sample.argtypes = [P, I64, P, I64]
-        lib.hvd_select.argtypes = [P, I64, P, I64, P, I64, I64, P, P, P, P, ctypes.c_float]
+        lib.hvd_select.argtypes = [P, I64, P, I64, P, I64, I64, P, P, P, P, ctypes.c_float,
+                                   P, I64]
         lib.hvd_mask.argtypes = [P, I64, P, P]
         lib.hvd_top_m.argtypes = [P, I64, I64, I64, P, P]
         for f in ("hvd_accumulate", "hvd_sample", "hvd_top_m", "hvd_select", "hvd_mask"):
@@ -226,11 +227,20 @@ def _bucket_topk_namespace(lib) -> SimpleNamespace:
             _cpu("grad_scale", s, torch.float32)
         lib.hvd_accumulate(tab.data_ptr(), L, None if s is None else s.data_ptr())
 
-    def threshold_and_select(tab, blk, L, smax, mmax, rounds, capacity_total, ve, *,
-                             block=None):
+    def threshold_and_select(tab, blk, L, smax, mmax, rounds, capacity_total, ve,
+                             ladder=None, *, block=None):
         """Sample, ``torch.topk``, the refinement rounds and the selection. Returns
         ``(indices int32[capacity_total], values fp32, counts int32[L, 2], tau fp32[L])``
-        as the Triton version does."""
+        as the Triton version does. ``ladder``: Threshold's rung factors
+        (``threshold.ladder_factors``; fp32, 1 to 32), required when a row has
+        MODE_GUARD."""
+        if ladder is None:
+            if _table(tab) and (tab[:, ns.C_MODE] & ns.MODE_GUARD).any():
+                raise ValueError("hvdsparse.native: a MODE_GUARD row needs the ladder")
+            ladder = torch.ones(1, dtype=torch.float32)
+        _cpu("ladder", ladder, torch.float32, 1)
+        if not 1 <= ladder.numel() <= 32:
+            raise ValueError(f"hvdsparse.native: 1 to 32 ladder rungs, got {ladder.numel()}")
         if ve != 0:
             raise ValueError("hvdsparse.native: fp32 values only")
         if _table(tab) != L:
@@ -246,7 +256,7 @@ def _bucket_topk_namespace(lib) -> SimpleNamespace:
         tau = torch.empty(L, dtype=torch.float32)
         lib.hvd_select(tab.data_ptr(), L, V.data_ptr(), mmax, counts.data_ptr(), R,
                        int(rounds), tau.data_ptr(), idx.data_ptr(), vals.data_ptr(),
-                       cnt.data_ptr(), tiny)
+                       cnt.data_ptr(), tiny, ladder.data_ptr(), ladder.numel())
         return idx, vals, cnt, tau
 
     def mask(tab, idx, cnt, L, capmax, *, block=None):

@@ -25,8 +25,10 @@
  *                    Every counting pass also collects the first cap indices it finds,
  *                    so when the final threshold is the last counted one (the usual
  *                    case: the sampled estimate is in range) the layer is read once.
- *                    MODE_GUARD rows: ratio = selected / cap (fp32), *C_TOUT = ratio > 1
- *                    ? t * min(sqrt(ratio), 2) : t (threshold.py's overflow guard).
+ *                    MODE_GUARD rows (Threshold's overflow guard, threshold.py): the
+ *                    selection uses the overflow ladder's rung (ladder_pick: one more
+ *                    pass), selected = the count at t; ratio = selected / cap (fp32),
+ *                    *C_TOUT = ratio > 1 ? t * min(sqrt(ratio), 2) : t.
  *   hvd_mask         momentum rows: u[idx[out + i]] = 0 for i < cnt[j][0], 0 <= idx < n
  *
  * Only fp32 gradients, parameters and values: the loader's caller (topk_bucket.layer_plan)
@@ -374,9 +376,42 @@ HOT static int64_t count_collect(const float *restrict a, int64_t n, float t,
 /* Per row: refinement rounds, threshold, selection (see the module docstring).
  * V: [L][mmax] sorted sample magnitudes; counts: int32 [L][R] (zeroed by the caller);
  * idx / vals: the bucket's slots; cnt: int32 [L][2]; tau: fp32 [L]. */
+/* Threshold's overflow ladder (threshold.py): the lowest of the J rungs tq[q] = t *
+ * ladder[q] (ascending) whose count fits in cap; *c0 = the count at t = tq[0]. */
+#define LADDER_MAX 32
+static float ladder_pick(const float *restrict a, int64_t n, float t,
+                         const float *ladder, int64_t J, int64_t cap, int64_t *c0)
+{
+    float tq[LADDER_MAX];
+    int64_t hist[LADDER_MAX + 1];
+    for (int64_t q = 0; q < J; q++) {
+        tq[q] = t * ladder[q];
+        hist[q] = 0;
+    }
+    hist[J] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float x = fabsf(a[i]);
+        int64_t q = 0;
+        while (q < J && x >= tq[q])            /* rungs this element reaches */
+            q++;
+        hist[q]++;
+    }
+    int64_t above = 0, r = 0;                  /* c_q = #{reached > q} */
+    for (int64_t q = J - 1; q >= 0; q--) {
+        above += hist[q + 1];
+        if (q == 0)
+            *c0 = above;
+        if (above > cap)
+            r++;
+    }
+    if (r > J - 1)
+        r = J - 1;
+    return tq[r];
+}
+
 void hvd_select(const int64_t *tab, int64_t L, const float *V, int64_t mmax,
                 int32_t *counts, int64_t R, int64_t rounds, float *tau, int32_t *idx,
-                float *vals, int32_t *cnt, float tiny)
+                float *vals, int32_t *cnt, float tiny, const float *ladder, int64_t J)
 {
     for (int64_t j = 0; j < L; j++) {
         const int64_t *row = tab + j * W;
@@ -409,9 +444,14 @@ void hvd_select(const int64_t *tab, int64_t L, const float *V, int64_t mmax,
                                        : replay(v, cn, r0, mf, kf, capf, target, (int)rounds);
         t = fmaxf(t, tiny);
         tau[j] = t;
-        if (!(have && t == held))
-            held_count = count_collect(r, n, t, slots, cap);
+        int64_t guard = route == ROUTE_GIVEN && (row[C_MODE] & MODE_GUARD);
+        int64_t at_tau = 0;
+        float ts = guard ? ladder_pick(r, n, t, ladder, J, cap, &at_tau) : t;
+        if (!(have && ts == held))
+            held_count = count_collect(r, n, ts, slots, cap);
         int64_t sent = held_count < cap ? held_count : cap;
+        if (guard)
+            held_count = at_tau;                 /* selected: the count at tau */
         float *vo = vals + out;
         for (int64_t q = 0; q < sent; q++) {
             int64_t i = slots[q];

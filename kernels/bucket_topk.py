@@ -264,9 +264,9 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
     if J > 0:
         if _is_ladder_row(row):
             # the lowest rung whose count fits: r = min(#{q : c_q > cap}, J - 1)
-            q = tl.arange(0, J)
+            q = tl.arange(0, J).to(tl.int64)
             c = tl.load(lad_ptr + j * J + q).to(tl.int64)
-            r = tl.minimum(tl.sum((c > tl.load(row + _CAP)).to(tl.int32), axis=0), J - 1)
+            r = tl.minimum(tl.sum((c > tl.load(row + _CAP)).to(tl.int64), axis=0), J - 1)
             ts = t * tl.load(gam_ptr + r)
     rp = _fptr(row, _R)
     a = tl.load(rp + offs, mask=mask, other=0.0)

@@ -70,7 +70,8 @@ KERNELS = [("residual", "_residual_tile_kernel"), ("residual", "_residual_flat_k
            ("binned", "_binned_count_kernel"), ("binned", "_binned_pack_kernel"),
            ("bucket_topk", "_accumulate_kernel"), ("bucket_topk", "_sample_kernel"),
            ("bucket_topk", "_count_kernel"), ("bucket_topk", "_select_kernel"),
-           ("bucket_topk", "_clamp_kernel"), ("bucket_topk", "_mask_kernel")]
+           ("bucket_topk", "_clamp_kernel"), ("bucket_topk", "_mask_kernel"),
+           ("bucket_topk", "_ladder_kernel")]
 #: kernels that stream over a whole layer: grid >= 1000 programs at 25M elements, and
 #: 128-bit loads of aligned fp32 inputs
 STREAMING = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
@@ -83,7 +84,8 @@ VECTOR_LOADS = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compa
 #: kernels where a product feeds a sum and the math says two roundings
 NO_FMA = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
           "_refine_count_kernel", "_refine_final_kernel", "_binned_count_kernel",
-          "_binned_pack_kernel", "_accumulate_kernel", "_count_kernel", "_select_kernel"}
+          "_binned_pack_kernel", "_accumulate_kernel", "_count_kernel", "_select_kernel",
+          "_ladder_kernel"}
 BIG = 25_000_000
 
 RECORDS: list = []
@@ -231,6 +233,23 @@ def drive(full: bool, errors: list):
         TB.mask_bucket(batch)
     run("bucket-TopK-fp32-mc@25M", lambda: bucket(torch.float32, True))
     run("bucket-TopK-fp16@25M", lambda: bucket(torch.float16, False))
+
+    # Threshold between refreshes (ROUTE_GIVEN, the guard's overflow ladder): step 0 is
+    # the per-layer refresh (its launches recorded too), step 1 the bucket path
+    def bucket_threshold():
+        from hvdsparse.compressors import topk_bucket as TB
+        c = hvdsparse.Threshold(0.99, output_ratio=None)
+        shp = (5000, BIG // 5000)
+        c.compress("big", torch.randn(shp), 0)
+        c.commit()
+        g, p = torch.zeros(shp), torch.zeros(shp)
+        spec = TB.MomentumSpec(torch.zeros(shp), 0.9, 0.0, False, 0.0)
+        pl = TB.layer_plan(c, "big", g, 1, p, spec)
+        if pl is None or pl["exact"] != 2:
+            raise AssertionError("Threshold at step 1: not on the bucket path's given route")
+        TB.compress_bucket(c, [TB.BucketItem("big", g, p, torch.zeros(1, dtype=torch.int32),
+                                             spec)], [pl], 1)
+    run("bucket-Threshold-mc@25M", bucket_threshold)
     # DCT-MP row threshold
     for d in ((256, 4096) if full else (256,)):
         run(f"rowthreshold-d{d}",

@@ -19,7 +19,7 @@ asserted here:
   approximate fp32 division (``div.full`` / ``div.approx``) there either;
 * every tensor pointer offset in the Triton IR is 64-bit.
 
-Default: a representative subset (96 specialisations; about 40 s with a cold cache on
+Default: a representative subset (108 specialisations; about 40 s with a cold cache on
 2 cores, 10-15 s warm; the cache is ``~/.cache/hvdsparse/triton`` unless
 ``TRITON_CACHE_DIR`` is set). The full matrix (every compressor, encoding and bucket)
 runs with ``HVDSPARSE_COMPILE_FULL=1``.
@@ -65,7 +65,7 @@ def test_every_launch_binds_and_compiles(report):
                      "_zero_slots_kernel", "_binned_count_kernel",
                      "_binned_pack_kernel", "_accumulate_kernel", "_sample_kernel",
                      "_count_kernel", "_select_kernel", "_clamp_kernel",
-                     "_mask_kernel"}, kinds
+                     "_mask_kernel", "_ladder_kernel"}, kinds
     bad = [(s["kernel"], s["cc"], s.get("error")) for s in report["specializations"]
            if not s["ok"]]
     assert not bad, bad

@@ -64,3 +64,12 @@ class ThresholdLargestOnOverflow(Threshold):
             cnt[1] = over                          # the guard sees the count at tau
             return seg, cnt
         return super()._select(acc, thr, cap, enc, qseed, qb, ef, done=done, **kw)
+
+
+class ThresholdFineLadder(Threshold):
+    """Threshold with a finer overflow ladder: 32 rungs of 2^(1/8) (the library's: 16 of
+    2^(1/4)), so an overflowing step fills more of its capacity -- a study of what the
+    rung spacing costs (BENCHMARKS 4b, sixteenth session)."""
+
+    ladder = tuple(float(torch.tensor(2.0 ** (j / 8), dtype=torch.float32))
+                   for j in range(32))

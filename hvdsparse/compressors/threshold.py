@@ -78,23 +78,25 @@ LADDER = tuple(float(torch.tensor(2.0 ** (j / 4), dtype=torch.float32)) for j in
 _LADDER_T = {}
 
 
-def ladder_factors(device) -> torch.Tensor:
-    """``LADDER`` as an fp32 tensor on ``device`` (cached)."""
-    key = str(device)
+def ladder_factors(device, ladder=LADDER) -> torch.Tensor:
+    """``ladder`` (rung factors, ascending, ``ladder[0] == 1``) as an fp32 tensor on
+    ``device`` (cached)."""
+    key = (str(device), tuple(ladder))
     t = _LADDER_T.get(key)
     if t is None:
-        t = _LADDER_T[key] = torch.tensor(LADDER, dtype=torch.float32, device=device)
+        t = _LADDER_T[key] = torch.tensor(ladder, dtype=torch.float32, device=device)
     return t
 
 
-def ladder_threshold(a: torch.Tensor, tau: torch.Tensor, cap: int):
+def ladder_threshold(a: torch.Tensor, tau: torch.Tensor, cap: int, ladder=LADDER):
     """The overflow ladder (module docstring): ``(t*, c_0)`` for magnitudes ``a`` (fp32,
     ``>= 0``, no NaN), the reused ``tau`` (0-d fp32, ``>= TINY``) and ``cap``: ``t* =
-    t_r`` with ``t_j = tau * LADDER[j]``, ``c_j = #{a >= t_j}``, ``r = min(#{j :
-    c_j > cap}, 15)`` (the lowest rung that fits); ``c_0`` int32[1]. Device ops only (a bucketize and a scatter-add
-    histogram of how many rungs each element reaches; no host synchronisation)."""
-    J = len(LADDER)
-    rungs = tau.reshape(1) * ladder_factors(a.device)          # ascending
+    t_r`` with ``t_j = tau * ladder[j]``, ``c_j = #{a >= t_j}``, ``r = min(#{j : c_j >
+    cap}, J - 1)`` (the lowest rung that fits); ``c_0`` int32[1]. Device ops only (a
+    bucketize and a scatter-add histogram of how many rungs each element reaches; no
+    host synchronisation)."""
+    J = len(ladder)
+    rungs = tau.reshape(1) * ladder_factors(a.device, ladder)  # ascending
     reached = torch.bucketize(a, rungs, right=True)            # #{j : t_j <= a_i}
     hist = torch.zeros(J + 1, dtype=torch.int32, device=a.device)
     hist.scatter_add_(0, reached, torch.ones((), dtype=torch.int32,
@@ -112,6 +114,7 @@ class Threshold(TopK):
     parameter) runs at sparsity ``min(sparsity, 1 - output_ratio)``; ``None``: off."""
 
     bucket_path = True       # between refreshes (topk_bucket.layer_plan: ROUTE_GIVEN)
+    ladder = LADDER          # the overflow ladder's rung factors (module docstring)
 
     _settings = ("sparsity", "life_span", "values", "slack", "quant_bucket",
                  "error_feedback")
@@ -244,7 +247,7 @@ class Threshold(TopK):
             del st["true_history"][:-self.max_history]
         tau = st["tau"]
         if self.overflow_guard and not refresh:
-            t_sel, c0 = ladder_threshold(self._abs_buf(acc), tau, cap)
+            t_sel, c0 = ladder_threshold(self._abs_buf(acc), tau, cap, self.ladder)
             seg, cnt = self._select(acc, t_sel, cap, enc, qseed, qb, ef)
             cnt = torch.cat([cnt[:1], c0])                # selected: the count at tau
         else:

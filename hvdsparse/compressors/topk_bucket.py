@@ -271,7 +271,7 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
     ladder = None
     if any(pl.get("guard") for pl in plans):
         from .threshold import ladder_factors
-        ladder = ladder_factors(dev)
+        ladder = ladder_factors(dev, comp.ladder)
     idx, vals, cnt, tau = K.threshold_and_select(
         table, blk, L, max(pl["s"] for pl in plans), max(pl["m"] for pl in plans),
         plans[0]["rounds"], out, _VE_CODE[enc], ladder, block=BLOCK)

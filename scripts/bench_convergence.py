@@ -65,7 +65,7 @@ COMPRESSORS = {
     "adacomp-fp32": ("study_compressors.AdaCompExactValues", ()),
     "threshold-track": ("study_compressors.ThresholdTracking", (0.99,)),
     "threshold-largest": ("study_compressors.ThresholdLargestOnOverflow", (0.99,)),
-    "threshold-fine": ("study_compressors.ThresholdFineLadder", (0.99,)),
+    "threshold-coarse": ("study_compressors.ThresholdCoarseLadder", (0.99,)),
 }
 SGD_METHODS = ["dense", "topk", "topk+mc", "threshold", "threshold+mc", "adacomp",
                "adacomp+mc", "slimdp", "qsgd"]

@@ -66,10 +66,10 @@ class ThresholdLargestOnOverflow(Threshold):
         return super()._select(acc, thr, cap, enc, qseed, qb, ef, done=done, **kw)
 
 
-class ThresholdFineLadder(Threshold):
-    """Threshold with a finer overflow ladder: 32 rungs of 2^(1/8) (the library's: 16 of
-    2^(1/4)), so an overflowing step fills more of its capacity -- a study of what the
-    rung spacing costs (BENCHMARKS 4b, sixteenth session)."""
+class ThresholdCoarseLadder(Threshold):
+    """Threshold with a coarser overflow ladder: 16 rungs of 2^(1/4) (the library's: 32
+    of 2^(1/8)), so an overflowing step fills less of its capacity -- a study of what
+    the rung spacing costs (BENCHMARKS 4b, sixteenth session)."""
 
-    ladder = tuple(float(torch.tensor(2.0 ** (j / 8), dtype=torch.float32))
-                   for j in range(32))
+    ladder = tuple(float(torch.tensor(2.0 ** (j / 4), dtype=torch.float32))
+                   for j in range(16))

@@ -27,7 +27,7 @@ def fresh_seed():
 
 def oracle(a, tau, cap):
     """(t*, c_0) by the written rule: c_j = #{a >= fp32(tau * LADDER[j])}, r = the number
-    of rungs whose count exceeds cap, at most 15."""
+    of rungs whose count exceeds cap, at most 31."""
     rungs = [float(torch.tensor(float(tau), dtype=torch.float32) *
                    torch.tensor(f, dtype=torch.float32)) for f in LADDER]
     counts = [int((a >= t).sum()) for t in rungs]
@@ -35,8 +35,9 @@ def oracle(a, tau, cap):
     return rungs[r], counts[0]
 
 
-def test_ladder_factors_are_quarter_octaves():
-    assert len(LADDER) == 16 and LADDER[0] == 1.0 and LADDER[4] == 2.0
+def test_ladder_factors_are_eighth_octaves():
+    assert len(LADDER) == 32 and LADDER[0] == 1.0 and LADDER[8] == 2.0
+    assert LADDER[16] == 4.0 and LADDER[24] == 8.0
     assert all(b > a for a, b in zip(LADDER, LADDER[1:]))
 
 

@@ -29,16 +29,18 @@ Deviations, all forced by fixed-size messages:
   slots) would be sent every step and the others would starve. Two parts:
 
   - *This step: the largest go first (the overflow ladder).* Between refreshes the
-    count is taken at 16 rungs ``t_j = tau * 2^(j/4)`` (``LADDER``, fp32 products;
+    count is taken at 32 rungs ``t_j = tau * 2^(j/8)`` (``LADDER``, fp32 products;
     ``c_j = #{|acc| >= t_j}``, one counting pass) and the selection uses the lowest
-    rung that fits, ``t* = t_r``, ``r = min(#{j : c_j > capacity}, 15)`` (``c_j``
+    rung that fits, ``t* = t_r``, ``r = min(#{j : c_j > capacity}, 31)`` (``c_j``
     never grows with ``j``; ``r = 0`` when nothing overflows, so such steps are
-    Algorithm 1 exactly). An overflow past the top rung (``tau`` too low by more than 2^3.75) is
-    cut as before. Without it, an overflowing step sends the lowest slots whatever
-    their size, and the starved elements' accumulations grow until they go out at once:
-    on the digits CNN with momentum correction that made training diverge for tens of
-    steps in 2 of 3 seeds (-2.2 pp over 6 seeds; with the ladder -0.3 pp, BENCHMARKS
-    4b, sixteenth session).
+    Algorithm 1 exactly). An overflow past the top rung (``tau`` too low by more than
+    14.7x) is cut as before. Without the ladder an overflowing step sends the lowest
+    slots whatever their size, and the starved elements' accumulations grow until they
+    go out at once: on the digits CNN with momentum correction that made training
+    diverge for tens of steps in 2 of 3 seeds. Over 6 seeds (BENCHMARKS 4b, sixteenth
+    session) the accuracy gap to dense went from -2.18 pp to -0.65 pp with these rungs
+    (-0.93 pp with 16 rungs of 2^(1/4), -0.28 pp sending exactly the ``capacity``
+    largest, which a host-synchronising top-k would cost).
   - *The next steps: tau is raised.* With ``selected = c_0`` (the count at ``tau``,
     reported as the layer's ``selected``), when ``selected > capacity`` the threshold
     used from the next step on is ``tau * min(2, sqrt(selected / capacity))``, until
@@ -73,8 +75,9 @@ from .warmup import make_warmup
 __all__ = ["Threshold", "LADDER", "ladder_threshold"]
 
 #: the overflow ladder's rung factors: rung ``j`` selects at ``fp32(tau * LADDER[j])``
-#: (``2^(j/4)`` rounded to fp32; the bucket kernels get them as a tensor)
-LADDER = tuple(float(torch.tensor(2.0 ** (j / 4), dtype=torch.float32)) for j in range(16))
+#: (``2^(j/8)`` rounded to fp32, 32 rungs up to 14.7x; the bucket kernels get them as
+#: a tensor)
+LADDER = tuple(float(torch.tensor(2.0 ** (j / 8), dtype=torch.float32)) for j in range(32))
 _LADDER_T = {}
 
 

@@ -634,18 +634,20 @@ def test_no_host_sync_in_compress_absent_after_exchange_and_transactions():
 
 
 def test_topk_steady_state_allocates_no_full_size_temporaries():
-    """TopK (sampled, exact, per-bucket, int8) and Threshold: after the first step,
-    compressor code allocates no tensor as large as the layer (|acc| and the count
-    masks live in reused scratch buffers)."""
+    """TopK (sampled, exact, per-bucket, int8) and Threshold: after the first two steps
+    (Threshold's first step between refreshes makes its overflow ladder's scratch
+    buffer), compressor code allocates no tensor as large as the layer (|acc|, the
+    count masks and the ladder's rung indices live in reused scratch buffers)."""
     g = gen("alloc")
     n = 64 * 1000
     for mk in (lambda: TopK(0.01), lambda: TopK(0.01, exact=True),
                lambda: TopK(0.01, per_bucket=512), lambda: TopK(0.01, values="int8"),
                lambda: Threshold(0.99, life_span=2), lambda: TopK(0.01, error_feedback=False)):
         c = mk()
-        c.compress("w", torch.randn(64, 1000, generator=g), 0)
+        for step in (0, 1):
+            c.compress("w", torch.randn(64, 1000, generator=g), step)
         spy = SyncSpy(big=n)
         with spy:
-            for step in (1, 2):
+            for step in (2, 3):
                 c.compress("w", torch.randn(64, 1000, generator=g), step)
         assert not spy.allocs, (c, spy.allocs)

@@ -18,6 +18,7 @@ import torch
 from hvdsparse.codec import payload_to_dense
 from hvdsparse.compressors import (AdaComp, ExponentialWarmup, NoCompression, QSGD,
                                    RandomK, RtWarmup, SlimDP, Threshold, TopK)
+from hvdsparse.compressors.threshold import LADDER
 from hvdsparse.payload import IndexEncoding as IE
 from hvdsparse.payload import ValueEncoding as VE
 from tests.workers.topk_oracle import topk_indices
@@ -202,14 +203,37 @@ def chk_per_bucket(comp, p, acc, grad, step, sent_mask):
             assert a[m].min() >= a[~m].max()
 
 
+def ladder_rung(a, tau, cap):
+    """Threshold's overflow ladder, written from its docstring: the lowest rung
+    ``fp32(tau * LADDER[r])`` at which at most ``cap`` elements of ``a`` pass (the top
+    rung when none does)."""
+    t32 = torch.tensor(tau, dtype=torch.float32)
+    rungs = [t32 * torch.tensor(f, dtype=torch.float32) for f in LADDER]
+    r = min(sum(int((a >= t).sum()) > cap for t in rungs), len(LADDER) - 1)
+    return rungs[r]
+
+
 def chk_threshold(comp, p, acc, grad, step, sent_mask):
     seg = p.segments[0]
     if seg.index_encoding == IE.DENSE:
         return
-    tau = comp.stats()["layer"]["threshold"]          # the tau this step used
+    st = comp.stats()["layer"]
+    tau = st["threshold"]                             # the (reused or refreshed) tau
+    cap = seg.capacity
     passing = acc.abs() >= tau
-    assert int(sent_mask.sum()) == min(int(passing.sum()), seg.capacity)
+    assert st["selected"] == int(passing.sum())       # the count at tau
+    if int(passing.sum()) <= cap:
+        assert torch.equal(sent_mask, passing)
+        return
     assert bool(passing[sent_mask].all())
+    if st["refreshed"]:                               # no ladder: cut in slot order
+        assert int(sent_mask.sum()) == cap
+        return
+    top = acc.abs() >= ladder_rung(acc.abs(), tau, cap)
+    if int(top.sum()) <= cap:
+        assert torch.equal(sent_mask, top)
+    else:                                             # past the top rung: cut
+        assert int(sent_mask.sum()) == cap and bool(top[sent_mask].all())
 
 
 def chk_adacomp(comp, p, acc, grad, step, sent_mask):
@@ -496,7 +520,14 @@ def test_threshold_reuse_and_refresh(guard):
         overflowed.append(st["selected"] > cap)
         st_prev = st
         assert st["refreshed"] == (step % L == 0)
-        assert st["sent"] == min(cap, int((acc.abs() >= tau).sum()))
+        passing = int((acc.abs() >= tau).sum())
+        assert st["selected"] == passing                   # the count at tau
+        if guard and step % L and passing > cap:           # the overflow ladder
+            assert st["sent"] == min(cap, int((acc.abs() >=
+                                               ladder_rung(acc.abs(), tau, cap)).sum()))
+            assert st["sent"] < passing
+        else:
+            assert st["sent"] == min(cap, passing)
     assert any(overflowed)        # the growing gradients did exercise the guard path
     hist = comp.threshold_history("w")
     assert [s for s, _ in hist] == [0, 4, 8]

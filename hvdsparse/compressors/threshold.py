@@ -91,19 +91,22 @@ def ladder_factors(device, ladder=LADDER) -> torch.Tensor:
     return t
 
 
-def ladder_threshold(a: torch.Tensor, tau: torch.Tensor, cap: int, ladder=LADDER):
+def ladder_threshold(a: torch.Tensor, tau: torch.Tensor, cap: int, ladder=LADDER,
+                     out: torch.Tensor = None):
     """The overflow ladder (module docstring): ``(t*, c_0)`` for magnitudes ``a`` (fp32,
     ``>= 0``, no NaN), the reused ``tau`` (0-d fp32, ``>= TINY``) and ``cap``: ``t* =
     t_r`` with ``t_j = tau * ladder[j]``, ``c_j = #{a >= t_j}``, ``r = min(#{j : c_j >
     cap}, J - 1)`` (the lowest rung that fits); ``c_0`` int32[1]. Device ops only (a
-    bucketize and a scatter-add histogram of how many rungs each element reaches; no
-    host synchronisation)."""
+    bucketize and an index-add histogram of how many rungs each element reaches; no
+    host synchronisation). ``out``: an int32 scratch buffer of ``a.numel()`` elements
+    (else one is allocated)."""
     J = len(ladder)
     rungs = tau.reshape(1) * ladder_factors(a.device, ladder)  # ascending
-    reached = torch.bucketize(a, rungs, right=True)            # #{j : t_j <= a_i}
+    reached = torch.bucketize(a, rungs, right=True, out_int32=True,
+                              out=out)                         # #{j : t_j <= a_i}
     hist = torch.zeros(J + 1, dtype=torch.int32, device=a.device)
-    hist.scatter_add_(0, reached, torch.ones((), dtype=torch.int32,
-                                             device=a.device).expand(a.numel()))
+    hist.index_add_(0, reached, torch.ones((), dtype=torch.int32,
+                                           device=a.device).expand(a.numel()))
     c = hist.flip(0).cumsum(0).flip(0)[1:]                     # c_j = #{reached > j}
     r = (c > cap).sum().clamp_max(J - 1)
     return rungs.gather(0, r.reshape(1)).reshape(()), c[:1].to(torch.int32)
@@ -250,7 +253,9 @@ class Threshold(TopK):
             del st["true_history"][:-self.max_history]
         tau = st["tau"]
         if self.overflow_guard and not refresh:
-            t_sel, c0 = ladder_threshold(self._abs_buf(acc), tau, cap, self.ladder)
+            t_sel, c0 = ladder_threshold(
+                self._abs_buf(acc), tau, cap, self.ladder,
+                out=self._scratch_buf("ladder", n, torch.int32, acc.device))
             seg, cnt = self._select(acc, t_sel, cap, enc, qseed, qb, ef)
             cnt = torch.cat([cnt[:1], c0])                # selected: the count at tau
         else:

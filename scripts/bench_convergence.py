@@ -66,7 +66,6 @@ COMPRESSORS = {
     "threshold-track": ("study_compressors.ThresholdTracking", (0.99,)),
     "threshold-largest": ("study_compressors.ThresholdLargestOnOverflow", (0.99,)),
     "threshold-coarse": ("study_compressors.ThresholdCoarseLadder", (0.99,)),
-    "threshold-band": ("study_compressors.ThresholdBandFill", (0.99,)),
 }
 SGD_METHODS = ["dense", "topk", "topk+mc", "threshold", "threshold+mc", "adacomp",
                "adacomp+mc", "slimdp", "qsgd"]

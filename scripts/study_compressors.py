@@ -74,37 +74,3 @@ class ThresholdCoarseLadder(Threshold):
     ladder = tuple(float(torch.tensor(2.0 ** (j / 4), dtype=torch.float32))
                    for j in range(16))
 
-
-class ThresholdBandFill(Threshold):
-    """Threshold whose overflow ladder fills the capacity: every element at or above the
-    chosen rung ``t_r`` plus, in ascending index order, elements of the band just below
-    it (``t_{r-1} <= |acc| < t_r``) up to the capacity. Per layer, host-synchronising
-    -- a study of what the ladder's unused capacity costs (BENCHMARKS 4b, sixteenth
-    session), not a library path."""
-
-    bucket_path = False
-
-    def _select(self, acc, thr, cap, enc, qseed, qb, ef, done=None, **kw):
-        a = acc.abs()
-        tau = self._cur_tau
-        if done is not None or tau is None or float(thr) == float(tau) or \
-                int((a >= thr).sum()) > cap:
-            return super()._select(acc, thr, cap, enc, qseed, qb, ef, done=done, **kw)
-        rungs = [float(tau * f) for f in self.ladder]
-        r = rungs.index(float(thr))
-        tb = rungs[r - 1]
-        band = torch.nonzero((a >= tb) & (a < float(thr))).view(-1)
-        room = cap - int((a >= thr).sum())
-        keep = band[:room]
-        # select at tb those kept: hide the rest of the band from the select
-        hidden = band[room:]
-        saved = acc[hidden].clone()
-        acc[hidden] = 0.0
-        seg, cnt = super()._select(acc, torch.tensor(tb), cap, enc, qseed, qb, ef, **kw)
-        acc[hidden] = saved
-        return seg, cnt
-
-    def _compress(self, name, flat, shape, step, cfg, param):
-        st = self._layers.get(name)
-        self._cur_tau = None if st is None else st["tau"]
-        return super()._compress(name, flat, shape, step, cfg, param)

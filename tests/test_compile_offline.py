@@ -65,7 +65,7 @@ def test_every_launch_binds_and_compiles(report):
                      "_zero_slots_kernel", "_binned_count_kernel",
                      "_binned_pack_kernel", "_accumulate_kernel", "_sample_kernel",
                      "_count_kernel", "_select_kernel", "_clamp_kernel",
-                     "_mask_kernel", "_ladder_kernel", "_band_kernel"}, kinds
+                     "_mask_kernel", "_ladder_kernel"}, kinds
     bad = [(s["kernel"], s["cc"], s.get("error")) for s in report["specializations"]
            if not s["ok"]]
     assert not bad, bad

@@ -30,12 +30,10 @@ Deviations, all forced by fixed-size messages:
 
   - *This step: the largest go first (the overflow ladder).* Between refreshes the
     count is taken at 32 rungs ``t_j = tau * 2^(j/8)`` (``LADDER``, fp32 products;
-    ``c_j = #{|acc| >= t_j}``, one counting pass) and the selection takes every
-    element at or above the lowest rung that fits, ``t* = t_r``, ``r = min(#{j : c_j >
-    capacity}, 31)`` (``c_j`` never grows with ``j``; ``r = 0`` when nothing
-    overflows, so such steps are Algorithm 1 exactly), then fills the capacity from
-    the band just below it, ``t_{r-1} <= |acc| < t_r``, in slot order (ascending
-    index on the CPU). An overflow past the top rung (``tau`` too low by more than
+    ``c_j = #{|acc| >= t_j}``, one counting pass) and the selection uses the lowest
+    rung that fits, ``t* = t_r``, ``r = min(#{j : c_j > capacity}, 31)`` (``c_j``
+    never grows with ``j``; ``r = 0`` when nothing overflows, so such steps are
+    Algorithm 1 exactly). An overflow past the top rung (``tau`` too low by more than
     14.7x) is cut as before. Without the ladder an overflowing step sends the lowest
     slots whatever their size, and the starved elements' accumulations grow until they
     go out at once: on the digits CNN with momentum correction that made training
@@ -69,9 +67,7 @@ import math
 
 import torch
 
-from .. import ops
-from ..codec import _arange
-from ..payload import FLOAT_DTYPES, LayerPayload, ValueEncoding
+from ..payload import LayerPayload
 from .base import PURPOSE_QUANT, TINY, check_values, k_of
 from .topk import TopK, _check_bool, _check_quant_bucket, _wrap
 from .warmup import make_warmup
@@ -97,15 +93,13 @@ def ladder_factors(device, ladder=LADDER) -> torch.Tensor:
 
 def ladder_threshold(a: torch.Tensor, tau: torch.Tensor, cap: int, ladder=LADDER,
                      out: torch.Tensor = None):
-    """The overflow ladder (module docstring): ``(t*, t_b, c_r, c_0)`` for magnitudes
-    ``a`` (fp32, ``>= 0``, no NaN), the reused ``tau`` (0-d fp32, ``>= TINY``) and
-    ``cap``: ``t* = t_r`` with ``t_j = tau * ladder[j]``, ``c_j = #{a >= t_j}``, ``r =
-    min(#{j : c_j > cap}, J - 1)`` (the lowest rung that fits); the band's lower bound
-    ``t_b = t_{r-1}`` when ``r >= 1`` and ``c_r <= cap``, else ``t_r`` (no band);
-    ``c_r`` int32 0-d and ``c_0`` int32[1]. Device ops only (a bucketize and an
-    index-add histogram of how many rungs each element reaches; no host
-    synchronisation). ``out``: an int32 scratch buffer of ``a.numel()`` elements (else
-    one is allocated)."""
+    """The overflow ladder (module docstring): ``(t*, c_0)`` for magnitudes ``a`` (fp32,
+    ``>= 0``, no NaN), the reused ``tau`` (0-d fp32, ``>= TINY``) and ``cap``: ``t* =
+    t_r`` with ``t_j = tau * ladder[j]``, ``c_j = #{a >= t_j}``, ``r = min(#{j : c_j >
+    cap}, J - 1)`` (the lowest rung that fits); ``c_0`` int32[1]. Device ops only (a
+    bucketize and an index-add histogram of how many rungs each element reaches; no
+    host synchronisation). ``out``: an int32 scratch buffer of ``a.numel()`` elements
+    (else one is allocated)."""
     J = len(ladder)
     rungs = tau.reshape(1) * ladder_factors(a.device, ladder)  # ascending
     reached = torch.bucketize(a, rungs, right=True, out_int32=True,
@@ -115,11 +109,7 @@ def ladder_threshold(a: torch.Tensor, tau: torch.Tensor, cap: int, ladder=LADDER
                                            device=a.device).expand(a.numel()))
     c = hist.flip(0).cumsum(0).flip(0)[1:]                     # c_j = #{reached > j}
     r = (c > cap).sum().clamp_max(J - 1)
-    c_r = c.gather(0, r.reshape(1)).reshape(())
-    t_r = rungs.gather(0, r.reshape(1)).reshape(())
-    t_below = rungs.gather(0, (r - 1).clamp_min(0).reshape(1)).reshape(())
-    t_b = torch.where((r >= 1) & (c_r <= cap), t_below, t_r)
-    return t_r, t_b, c_r.to(torch.int32), c[:1].to(torch.int32)
+    return rungs.gather(0, r.reshape(1)).reshape(()), c[:1].to(torch.int32)
 
 
 class Threshold(TopK):
@@ -230,38 +220,6 @@ class Threshold(TopK):
         up = ratio.double().sqrt().float().clamp_max(2.0)
         return torch.where(ratio > 1.0, tau * up, tau)
 
-    def _ladder_select(self, acc, a, t_sel, t_band, c_sel, cap, enc):
-        """The ladder's selection on the per-layer path (``(indices, values, count[2])``
-        for :meth:`_select`): every ``|acc| >= t_sel`` (``c_sel`` of them) into slots
-        ``[0, c_sel)``, then the band ``t_band <= |acc| < t_sel`` (``a``: ``|acc|``
-        before the selection) in ascending index order into ``[c_sel, cap)``. Two
-        ``select_compact`` passes: the second on a copy holding only the band's first
-        ``cap - c_sel`` elements, whose residuals are copied back. Device ops and
-        reused buffers only."""
-        sel_enc = enc if enc in FLOAT_DTYPES else ValueEncoding.FP32
-        n, dev = acc.numel(), acc.device
-        i1, v1, k1 = ops.select_compact(acc, t_sel, cap, value_encoding=sel_enc)
-        keep = self._scratch_buf("band_keep", n, torch.bool, dev)
-        tmp = self._scratch_buf("band_tmp", n, torch.bool, dev)
-        rank = self._scratch_buf("band_rank", n, torch.int32, dev)
-        torch.ge(a, t_band, out=keep)
-        torch.lt(a, t_sel, out=tmp)
-        keep.logical_and_(tmp)
-        torch.cumsum(keep, 0, dtype=torch.int32, out=rank)
-        torch.le(rank, cap - c_sel, out=tmp)
-        keep.logical_and_(tmp)
-        acc2 = self._scratch_buf("band_acc", n, torch.float32, dev)
-        torch.where(keep, acc, torch.zeros((), dtype=acc.dtype, device=dev), out=acc2)
-        i2, v2, k2 = ops.select_compact(acc2, t_band, cap, value_encoding=sel_enc)
-        torch.where(keep, acc2, acc, out=acc)
-        j = _arange(cap, torch.int32, dev)
-        first = j < k1[:1]
-        src = (j - k1[:1]).clamp_min(0)
-        idx = torch.where(first, i1, i2.index_select(0, src))
-        vals = torch.where(first, v1, v2.index_select(0, src))
-        sent = k1[:1] + k2[:1]
-        return idx, vals, torch.cat([sent, sent])
-
     def _compress(self, name, flat, shape, step, cfg, param):
         n = flat.numel()
         enc = cfg["values"]
@@ -295,12 +253,10 @@ class Threshold(TopK):
             del st["true_history"][:-self.max_history]
         tau = st["tau"]
         if self.overflow_guard and not refresh:
-            a = self._abs_buf(acc)
-            t_sel, t_band, c_sel, c0 = ladder_threshold(
-                a, tau, cap, self.ladder,
+            t_sel, c0 = ladder_threshold(
+                self._abs_buf(acc), tau, cap, self.ladder,
                 out=self._scratch_buf("ladder", n, torch.int32, acc.device))
-            done = self._ladder_select(acc, a, t_sel, t_band, c_sel, cap, enc)
-            seg, cnt = self._select(acc, t_sel, cap, enc, qseed, qb, ef, done=done)
+            seg, cnt = self._select(acc, t_sel, cap, enc, qseed, qb, ef)
             cnt = torch.cat([cnt[:1], c0])                # selected: the count at tau
         else:
             seg, cnt = self._select(acc, tau, cap, enc, qseed, qb, ef)

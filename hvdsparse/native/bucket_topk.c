@@ -26,8 +26,7 @@
  *                    so when the final threshold is the last counted one (the usual
  *                    case: the sampled estimate is in range) the layer is read once.
  *                    MODE_GUARD rows (Threshold's overflow guard, threshold.py): the
- *                    selection uses the overflow ladder's rung and fills the capacity
- *                    from the band below it (ladder_pick, collect_band: one more
+ *                    selection uses the overflow ladder's rung (ladder_pick: one more
  *                    pass), selected = the count at t; ratio = selected / cap (fp32),
  *                    *C_TOUT = ratio > 1 ? t * min(sqrt(ratio), 2) : t.
  *   hvd_mask         momentum rows: u[idx[out + i]] = 0 for i < cnt[j][0], 0 <= idx < n
@@ -378,13 +377,10 @@ HOT static int64_t count_collect(const float *restrict a, int64_t n, float t,
  * V: [L][mmax] sorted sample magnitudes; counts: int32 [L][R] (zeroed by the caller);
  * idx / vals: the bucket's slots; cnt: int32 [L][2]; tau: fp32 [L]. */
 /* Threshold's overflow ladder (threshold.py): the lowest of the J rungs tq[q] = t *
- * ladder[q] (ascending) whose count fits in cap, t_r; *c0 = the count at t = tq[0];
- * *cr = the count at t_r; *tb = the band's lower bound: t_{r-1} when r >= 1 and the
- * count at t_r fits, else t_r (no band). */
+ * ladder[q] (ascending) whose count fits in cap; *c0 = the count at t = tq[0]. */
 #define LADDER_MAX 32
 static float ladder_pick(const float *restrict a, int64_t n, float t,
-                         const float *ladder, int64_t J, int64_t cap, int64_t *c0,
-                         int64_t *cr, float *tb)
+                         const float *ladder, int64_t J, int64_t cap, int64_t *c0)
 {
     float tq[LADDER_MAX];
     int64_t hist[LADDER_MAX + 1];
@@ -400,37 +396,17 @@ static float ladder_pick(const float *restrict a, int64_t n, float t,
             q++;
         hist[q]++;
     }
-    int64_t c[LADDER_MAX];                     /* c_q = #{reached > q} */
-    int64_t above = 0, r = 0;
+    int64_t above = 0, r = 0;                  /* c_q = #{reached > q} */
     for (int64_t q = J - 1; q >= 0; q--) {
         above += hist[q + 1];
-        c[q] = above;
+        if (q == 0)
+            *c0 = above;
         if (above > cap)
             r++;
     }
     if (r > J - 1)
         r = J - 1;
-    *c0 = c[0];
-    *cr = c[r];
-    *tb = (r >= 1 && c[r] <= cap) ? tq[r - 1] : tq[r];
     return tq[r];
-}
-
-/* The ladder's selection: every |a| >= ts into slots [0, cr) (cr = that count, <= cap),
- * then |a| in [tb, ts) in ascending index order into slots [cr, cap). Returns the
- * number of slots written. */
-static int64_t collect_band(const float *restrict a, int64_t n, float ts, float tb,
-                            int32_t *restrict idx, int64_t cap, int64_t cr)
-{
-    int64_t k1 = 0, k2 = cr;
-    for (int64_t i = 0; i < n; i++) {
-        float x = fabsf(a[i]);
-        if (x >= ts)
-            idx[k1++] = (int32_t)i;
-        else if (x >= tb && k2 < cap)
-            idx[k2++] = (int32_t)i;
-    }
-    return k2;
 }
 
 void hvd_select(const int64_t *tab, int64_t L, const float *V, int64_t mmax,
@@ -469,12 +445,9 @@ void hvd_select(const int64_t *tab, int64_t L, const float *V, int64_t mmax,
         t = fmaxf(t, tiny);
         tau[j] = t;
         int64_t guard = route == ROUTE_GIVEN && (row[C_MODE] & MODE_GUARD);
-        int64_t at_tau = 0, at_ts = 0;
-        float tb = t;
-        float ts = guard ? ladder_pick(r, n, t, ladder, J, cap, &at_tau, &at_ts, &tb) : t;
-        if (guard && tb < ts)
-            held_count = collect_band(r, n, ts, tb, slots, cap, at_ts);
-        else if (!(have && ts == held))
+        int64_t at_tau = 0;
+        float ts = guard ? ladder_pick(r, n, t, ladder, J, cap, &at_tau) : t;
+        if (!(have && ts == held))
             held_count = count_collect(r, n, ts, slots, cap);
         int64_t sent = held_count < cap ? held_count : cap;
         if (guard)

@@ -476,16 +476,11 @@ def check_layer(case, kind, cfg, name, step, grad, rb, ra, pl, replay, policy_de
             want = sel[:cap]               # the first `cap` in ascending index order (CPU)
             if not refresh and sel.numel() > cap:
                 # the overflow ladder: rungs fp32(tau * 2^(j/8)), j < 32; everything at or
-                # above the lowest that fits, then the band below it in index order
+                # above the lowest that fits (past the top rung: its first `cap`)
                 rungs = [tau * torch.tensor(2.0 ** (j / 8), dtype=torch.float32)
                          for j in range(32)]
                 r = min(sum(int((a >= t).sum()) > cap for t in rungs), 31)
-                top = torch.nonzero(a >= rungs[r]).reshape(-1)
-                if top.numel() > cap:
-                    want = top[:cap]
-                elif r >= 1:
-                    band = torch.nonzero((a >= rungs[r - 1]) & (a < rungs[r])).reshape(-1)
-                    want = torch.sort(torch.cat([top, band[:cap - top.numel()]])).values
+                want = torch.nonzero(a >= rungs[r]).reshape(-1)[:cap]
             case.check(torch.equal(torch.sort(idx).values, want),
                        f"{where}: sent {cnt} indices, expected the {want.numel()} of "
                        f"{sel.numel()} with |acc| >= tau={float(tau):.6g} (cap {cap})")

@@ -25,9 +25,11 @@
  *                    Every counting pass also collects the first cap indices it finds,
  *                    so when the final threshold is the last counted one (the usual
  *                    case: the sampled estimate is in range) the layer is read once.
- *                    MODE_GUARD rows (Threshold's overflow guard, threshold.py): the
- *                    selection uses the overflow ladder's rung (ladder_pick: one more
- *                    pass), selected = the count at t; ratio = selected / cap (fp32),
+ *                    MODE_GUARD rows (Threshold's overflow guard, threshold.py): when
+ *                    more than cap pass t, the selection uses the overflow ladder's
+ *                    rung (ladder_pick and a second collection: two more passes, on
+ *                    overflowing steps only), selected = the count at t; ratio =
+ *                    selected / cap (fp32),
  *                    *C_TOUT = ratio > 1 ? t * min(sqrt(ratio), 2) : t.
  *   hvd_mask         momentum rows: u[idx[out + i]] = 0 for i < cnt[j][0], 0 <= idx < n
  *
@@ -377,7 +379,8 @@ HOT static int64_t count_collect(const float *restrict a, int64_t n, float t,
  * V: [L][mmax] sorted sample magnitudes; counts: int32 [L][R] (zeroed by the caller);
  * idx / vals: the bucket's slots; cnt: int32 [L][2]; tau: fp32 [L]. */
 /* Threshold's overflow ladder (threshold.py): the lowest of the J rungs tq[q] = t *
- * ladder[q] (ascending) whose count fits in cap; *c0 = the count at t = tq[0]. */
+ * ladder[q] (ascending) whose count fits in cap; *c0 = the count at t = tq[0]. The
+ * histogram skips elements below t (almost all of them) with one compare. */
 #define LADDER_MAX 32
 static float ladder_pick(const float *restrict a, int64_t n, float t,
                          const float *ladder, int64_t J, int64_t cap, int64_t *c0)
@@ -391,10 +394,12 @@ static float ladder_pick(const float *restrict a, int64_t n, float t,
     hist[J] = 0;
     for (int64_t i = 0; i < n; i++) {
         float x = fabsf(a[i]);
-        int64_t q = 0;
-        while (q < J && x >= tq[q])            /* rungs this element reaches */
-            q++;
-        hist[q]++;
+        if (x >= tq[0]) {                      /* rare: the caller saw an overflow */
+            int64_t q = 1;
+            while (q < J && x >= tq[q])        /* rungs this element reaches */
+                q++;
+            hist[q]++;
+        }
     }
     int64_t above = 0, r = 0;                  /* c_q = #{reached > q} */
     for (int64_t q = J - 1; q >= 0; q--) {
@@ -445,13 +450,20 @@ void hvd_select(const int64_t *tab, int64_t L, const float *V, int64_t mmax,
         t = fmaxf(t, tiny);
         tau[j] = t;
         int64_t guard = route == ROUTE_GIVEN && (row[C_MODE] & MODE_GUARD);
-        int64_t at_tau = 0;
-        float ts = guard ? ladder_pick(r, n, t, ladder, J, cap, &at_tau) : t;
-        if (!(have && ts == held))
-            held_count = count_collect(r, n, ts, slots, cap);
+        if (!(have && t == held))
+            held_count = count_collect(r, n, t, slots, cap);
+        int64_t at_tau = held_count;             /* selected: the count at tau */
+        if (guard && at_tau > cap) {
+            /* an overflow: the ladder's rung (one counting pass), then its selection;
+             * steps that fit in cap are read once, as before */
+            int64_t c0 = 0;
+            float ts = ladder_pick(r, n, t, ladder, J, cap, &c0);
+            if (ts != t)
+                held_count = count_collect(r, n, ts, slots, cap);
+        }
         int64_t sent = held_count < cap ? held_count : cap;
         if (guard)
-            held_count = at_tau;                 /* selected: the count at tau */
+            held_count = at_tau;
         float *vo = vals + out;
         for (int64_t q = 0; q < sent; q++) {
             int64_t i = slots[q];

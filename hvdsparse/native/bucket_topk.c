@@ -380,9 +380,9 @@ HOT static int64_t count_collect(const float *restrict a, int64_t n, float t,
  * idx / vals: the bucket's slots; cnt: int32 [L][2]; tau: fp32 [L]. */
 /* Threshold's overflow ladder (threshold.py): the lowest of the J rungs tq[q] = t *
  * ladder[q] (ascending) whose count fits in cap; *c0 = the count at t = tq[0]. The
- * histogram skips elements below t (almost all of them) with one compare. */
+ * histogram skips elements below t (almost all of them) 32 at a time (mask32). */
 #define LADDER_MAX 32
-static float ladder_pick(const float *restrict a, int64_t n, float t,
+HOT static float ladder_pick(const float *restrict a, int64_t n, float t,
                          const float *ladder, int64_t J, int64_t cap, int64_t *c0)
 {
     float tq[LADDER_MAX];
@@ -392,11 +392,23 @@ static float ladder_pick(const float *restrict a, int64_t n, float t,
         hist[q] = 0;
     }
     hist[J] = 0;
-    for (int64_t i = 0; i < n; i++) {
-        float x = fabsf(a[i]);
-        if (x >= tq[0]) {                      /* rare: the caller saw an overflow */
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {             /* 32 at a time: most blocks have no hit */
+        uint32_t bits = mask32(a + i, tq[0]);
+        while (bits) {
+            float x = fabsf(a[i + __builtin_ctz(bits)]);
             int64_t q = 1;
             while (q < J && x >= tq[q])        /* rungs this element reaches */
+                q++;
+            hist[q]++;
+            bits &= bits - 1;
+        }
+    }
+    for (; i < n; i++) {
+        float x = fabsf(a[i]);
+        if (x >= tq[0]) {
+            int64_t q = 1;
+            while (q < J && x >= tq[q])
                 q++;
             hist[q]++;
         }

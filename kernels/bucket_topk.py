@@ -342,7 +342,7 @@ def threshold_and_select(tab, blk, L, smax, mmax, rounds, capacity_total, ve, la
         _count_kernel[(nblk,)](tab, blk, V, mmax, counts, R, W=W, ROUND=j, BLOCK=block,
                                num_warps=8, enable_fp_fusion=False)
     J = 0 if ladder is None else ladder.numel()
-    lad = torch.zeros((L, max(J, 1)), dtype=torch.int32, device=dev) if J else cnt
+    lad = torch.zeros((L, J), dtype=torch.int32, device=dev) if J else cnt
     if J:
         _ladder_kernel[(nblk,)](tab, blk, lad, ladder, _TINY, W=W, J=J, BLOCK=block,
                                 num_warps=8, enable_fp_fusion=False)

@@ -375,15 +375,21 @@ HOT static int64_t count_collect(const float *restrict a, int64_t n, float t,
     return c;
 }
 
-/* Per row: refinement rounds, threshold, selection (see the module docstring).
- * V: [L][mmax] sorted sample magnitudes; counts: int32 [L][R] (zeroed by the caller);
- * idx / vals: the bucket's slots; cnt: int32 [L][2]; tau: fp32 [L]. */
-/* Threshold's overflow ladder (threshold.py): the lowest of the J rungs tq[q] = t *
- * ladder[q] (ascending) whose count fits in cap; *c0 = the count at t = tq[0]. The
+/* How many of the rungs tq[0 .. J-1] (ascending) x reaches, given x >= tq[0]. */
+static inline int64_t rungs_reached(float x, const float *tq, int64_t J)
+{
+    int64_t q = 1;
+    while (q < J && x >= tq[q])
+        q++;
+    return q;
+}
+
+/* Threshold's overflow ladder (threshold.py), called once more than cap passed t: the
+ * lowest of the J rungs tq[q] = t * ladder[q] (ascending) whose count fits in cap. The
  * histogram skips elements below t (almost all of them) 32 at a time (mask32). */
 #define LADDER_MAX 32
 HOT static float ladder_pick(const float *restrict a, int64_t n, float t,
-                         const float *ladder, int64_t J, int64_t cap, int64_t *c0)
+                             const float *ladder, int64_t J, int64_t cap)
 {
     float tq[LADDER_MAX];
     int64_t hist[LADDER_MAX + 1];
@@ -394,30 +400,17 @@ HOT static float ladder_pick(const float *restrict a, int64_t n, float t,
     hist[J] = 0;
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {             /* 32 at a time: most blocks have no hit */
-        uint32_t bits = mask32(a + i, tq[0]);
-        while (bits) {
-            float x = fabsf(a[i + __builtin_ctz(bits)]);
-            int64_t q = 1;
-            while (q < J && x >= tq[q])        /* rungs this element reaches */
-                q++;
-            hist[q]++;
-            bits &= bits - 1;
-        }
+        for (uint32_t bits = mask32(a + i, tq[0]); bits; bits &= bits - 1)
+            hist[rungs_reached(fabsf(a[i + __builtin_ctz(bits)]), tq, J)]++;
     }
     for (; i < n; i++) {
         float x = fabsf(a[i]);
-        if (x >= tq[0]) {
-            int64_t q = 1;
-            while (q < J && x >= tq[q])
-                q++;
-            hist[q]++;
-        }
+        if (x >= tq[0])
+            hist[rungs_reached(x, tq, J)]++;
     }
     int64_t above = 0, r = 0;                  /* c_q = #{reached > q} */
     for (int64_t q = J - 1; q >= 0; q--) {
         above += hist[q + 1];
-        if (q == 0)
-            *c0 = above;
         if (above > cap)
             r++;
     }
@@ -426,6 +419,10 @@ HOT static float ladder_pick(const float *restrict a, int64_t n, float t,
     return tq[r];
 }
 
+/* Per row: refinement rounds, threshold, selection (see the module docstring).
+ * V: [L][mmax] sorted sample magnitudes; counts: int32 [L][R] (zeroed by the caller);
+ * idx / vals: the bucket's slots; cnt: int32 [L][2]; tau: fp32 [L]; ladder: Threshold's
+ * J rung factors (MODE_GUARD rows). */
 void hvd_select(const int64_t *tab, int64_t L, const float *V, int64_t mmax,
                 int32_t *counts, int64_t R, int64_t rounds, float *tau, int32_t *idx,
                 float *vals, int32_t *cnt, float tiny, const float *ladder, int64_t J)
@@ -468,10 +465,8 @@ void hvd_select(const int64_t *tab, int64_t L, const float *V, int64_t mmax,
         if (guard && at_tau > cap) {
             /* an overflow: the ladder's rung (one counting pass), then its selection;
              * steps that fit in cap are read once, as before */
-            int64_t c0 = 0;
-            float ts = ladder_pick(r, n, t, ladder, J, cap, &c0);
-            if (ts != t)
-                held_count = count_collect(r, n, ts, slots, cap);
+            float ts = ladder_pick(r, n, t, ladder, J, cap);
+            held_count = count_collect(r, n, ts, slots, cap);
         }
         int64_t sent = held_count < cap ? held_count : cap;
         if (guard)

@@ -21,7 +21,7 @@ from hvdsparse.compressors import (AdaComp, ExponentialWarmup, NoCompression, QS
 from hvdsparse.compressors.threshold import LADDER
 from hvdsparse.payload import IndexEncoding as IE
 from hvdsparse.payload import ValueEncoding as VE
-from tests.workers.topk_oracle import topk_indices
+from tests.workers.topk_oracle import threshold_ladder, topk_indices
 
 SEED = int(os.environ.get("HVDSPARSE_TEST_SEED", random.randrange(2 ** 31)))
 print(f"\n[test_compressors] HVDSPARSE_TEST_SEED={SEED}")
@@ -204,13 +204,10 @@ def chk_per_bucket(comp, p, acc, grad, step, sent_mask):
 
 
 def ladder_rung(a, tau, cap):
-    """Threshold's overflow ladder, written from its docstring: the lowest rung
+    """Threshold's overflow ladder's rung (``topk_oracle.threshold_ladder``): the lowest
     ``fp32(tau * LADDER[r])`` at which at most ``cap`` elements of ``a`` pass (the top
     rung when none does)."""
-    t32 = torch.tensor(tau, dtype=torch.float32)
-    rungs = [t32 * torch.tensor(f, dtype=torch.float32) for f in LADDER]
-    r = min(sum(int((a >= t).sum()) > cap for t in rungs), len(LADDER) - 1)
-    return rungs[r]
+    return threshold_ladder(a, tau, cap, LADDER)[0]
 
 
 def chk_threshold(comp, p, acc, grad, step, sent_mask):

@@ -19,6 +19,7 @@ import torch
 from hvdsparse import Threshold
 from hvdsparse.codec import payload_to_dense
 from hvdsparse.compressors.threshold import LADDER, ladder_threshold
+from tests.workers.topk_oracle import threshold_ladder
 
 
 def fresh_seed():
@@ -26,13 +27,8 @@ def fresh_seed():
 
 
 def oracle(a, tau, cap):
-    """(t*, c_0) by the written rule: c_j = #{a >= fp32(tau * LADDER[j])}, r = the number
-    of rungs whose count exceeds cap, at most 31."""
-    rungs = [float(torch.tensor(float(tau), dtype=torch.float32) *
-                   torch.tensor(f, dtype=torch.float32)) for f in LADDER]
-    counts = [int((a >= t).sum()) for t in rungs]
-    r = min(sum(c > cap for c in counts), len(LADDER) - 1)
-    return rungs[r], counts[0]
+    """(t*, c_0) by the written rule (``tests/workers/topk_oracle.threshold_ladder``)."""
+    return threshold_ladder(a, tau, cap, LADDER)
 
 
 def test_ladder_factors_are_eighth_octaves():

@@ -12,3 +12,15 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     mag = x.detach().reshape(-1).abs().double().cpu().numpy()
     order = np.lexsort((np.arange(mag.size), -mag))[:k]
     return torch.from_numpy(order.copy()).to(torch.int64)
+
+
+def threshold_ladder(a: torch.Tensor, tau, cap: int, ladder):
+    """Threshold's overflow ladder by its written rule, one counting pass per rung:
+    ``(t*, c_0)`` with ``c_j = #{a >= fp32(tau * ladder[j])}``, ``t*`` the rung ``r`` =
+    the number of rungs whose count exceeds ``cap`` (at most the top one), ``c_0`` the
+    count at ``tau`` (host floats / ints)."""
+    t32 = torch.tensor(float(tau), dtype=torch.float32)
+    rungs = [float(t32 * torch.tensor(f, dtype=torch.float32)) for f in ladder]
+    counts = [int((a >= t).sum()) for t in rungs]
+    r = min(sum(c > cap for c in counts), len(ladder) - 1)
+    return rungs[r], counts[0]

@@ -322,7 +322,12 @@ def _run_threshold(path, mc, seed, steps=5, life_span=3):
     return hist, routes
 
 
-@pytest.mark.parametrize("backend", ["triton", "native"])
+# native-hitsK: the compiled loops keep the hits at tau of an overflow up to K x a row's
+# capacity (native.LADDER_HITS) and find the ladder's rung among them; larger overflows
+# read the layer again. The overflows here are 1-4x the capacity: K = 8 (the default)
+# takes every one from the hits, K = 2 some from the hits and some from the layer, K = 1
+# none from the hits.
+@pytest.mark.parametrize("backend", ["triton", "native", "native-hits2", "native-hits1"])
 def test_threshold_bucket_path_matches_per_layer_path(monkeypatch, backend):
     if backend == "triton":
         if DEV.type == "cpu":
@@ -332,6 +337,9 @@ def test_threshold_bucket_path_matches_per_layer_path(monkeypatch, backend):
             pytest.skip("the CPU twin")
         _native_or_skip()
         monkeypatch.delenv("HVDSPARSE_FORCE_TRITON", raising=False)
+        if backend != "native":
+            from hvdsparse import native
+            monkeypatch.setattr(native, "LADDER_HITS", int(backend[-1]))
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     ref, _ = _run_threshold("layer", True, seed)
     got, routes = _run_threshold("bucket", True, seed)
@@ -347,6 +355,10 @@ def test_threshold_bucket_path_matches_per_layer_path(monkeypatch, backend):
                                                   got[step]["caps"][n])
                    for step in (1, 2, 4) for n in got[step]["pairs"])
     assert laddered > 0, "no step exercised the overflow ladder"
+    if backend == "native-hits2":      # both ways to the rung were taken
+        ratios = [int(got[step]["stats"][n][0]) / got[step]["caps"][n]
+                  for step in (1, 2, 4) for n in got[step]["pairs"]]
+        assert any(1 < r <= 2 for r in ratios) and any(r > 2 for r in ratios), ratios
 
 
 def test_a_subclass_with_its_own_compress_is_never_bypassed(monkeypatch):

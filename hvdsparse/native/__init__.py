@@ -62,6 +62,10 @@ _SRCS = [Path(__file__).with_name(f) for f in ("bucket_topk.c", "scatter_add.c",
 _HDRS = [Path(__file__).with_name(f) for f in ("philox.h", "dgc.h")]
 #: the most slots per bin adacomp.c keeps (its per-bin buffer)
 ADACOMP_MAX_C = 256
+#: Threshold's overflow ladder reads the hits at tau, not the layer, for an overflow of
+#: up to this many times a row's capacity (hvd_select's scratch; larger ones read the
+#: layer twice more)
+LADDER_HITS = 8
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno",
           "-fno-trapping-math"]
 _lock = threading.Lock()
@@ -130,7 +134,7 @@ def _load():
         lib.hvd_accumulate.argtypes = [P, I64, P]
         lib.hvd_sample.argtypes = [P, I64, P, I64]
         lib.hvd_select.argtypes = [P, I64, P, I64, P, I64, I64, P, P, P, P, ctypes.c_float,
-                                   P, I64]
+                                   P, I64, P, I64]
         lib.hvd_mask.argtypes = [P, I64, P, P]
         lib.hvd_top_m.argtypes = [P, I64, I64, I64, P, P]
         for f in ("hvd_accumulate", "hvd_sample", "hvd_top_m", "hvd_select", "hvd_mask"):
@@ -234,13 +238,24 @@ def _bucket_topk_namespace(lib) -> SimpleNamespace:
         as the Triton version does. ``ladder``: Threshold's rung factors
         (``threshold.ladder_factors``; fp32, 1 to 32), required when a row has
         MODE_GUARD."""
-        if ladder is None:
-            if _table(tab) and (tab[:, ns.C_MODE] & ns.MODE_GUARD).any():
+        guard = (tab[:, ns.C_MODE] & ns.MODE_GUARD) != 0 if _table(tab) else None
+        nscratch = 0
+        if guard is not None and bool(guard.any()):
+            if ladder is None:
                 raise ValueError("hvdsparse.native: a MODE_GUARD row needs the ladder")
+            # room for the hits at tau of an overflow up to LADDER_HITS x the capacity,
+            # so that the ladder reads the hits, not the layer (bucket_topk.c)
+            rows = tab[guard]
+            nscratch = int(torch.minimum(rows[:, ns.C_N],
+                                         LADDER_HITS * rows[:, ns.C_CAP]).max())
+        if ladder is None:
             ladder = torch.ones(1, dtype=torch.float32)
         _cpu("ladder", ladder, torch.float32, 1)
         if not 1 <= ladder.numel() <= 32:
             raise ValueError(f"hvdsparse.native: 1 to 32 ladder rungs, got {ladder.numel()}")
+        if float(ladder[0]) != 1.0:
+            raise ValueError(f"hvdsparse.native: the ladder's first rung factor must be 1, "
+                             f"got {float(ladder[0])}")
         if ve != 0:
             raise ValueError("hvdsparse.native: fp32 values only")
         if _table(tab) != L:
@@ -254,9 +269,12 @@ def _bucket_topk_namespace(lib) -> SimpleNamespace:
         vals = torch.empty(capacity_total, dtype=torch.float32)
         cnt = torch.empty((L, 2), dtype=torch.int32)
         tau = torch.empty(L, dtype=torch.float32)
+        # untouched pages cost nothing: only the hits of a guard row are written
+        scratch = torch.empty(nscratch, dtype=torch.int32)
         lib.hvd_select(tab.data_ptr(), L, V.data_ptr(), mmax, counts.data_ptr(), R,
                        int(rounds), tau.data_ptr(), idx.data_ptr(), vals.data_ptr(),
-                       cnt.data_ptr(), tiny, ladder.data_ptr(), ladder.numel())
+                       cnt.data_ptr(), tiny, ladder.data_ptr(), ladder.numel(),
+                       scratch.data_ptr() if nscratch else None, LADDER_HITS)
         return idx, vals, cnt, tau
 
     def mask(tab, idx, cnt, L, capmax, *, block=None):

@@ -27,8 +27,10 @@
  *                    case: the sampled estimate is in range) the layer is read once.
  *                    MODE_GUARD rows (Threshold's overflow guard, threshold.py): when
  *                    more than cap pass t, the selection uses the overflow ladder's
- *                    rung (ladder_pick and a second collection: two more passes, on
- *                    overflowing steps only), selected = the count at t; ratio =
+ *                    rung, selected = the count at t. The count at t collects up
+ *                    to min(n, hits_x cap) hits, so an overflow within that finds its rung and
+ *                    selection among them (ladder_pick_hits, collect_hits); a larger
+ *                    one reads the layer twice more (ladder_pick, count_collect); ratio =
  *                    selected / cap (fp32),
  *                    *C_TOUT = ratio > 1 ? t * min(sqrt(ratio), 2) : t.
  *   hvd_mask         momentum rows: u[idx[out + i]] = 0 for i < cnt[j][0], 0 <= idx < n
@@ -384,31 +386,11 @@ static inline int64_t rungs_reached(float x, const float *tq, int64_t J)
     return q;
 }
 
-/* Threshold's overflow ladder (threshold.py), called once more than cap passed t: the
- * lowest of the J rungs tq[q] = t * ladder[q] (ascending) whose count fits in cap. The
- * histogram skips elements below t (almost all of them) 32 at a time (mask32). */
-#define LADDER_MAX 32
-HOT static float ladder_pick(const float *restrict a, int64_t n, float t,
-                             const float *ladder, int64_t J, int64_t cap)
+/* The lowest of the J rungs tq[0 .. J-1] whose count fits in cap, from hist[q] =
+ * #{elements reaching exactly q rungs} (hist[0] unused): c_q = #{reached > q}. */
+static float rung_that_fits(const int64_t *hist, const float *tq, int64_t J, int64_t cap)
 {
-    float tq[LADDER_MAX];
-    int64_t hist[LADDER_MAX + 1];
-    for (int64_t q = 0; q < J; q++) {
-        tq[q] = t * ladder[q];
-        hist[q] = 0;
-    }
-    hist[J] = 0;
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {             /* 32 at a time: most blocks have no hit */
-        for (uint32_t bits = mask32(a + i, tq[0]); bits; bits &= bits - 1)
-            hist[rungs_reached(fabsf(a[i + __builtin_ctz(bits)]), tq, J)]++;
-    }
-    for (; i < n; i++) {
-        float x = fabsf(a[i]);
-        if (x >= tq[0])
-            hist[rungs_reached(x, tq, J)]++;
-    }
-    int64_t above = 0, r = 0;                  /* c_q = #{reached > q} */
+    int64_t above = 0, r = 0;
     for (int64_t q = J - 1; q >= 0; q--) {
         above += hist[q + 1];
         if (above > cap)
@@ -419,13 +401,79 @@ HOT static float ladder_pick(const float *restrict a, int64_t n, float t,
     return tq[r];
 }
 
+/* Threshold's overflow ladder (threshold.py), called once more than cap passed t: the
+ * lowest of the J rungs tq[q] = t * ladder[q] (ascending, ladder[0] = 1) whose count
+ * fits in cap. Two ways to the same rung:
+ *   ladder_pick       reads the layer: the histogram skips elements below t (almost
+ *                     all of them) 32 at a time (mask32);
+ *   ladder_pick_hits  reads only the hits of the count at t (their indices in hits[],
+ *                     ascending), when the collection kept them all (scratch). */
+#define LADDER_MAX 32
+static void ladder_rungs(float t, const float *ladder, int64_t J, float *tq, int64_t *hist)
+{
+    for (int64_t q = 0; q < J; q++) {
+        tq[q] = t * ladder[q];
+        hist[q] = 0;
+    }
+    hist[J] = 0;
+}
+
+HOT static float ladder_pick(const float *restrict a, int64_t n, float t,
+                             const float *ladder, int64_t J, int64_t cap)
+{
+    float tq[LADDER_MAX];
+    int64_t hist[LADDER_MAX + 1];
+    ladder_rungs(t, ladder, J, tq, hist);
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {             /* 32 at a time: most blocks have no hit */
+        for (uint32_t bits = mask32(a + i, tq[0]); bits; bits &= bits - 1)
+            hist[rungs_reached(fabsf(a[i + __builtin_ctz(bits)]), tq, J)]++;
+    }
+    for (; i < n; i++) {
+        float x = fabsf(a[i]);
+        if (x >= tq[0])
+            hist[rungs_reached(x, tq, J)]++;
+    }
+    return rung_that_fits(hist, tq, J, cap);
+}
+
+static float ladder_pick_hits(const float *restrict a, const int32_t *hits, int64_t h,
+                              float t, const float *ladder, int64_t J, int64_t cap)
+{
+    float tq[LADDER_MAX];
+    int64_t hist[LADDER_MAX + 1];
+    ladder_rungs(t, ladder, J, tq, hist);
+    for (int64_t q = 0; q < h; q++)             /* every hit reaches tq[0] = t */
+        hist[rungs_reached(fabsf(a[hits[q]]), tq, J)]++;
+    return rung_that_fits(hist, tq, J, cap);
+}
+
+/* The hits (ascending) that reach ts >= t, the first cap of them into idx; returns
+ * their count: count_collect(a, n, ts, idx, cap) without reading the layer again. */
+static int64_t collect_hits(const float *restrict a, const int32_t *hits, int64_t h,
+                            float ts, int32_t *restrict idx, int64_t cap)
+{
+    int64_t c = 0;
+    for (int64_t q = 0; q < h; q++) {
+        int32_t i = hits[q];
+        if (fabsf(a[i]) >= ts) {
+            if (c < cap)
+                idx[c] = i;
+            c++;
+        }
+    }
+    return c;
+}
+
 /* Per row: refinement rounds, threshold, selection (see the module docstring).
  * V: [L][mmax] sorted sample magnitudes; counts: int32 [L][R] (zeroed by the caller);
  * idx / vals: the bucket's slots; cnt: int32 [L][2]; tau: fp32 [L]; ladder: Threshold's
- * J rung factors (MODE_GUARD rows). */
+ * J rung factors (MODE_GUARD rows; ladder[0] = 1); scratch: room for a MODE_GUARD row's
+ * hits at t, min(n, hits_x * cap) int32 (hits_x <= 1: none, the ladder reads the layer). */
 void hvd_select(const int64_t *tab, int64_t L, const float *V, int64_t mmax,
                 int32_t *counts, int64_t R, int64_t rounds, float *tau, int32_t *idx,
-                float *vals, int32_t *cnt, float tiny, const float *ladder, int64_t J)
+                float *vals, int32_t *cnt, float tiny, const float *ladder, int64_t J,
+                int32_t *scratch, int64_t hits_x)
 {
     for (int64_t j = 0; j < L; j++) {
         const int64_t *row = tab + j * W;
@@ -459,14 +507,32 @@ void hvd_select(const int64_t *tab, int64_t L, const float *V, int64_t mmax,
         t = fmaxf(t, tiny);
         tau[j] = t;
         int64_t guard = route == ROUTE_GIVEN && (row[C_MODE] & MODE_GUARD);
-        if (!(have && t == held))
-            held_count = count_collect(r, n, t, slots, cap);
-        int64_t at_tau = held_count;             /* selected: the count at tau */
-        if (guard && at_tau > cap) {
-            /* an overflow: the ladder's rung (one counting pass), then its selection;
-             * steps that fit in cap are read once, as before */
-            float ts = ladder_pick(r, n, t, ladder, J, cap);
-            held_count = count_collect(r, n, ts, slots, cap);
+        int64_t at_tau;                          /* selected: the count at tau */
+        int64_t room = n < hits_x * cap ? n : hits_x * cap;
+        if (guard && room > cap) {
+            /* the count at t keeps up to `room` hits, so an overflow up to that many
+             * finds its rung and selection among the hits: the layer is read once */
+            at_tau = count_collect(r, n, t, scratch, room);
+            if (at_tau <= cap) {
+                memcpy(slots, scratch, (size_t)at_tau * sizeof(int32_t));
+                held_count = at_tau;
+            } else if (at_tau <= room) {
+                float ts = ladder_pick_hits(r, scratch, at_tau, t, ladder, J, cap);
+                held_count = collect_hits(r, scratch, at_tau, ts, slots, cap);
+            } else {
+                float ts = ladder_pick(r, n, t, ladder, J, cap);
+                held_count = count_collect(r, n, ts, slots, cap);
+            }
+        } else {
+            if (!(have && t == held))
+                held_count = count_collect(r, n, t, slots, cap);
+            at_tau = held_count;
+            if (guard && at_tau > cap) {
+                /* an overflow: the ladder's rung (one counting pass), then its
+                 * selection; steps that fit in cap are read once, as before */
+                float ts = ladder_pick(r, n, t, ladder, J, cap);
+                held_count = count_collect(r, n, ts, slots, cap);
+            }
         }
         int64_t sent = held_count < cap ? held_count : cap;
         if (guard)

@@ -66,6 +66,7 @@ COMPRESSORS = {
     "threshold-track": ("study_compressors.ThresholdTracking", (0.99,)),
     "threshold-largest": ("study_compressors.ThresholdLargestOnOverflow", (0.99,)),
     "threshold-coarse": ("study_compressors.ThresholdCoarseLadder", (0.99,)),
+    "slimdp-shared": ("study_compressors.SlimDPSharedExplorer", (0.3, 0.15)),
 }
 SGD_METHODS = ["dense", "topk", "topk+mc", "threshold", "threshold+mc", "adacomp",
                "adacomp+mc", "slimdp", "qsgd"]

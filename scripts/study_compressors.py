@@ -1,10 +1,12 @@
 """Study variants of hvdsparse's compressors, for ``scripts/bench_convergence.py`` only
 (method names ``adacomp-fp32``, ...): each changes one thing of a library compressor to
 measure where a gap comes from. Not part of the library, not a user option."""
+import dataclasses
+
 import torch
 
-from hvdsparse.compressors import AdaComp, Threshold
-from hvdsparse.payload import LayerPayload, Segment, ValueEncoding
+from hvdsparse.compressors import AdaComp, SlimDP, Threshold
+from hvdsparse.payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
 
 
 class AdaCompExactValues(AdaComp):
@@ -73,3 +75,21 @@ class ThresholdCoarseLadder(Threshold):
 
     ladder = tuple(float(torch.tensor(2.0 ** (j / 4), dtype=torch.float32))
                    for j in range(16))
+
+
+class SlimDPSharedExplorer(SlimDP):
+    """Slim-DP whose explorer is the same on every rank (a shared seed per step and
+    layer, as ``RandomK(shared_seed=True)``), so it travels as values only (IMPLICIT,
+    like the core): ``alpha n`` words a step instead of ``(2 alpha - beta) n``, and
+    every explorer element gets all P ranks' contributions at once instead of the
+    ranks' own random picks."""
+
+    def _explorer(self, name, step, n, core, ex_size, device, shared=False):
+        return super()._explorer(name, step, n, core, ex_size, device, shared=True)
+
+    def _compress(self, name, flat, shape, step, cfg, param):
+        pl, info = super()._compress(name, flat, shape, step, cfg, param)
+        segs = [dataclasses.replace(g, index_encoding=IndexEncoding.IMPLICIT, indices=None,
+                                    implicit_indices=g.indices.long(), narrow_indices=False)
+                if g.index_encoding == IndexEncoding.INT32 else g for g in pl.segments]
+        return LayerPayload(pl.name, pl.shape, segs), info

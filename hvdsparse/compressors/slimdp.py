@@ -263,14 +263,20 @@ class SlimDP(Compressor):
                                 count=self._count(core_size, dev), values=values,
                                 scales=scales, quant_bucket=qb, implicit_indices=core))
         if ex_size:
-            keys = uniform(self._seed(name, step, PURPOSE_EXPLORE), n, dev)
-            if core is not None:
-                keys[core] = 2.0
-            ex = torch.topk(keys, ex_size, largest=False, sorted=False).indices
-            ex = torch.sort(ex).values
+            ex = self._explorer(name, step, n, core, ex_size, dev)
             values, scales = self._take(acc, ex, None, None, enc, qseed ^ 0x1, qb, ef)
             segs.append(Segment(numel=n, capacity=ex_size, index_encoding=IndexEncoding.INT32,
                                 value_encoding=enc, count=self._count(ex_size, dev),
                                 values=values, indices=ex.to(torch.int32), scales=scales,
                                 quant_bucket=qb, narrow_indices=True))
         return LayerPayload(name, shape, segs), dict(extra=dict(dense_push=False))
+
+    def _explorer(self, name, step, n, core, ex_size, device, shared=False):
+        """This step's explorer: ``ex_size`` indices (int64, ascending) drawn uniformly
+        without replacement from outside ``core`` (Philox keys, ``keys[core] = 2``, the
+        smallest); from a per-rank seed, or the same on every rank with ``shared``."""
+        keys = uniform(self._seed(name, step, PURPOSE_EXPLORE, shared=shared), n, device)
+        if core is not None:
+            keys[core] = 2.0
+        ex = torch.topk(keys, ex_size, largest=False, sorted=False).indices
+        return torch.sort(ex).values

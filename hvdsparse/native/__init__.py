@@ -270,7 +270,7 @@ def _bucket_topk_namespace(lib) -> SimpleNamespace:
         cnt = torch.empty((L, 2), dtype=torch.int32)
         tau = torch.empty(L, dtype=torch.float32)
         # untouched pages cost nothing: only the hits of a guard row are written
-        scratch = torch.empty(nscratch, dtype=torch.int32)
+        scratch = torch.empty(2 * nscratch, dtype=torch.int32)      # indices, magnitudes
         lib.hvd_select(tab.data_ptr(), L, V.data_ptr(), mmax, counts.data_ptr(), R,
                        int(rounds), tau.data_ptr(), idx.data_ptr(), vals.data_ptr(),
                        cnt.data_ptr(), tiny, ladder.data_ptr(), ladder.numel(),

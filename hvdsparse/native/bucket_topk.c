@@ -339,12 +339,15 @@ static inline uint32_t mask32(const float *a, float t)
 #endif
 }
 
-/* #{|a_i| >= t}, the first `cap` such i written to idx in ascending order, 32 elements
- * at a time: a block without hits costs its compare mask (at TopK densities most
- * blocks have none); a block with hits writes each hit's index straight into idx while
- * 32 slots are free (a store per hit, no staging copy), one by one near the end. */
-HOT static int64_t count_collect(const float *restrict a, int64_t n, float t,
-                                 int32_t *restrict idx, int64_t cap)
+/* #{|a_i| >= t}, the first `cap` such i written to idx in ascending order (and, with
+ * mag, |a_i| to mag at the same slot), 32 elements at a time: a block without hits
+ * costs its compare mask (at TopK densities most blocks have none); a block with hits
+ * writes each hit's index straight into idx while 32 slots are free (a store per hit,
+ * no staging copy), one by one near the end. Inlined into count_collect (mag NULL: the
+ * stores compiled out) and count_collect_mag. */
+static inline int64_t count_collect_impl(const float *restrict a, int64_t n, float t,
+                                         int32_t *restrict idx, float *restrict mag,
+                                         int64_t cap)
 {
     int64_t c = 0, i = 0;
     for (; i + 32 <= n; i += 32) {
@@ -353,15 +356,23 @@ HOT static int64_t count_collect(const float *restrict a, int64_t n, float t,
             continue;
         if (c + 32 <= cap) {
             int32_t *o = idx + c;
+            float *m = mag ? mag + c : NULL;
             c += __builtin_popcount(bits);
             while (bits) {
-                *o++ = (int32_t)i + __builtin_ctz(bits);
+                int32_t k = (int32_t)i + __builtin_ctz(bits);
+                *o++ = k;
+                if (mag)
+                    *m++ = fabsf(a[k]);
                 bits &= bits - 1;
             }
         } else {
             while (bits) {
-                if (c < cap)
-                    idx[c] = (int32_t)i + __builtin_ctz(bits);
+                int32_t k = (int32_t)i + __builtin_ctz(bits);
+                if (c < cap) {
+                    idx[c] = k;
+                    if (mag)
+                        mag[c] = fabsf(a[k]);
+                }
                 c++;
                 bits &= bits - 1;
             }
@@ -369,21 +380,45 @@ HOT static int64_t count_collect(const float *restrict a, int64_t n, float t,
     }
     for (; i < n; i++) {
         if (fabsf(a[i]) >= t) {
-            if (c < cap)
+            if (c < cap) {
                 idx[c] = (int32_t)i;
+                if (mag)
+                    mag[c] = fabsf(a[i]);
+            }
             c++;
         }
     }
     return c;
 }
 
-/* How many of the rungs tq[0 .. J-1] (ascending) x reaches, given x >= tq[0]. */
+HOT static int64_t count_collect(const float *restrict a, int64_t n, float t,
+                                 int32_t *restrict idx, int64_t cap)
+{
+    return count_collect_impl(a, n, t, idx, NULL, cap);
+}
+
+HOT static int64_t count_collect_mag(const float *restrict a, int64_t n, float t,
+                                     int32_t *restrict idx, float *restrict mag, int64_t cap)
+{
+    return count_collect_impl(a, n, t, idx, mag, cap);
+}
+
+/* How many of the rungs tq[0 .. J-1] (ascending; padded to 32 with +inf) x reaches,
+ * given x >= tq[0]: one compare per rung and a popcount, no data-dependent branch
+ * (the hits cluster just above t, where a walk up the rungs mispredicts). */
 static inline int64_t rungs_reached(float x, const float *tq, int64_t J)
 {
-    int64_t q = 1;
-    while (q < J && x >= tq[q])
-        q++;
-    return q;
+    uint32_t bits = 0;
+#if defined(__SSE2__)
+    const __m128 xv = _mm_set1_ps(x);
+    for (int q = 0; q < 32; q += 4)
+        bits |= (uint32_t)_mm_movemask_ps(_mm_cmpge_ps(xv, _mm_loadu_ps(tq + q))) << q;
+#else
+    for (int q = 0; q < 32; q++)
+        bits |= (uint32_t)(x >= tq[q]) << q;
+#endif
+    int64_t c = __builtin_popcount(bits);
+    return c < J ? c : J;                     /* x = +inf reaches the padding too */
 }
 
 /* The lowest of the J rungs tq[0 .. J-1] whose count fits in cap, from hist[q] =
@@ -411,11 +446,10 @@ static float rung_that_fits(const int64_t *hist, const float *tq, int64_t J, int
 #define LADDER_MAX 32
 static void ladder_rungs(float t, const float *ladder, int64_t J, float *tq, int64_t *hist)
 {
-    for (int64_t q = 0; q < J; q++) {
-        tq[q] = t * ladder[q];
+    for (int64_t q = 0; q < LADDER_MAX; q++)
+        tq[q] = q < J ? t * ladder[q] : INFINITY;
+    for (int64_t q = 0; q <= LADDER_MAX; q++)
         hist[q] = 0;
-    }
-    hist[J] = 0;
 }
 
 HOT static float ladder_pick(const float *restrict a, int64_t n, float t,
@@ -437,30 +471,28 @@ HOT static float ladder_pick(const float *restrict a, int64_t n, float t,
     return rung_that_fits(hist, tq, J, cap);
 }
 
-static float ladder_pick_hits(const float *restrict a, const int32_t *hits, int64_t h,
-                              float t, const float *ladder, int64_t J, int64_t cap)
+static float ladder_pick_hits(const float *mag, int64_t h, float t, const float *ladder,
+                              int64_t J, int64_t cap)
 {
     float tq[LADDER_MAX];
     int64_t hist[LADDER_MAX + 1];
     ladder_rungs(t, ladder, J, tq, hist);
     for (int64_t q = 0; q < h; q++)             /* every hit reaches tq[0] = t */
-        hist[rungs_reached(fabsf(a[hits[q]]), tq, J)]++;
+        hist[rungs_reached(mag[q], tq, J)]++;
     return rung_that_fits(hist, tq, J, cap);
 }
 
-/* The hits (ascending) that reach ts >= t, the first cap of them into idx; returns
- * their count: count_collect(a, n, ts, idx, cap) without reading the layer again. */
-static int64_t collect_hits(const float *restrict a, const int32_t *hits, int64_t h,
-                            float ts, int32_t *restrict idx, int64_t cap)
+/* The hits (indices ascending, magnitudes mag) that reach ts >= t, the first cap of
+ * them into idx; returns their count: count_collect(a, n, ts, idx, cap) without
+ * reading the layer again. */
+static int64_t collect_hits(const int32_t *hits, const float *mag, int64_t h, float ts,
+                            int32_t *restrict idx, int64_t cap)
 {
     int64_t c = 0;
-    for (int64_t q = 0; q < h; q++) {
-        int32_t i = hits[q];
-        if (fabsf(a[i]) >= ts) {
-            if (c < cap)
-                idx[c] = i;
-            c++;
-        }
+    int32_t spill;                              /* where a hit past cap is written */
+    for (int64_t q = 0; q < h; q++) {           /* branch-free: most hits are near ts */
+        *(c < cap ? idx + c : &spill) = hits[q];
+        c += mag[q] >= ts;
     }
     return c;
 }
@@ -469,7 +501,8 @@ static int64_t collect_hits(const float *restrict a, const int32_t *hits, int64_
  * V: [L][mmax] sorted sample magnitudes; counts: int32 [L][R] (zeroed by the caller);
  * idx / vals: the bucket's slots; cnt: int32 [L][2]; tau: fp32 [L]; ladder: Threshold's
  * J rung factors (MODE_GUARD rows; ladder[0] = 1); scratch: room for a MODE_GUARD row's
- * hits at t, min(n, hits_x * cap) int32 (hits_x <= 1: none, the ladder reads the layer). */
+ * hits at t and their magnitudes, 2 min(n, hits_x * cap) int32 (hits_x <= 1: none, the
+ * ladder reads the layer). */
 void hvd_select(const int64_t *tab, int64_t L, const float *V, int64_t mmax,
                 int32_t *counts, int64_t R, int64_t rounds, float *tau, int32_t *idx,
                 float *vals, int32_t *cnt, float tiny, const float *ladder, int64_t J,
@@ -511,14 +544,16 @@ void hvd_select(const int64_t *tab, int64_t L, const float *V, int64_t mmax,
         int64_t room = n < hits_x * cap ? n : hits_x * cap;
         if (guard && room > cap) {
             /* the count at t keeps up to `room` hits, so an overflow up to that many
-             * finds its rung and selection among the hits: the layer is read once */
-            at_tau = count_collect(r, n, t, scratch, room);
+             * finds its rung and selection among the hits (their indices and magnitudes
+             * kept in the scratch): the layer is read once */
+            float *mag = (float *)(scratch + room);
+            at_tau = count_collect_mag(r, n, t, scratch, mag, room);
             if (at_tau <= cap) {
                 memcpy(slots, scratch, (size_t)at_tau * sizeof(int32_t));
                 held_count = at_tau;
             } else if (at_tau <= room) {
-                float ts = ladder_pick_hits(r, scratch, at_tau, t, ladder, J, cap);
-                held_count = collect_hits(r, scratch, at_tau, ts, slots, cap);
+                float ts = ladder_pick_hits(mag, at_tau, t, ladder, J, cap);
+                held_count = collect_hits(scratch, mag, at_tau, ts, slots, cap);
             } else {
                 float ts = ladder_pick(r, n, t, ladder, J, cap);
                 held_count = count_collect(r, n, ts, slots, cap);

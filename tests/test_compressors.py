@@ -21,7 +21,7 @@ from hvdsparse.compressors import (AdaComp, ExponentialWarmup, NoCompression, QS
 from hvdsparse.compressors.threshold import LADDER
 from hvdsparse.payload import IndexEncoding as IE
 from hvdsparse.payload import ValueEncoding as VE
-from tests.workers.topk_oracle import threshold_ladder, topk_indices
+from tests.workers.topk_oracle import threshold_ladder, topk_capacity, topk_indices
 
 SEED = int(os.environ.get("HVDSPARSE_TEST_SEED", random.randrange(2 ** 31)))
 print(f"\n[test_compressors] HVDSPARSE_TEST_SEED={SEED}")
@@ -759,7 +759,8 @@ def test_policy():
     p = comp.compress("bias", torch.randn(5000, generator=g), 0)             # 1-D
     assert p.segments[0].index_encoding == IE.DENSE
     p = comp.compress("big", torch.randn(100, 100, generator=g), 0)
-    assert p.segments[0].index_encoding == IE.INT32 and p.segments[0].capacity == 150
+    # 1% of 10 000: the estimate's exact route (the k-th largest), capacity k
+    assert p.segments[0].index_encoding == IE.INT32 and p.segments[0].capacity == 100
     p = comp.compress("embed.w", torch.randn(100, 100, generator=g), 0)
     assert p.segments[0].capacity == 750
     p = comp.compress("x.skip", torch.randn(100, 100, generator=g), 0)
@@ -800,7 +801,7 @@ def test_warmup_schedules():
     for t in (0, 1, 10, 30, 50, 99, 100, 150):
         d = RtWarmup(100)(t, 0.01)
         k = max(1, math.ceil(d * n - 1e-9))
-        cap = min(n, math.ceil(1.5 * k))
+        cap = topk_capacity(n, k)
         p = comp.compress("w", torch.randn(100, 100), t)
         if cap * 8 < n * 4:
             assert p.segments[0].capacity == cap == comp.capacity(n, t), t
@@ -888,10 +889,11 @@ def test_stats_fields():
     for key in ("sent", "selected", "payload_bytes", "dense_bytes", "compression_rate",
                 "effective_rate", "threshold", "steps"):
         assert key in w
-    # 150 slots of a uint16 position (the int32 index narrowed for the wire) + fp32
-    # value, one uint16 count for the single bin of 10000 elements, the count word
-    assert w["dense_bytes"] == 40000 and w["payload_bytes"] == 150 * 6 + 2 + 4
-    assert w["compression_rate"] == pytest.approx(40000 / 906)
+    # 100 slots (1% of 10 000: the exact route, capacity k) of a uint16 position (the
+    # int32 index narrowed for the wire) + fp32 value, one uint16 count for the single
+    # bin of 10000 elements, the count word
+    assert w["dense_bytes"] == 40000 and w["payload_bytes"] == 100 * 6 + 2 + 4
+    assert w["compression_rate"] == pytest.approx(40000 / 606)
     assert w["steps"] == 3 and w["total_sent"] >= w["sent"]
     assert st["b"]["compression_rate"] < 1.0         # dense 1-D bias
     tot = comp.stats_totals()
@@ -1055,15 +1057,15 @@ def test_topk_output_layer_ratio():
     # a larger ratio is not lowered; an override of the head's ratio wins; None: off
     big = TopK(0.2)
     big.register_layers(layers)
-    assert big.capacity(n_out, 0, "fc2.weight") == math.ceil(1.5 * math.ceil(0.2 * n_out))
+    assert big.capacity(n_out, 0, "fc2.weight") == topk_capacity(n_out, math.ceil(0.2 * n_out))
     ov = TopK(0.01, overrides={"fc2.*": dict(ratio=0.02)})
     ov.register_layers(layers)
     assert ov.output_layer is None
-    assert ov.capacity(n_out, 0, "fc2.weight") == math.ceil(1.5 * math.ceil(0.02 * n_out))
+    assert ov.capacity(n_out, 0, "fc2.weight") == topk_capacity(n_out, math.ceil(0.02 * n_out))
     off = TopK(0.01, output_ratio=None)
     off.register_layers(layers)
     assert off.output_layer is None
-    assert off.capacity(n_out, 0, "fc2.weight") == math.ceil(1.5 * math.ceil(0.01 * n_out))
+    assert off.capacity(n_out, 0, "fc2.weight") == topk_capacity(n_out, math.ceil(0.01 * n_out))
     assert comp.config()["args"]["output_ratio"] == 0.1 and off.config()["args"]["output_ratio"] is None
     with pytest.raises(ValueError, match="output_ratio"):
         TopK(0.01, output_ratio=1.5)

@@ -17,7 +17,10 @@ Three selection modes:
 
 default: sampled threshold estimate + fused select (no sort of the whole layer)
     capacity ``C = min(n, ceil(slack * k))`` (``slack=1.5``). Aim: a count in
-    ``[k, C]``, target ``m = (k + C) / 2``.
+    ``[k, C]``, target ``m = (k + C) / 2``. On the exact route (step 2: the sample
+    would be the whole layer) the capacity is ``k`` itself: the threshold is the k-th
+    largest, so the slack would only travel as padding (ties at the threshold beyond
+    ``k`` stay in the residual).
 
     1. ``acc = residual + grad`` with ``ops.residual_add_binmax`` (one fused pass).
     2. Strided sample of ``s = min(n, max(4096, ceil(256 n / m)))`` elements
@@ -281,9 +284,16 @@ class TopK(Compressor):
     @staticmethod
     def _k_and_capacity(n: int, d: float, cfg: dict):
         """``(k, capacity)`` of a layer of ``n`` elements at density ``d`` (not
-        ``per_bucket``): ``capacity = k`` with ``exact``, else ``min(n, ceil(slack k))``."""
+        ``per_bucket``): ``capacity = k`` with ``exact``, and on the sampled estimate's
+        exact route (:func:`sample_layout` is ``None``: the threshold is the k-th largest
+        ``|acc|``, so exactly k pass it unless values tie there); else ``min(n, ceil(slack
+        k))``, the room the estimate's count needs. Slack on the exact route would only
+        travel as padding (the capacity is what the fixed-size messages carry)."""
         k = k_of(d, n)
-        return k, (k if cfg["exact"] else min(n, math.ceil(cfg["slack"] * k)))
+        if cfg["exact"]:
+            return k, k
+        cap = min(n, math.ceil(cfg["slack"] * k))
+        return k, (k if sample_layout(n, k, cap) is None else cap)
 
     # ------------------------------------------------------------------
     def _exact_top(self, a: torch.Tensor, k: int) -> torch.Tensor:

@@ -2,6 +2,8 @@
 the ``k`` largest ``|x|``, ties at the k-th value to the lower index -- the rule
 ``TopK(exact=True)`` documents (``torch.topk`` leaves tie order unspecified, so an
 oracle built on it can pick the other of two equal elements)."""
+import math
+
 import numpy as np
 import torch
 
@@ -24,3 +26,13 @@ def threshold_ladder(a: torch.Tensor, tau, cap: int, ladder):
     counts = [int((a >= t).sum()) for t in rungs]
     r = min(sum(c > cap for c in counts), len(ladder) - 1)
     return rungs[r], counts[0]
+
+
+def topk_capacity(n: int, k: int, slack: float = 1.5) -> int:
+    """TopK's documented capacity (``hvdsparse/compressors/topk.py``): ``k`` when the
+    sampled estimate takes its exact route -- the sample would be the whole layer, ``2 s
+    > n`` with ``s = min(n, max(4096, ceil(256 n / m)))``, ``m = (k + ceil(slack k)) / 2``
+    -- else ``min(n, ceil(slack k))``."""
+    c = min(n, math.ceil(slack * k))
+    s = min(n, max(4096, math.ceil(256 * n / (0.5 * (k + c)))))
+    return k if 2 * s > n else c

@@ -15,7 +15,8 @@ plain NAME passes ``momentum_correction=False`` explicitly, so a row's meaning d
 depend on the library's default.
 
 Reported per method (mean +- sd over seeds): final held-out quality (accuracy, or loss
-for the LM), its difference to dense, steps to a target (accuracy: first evaluation
+for the LM), its difference to dense (paired by seed; also over the mean of each run's
+last ``TAIL_EVALS`` evaluations, less noisy than one evaluation), steps to a target (accuracy: first evaluation
 reaching 95% of the same seed's dense final accuracy; loss: first evaluation at or
 below 1.05 x the same seed's dense final loss), that step count over dense's, wire bytes
 per rank per step (dense: the ring allreduce's 2 (P-1)/P x 4 bytes x parameters;
@@ -267,6 +268,17 @@ def late_bytes(run):
     return (ev[-1]["bytes_total"] - mid["bytes_total"]) / (ev[-1]["step"] - mid["step"])
 
 
+#: the evaluations the "last evaluations" column averages: one final evaluation moves by
+#: several pp between neighbouring evaluations on the digits workloads (BENCHMARKS 4b,
+#: sixteenth and seventeenth sessions), so a window judges a method's end state more fairly
+TAIL_EVALS = 3
+
+
+def tail_mean(evals, q, n=TAIL_EVALS):
+    """Mean of the last ``n`` evaluations' quality ``q`` (the final one included)."""
+    return statistics.mean(e[q] for e in evals[-n:])
+
+
 def summarise(data):
     """Per-method rows (dense first) and per (method, layer kind) rate rows."""
     q = data["quality"]
@@ -280,13 +292,15 @@ def summarise(data):
         rs = by[m]
         seeds = sorted(rs)
         finals = [rs[s]["evals"][-1][q] for s in seeds]
-        diffs, st, ratio = [], [], []
+        diffs, tails, st, ratio = [], [], [], []
         for s in seeds:
             d = dense.get(s)
             if d is None:
                 continue
             df = d["evals"][-1][q]
             diffs.append(rs[s]["evals"][-1][q] - df)
+            td = tail_mean(d["evals"], q)
+            tails.append((tail_mean(rs[s]["evals"], q) - td) / (td if q == "loss" else 1.0))
             target = 0.95 * df if q == "acc" else 1.05 * df
             k = steps_to(rs[s]["evals"], q, target)
             kd = steps_to(d["evals"], q, target)
@@ -305,7 +319,8 @@ def summarise(data):
             rel = statistics.mean(diffs[i] / dense[s]["evals"][-1][q]
                                   for i, s in enumerate(s for s in seeds if s in dense))
         rows.append(dict(method=m, seeds=seeds, final=finals, final_mean=fm, final_sd=fs,
-                         diff_mean=dm, rel_diff=rel, steps_to_target=st,
+                         diff_mean=dm, rel_diff=rel, tail_diff=_mean_sd(tails)[0],
+                         steps_to_target=st,
                          steps_ratio=ratio, bytes_per_rank_step=b,
                          x_fewer=(db / b) if db and b else None,
                          late_bytes=lb, late_x_fewer=(dlb / lb) if dlb and lb else None,
@@ -343,17 +358,20 @@ def tables(data, rows, kinds):
     tgt = ("95% of dense's final accuracy" if q == "acc"
            else "1.05 x dense's final loss")
     head = (f"| method | final {'accuracy %' if q == 'acc' else 'loss'} (mean +- sd, "
-            f"{n_seeds} seeds) | vs dense | steps to {tgt} | x dense's steps | "
+            f"{n_seeds} seeds) | vs dense | vs dense, last {TAIL_EVALS} evaluations | "
+            f"steps to {tgt} | x dense's steps | "
             f"bytes/rank/step | x fewer than dense | 2nd half: bytes/rank/step (x fewer) "
             f"| s/run |")
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         if q == "acc":
             f = f"{100 * r['final_mean']:.2f} +- {100 * r['final_sd']:.2f}"
             d = "" if r["diff_mean"] is None else f"{100 * r['diff_mean']:+.2f} pp"
+            tl = "" if r.get("tail_diff") is None else f"{100 * r['tail_diff']:+.2f} pp"
         else:
             f = f"{r['final_mean']:.4f} +- {r['final_sd']:.4f} (ppl {math.exp(r['final_mean']):.2f})"
             d = "" if r["rel_diff"] is None else f"{100 * r['rel_diff']:+.2f}%"
+            tl = "" if r.get("tail_diff") is None else f"{100 * r['tail_diff']:+.2f}%"
         rat = [x for x in r["steps_ratio"] if x is not None]
         ratio = (f"{statistics.mean(rat):.2f}" if len(rat) == len(r["steps_ratio"]) and rat
                  else f"{statistics.mean(rat):.2f}*" if rat else "never")
@@ -361,7 +379,7 @@ def tables(data, rows, kinds):
         late = "" if r["late_bytes"] is None else (
             f"{r['late_bytes']:.0f} ({r['late_x_fewer']:.1f})" if r["late_x_fewer"]
             else f"{r['late_bytes']:.0f}")
-        lines.append(f"| {r['method']} | {f} | {d} | {r['steps_to_target']} | {ratio} | "
+        lines.append(f"| {r['method']} | {f} | {d} | {tl} | {r['steps_to_target']} | {ratio} | "
                      f"{r['bytes_per_rank_step']:.0f} | {xf} | {late} | {r['wall_s']:.1f} |")
     lines += ["", "| method | layer kind | layers | elements | bytes/element sent | "
                   "rate (what travels) | effective rate |", "|" + "---|" * 7]

@@ -244,10 +244,12 @@ def _bucket_topk_namespace(lib) -> SimpleNamespace:
             if ladder is None:
                 raise ValueError("hvdsparse.native: a MODE_GUARD row needs the ladder")
             # room for the hits at tau of an overflow up to LADDER_HITS x the capacity,
-            # so that the ladder reads the hits, not the layer (bucket_topk.c)
+            # so that the ladder reads the hits, not the layer (bucket_topk.c); at least
+            # the capacity, which a step that fits copies from there
             rows = tab[guard]
-            nscratch = int(torch.minimum(rows[:, ns.C_N],
-                                         LADDER_HITS * rows[:, ns.C_CAP]).max())
+            cap = rows[:, ns.C_CAP]
+            nscratch = int(torch.maximum(cap, torch.minimum(rows[:, ns.C_N],
+                                                            LADDER_HITS * cap)).max())
         if ladder is None:
             ladder = torch.ones(1, dtype=torch.float32)
         _cpu("ladder", ladder, torch.float32, 1)

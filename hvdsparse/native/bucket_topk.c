@@ -28,7 +28,7 @@
  *                    MODE_GUARD rows (Threshold's overflow guard, threshold.py): when
  *                    more than cap pass t, the selection uses the overflow ladder's
  *                    rung, selected = the count at t. The count at t collects up
- *                    to min(n, hits_x cap) hits, so an overflow within that finds its rung and
+ *                    to max(cap, min(n, hits_x cap)) hits, so an overflow within that finds its rung and
  *                    selection among them (ladder_pick_hits, collect_hits); a larger
  *                    one reads the layer twice more (ladder_pick, count_collect); ratio =
  *                    selected / cap (fp32),
@@ -501,8 +501,8 @@ static int64_t collect_hits(const int32_t *hits, const float *mag, int64_t h, fl
  * V: [L][mmax] sorted sample magnitudes; counts: int32 [L][R] (zeroed by the caller);
  * idx / vals: the bucket's slots; cnt: int32 [L][2]; tau: fp32 [L]; ladder: Threshold's
  * J rung factors (MODE_GUARD rows; ladder[0] = 1); scratch: room for a MODE_GUARD row's
- * hits at t and their magnitudes, 2 min(n, hits_x * cap) int32 (hits_x <= 1: none, the
- * ladder reads the layer). */
+ * hits at t and their magnitudes, 2 max(cap, min(n, hits_x * cap)) int32 (hits_x <= 1:
+ * no overflow is taken from the hits, the ladder reads the layer). */
 void hvd_select(const int64_t *tab, int64_t L, const float *V, int64_t mmax,
                 int32_t *counts, int64_t R, int64_t rounds, float *tau, int32_t *idx,
                 float *vals, int32_t *cnt, float tiny, const float *ladder, int64_t J,
@@ -541,11 +541,14 @@ void hvd_select(const int64_t *tab, int64_t L, const float *V, int64_t mmax,
         tau[j] = t;
         int64_t guard = route == ROUTE_GIVEN && (row[C_MODE] & MODE_GUARD);
         int64_t at_tau;                          /* selected: the count at tau */
-        int64_t room = n < hits_x * cap ? n : hits_x * cap;
-        if (guard && room > cap) {
-            /* the count at t keeps up to `room` hits, so an overflow up to that many
-             * finds its rung and selection among the hits (their indices and magnitudes
-             * kept in the scratch): the layer is read once */
+        if (guard) {
+            /* the count at t keeps up to `room` (>= cap) hits and their magnitudes in
+             * the scratch: a step that fits copies them to the slots, an overflow up
+             * to `room` finds its rung and selection among them (the layer is read
+             * once), a larger one reads the layer twice more */
+            int64_t room = n < hits_x * cap ? n : hits_x * cap;
+            if (room < cap)
+                room = cap;
             float *mag = (float *)(scratch + room);
             at_tau = count_collect_mag(r, n, t, scratch, mag, room);
             if (at_tau <= cap) {
@@ -562,12 +565,6 @@ void hvd_select(const int64_t *tab, int64_t L, const float *V, int64_t mmax,
             if (!(have && t == held))
                 held_count = count_collect(r, n, t, slots, cap);
             at_tau = held_count;
-            if (guard && at_tau > cap) {
-                /* an overflow: the ladder's rung (one counting pass), then its
-                 * selection; steps that fit in cap are read once, as before */
-                float ts = ladder_pick(r, n, t, ladder, J, cap);
-                held_count = count_collect(r, n, ts, slots, cap);
-            }
         }
         int64_t sent = held_count < cap ? held_count : cap;
         if (guard)

@@ -115,8 +115,16 @@ for _m in ("topk1", "threshold99"):
     METHODS[_m + "_int32idx"] = (METHODS[_m][0] + ", int32 indices on the wire",
                                  METHODS[_m][1])
     METHOD_ENV[_m + "_int32idx"] = {"HVDSPARSE_NARROW_INDICES": "0"}
+# the same method with one exchange forced (instead of --exchange): what `auto` chose
+# against the alternative, side by side in one launch
+METHOD_EXCHANGE = {}
+for _m in ("topk1", "threshold99"):
+    for _ex in ("allgather", "split"):
+        METHODS[f"{_m}_{_ex}"] = (f"{METHODS[_m][0]}, exchange={_ex}", METHODS[_m][1])
+        METHOD_EXCHANGE[f"{_m}_{_ex}"] = _ex
 DEFAULT_METHODS = [m for m in METHODS if not m.startswith("topk5") and m != "topk1_warmup"
-                   and m not in METHOD_ENV and m not in ("topk1_mask", "topk1_nomask",
+                   and m not in METHOD_ENV and m not in METHOD_EXCHANGE
+                   and m not in ("topk1_mask", "topk1_nomask",
                                                          "topk1_bf16")]
 
 
@@ -528,7 +536,7 @@ def run_methods(a, net, methods, out, tag, shim):
     for m in methods:
         label, margs = METHODS[m]
         print(f"[bench] {tag}: {label} ...", flush=True)
-        extra = margs + ["--exchange", a.exchange, "--epochs", str(a.epochs),
+        extra = margs + ["--exchange", METHOD_EXCHANGE.get(m, a.exchange), "--epochs", str(a.epochs),
                          "--target-acc", str(a.target_acc), "--eval-every", str(a.eval_every)]
         if a.max_steps:
             extra += ["--max-steps", str(a.max_steps)]

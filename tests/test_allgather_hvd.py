@@ -22,4 +22,5 @@ def test_allgather_encode_decode_accumulate_np2():
         assert f"rank {r}: message 2 ok" in out, out[-3000:]
         assert f"rank {r}: strategies ok" in out, out[-3000:]
         assert f"rank {r}: split trusted flag ok" in out, out[-3000:]
+        assert f"rank {r}: fp16 sum overflow ok" in out, out[-3000:]
     print(out[-2000:])

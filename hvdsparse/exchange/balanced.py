@@ -30,13 +30,15 @@ Phase 2b (one allgather of equal-length messages: no size exchange, no host read
 owner r's message, ``L = 32 + 4 H + 4 c + pad4(c v)`` bytes::
 
     int32[8]  header: kept (non-zeros among the c values), nnz(T_r), pairs received,
-              r, then fp32 sum(T_r^2), fp32 sum(kept^2), 0, 0
+              r, then fp32 sum(T_r^2), fp32 sum(kept^2), int32 e, 0
     int32[H]  histogram of the received pairs' positions over H equal sub-bins of R_r
     int32[c]  range-relative indices; padding slots (when |R_r| < c) hold |R_r|
     v[c]      values in the pairs' dtype (padding 0), zero-padded to 4 bytes
 
 Every rank (the owner included) decodes all P messages from the same gathered bytes, so
-all replicas end with bit-identical sums.
+all replicas end with bit-identical sums. fp16 values whose sum leaves fp16's range
+travel as ``fp16(v * 2^-e)``, ``e`` in the header, as in :mod:`.split`
+(:func:`.split.wire_exponent`; 0 for other dtypes and while ``max |v| <= 65504``).
 
 Truncation error (fed back; reported)
 -------------------------------------
@@ -97,8 +99,9 @@ import torch
 from . import cost_model
 from .base import (BucketSpec, DeferredFigures, ExchangeContext, HostReadout, Pending,
                    bucket_device, own_dense)
-from .split import (_bytes, _flag_index_error, _pad4, owner_counts, pair_dtype,
-                    reduce_at_owner, send_pairs_to_owners)
+from .split import (MAX_WIRE_EXPONENT, _bytes, _flag_index_error, _pad4, from_wire_values,
+                    owner_counts, pair_dtype, reduce_at_owner, send_pairs_to_owners,
+                    to_wire_values, wire_exponent)
 
 NAME = "balanced"
 HEADER_BYTES = 32
@@ -260,15 +263,17 @@ class BalancedPending(Pending):
                 sel = torch.cat([sel, torch.full((c - n_r,), n_r, dtype=torch.int64,
                                                  device=dev)])
                 sel_vals = torch.cat([sel_vals, sel_vals.new_zeros(c - n_r)])
-        wire_vals = sel_vals.to(self._vdtype)
+        shift = wire_exponent(sel_vals, self._vdtype)
+        wire_vals = to_wire_values(sel_vals, self._vdtype, shift)
         hdr_i = torch.stack([torch.count_nonzero(wire_vals), torch.count_nonzero(T),
                              torch.zeros((), dtype=torch.int64, device=dev) + m,
                              torch.zeros((), dtype=torch.int64, device=dev) + r]
                             ).to(torch.int32)
-        hdr_f = torch.stack([T.square().sum(), wire_vals.float().square().sum(),
-                             T.new_zeros(()), T.new_zeros(())])
-        parts = [_bytes(hdr_i), _bytes(hdr_f), _bytes(hist[:H]), _bytes(sel.to(torch.int32)),
-                 _bytes(wire_vals)]
+        hdr_f = torch.stack([T.square().sum(),
+                             from_wire_values(wire_vals, shift).square().sum()])
+        tail = torch.cat([shift, shift.new_zeros(1)])
+        parts = [_bytes(hdr_i), _bytes(hdr_f), _bytes(tail), _bytes(hist[:H]),
+                 _bytes(sel.to(torch.int32)), _bytes(wire_vals)]
         used = sum(int(p.numel()) for p in parts)
         if used < self._L:
             parts.append(torch.zeros(self._L - used, dtype=torch.uint8, device=dev))
@@ -317,7 +322,8 @@ class BalancedPending(Pending):
                                f"disagree on the layout or the boundaries)")
         g = gathered.view(P, L)
         hdr_i = g[:, :16].contiguous().view(torch.int32)                       # [P, 4]
-        hdr_f = g[:, 16:32].contiguous().view(torch.float32)                   # [P, 4]
+        hdr_f = g[:, 16:24].contiguous().view(torch.float32)                   # [P, 2]
+        shift = g[:, 24:28].contiguous().view(torch.int32)                     # [P, 1]
         hist = g[:, 32:32 + 4 * H].contiguous().view(torch.int32)              # [P, H]
         ib = 32 + 4 * H
         rel = g[:, ib:ib + 4 * c].contiguous().view(torch.int32).to(torch.int64)  # [P, c]
@@ -334,12 +340,19 @@ class BalancedPending(Pending):
             if not torch.equal(hdr_i[:, 3], torch.arange(P, dtype=torch.int32)):
                 raise RuntimeError(f"hvdsparse balanced bucket {self.spec.bucket_id}: the "
                                    f"gathered messages are not in owner order")
+            hi_e = MAX_WIRE_EXPONENT if self._vdtype == torch.float16 else 0
+            if bool(((shift < 0) | (shift > hi_e)).any()):
+                raise RuntimeError(f"hvdsparse balanced bucket {self.spec.bucket_id}: value "
+                                   f"shifts {shift.reshape(-1).tolist()} outside [0, {hi_e}] "
+                                   f"for {torch.finfo(self._vdtype).bits}-bit values")
         else:
             _flag_index_error(ctx, bad)
         # one spare slot at N takes padding (and, unvalidated, bad indices)
         buf = ctx.buffer("balanced.sum", self.spec.bucket_id, N + 1, torch.float32,
                          self._device).zero_()
         target = torch.where(bad | pad, torch.full_like(rel, N), rel + bal.lo_t)
+        if self._vdtype == torch.float16:
+            vals = from_wire_values(vals, shift.clamp(0, MAX_WIRE_EXPONENT))
         buf.index_copy_(0, target.reshape(-1), vals.reshape(-1).float())
         flat = buf[:N]
         if c < max(b - a for a, b in zip(self._bounds, self._bounds[1:])):

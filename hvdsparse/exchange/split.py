@@ -15,7 +15,7 @@ reproducible: within one sender's rows the indices are unique), counts
 ``K_r = nnz(T_r)`` and sends one message to every rank (one ``hvd.alltoall`` in which
 each rank sends the same message to all; per rank the same link bytes as a ring
 allgather, and the receivers learn every message's length from Horovod's received
-splits, on the host): a 16-byte header ``int32[mode, K_r, pairs_received, 0]`` and
+splits, on the host): a 16-byte header ``int32[mode, K_r, pairs_received, e]`` and
 
 * sparse (mode 0): ``K_r`` int32 range-relative indices, then ``K_r`` values (the
   pairs' dtype), while that message is strictly shorter than the dense one -- i.e.
@@ -33,6 +33,17 @@ against it on the validated (CPU) path.
 
 Every rank (the owner included) decodes all P ranges from the same bytes, so all ranks
 end with bit-identical sums even when the dense phase is quantised.
+
+fp16 sums out of range: each rank's fp16 values are finite (compressors saturate them
+at 65504), but their *sum* can exceed 65504, and a plain cast would deliver +-inf to
+every rank where ``allgather`` (fp32 sums) delivers the right value. A sparse fp16
+message therefore travels as ``fp16(T * 2^-e)`` with ``e`` = :func:`wire_exponent`
+(0 while ``max |T| <= 65504``, else the smallest shift that brings the maximum below
+2^15) in the header's last field; receivers multiply by ``2^e``. Scaling by a power of
+two is exact, so the message's length, mode and rounding stay those of fp16 (values
+that the shift moves below fp16's normal range, ``2^e * 6.1e-5``, keep fewer bits).
+fp32 / bf16 pairs and the dense modes (fp32 values or fp32 scales) always have
+``e = 0``.
 
 Precision of phase 2 (no error feedback): the reduced sums travel as the pairs' dtype
 (fp16/bf16 when every segment is fp16/bf16: one extra rounding of the *sum*) or, in
@@ -75,6 +86,34 @@ NAME = "split"
 _ERR_INDEX = getattr(codec, "ERR_INDEX", 1)
 HEADER_BYTES = 16
 MODE_SPARSE, MODE_DENSE, MODE_QUANT = 0, 1, 2
+#: the largest finite fp16 value; a shifted maximum ends below 2^FP16_SAFE_BITS
+FP16_MAX, FP16_SAFE_BITS = 65504.0, 15
+#: a received shift above this cannot come from finite fp32 sums (2^128 > fp32 max)
+MAX_WIRE_EXPONENT = 128 - FP16_SAFE_BITS
+
+
+def wire_exponent(vals: torch.Tensor, vdtype: torch.dtype) -> torch.Tensor:
+    """int32[1] ``e >= 0`` such that ``vals * 2^-e`` fits fp16 (module docstring): 0 for
+    non-fp16 pairs, while ``max |vals| <= 65504``, and for a non-finite maximum (which
+    travels as before). Device ops, no host read."""
+    if vdtype != torch.float16 or not vals.numel():
+        return torch.zeros(1, dtype=torch.int32, device=vals.device)
+    m = vals.abs().max()
+    _, x = torch.frexp(m)                     # m = f * 2^x, f in [0.5, 1): m < 2^x
+    e = torch.where(m > FP16_MAX, x - FP16_SAFE_BITS, torch.zeros_like(x))
+    return e.clamp(min=0).to(torch.int32).reshape(1)
+
+
+def to_wire_values(vals: torch.Tensor, vdtype: torch.dtype, e: torch.Tensor) -> torch.Tensor:
+    """``vals * 2^-e`` in the pairs' dtype (exact shift, then the dtype's rounding)."""
+    if vdtype != torch.float16:
+        return vals.to(vdtype)
+    return torch.ldexp(vals, -e).to(vdtype)
+
+
+def from_wire_values(vals: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """fp32 ``vals * 2^e`` (``e`` broadcast: [1] for one message, [P, 1] for P rows)."""
+    return torch.ldexp(vals.float(), e)
 
 
 def range_bounds(numel: int, world_size: int):
@@ -305,9 +344,12 @@ class SplitPending(Pending):
         bits, qb = ctx.split_dense_bits, ctx.quant_bucket
         mode = range_mode(k, n_r, vb, bits, qb)
         red = self._reduced
+        shift = torch.zeros(1, dtype=torch.int32, device=self._device)
         if mode == MODE_SPARSE:
             nz = torch.nonzero_static(red, size=k).reshape(-1)
-            body = [_bytes(nz.to(torch.int32)), _bytes(red[nz].to(self._vdtype))]
+            vals = red[nz]
+            shift = wire_exponent(vals, self._vdtype)
+            body = [_bytes(nz.to(torch.int32)), _bytes(to_wire_values(vals, self._vdtype, shift))]
             length = sparse_msg_nbytes(k, vb)
         elif mode == MODE_DENSE:
             body = [_bytes(red)]
@@ -327,6 +369,7 @@ class SplitPending(Pending):
         header[0:1].fill_(mode)          # fill_ with a Python scalar: a kernel argument
         header[2:3].fill_(self._m)
         header[1:2].copy_(self._k_dev)
+        header[3:4].copy_(shift)
         parts = [_bytes(header)] + body
         used = HEADER_BYTES + sum(int(b.numel()) for b in body)
         if used < length:
@@ -388,10 +431,24 @@ class SplitPending(Pending):
                         f"hvdsparse split bucket {self.spec.bucket_id}: header of rank {r} "
                         f"(mode {h[0]}, nnz {h[1]}) contradicts its length {ln} (mode {mode}, "
                         f"nnz {k}) for a range of {n_r} elements")
+                shifted = mode == MODE_SPARSE and self._vdtype == torch.float16
+                if not (0 <= h[3] <= MAX_WIRE_EXPONENT if shifted else h[3] == 0):
+                    raise RuntimeError(
+                        f"hvdsparse split bucket {self.spec.bucket_id}: header of rank {r} "
+                        f"carries the value shift {h[3]}, outside "
+                        f"{'[0, %d]' % MAX_WIRE_EXPONENT if shifted else '{0}'} for a "
+                        f"mode-{mode} range of {torch.finfo(self._vdtype).bits}-bit pairs")
             b = off + HEADER_BYTES
             if mode == MODE_SPARSE:
                 idx = g[b:b + 4 * k].view(torch.int32).to(torch.int64)
-                vals = g[b + 4 * k:b + 4 * k + k * vb].view(self._vdtype).float()
+                vals = g[b + 4 * k:b + 4 * k + k * vb].view(self._vdtype)
+                if self._vdtype == torch.float16:
+                    # the header's shift, read on the device; the validated path checked
+                    # its range above, the trusted path clamps it there
+                    e = g[off + 12:off + 16].view(torch.int32).clamp(0, MAX_WIRE_EXPONENT)
+                    vals = from_wire_values(vals, e)
+                else:
+                    vals = vals.float()
                 bad = (idx < 0) | (idx >= n_r)
                 if ctx.validate:
                     if bool(bad.any()):

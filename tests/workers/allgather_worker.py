@@ -300,6 +300,8 @@ def main():
     print(f"rank {rank}: strategies ok", flush=True)
     split_trusted_flag_check(hvd, rank, size, seed)
     print(f"rank {rank}: split trusted flag ok", flush=True)
+    fp16_sum_overflow_check(hvd, rank, size, seed)
+    print(f"rank {rank}: fp16 sum overflow ok", flush=True)
     hvd.shutdown()
     print(f"HVDSPARSE-OK rank={rank}", flush=True)
 
@@ -444,6 +446,105 @@ def split_trusted_flag_check(hvd, rank, size, seed):
     assert int(flag[0]) == expect_flag, (rank, int(flag[0]))
     allg = hvd.allgather(got.reshape(1, -1).clone(), name="t4.res")
     assert all(torch.equal(allg[0], allg[r]) for r in range(size))
+
+
+def fp16_sum_overflow_check(hvd, rank, size, seed):
+    """fp16 pairs whose *sum* leaves fp16's range: every rank sends finite fp16 values
+    (a compressor saturates them at 65504), but at planted positions the ranks' values
+    share a sign and add up past 65504. ``split`` and ``balanced`` carry the reduced
+    sums in the pairs' dtype, so a plain cast would deliver +-inf to every rank where
+    ``allgather`` (fp32 sums) delivers the right value. Every strategy must deliver
+    finite sums equal to the exact sum within fp16 rounding (rtol 2^-10), bitwise
+    identical on every rank, with validate on and off, and the sparse range mode must
+    survive (the fix scales the message, it does not fall back to dense)."""
+    from hvdsparse import exchange
+    from hvdsparse.exchange import BucketSpec, ExchangeContext
+    N, K = 600, 200
+    rng = np.random.default_rng([seed, 8])                    # shared: same positions
+    hot = rng.choice(N, size=12, replace=False)
+    hot_sign = np.where(rng.random(12) < 0.5, -1.0, 1.0)
+    sel = np.union1d(hot, rng.choice(N, size=K - 40, replace=False))
+
+    def values(r):
+        g = np.random.default_rng([seed, 9, r])
+        v = g.standard_normal(N)
+        v[hot] = hot_sign * g.uniform(4.0e4, 65504.0, hot.size)
+        return torch.from_numpy(v).to(torch.float16)        # finite fp16 on every rank
+    mine = values(rank)
+    assert torch.isfinite(mine).all()
+    ref = sum(values(r).double() for r in range(size))
+    assert ref.abs().max() > 65504.0 * 1.5, "the planted sums must leave fp16's range"
+
+    def dense_payload():
+        seg = Segment(numel=N, capacity=N, index_encoding=IE.DENSE, value_encoding=VE.FP16,
+                      count=torch.tensor([N], dtype=torch.int32), values=mine.clone())
+        return LayerPayload("w", torch.Size([N]), [seg])
+
+    def sparse_payload():
+        idx = torch.from_numpy(sel.astype(np.int32))
+        seg = Segment(numel=N, capacity=K, index_encoding=IE.INT32, value_encoding=VE.FP16,
+                      count=torch.tensor([sel.size], dtype=torch.int32),
+                      indices=torch.cat([idx, torch.zeros(K - sel.size, dtype=torch.int32)]),
+                      values=torch.cat([mine[idx.long()],
+                                        torch.zeros(K - sel.size, dtype=torch.float16)]))
+        return LayerPayload("w", torch.Size([N]), [seg])
+    ref_sparse = torch.zeros(N, dtype=torch.float64)
+    ref_sparse[sel] = ref[sel]
+    for strategy in ("allgather", "split", "balanced"):
+        for form, make, want in (("dense", dense_payload, ref), ("sparse", sparse_payload,
+                                                                  ref_sparse)):
+            if strategy == "balanced" and form == "sparse":
+                continue          # capacity < N: balanced may truncate (its own tests)
+            for validate in (True, False):
+                flag = None if validate else torch.zeros(1, dtype=torch.int32)
+                ctx = ExchangeContext(rank=rank, world_size=size, step=0, validate=validate,
+                                      prefix=f"t5.{strategy}.{form}.{int(validate)}",
+                                      error_flag=flag)
+                pend = exchange.launch(strategy, BucketSpec.build(0, ["w"], [N]), [make()],
+                                       ctx)
+                got = pend.finish()
+                what = f"{strategy} {form} validate={validate} seed {seed}"
+                assert torch.isfinite(got).all(), \
+                    f"{what}: non-finite sum delivered at {torch.nonzero(~torch.isfinite(got)).reshape(-1)[:6].tolist()}"
+                err = (got.double() - want).abs()
+                tol = want.abs() * 2.0 ** -10 + 1e-6
+                assert (err <= tol).all(), (what, float((err - tol).max()))
+                if strategy == "split" and form == "sparse":
+                    assert pend.figures["range_modes"]["sparse"] == size, (what, pend.figures)
+                if flag is not None:
+                    assert int(flag[0]) == 0, what
+                allg = hvd.allgather(got.reshape(1, -1).clone(),
+                                     name=f"t5.res.{strategy}.{form}.{int(validate)}")
+                assert all(torch.equal(allg[0], allg[r]) for r in range(size)), what
+    # a corrupt shift (rank 1's phase-2 message claims e = 500) is rejected on the
+    # validated path by every rank, naming the field
+    for strategy, suffix, coll, at in (("split", ".ranges", "alltoall_async", 12),
+                                       ("balanced", ".gather", "allgather_async", 24)):
+        orig = getattr(hvd, coll)
+
+        def corrupting(tensor, *a, name=None, _orig=orig, _suffix=suffix, _at=at, **kw):
+            if rank == 1 and name is not None and name.endswith(_suffix):
+                # split's alltoall carries one copy of the message per receiver
+                copies = size if _suffix == ".ranges" else 1
+                tensor = tensor.clone().view(copies, -1)
+                tensor[:, _at:_at + 4] = torch.tensor([500], dtype=torch.int32).view(torch.uint8)
+                tensor = tensor.reshape(-1)
+            return _orig(tensor, *a, name=name, **kw)
+        setattr(hvd, coll, corrupting)
+        try:
+            ctx = ExchangeContext(rank=rank, world_size=size, step=0, validate=True,
+                                  prefix=f"t6.{strategy}")
+            pend = exchange.launch(strategy, BucketSpec.build(0, ["w"], [N]),
+                                   [sparse_payload() if strategy == "split"
+                                    else dense_payload()], ctx)
+            try:
+                pend.finish()
+            except RuntimeError as e:
+                assert "shift" in str(e) and "500" in str(e), (strategy, str(e))
+            else:
+                raise AssertionError(f"{strategy}: a corrupt value shift was accepted")
+        finally:
+            setattr(hvd, coll, orig)
 
 
 def _tiny_payload():

@@ -31,6 +31,10 @@ seeds).
     .venv/bin/python scripts/bench_convergence.py --workload text-lm --np 4 --seeds 0 1 2
     .venv/bin/python scripts/bench_convergence.py --workload digits-cnn --np 2 --report
 
+``--lr-schedule cosine`` anneals every method's learning rate to 0 over the run (cosine,
+set in the wrapped optimizer's param groups after each step); the default keeps the
+workload's rate, the issue's setting.
+
 ``--methods`` adds runs to an existing JSON (same workload, P, steps), so a sweep can be
 split over several launches; ``--report`` only re-reads the JSON and re-prints.
 """
@@ -154,6 +158,7 @@ def worker(args):
                     setattr(opt._local_update, k, v)
             evals = []
             step, t0, tl = 0, time.time(), []
+            lr0 = [g["lr"] for g in opt.param_groups]
 
             def record():
                 if rank == 0:
@@ -173,6 +178,10 @@ def worker(args):
                     opt.step()
                     tl.append(loss.detach())
                     step += 1
+                    if args.lr_schedule == "cosine":
+                        f = 0.5 * (1.0 + math.cos(math.pi * step / total))
+                        for g, l0 in zip(opt.param_groups, lr0):
+                            g["lr"] = l0 * f
                     if step % args.eval_every == 0 or step == total:
                         tl = [float(torch.stack(tl).mean())]
                         record()
@@ -208,7 +217,7 @@ def worker(args):
                 Path(args.worker_out).write_text(json.dumps(dict(
                     workload=args.workload, np=world, epochs=args.epochs, steps=total,
                     eval_every=args.eval_every, optimizer=args.optimizer,
-                    quality=wl.quality, runs=runs)))
+                    lr_schedule=args.lr_schedule, quality=wl.quality, runs=runs)))
             del opt, base, model, comp
     print(f"HVDSPARSE-OK rank={rank}", flush=True)
 
@@ -222,8 +231,8 @@ def launch(args, methods):
                "-H", f"localhost:{args.np}", "--gloo", sys.executable, str(Path(__file__)),
                "--worker", "--worker-out", str(js), "--workload", args.workload,
                "--epochs", str(args.epochs), "--eval-every", str(args.eval_every),
-               "--optimizer", args.optimizer, "--seeds", *map(str, args.seeds),
-               "--methods", *methods]
+               "--optimizer", args.optimizer, "--lr-schedule", args.lr_schedule,
+               "--seeds", *map(str, args.seeds), "--methods", *methods]
         env = dict(os.environ, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         env.pop("TRITON_INTERPRET", None)
@@ -490,6 +499,9 @@ def main(argv=None):
     ap.add_argument("--epochs", type=int, default=None)
     ap.add_argument("--eval-every", type=int, default=None)
     ap.add_argument("--optimizer", default=None, help="sgd (digits), adam | adamw (text-lm)")
+    ap.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"],
+                    help="the workload's learning rate for the whole run (the issue's "
+                         "setting), or cosine-annealed to 0 over the run's steps")
     ap.add_argument("--methods", nargs="+", default=None)
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "convergence"))
     ap.add_argument("--tag", default="", help="suffix of the output file names")
@@ -515,7 +527,8 @@ def main(argv=None):
     if not args.report:
         new = launch(args, args.methods)
         if data is not None:
-            same = all(data[k] == new[k] for k in ("workload", "np", "steps", "optimizer"))
+            same = all(data.get(k, "constant") == new.get(k, "constant")
+                       for k in ("workload", "np", "steps", "optimizer", "lr_schedule"))
             if not same:
                 raise SystemExit(f"{js}: existing runs have other settings; use --fresh")
             keep = {(r["method"], r["seed"]) for r in new["runs"]}
@@ -530,7 +543,8 @@ def main(argv=None):
         raise SystemExit(f"{js} does not exist: run without --report first")
     for f in args.merge:
         other = json.loads(Path(f).read_text())
-        if not all(data[k] == other[k] for k in ("workload", "np", "steps", "optimizer")):
+        if not all(data.get(k, "constant") == other.get(k, "constant")
+                   for k in ("workload", "np", "steps", "optimizer", "lr_schedule")):
             raise SystemExit(f"--merge {f}: other settings")
         # add the runs this file lacks; a (method, seed) it has is its own (never
         # replaced by an older file's run of the same name)
@@ -548,7 +562,8 @@ def main(argv=None):
               f"{min(r['seed'] for r in data['runs'])}):\n\n" + bd
     stem.with_suffix(".md").write_text(
         f"{data['workload']}, P = {data['np']}, {data['steps']} steps, optimizer "
-        f"{data['optimizer']}\n\n{md}\n")
+        f"{data['optimizer']}, learning rate {data.get('lr_schedule', 'constant')}"
+        f"\n\n{md}\n")
     plot(data, stem.with_suffix(".png"))
     print(md)
 

@@ -116,3 +116,42 @@ def test_gpu_bucket_path_saturates_too(monkeypatch, values):
     res = comp.residual("w").view(-1)
     on = _check(values, g.view(-1), sent, res, f"bucket {values} seed {seed}")
     assert on[planted].all()
+
+
+def test_split_value_shift_fits_fp16_and_round_trips():
+    """The split / balanced phase-2 shift (``exchange.split.wire_exponent``): e = 0 while
+    the largest magnitude fits fp16 (and for non-fp16 pairs or a non-finite maximum);
+    otherwise the smallest e with max * 2^-e < 2^15. Shifted values round-trip within
+    fp16's rounding and stay finite; fresh random magnitudes around and far above
+    65504. (Under horovodrun: tests/test_allgather_hvd.py.)"""
+    from hvdsparse.exchange.split import (FP16_MAX, from_wire_values, to_wire_values,
+                                          wire_exponent)
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    gen = torch.Generator().manual_seed(seed)
+    for top in (1.0, 6.0e4, 65504.0, 65505.0, 7.0e4, 1.3e5, 3.0e9, 1.0e38):
+        v = torch.randn(257, generator=gen) * (top / 4)
+        v[int(torch.randint(0, 257, (1,), generator=gen))] = -top
+        m = float(v.abs().max())
+        e = int(wire_exponent(v, torch.float16))
+        where = f"seed {seed}, max {m}"
+        if m <= FP16_MAX:
+            assert e == 0, where
+        else:
+            assert m * 2.0 ** -e < 2.0 ** 15 <= m * 2.0 ** -(e - 1), (where, e)
+        wire = to_wire_values(v, torch.float16, torch.tensor([e], dtype=torch.int32))
+        assert wire.dtype == torch.float16 and torch.isfinite(wire).all(), where
+        back = from_wire_values(wire, torch.tensor([e], dtype=torch.int32))
+        assert torch.isfinite(back).all(), where
+        # fp16 rounding of the shifted value, shifted back exactly (values the shift moves
+        # below fp16's normal range keep fewer bits: an absolute bound there)
+        tol = v.abs() * 2.0 ** -11 + 2.0 ** e * 2.0 ** -24
+        assert ((back - v).abs() <= tol).all(), where
+        # not fp16: no shift, the plain cast
+        for dt in (torch.float32, torch.bfloat16):
+            assert int(wire_exponent(v, dt)) == 0
+            assert torch.equal(to_wire_values(v, dt, torch.zeros(1, dtype=torch.int32)),
+                               v.to(dt))
+    for bad in (float("inf"), float("nan")):
+        v = torch.tensor([1.0, bad, 7.0e4])
+        assert int(wire_exponent(v, torch.float16)) == 0      # travels as before
+    assert int(wire_exponent(torch.empty(0), torch.float16)) == 0

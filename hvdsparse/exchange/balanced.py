@@ -352,7 +352,7 @@ class BalancedPending(Pending):
                          self._device).zero_()
         target = torch.where(bad | pad, torch.full_like(rel, N), rel + bal.lo_t)
         if self._vdtype == torch.float16:
-            vals = from_wire_values(vals, shift.clamp(0, MAX_WIRE_EXPONENT))
+            vals = from_wire_values(vals, shift)
         buf.index_copy_(0, target.reshape(-1), vals.reshape(-1).float())
         flat = buf[:N]
         if c < max(b - a for a, b in zip(self._bounds, self._bounds[1:])):

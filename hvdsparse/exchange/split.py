@@ -112,8 +112,10 @@ def to_wire_values(vals: torch.Tensor, vdtype: torch.dtype, e: torch.Tensor) -> 
 
 
 def from_wire_values(vals: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """fp32 ``vals * 2^e`` (``e`` broadcast: [1] for one message, [P, 1] for P rows)."""
-    return torch.ldexp(vals.float(), e)
+    """fp32 ``vals * 2^e`` (``e`` broadcast: [1] for one message, [P, 1] for P rows),
+    ``e`` clamped to ``[0, MAX_WIRE_EXPONENT]``: a received shift is range-checked on
+    the validated path only, so the trusted path bounds it here."""
+    return torch.ldexp(vals.float(), e.clamp(0, MAX_WIRE_EXPONENT))
 
 
 def range_bounds(numel: int, world_size: int):
@@ -443,10 +445,8 @@ class SplitPending(Pending):
                 idx = g[b:b + 4 * k].view(torch.int32).to(torch.int64)
                 vals = g[b + 4 * k:b + 4 * k + k * vb].view(self._vdtype)
                 if self._vdtype == torch.float16:
-                    # the header's shift, read on the device; the validated path checked
-                    # its range above, the trusted path clamps it there
-                    e = g[off + 12:off + 16].view(torch.int32).clamp(0, MAX_WIRE_EXPONENT)
-                    vals = from_wire_values(vals, e)
+                    # the header's shift, read on the device
+                    vals = from_wire_values(vals, g[off + 12:off + 16].view(torch.int32))
                 else:
                     vals = vals.float()
                 bad = (idx < 0) | (idx >= n_r)

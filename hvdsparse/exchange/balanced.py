@@ -341,10 +341,14 @@ class BalancedPending(Pending):
                 raise RuntimeError(f"hvdsparse balanced bucket {self.spec.bucket_id}: the "
                                    f"gathered messages are not in owner order")
             hi_e = MAX_WIRE_EXPONENT if self._vdtype == torch.float16 else 0
-            if bool(((shift < 0) | (shift > hi_e)).any()):
-                raise RuntimeError(f"hvdsparse balanced bucket {self.spec.bucket_id}: value "
-                                   f"shifts {shift.reshape(-1).tolist()} outside [0, {hi_e}] "
-                                   f"for {torch.finfo(self._vdtype).bits}-bit values")
+            off_range = ((shift < 0) | (shift > hi_e)).reshape(-1)
+            if bool(off_range.any()):
+                who = torch.nonzero(off_range).reshape(-1).tolist()
+                raise RuntimeError(f"hvdsparse balanced bucket {self.spec.bucket_id}: "
+                                   f"owner(s) {who} sent value shift(s) "
+                                   f"{shift.reshape(-1)[off_range].tolist()}, outside "
+                                   f"[0, {hi_e}] for {torch.finfo(self._vdtype).bits}-bit "
+                                   f"values")
         else:
             _flag_index_error(ctx, bad)
         # one spare slot at N takes padding (and, unvalidated, bad indices)

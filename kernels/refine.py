@@ -39,8 +39,12 @@ _TINY = float(torch.finfo(torch.float32).tiny)
 
 @triton.jit
 def _replay(v_ptr, cnt_ptr, r0, mf, kf, capf, target, ROUNDS: tl.constexpr):
-    """``t`` after rounds ``0 .. ROUNDS-1`` (the module docstring's rule)."""
-    r = r0.to(tl.float32)
+    """``t`` after rounds ``0 .. ROUNDS-1`` (the module docstring's rule).
+
+    ``r0`` may arrive as a runtime i32 or as a Python int (a JIT specialises an integer
+    argument equal to 1 to a constexpr, which has no ``.to``): ``tl.cast`` takes both,
+    and int -> fp32 is exact here (``r0 <= 4096``)."""
+    r = tl.cast(r0, tl.float32)
     t = tl.load(v_ptr + (r0 - 1))
     for j in tl.static_range(ROUNDS):
         c = tl.load(cnt_ptr + j).to(tl.float32)
@@ -57,7 +61,9 @@ def _replay(v_ptr, cnt_ptr, r0, mf, kf, capf, target, ROUNDS: tl.constexpr):
     return t
 
 
-@triton.jit
+#: ``r0`` is not specialised (1 / divisible by 16 / other): it is a scalar rank that no
+#: address or loop depends on, so every value shares one compiled kernel per round.
+@triton.jit(do_not_specialize=["r0"])
 def _refine_count_kernel(acc_ptr, v_ptr, cnt_ptr, n, r0, mf, kf, capf, target,
                          ROUND: tl.constexpr, BLOCK: tl.constexpr):
     t = _replay(v_ptr, cnt_ptr, r0, mf, kf, capf, target, ROUND)
@@ -72,7 +78,7 @@ def _refine_count_kernel(acc_ptr, v_ptr, cnt_ptr, n, r0, mf, kf, capf, target,
     tl.atomic_add(cnt_ptr + ROUND, c, mask=c > 0, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["r0"])
 def _refine_final_kernel(v_ptr, cnt_ptr, out_ptr, r0, mf, kf, capf, target, tiny,
                          ROUNDS: tl.constexpr):
     t = _replay(v_ptr, cnt_ptr, r0, mf, kf, capf, target, ROUNDS)

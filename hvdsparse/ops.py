@@ -81,6 +81,16 @@ def _kernels():
     return mod
 
 
+def bucket_kernels(family: str):
+    """The Triton module of a bucket-path kernel family, ``kernels/bucket_<family>.py``
+    (``topk``, ``dense``, ...: whole buckets of layers as rows of one segment table,
+    driven by ``hvdsparse/compressors/bucket.py``), imported once with the kernels
+    package."""
+    if not isinstance(family, str) or not family.isidentifier():
+        raise ValueError(f"bucket_kernels: family must be an identifier, got {family!r}")
+    return importlib.import_module(_kernels().__name__ + ".bucket_" + family)
+
+
 def use_triton(t: Optional[torch.Tensor]) -> bool:
     """True when calls on tensor ``t`` go to the Triton kernels (see module doc).
 
@@ -413,6 +423,38 @@ def dense_add_decode(dense: torch.Tensor, count: torch.Tensor, capacity: int,
         cap, dtype=torch.int32, device=dense.device).expand(rows.shape[0], cap)
     return scatter_add_decode(dense, idx, count, values, codes=codes, scales=scales,
                               bits=bits, bucket_size=bucket_size, error_flag=error_flag)
+
+
+def bucket_decode_table(segments):
+    """Host table of a bucket's wire layout for :func:`bucket_decode`
+    (``kernels/bucket_decode.py``'s ``build_table``: one tuple of host ints per
+    segment). Returns ``(numpy int64 array, meta)``; the caller uploads the array once
+    per layout."""
+    return bucket_kernels("decode").build_table(segments)
+
+
+def bucket_decode(msg: torch.Tensor, out: torch.Tensor, table: torch.Tensor, meta: dict,
+                  image: torch.Tensor, mask: torch.Tensor, hdr_bytes: int,
+                  error_flag: torch.Tensor):
+    """Check and scatter-add P encoded messages of one bucket (``msg`` uint8 [P, n],
+    rows 8-aligned) into the flat fp32 ``out``: one check launch plus one scatter
+    launch per rank and pass (``kernels/bucket_decode.py``); problems are ORed into
+    ``error_flag`` (int32, codes of ``hvdsparse.codec.ERROR_CODES``). Triton only (CUDA
+    tensors, or ``HVDSPARSE_FORCE_TRITON=1``): the CPU decode is the codec's
+    per-segment path. Returns ``(eff, err)`` int32 [P, S]: the count each (rank,
+    segment) contributed and its error code."""
+    if not use_triton(out):
+        raise NotImplementedError("ops.bucket_decode runs on the Triton path only "
+                                  "(CUDA tensors or HVDSPARSE_FORCE_TRITON=1)")
+    if msg.dtype != torch.uint8 or msg.dim() != 2 or msg.stride(1) != 1 or \
+            msg.stride(0) % 8 or msg.storage_offset() % 8:
+        raise ValueError("bucket_decode: msg must be uint8 [P, n] with 8-aligned rows")
+    if out.dtype != torch.float32 or out.dim() != 1 or out.stride(0) != 1:
+        raise ValueError("bucket_decode: out must be a contiguous 1-D fp32 tensor")
+    if error_flag.dtype != torch.int32 or error_flag.numel() < 1:
+        raise TypeError("error_flag must be an int32 tensor with >= 1 element")
+    return bucket_kernels("decode").decode(msg, out, table, meta, image, mask,
+                                           int(hdr_bytes), error_flag)
 
 
 def philox_uniform(seed: int, n: int, offset: int = 0, device=None) -> torch.Tensor:

@@ -1,0 +1,295 @@
+"""The bucket path for every compressor: the layers of a fusion bucket compressed
+together, each layer a row of one device table, a fixed number of launches per group
+of rows instead of a launch sequence per layer. The interface of
+:mod:`.topk_bucket` (``enabled``, ``takes``, ``plan_layer``, ``group_key``,
+``compress_bucket``, ``mask_bucket``, ``BucketItem``, ``BucketBatch``), extended to
+more kinds of row; a front door (the step engine) calls it without knowing the
+compressor. Each plan carries its ``kind``:
+
+* ``topk``: TopK, and Threshold between its refreshes (:mod:`.topk_bucket`,
+  ``kernels/bucket_topk.py``, or the compiled CPU loops);
+* ``dense``: a layer that goes dense by policy, for every compressor
+  (``Compressor._policy_dense``: fp32 values ``clean(grad) + pending residual``, the
+  residual dropped), and every layer of ``NoCompression``: one launch per group
+  (``kernels/bucket_dense.py``'s ``dense_copy``), the DENSE segments views of one
+  fp32 buffer;
+* ``qsgd``: QSGD's layers (``QSGD._compress``: residual add, per-bucket max,
+  Philox stochastic rounding with the layer's own host seed, packing, the residual's
+  ``acc - deq``): one launch per group (``kernels/bucket_dense.py``'s ``qsgd_pack``).
+
+Same bits as the per-layer path (payload, residual, non-finite count, statistics):
+tests/test_bucket_compress.py compares them on fresh random data through Triton's
+interpreter. The ``dense`` and ``qsgd`` rows run on the Triton path only
+(``ops.use_triton``); on the CPU those layers stay per layer.
+
+A layer with a local update (DGC momentum correction, local clipping) takes a
+``dense`` / ``qsgd`` row only when :meth:`LocalUpdate.bucket_spec` says it is
+fusable with no velocity to fold in (the per-layer path then hands the compressor the
+cleaned gradient, ``MODE_PRE``); a QSGD layer with momentum correction stays per layer.
+
+Host work per group and step: a few host integers per layer (sizes, offsets, the seed
+from the host's step counter) and one host-to-device copy of the table (pinned,
+non-blocking on CUDA). No host synchronisation, no ``.item()``, no boolean indexing.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+from .. import ops
+from ..payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
+from . import topk_bucket
+from .base import PURPOSE_QUANT, Compressor
+from .topk_bucket import BucketBatch, BucketItem, MomentumSpec, takes
+
+__all__ = ["MomentumSpec", "BucketItem", "BucketBatch", "KINDS", "enabled", "takes",
+           "plan_layer", "group_key", "compress_bucket", "mask_bucket", "kind_of"]
+
+KIND_TOPK, KIND_DENSE, KIND_QSGD = "topk", "dense", "qsgd"
+KINDS = (KIND_TOPK, KIND_DENSE, KIND_QSGD)
+#: elements per program of the policy-dense copy
+DENSE_BLOCK = 4096
+_GDT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _base_compress(comp) -> bool:
+    """The compressor runs the base class's per-layer machinery (no subclass ``compress``
+    or ``_compress_layer`` of its own that the bucket path would bypass)."""
+    t = type(comp)
+    return isinstance(comp, Compressor) and t.compress is Compressor.compress and \
+        t._compress_layer is Compressor._compress_layer and \
+        t._policy_dense is Compressor._policy_dense
+
+
+def enabled(comp, local_update) -> bool:
+    """Whether a front door uses the bucket path at all for ``comp``: TopK's rule
+    (:func:`.topk_bucket.enabled`), or any compressor on the base class's per-layer
+    machinery (its policy-dense layers, QSGD's layers), with a local update (if any)
+    that can fold into it; ``HVDSPARSE_BUCKET_PATH=0`` turns it off."""
+    if os.environ.get("HVDSPARSE_BUCKET_PATH", "1") == "0":
+        return False
+    if topk_bucket.enabled(comp, local_update):
+        return True
+    return _base_compress(comp) and \
+        (local_update is None or hasattr(local_update, "bucket_spec"))
+
+
+def kind_of(plan: dict) -> str:
+    return plan.get("kind", KIND_TOPK)
+
+
+def _dense_kind(comp, name, grad) -> bool:
+    from .none import NoCompression
+    return comp.policy.is_dense(name, grad.shape) or \
+        (isinstance(comp, NoCompression) and type(comp)._compress is NoCompression._compress)
+
+
+def plan_layer(comp, local_update, name: str, grad: torch.Tensor, param: torch.Tensor,
+               step: int):
+    """``(momentum spec, plan)`` when layer ``name`` takes the bucket path at ``step``,
+    else None (the caller compresses it per layer). ``plan["kind"]`` says which rows."""
+    if getattr(comp, "bucket_path", False):
+        got = topk_bucket.plan_layer(comp, local_update, name, grad, param, step)
+        if got is not None:
+            got[1]["kind"] = KIND_TOPK
+            return got
+    if not _base_compress(comp) or not isinstance(grad, torch.Tensor) or \
+            not ops.use_triton(grad):
+        return None
+    if grad.is_sparse or not grad.is_contiguous() or grad.dtype not in _GDT:
+        return None
+    n = grad.numel()
+    if n == 0 or n >= 2 ** 31:
+        return None
+    from .qsgd import QSGD
+    dense = _dense_kind(comp, name, grad)
+    if dense:
+        kind = KIND_DENSE
+    elif isinstance(comp, QSGD) and type(comp)._compress is QSGD._compress:
+        kind = KIND_QSGD
+    else:
+        return None
+    pre = False
+    if local_update is not None and local_update.wants(name):
+        ok, spec = local_update.bucket_spec(name, grad, comp.policy.is_dense(name,
+                                                                            grad.shape))
+        if not ok or spec is not None:
+            return None       # clipping reads the layer's norm; a velocity to fold in
+        pre = True            # the per-layer path hands over the cleaned gradient
+    plan = dict(kind=kind, n=n, pre=pre)
+    if kind == KIND_QSGD:
+        from .qsgd import _BITS
+        cfg = comp.layer_cfg(name)
+        plan.update(bits=int(cfg["bits"]), enc=_BITS[cfg["bits"]],
+                    qb=int(cfg["bucket_size"]), ef=bool(cfg["error_feedback"]),
+                    seed=comp._seed(name, step, PURPOSE_QUANT))
+    return None, plan
+
+
+def group_key(plan: dict, item: BucketItem):
+    """Layers compressed in one launch sequence share these."""
+    kind = kind_of(plan)
+    if kind == KIND_TOPK:
+        return (KIND_TOPK,) + tuple(topk_bucket.group_key(plan, item))
+    if kind == KIND_DENSE:
+        return (KIND_DENSE, item.grad.dtype, item.grad.device)
+    return (KIND_QSGD, item.grad.dtype, item.grad.device, plan["bits"], plan["qb"])
+
+
+def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
+                    grad_scale: Optional[torch.Tensor] = None):
+    """Compress one group (``items`` and ``plans`` of equal :func:`group_key`) at
+    ``step``. Returns ``(payloads by name, BucketBatch)``; records each layer's
+    statistics as ``compress`` does."""
+    kind = kind_of(plans[0])
+    if any(kind_of(pl) != kind for pl in plans):
+        raise ValueError(f"bucket.compress_bucket: one group holds rows of kinds "
+                         f"{sorted({kind_of(pl) for pl in plans})}; group by group_key")
+    if kind == KIND_TOPK:
+        return topk_bucket.compress_bucket(comp, items, plans, step, grad_scale=grad_scale)
+    if kind == KIND_DENSE:
+        return _dense_bucket(comp, items, plans, step, grad_scale)
+    return _qsgd_bucket(comp, items, plans, step, grad_scale)
+
+
+def mask_bucket(batch: BucketBatch) -> None:
+    """DGC's momentum-factor masking of ``batch``'s momentum rows (only ``topk`` rows
+    have any)."""
+    topk_bucket.mask_bucket(batch)
+
+
+# ------------------------------------------------------------------ shared helpers
+_BLOCKS: Dict[tuple, torch.Tensor] = {}
+
+
+def _program_table(nprog: List[int], device) -> torch.Tensor:
+    """int32 [sum nprog]: the row of every program (cached: layer sizes never change)."""
+    key = (tuple(nprog), str(device))
+    t = _BLOCKS.get(key)
+    if t is None:
+        t = torch.from_numpy(np.repeat(np.arange(len(nprog), dtype=np.int32), nprog)
+                             ).to(device)
+        if len(_BLOCKS) > 256:
+            _BLOCKS.clear()
+        _BLOCKS[key] = t
+    return t
+
+
+def _to_device(tab: np.ndarray, dev) -> torch.Tensor:
+    t = torch.from_numpy(tab)
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+
+def _empty(n: int, dtype, device) -> torch.Tensor:
+    """An output buffer every element of which the launch writes (tests poison it)."""
+    return torch.empty(n, dtype=dtype, device=device)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _finish(comp, items, step, payloads, info):
+    for it in items:
+        p = payloads[it.name]
+        p.nonfinite = it.nonfinite
+        comp._stats.record(it.name, step, p, extra=dict(nonfinite=it.nonfinite), **info)
+
+
+# ------------------------------------------------------------------ policy-dense rows
+def _dense_bucket(comp, items, plans, step, grad_scale):
+    K = ops.bucket_kernels("dense")
+    L = len(items)
+    dev = items[0].grad.device
+    tab = np.zeros((L, K.W), dtype=np.int64)
+    keep = []                 # flushed residuals: alive until the launch is queued
+    out = blk0 = 0
+    nprog = []
+    for j, (it, pl) in enumerate(zip(items, plans)):
+        comp._open_layer(it.name)
+        row = tab[j]
+        r = comp._residuals.pop(it.name, None)
+        if r is not None:
+            r = r.to(dev)
+            keep.append(r)
+            row[K.C_R] = r.data_ptr()
+            row[K.C_MODE] = K.MODE_RES
+        row[K.C_G] = it.grad.data_ptr()
+        row[K.C_N] = pl["n"]
+        row[K.C_NF] = it.nonfinite.data_ptr()
+        row[K.C_OUT] = out
+        row[K.C_BLK0] = blk0
+        out += pl["n"]
+        nb = _cdiv(pl["n"], DENSE_BLOCK)
+        nprog.append(nb)
+        blk0 += nb
+    table = _to_device(tab, dev)
+    blk = _program_table(nprog, dev)
+    vals = _empty(out, torch.float32, dev)
+    cnt = _empty(L, torch.int32, dev)
+    K.dense_copy(table, blk, grad_scale, vals, cnt, _GDT[items[0].grad.dtype],
+                 block=DENSE_BLOCK)
+    payloads = {}
+    for j, (it, pl) in enumerate(zip(items, plans)):
+        o, n = int(tab[j, K.C_OUT]), pl["n"]
+        seg = Segment(numel=n, capacity=n, index_encoding=IndexEncoding.DENSE,
+                      value_encoding=ValueEncoding.FP32, count=cnt[j:j + 1],
+                      values=vals[o:o + n])
+        payloads[it.name] = LayerPayload(it.name, it.grad.shape, [seg])
+    _finish(comp, items, step, payloads, dict(density=1.0))
+    return payloads, BucketBatch([it.name for it in items], table, None, cnt, 0, [], K)
+
+
+# ------------------------------------------------------------------ QSGD rows
+def _qsgd_bucket(comp, items, plans, step, grad_scale):
+    K = ops.bucket_kernels("dense")
+    L = len(items)
+    dev = items[0].grad.device
+    bits, B = plans[0]["bits"], plans[0]["qb"]
+    rows = K.qsgd_rows(B, bits)
+    tab = np.zeros((L, K.W), dtype=np.int64)
+    coff = soff = blk0 = 0
+    nprog = []
+    for j, (it, pl) in enumerate(zip(items, plans)):
+        comp._open_layer(it.name)
+        row = tab[j]
+        n = pl["n"]
+        mode = 0
+        if pl["ef"]:
+            r = comp._residual_for(it.name, it.grad.reshape(-1))
+            row[K.C_R] = r.data_ptr()
+            mode = K.MODE_EF | (K.MODE_PRE if pl["pre"] else 0)
+        row[K.C_MODE] = mode
+        row[K.C_G] = it.grad.data_ptr()
+        row[K.C_N] = n
+        row[K.C_NF] = it.nonfinite.data_ptr()
+        row[K.C_OUT] = coff
+        row[K.C_SOFF] = soff
+        row[K.C_SEED] = pl["seed"]
+        row[K.C_BLK0] = blk0
+        nb = _cdiv(n, B)
+        coff += _cdiv(n * bits, 8)
+        soff += nb
+        nprog.append(_cdiv(nb, rows))
+        blk0 += nprog[-1]
+    table = _to_device(tab, dev)
+    blk = _program_table(nprog, dev)
+    codes = _empty(coff, torch.uint8, dev)
+    scales = _empty(soff, torch.float32, dev)
+    cnt = _empty(L, torch.int32, dev)
+    K.qsgd_pack(table, blk, grad_scale, codes, scales, cnt, _GDT[items[0].grad.dtype],
+                bits, B, rows)
+    payloads = {}
+    for j, (it, pl) in enumerate(zip(items, plans)):
+        n = pl["n"]
+        c0, s0 = int(tab[j, K.C_OUT]), int(tab[j, K.C_SOFF])
+        seg = Segment(numel=n, capacity=n, index_encoding=IndexEncoding.DENSE,
+                      value_encoding=pl["enc"], count=cnt[j:j + 1],
+                      values=codes[c0:c0 + _cdiv(n * bits, 8)],
+                      scales=scales[s0:s0 + _cdiv(n, B)], quant_bucket=B)
+        payloads[it.name] = LayerPayload(it.name, it.grad.shape, [seg])
+    _finish(comp, items, step, payloads, {})
+    return payloads, BucketBatch([it.name for it in items], table, None, cnt, 0, [], K)

@@ -1,0 +1,313 @@
+"""The bucket path for every compressor (``hvdsparse/compressors/bucket.py``,
+``kernels/bucket_dense.py``) gives the per-layer path's bits: every payload segment
+(encodings, sizes, count, values, scales), residual, DGC velocity, non-finite count and
+statistic, on fresh random data each run, through Triton's interpreter (conftest) with
+``HVDSPARSE_FORCE_TRITON=1``. The bucket path's output buffers are poisoned before each
+launch (so an element a kernel forgets to write shows up), and the device work of both
+paths is counted (aten ops that launch a kernel + Triton launches) in the steady state.
+
+Rows covered: policy-dense layers of QSGD / TopK / NoCompression (fp32 / fp16 / bf16
+gradients, AMP's inverse loss scale, a pending residual flushed, the cleaned gradient
+of a local update), QSGD's layers at 8 / 4 / 2 bits with and without error feedback,
+bucket sizes that do and do not divide the layer, non-finite gradient elements. The
+``topk`` rows are tests/test_bucket_topk.py's; here they only share groups with the
+others through :func:`bucket.group_key`.
+"""
+import os
+import sys
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hvdsparse.compressors import QSGD, NoCompression, TopK
+from hvdsparse.compressors import bucket as BK
+from hvdsparse.momentum import LocalUpdate
+
+DEV = torch.device(os.environ.get("HVDSPARSE_TEST_DEVICE", "cpu"))
+
+# (name, shape): 2-D layers of >= 1024 elements are compressed, the rest dense by policy
+LAYERS = [("w1", (37, 50)), ("b1", (50,)), ("w2", (64, 33)), ("bn.weight", (200,)),
+          ("bn.bias", (200,)), ("w3", (20, 30)), ("w4", (41, 61))]
+
+
+# ------------------------------------------------------------------ launch counting
+_NO_LAUNCH = {"view", "detach", "slice", "t", "expand", "as_strided", "_unsafe_view",
+              "alias", "unsqueeze", "squeeze", "reshape", "select", "permute", "transpose",
+              "split", "chunk", "unbind", "empty", "new_empty", "empty_strided",
+              "empty_like", "lift_fresh", "_reshape_alias", "narrow", "set_",
+              "resolve_conj", "resolve_neg", "view_as", "_local_scalar_dense", "item",
+              "is_nonzero", "size", "stride", "numel", "dim", "is_contiguous",
+              "storage_offset", "sym_size", "sym_stride", "sym_numel",
+              "sym_storage_offset", "_record_function_enter_new",
+              "_record_function_exit", "_to_copy", "to", "_pin_memory", "pin_memory",
+              "is_pinned", "copy_"}
+
+
+class Launches:
+    """Counts aten ops that would launch a GPU kernel (views, metadata, allocations and
+    host copies excluded: the table's one host-to-device copy is stated separately) and
+    Triton launches, outside the interpreter's own emulation of a kernel."""
+
+    def __init__(self, monkeypatch):
+        import triton.runtime.interpreter as ti
+        self.aten, self.triton = Counter(), Counter()
+        self.active, self.inside = False, 0
+        outer = self
+        orig = ti.InterpretedFunction.run
+
+        def run(fn_self, *a, **k):
+            if outer.active and not outer.inside:
+                outer.triton[getattr(getattr(fn_self, "fn", None), "__name__", "?")] += 1
+            outer.inside += 1
+            try:
+                return orig(fn_self, *a, **k)
+            finally:
+                outer.inside -= 1
+        monkeypatch.setattr(ti.InterpretedFunction, "run", run)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, a=(), kw=None):
+                name = func.overloadpacket.__name__
+                if outer.active and not outer.inside and name not in _NO_LAUNCH:
+                    outer.aten[name] += 1
+                return func(*a, **(kw or {}))
+        self.mode = Mode
+
+    def __enter__(self):
+        self.aten.clear()
+        self.triton.clear()
+        self.active = True
+        self._m = self.mode()
+        self._m.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._m.__exit__(*exc)
+        self.active = False
+
+    def total(self):
+        return sum(self.aten.values()) + sum(self.triton.values())
+
+
+# ------------------------------------------------------------------ the two paths
+def _poison(monkeypatch):
+    def empty(n, dtype, device):
+        if dtype == torch.uint8:
+            return torch.full((n,), 0xA5, dtype=dtype, device=device)
+        if dtype == torch.int32:
+            return torch.full((n,), -7, dtype=dtype, device=device)
+        return torch.full((n,), float("nan"), dtype=dtype, device=device)
+    monkeypatch.setattr(BK, "_empty", empty)
+
+
+def _make(kind, dtype, seed, mc):
+    g = torch.Generator().manual_seed(seed)
+    params = {n: torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(DEV, dtype))
+              for n, s in LAYERS}
+    names = [n for n, _ in LAYERS]
+    opt = torch.optim.SGD([dict(params=[params[n] for n in names[:4]], momentum=0.9,
+                                weight_decay=1e-3),
+                           dict(params=[params[n] for n in names[4:]], momentum=0.5,
+                                nesterov=True)], lr=0.1)
+    if kind == "qsgd":
+        comp = QSGD(4, bucket_size=512, seed=seed % 1000,
+                    overrides={"w2": dict(bits=8, bucket_size=100, error_feedback=True),
+                               "w4": dict(bits=2, bucket_size=64, error_feedback=True),
+                               "b1": dict(error_feedback=True)})
+    elif kind == "topk":
+        comp = TopK(0.05, output_ratio=None, seed=seed % 1000)
+    else:
+        comp = NoCompression()
+    comp.register_layers([(n, params[n].shape) for n in names])
+    lu = LocalUpdate(opt, params, 1, momentum_correction=True, clip_grad_norm=None) \
+        if mc else None
+    return params, comp, lu
+
+
+def _grads(dtype, step, seed):
+    g = torch.Generator().manual_seed(1000 * seed + step)
+    out = {n: (torch.randn(s, generator=g) * torch.exp(torch.randn(s, generator=g))
+               ).to(DEV, dtype) for n, s in LAYERS}
+    out["w2"].view(-1)[5] = float("nan")           # non-finite elements in a compressed
+    out["w2"].view(-1)[2000] = float("-inf")       # layer and in a dense one
+    out["bn.bias"].view(-1)[3] = float("inf")
+    out["w1"].view(-1)[7] = -0.0
+    return out
+
+
+def _per_layer(comp, lu, params, grads, nfs, step, gs, names):
+    pays = {}
+    for n in names:
+        p = params[n]
+        if lu is not None and lu.wants(n):
+            dense = comp.policy.is_dense(n, p.shape)
+            x, _ = lu.corrected(n, grads[n], p, dense, gs, nonfinite=nfs[n])
+            pays[n] = comp.compress(n, x, step, param=p.detach(), nonfinite=nfs[n])
+        else:
+            kw = {} if gs is None else dict(grad_scale=gs)
+            pays[n] = comp.compress(n, grads[n], step, param=p.detach(), nonfinite=nfs[n],
+                                    **kw)
+    return pays
+
+
+def _run(path, kind, dtype, scale, mc, seed, counter=None, steps=3):
+    params, comp, lu = _make(kind, dtype, seed, mc)
+    names = [n for n, _ in LAYERS]
+    gs = None if scale is None else torch.tensor([scale], dtype=torch.float32, device=DEV)
+    hist, kinds, counts = [], {}, []
+    for step in range(steps):
+        grads = _grads(dtype, step, seed)
+        comp.begin_step(step)
+        if lu is not None:
+            lu.begin_step()
+        # a pending residual on a policy-dense layer (what balanced's take_back leaves)
+        back = torch.linspace(-1, 1, 50, device=DEV) * (step + 1)
+        comp.take_back("b1", back)
+        nfs = {n: torch.zeros(1, dtype=torch.int32, device=DEV) for n in names}
+        if counter is not None and step == steps - 1:
+            counter.__enter__()
+        if path == "layer":
+            pays = _per_layer(comp, lu, params, grads, nfs, step, gs, names)
+            if lu is not None:
+                for n in names:
+                    lu.mask(n, pays[n])
+        else:
+            groups, alone = {}, []
+            for n in names:
+                pl = BK.plan_layer(comp, lu, n, grads[n], params[n].detach(), step)
+                if pl is None:
+                    alone.append(n)
+                    continue
+                spec, plan = pl
+                kinds[n] = BK.kind_of(plan)
+                it = BK.BucketItem(n, grads[n], params[n].detach(), nfs[n], spec)
+                its, pls = groups.setdefault(BK.group_key(plan, it), ([], []))
+                its.append(it)
+                pls.append(plan)
+            pays = _per_layer(comp, lu, params, grads, nfs, step, gs, alone)
+            batches = []
+            for its, pls in groups.values():
+                got, batch = BK.compress_bucket(comp, its, pls, step, grad_scale=gs)
+                pays.update(got)
+                batches.append(batch)
+            for batch in batches:
+                BK.mask_bucket(batch)
+            if lu is not None:          # masking of the per-layer (non-bucket) layers
+                for n in alone:
+                    lu.mask(n, pays[n])
+            counts.append(len(groups))
+        if counter is not None and step == steps - 1:
+            counter.__exit__(None, None, None)
+        hist.append(_snapshot(comp, lu, pays, nfs))
+    return hist, kinds, counts
+
+
+def _bits(t):
+    if t is None:
+        return None
+    t = t.detach().contiguous().cpu()
+    if t.dtype.is_floating_point:
+        t = t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+    return t
+
+
+def _segment(seg):
+    c = int(seg.count[0])
+    out = dict(enc=(int(seg.index_encoding), int(seg.value_encoding)), numel=seg.numel,
+               cap=seg.capacity, count=c, qb=seg.quant_bucket, scales=_bits(seg.scales))
+    if seg.indices is not None:                  # sparse: the pairs, sorted by index
+        idx = seg.indices[:c].long()
+        order = torch.argsort(idx)
+        out.update(idx=idx[order].cpu(), vals=_bits(seg.values[:c][order]))
+    else:
+        out.update(vals=_bits(seg.values))
+    return out
+
+
+def _snapshot(comp, lu, pays, nfs):
+    st = comp.stats()
+    keys = ("selected", "threshold", "nonfinite", "total_sent", "steps", "density")
+    return dict(
+        segs={n: [_segment(s) for s in p.segments] for n, p in pays.items()},
+        nfp={n: int(p.nonfinite[0]) for n, p in pays.items()},
+        stats={n: tuple(st[n].get(k) for k in keys) for n in pays},
+        res={n: _bits(comp.residual(n)) for n in pays},
+        u={} if lu is None else {n: _bits(lu.u[n]) for n in lu.u},
+        nf={n: int(nfs[n]) for n in nfs})
+
+
+def _same(a, b, where):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert a is not None and b is not None, where
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _same(a[k], b[k], f"{where} {k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b or (a != a and b != b), (where, a, b)
+
+
+EXPECT = {"qsgd": {"w1": "qsgd", "w2": "qsgd", "w4": "qsgd", "b1": "dense",
+                   "bn.weight": "dense", "bn.bias": "dense", "w3": "dense"},
+          "topk": {"w1": "topk", "w2": "topk", "w4": "topk", "b1": "dense",
+                   "bn.weight": "dense", "bn.bias": "dense", "w3": "dense"},
+          "none": {n: "dense" for n, _ in LAYERS}}
+
+
+@pytest.mark.parametrize("kind,dtype,scale,mc", [
+    ("qsgd", torch.float32, None, False),
+    ("qsgd", torch.float16, 0.25, True),
+    ("qsgd", torch.bfloat16, 0.5, False),
+    ("topk", torch.float32, 0.5, True),
+    ("none", torch.float32, None, False),
+])
+def test_bucket_rows_match_per_layer_path(monkeypatch, kind, dtype, scale, mc):
+    if DEV.type == "cpu":
+        monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")
+    _poison(monkeypatch)
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    ref, _, _ = _run("layer", kind, dtype, scale, mc, seed)
+    got, kinds, _ = _run("bucket", kind, dtype, scale, mc, seed)
+    if kind == "qsgd" and mc:
+        # momentum correction's velocity cannot fold into QSGD's rows: per layer
+        exp = {n: k for n, k in EXPECT[kind].items() if k == "dense"}
+    else:
+        exp = EXPECT[kind]
+    assert kinds == exp
+    for step, (a, b) in enumerate(zip(ref, got)):
+        _same(a, b, f"seed {seed} step {step}")
+        assert a["nf"]["w2"] == 2 and a["nf"]["bn.bias"] == 1, (seed, step)
+    if kind == "qsgd":      # every layer sent something, and the residuals moved
+        assert all(s["count"] > 0 for segs in got[-1]["segs"].values() for s in segs)
+        assert got[-1]["res"]["w2"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", ["qsgd", "none"])
+def test_bucket_rows_launch_counts(monkeypatch, kind, capsys):
+    """Device work of one steady-state step, all layers: the per-layer path against the
+    bucket path (one launch per group of rows). Printed for BENCHMARKS-style reporting,
+    and bounded: the bucket path issues one Triton launch per group and no aten op
+    that launches a kernel."""
+    if DEV.type != "cpu":
+        pytest.skip("counts through the interpreter")
+    monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    c = Launches(monkeypatch)
+    _run("layer", kind, torch.float32, 0.5, False, seed, counter=c)
+    before = (dict(c.aten), dict(c.triton), c.total())
+    _, _, groups = _run("bucket", kind, torch.float32, 0.5, False, seed, counter=c)
+    after = (dict(c.aten), dict(c.triton), c.total())
+    with capsys.disabled():
+        print(f"\n[{kind}] {len(LAYERS)} layers, per layer: {before[2]} launches "
+              f"(aten {before[0]}, triton {before[1]}); bucket path: {after[2]} in "
+              f"{groups[-1]} groups (aten {after[0]}, triton {after[1]}) + 1 table copy "
+              f"per group on CUDA", file=sys.stderr)
+    assert sum(after[1].values()) == groups[-1] and after[2] == groups[-1]
+    assert before[2] >= 2 * len(LAYERS)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from ..payload import ValueEncoding
 from .base import PURPOSE_QUANT, Compressor
-from .topk import _check_bool
+from .checks import check_bool
 
 __all__ = ["QSGD"]
 
@@ -50,7 +50,7 @@ class QSGD(Compressor):
         bs = cfg["bucket_size"]
         if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
             raise ValueError(f"{where}bucket_size must be an int >= 1, got {bs!r}")
-        _check_bool(cfg["error_feedback"], "error_feedback", where)
+        check_bool(cfg["error_feedback"], "error_feedback", where)
         return dict(cfg)
 
     def _compress(self, name, flat, shape, step, cfg, param):

@@ -21,8 +21,8 @@ import torch
 
 from ..payload import IndexEncoding, LayerPayload, Segment
 from .base import uniform, PURPOSE_INDICES, PURPOSE_QUANT, Compressor, check_values, k_of
-from .topk import _check_bool, _check_quant_bucket, _wrap
-from .warmup import _check_density, make_warmup
+from .checks import check_bool, check_density, check_quant_bucket, prefixed
+from .warmup import make_warmup
 
 __all__ = ["RandomK"]
 
@@ -46,11 +46,11 @@ class RandomK(Compressor):
 
     def _validate_cfg(self, cfg, where=""):
         cfg = dict(cfg)
-        cfg["ratio"] = _check_density(cfg["ratio"], where + "ratio")
-        _check_bool(cfg["shared_seed"], "shared_seed", where)
-        cfg["values"] = _wrap(check_values, cfg["values"], where)
-        _check_quant_bucket(cfg["quant_bucket"], where)
-        _check_bool(cfg["error_feedback"], "error_feedback", where)
+        cfg["ratio"] = check_density(cfg["ratio"], where + "ratio")
+        check_bool(cfg["shared_seed"], "shared_seed", where)
+        cfg["values"] = prefixed(check_values, cfg["values"], where)
+        check_quant_bucket(cfg["quant_bucket"], where)
+        check_bool(cfg["error_feedback"], "error_feedback", where)
         return cfg
 
     def _target_density(self, name: str) -> float:

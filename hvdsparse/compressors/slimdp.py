@@ -73,7 +73,7 @@ import torch
 from ..payload import FLOAT_BYTES, QUANT_BITS, IndexEncoding, LayerPayload, Segment
 from .base import (uniform, PURPOSE_CORE, PURPOSE_EXPLORE, PURPOSE_QUANT, TINY, Compressor,
                    check_values)
-from .topk import _check_bool, _check_quant_bucket, _wrap
+from .checks import check_bool, check_quant_bucket, prefixed
 
 __all__ = ["SlimDP"]
 
@@ -120,10 +120,10 @@ class SlimDP(Compressor):
         if not (c == "auto" or (isinstance(c, (int, float)) and not isinstance(c, bool)
                                 and math.isfinite(c) and c > 0)):
             raise ValueError(f"{where}c must be a positive number or 'auto', got {c!r}")
-        _check_bool(cfg["error_feedback"], "error_feedback", where)
-        _check_bool(cfg["dense_before_reselect"], "dense_before_reselect", where)
-        cfg["values"] = _wrap(check_values, cfg["values"], where)
-        _check_quant_bucket(cfg["quant_bucket"], where)
+        check_bool(cfg["error_feedback"], "error_feedback", where)
+        check_bool(cfg["dense_before_reselect"], "dense_before_reselect", where)
+        cfg["values"] = prefixed(check_values, cfg["values"], where)
+        check_quant_bucket(cfg["quant_bucket"], where)
         return cfg
 
     @staticmethod

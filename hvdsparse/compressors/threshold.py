@@ -69,7 +69,8 @@ import torch
 
 from ..payload import LayerPayload
 from .base import PURPOSE_QUANT, TINY, check_values, k_of
-from .topk import TopK, _check_bool, _check_quant_bucket, _wrap
+from .checks import check_bool, check_quant_bucket, prefixed
+from .topk import TopK
 from .warmup import make_warmup
 
 __all__ = ["Threshold", "LADDER", "ladder_threshold"]
@@ -140,10 +141,10 @@ class Threshold(TopK):
                                       error_feedback=error_feedback))
         for key, v in cfg.items():
             setattr(self, key, v)
-        _check_bool(record_true_threshold, "record_true_threshold")
+        check_bool(record_true_threshold, "record_true_threshold")
         if not isinstance(max_history, int) or isinstance(max_history, bool) or max_history < 1:
             raise ValueError(f"max_history must be an int >= 1, got {max_history!r}")
-        _check_bool(overflow_guard, "overflow_guard")
+        check_bool(overflow_guard, "overflow_guard")
         self.overflow_guard = overflow_guard
         self.record_true_threshold = record_true_threshold
         self.max_history = max_history
@@ -160,12 +161,12 @@ class Threshold(TopK):
         L = cfg["life_span"]
         if not isinstance(L, int) or isinstance(L, bool) or L < 1:
             raise ValueError(f"{where}life_span must be an int >= 1, got {L!r}")
-        cfg["values"] = _wrap(check_values, cfg["values"], where)
+        cfg["values"] = prefixed(check_values, cfg["values"], where)
         sl = cfg["slack"]
         if not isinstance(sl, (int, float)) or isinstance(sl, bool) or not 1.0 <= sl < 1e6:
             raise ValueError(f"{where}slack must be a number >= 1, got {sl!r}")
-        _check_quant_bucket(cfg["quant_bucket"], where)
-        _check_bool(cfg["error_feedback"], "error_feedback", where)
+        check_quant_bucket(cfg["quant_bucket"], where)
+        check_bool(cfg["error_feedback"], "error_feedback", where)
         return cfg
 
     def _output_cfg(self, cfg: dict) -> dict:

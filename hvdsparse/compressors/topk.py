@@ -108,21 +108,10 @@ from ..payload import FLOAT_DTYPES, QUANT_BITS, IndexEncoding, LayerPayload, Seg
     ValueEncoding, bin_count_width
 from .base import (PURPOSE_QUANT, PURPOSE_SAMPLE, TINY, Compressor, binned_topc, ceil_div,
                    check_values, k_of)
-from .warmup import _check_density, make_warmup
+from .checks import check_bool, check_density, check_quant_bucket, prefixed
+from .warmup import make_warmup
 
 __all__ = ["TopK", "estimate_topk_threshold"]
-
-
-def _check_bool(x, arg, where=""):
-    if not isinstance(x, bool):
-        raise ValueError(f"{where}{arg} must be a bool, got {x!r}")
-    return x
-
-
-def _check_quant_bucket(x, where=""):
-    if not isinstance(x, int) or isinstance(x, bool) or x < 1:
-        raise ValueError(f"{where}quant_bucket must be an int >= 1, got {x!r}")
-    return x
 
 
 def sample_layout(n: int, k: int, capacity: int, offset: int = 0, sample_min: int = 4096,
@@ -206,10 +195,10 @@ class TopK(Compressor):
 
     def _validate_cfg(self, cfg, where=""):
         cfg = dict(cfg)
-        cfg["ratio"] = _check_density(cfg["ratio"], where + "ratio")
-        _check_bool(cfg["exact"], "exact", where)
+        cfg["ratio"] = check_density(cfg["ratio"], where + "ratio")
+        check_bool(cfg["exact"], "exact", where)
         cfg["values"] = check_values(cfg["values"]) if not where else \
-            _wrap(check_values, cfg["values"], where)
+            prefixed(check_values, cfg["values"], where)
         pb = cfg["per_bucket"]
         if pb is not None and (not isinstance(pb, int) or isinstance(pb, bool)
                                or not 1 <= pb <= 65536):
@@ -221,14 +210,14 @@ class TopK(Compressor):
         r = cfg["rounds"]
         if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r <= 16:
             raise ValueError(f"{where}rounds must be an int in [0, 16], got {r!r}")
-        _check_quant_bucket(cfg["quant_bucket"], where)
-        _check_bool(cfg["error_feedback"], "error_feedback", where)
+        check_quant_bucket(cfg["quant_bucket"], where)
+        check_bool(cfg["error_feedback"], "error_feedback", where)
         return cfg
 
     def _set_output_ratio(self, output_ratio) -> None:
         """Validate and keep ``output_ratio`` (None, or a density in (0, 1])."""
         if output_ratio is not None:
-            output_ratio = _check_density(output_ratio, "output_ratio")
+            output_ratio = check_density(output_ratio, "output_ratio")
         self.output_ratio = output_ratio
 
     def _register_layers(self, named_shapes):
@@ -421,8 +410,3 @@ class TopK(Compressor):
         return LayerPayload(name, shape, [seg]), dict(selected=count, density=d)
 
 
-def _wrap(fn, x, where):
-    try:
-        return fn(x)
-    except ValueError as e:
-        raise ValueError(f"{where}{e}") from None

@@ -22,8 +22,6 @@ Two forms from the seeds / peer systems:
 """
 from __future__ import annotations
 
-import math
-
 __all__ = ["WarmupSchedule", "RtWarmup", "ExponentialWarmup", "make_warmup"]
 
 
@@ -110,8 +108,3 @@ def make_warmup(spec):
                      f"('exp', T[, stages]); got {spec!r}")
 
 
-def _check_density(x, argname):
-    if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x) \
-            or not 0.0 < x <= 1.0:
-        raise ValueError(f"{argname} must be a number in (0, 1], got {x!r}")
-    return float(x)

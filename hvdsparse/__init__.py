@@ -18,12 +18,11 @@ from .compressors import (AdaComp, Compressor, ExponentialWarmup, LayerPolicy, N
                           QSGD, RandomK, RtWarmup, SlimDP, Threshold, TopK, WarmupSchedule)
 from .optimizer import (DistributedOptimizer, horovod_original, install_routing,
                         routed_distributed_optimizer, uninstall_routing)
-
-__version__ = "0.1.0"
+from .version import __version__
 
 install_routing()
 
-__all__ = ["adam", "compressors", "ddp", "mp", "Compressor", "TopK", "Threshold", "AdaComp", "SlimDP", "RandomK",
+__all__ = ["__version__", "adam", "compressors", "ddp", "mp", "Compressor", "TopK", "Threshold", "AdaComp", "SlimDP", "RandomK",
            "QSGD", "NoCompression", "LayerPolicy", "WarmupSchedule", "RtWarmup",
            "ExponentialWarmup", "DistributedOptimizer", "install_routing",
            "uninstall_routing", "routed_distributed_optimizer", "horovod_original"]

@@ -38,8 +38,10 @@ from typing import Optional
 
 import torch
 
+from .exchange import check_exchange
+from .version import __version__
+
 DEFAULT_FUSION_THRESHOLD = 1 << 20     # bytes of encoded payload per bucket
-EXCHANGES = ("auto", "allgather", "split", "dense", "balanced")
 LOCAL_MODES = ("sum", "partial", "error")
 NONFINITE_POLICIES = ("raise", "skip", "propagate")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, torch.float32: torch.float32,
@@ -79,9 +81,7 @@ class ExchangeSettings:
                   nonfinite="raise", sparse_as_dense=False,
                   compress_at_size_one=None) -> "ExchangeSettings":
         """Validate user arguments (clear errors naming the argument) and normalise."""
-        if not isinstance(exchange, str) or exchange not in EXCHANGES:
-            raise ValueError(f"exchange must be one of {', '.join(map(repr, EXCHANGES))}, "
-                             f"got {exchange!r}")
+        check_exchange(exchange)
         if fusion_threshold is None:
             env = os.environ.get("HVDSPARSE_FUSION_THRESHOLD")
             try:
@@ -163,7 +163,7 @@ def plain(x):
 
 def fingerprint(settings: ExchangeSettings, compressor) -> dict:
     """Everything that must agree across ranks, as plain data (see module docstring)."""
-    from . import __version__, codec, payload
+    from . import codec, payload
     return {"hvdsparse version": __version__, "wire format version": int(codec.VERSION),
             "narrowed indices (HVDSPARSE_NARROW_INDICES)": bool(payload.NARROW_INDICES),
             "compressor": plain(compressor.config()), **{

@@ -20,12 +20,18 @@ model's figures come back through ``Pending.deferred_figures``. See :mod:`.base`
 """
 from __future__ import annotations
 
-from . import allgather, balanced, cost_model, dense, split
+import importlib
+
+from . import cost_model
 from .base import (BucketSpec, BufferPool, DeferredFigures, ExchangeContext, HostReadout,
                    Pending)
 
-STRATEGIES = {"allgather": allgather, "split": split, "dense": dense, "balanced": balanced}
-EXCHANGE_NAMES = ("auto",) + tuple(STRATEGIES)
+#: strategy name -> its module (``exchange/<name>.py``); the names and their tie order
+#: are :data:`cost_model.STRATEGIES`
+STRATEGIES = {name: importlib.import_module(f"{__name__}.{name}")
+              for name in cost_model.STRATEGIES}
+#: what ``exchange=`` accepts: ``"auto"`` (the cost model chooses per bucket) or a strategy
+EXCHANGE_NAMES = ("auto",) + cost_model.STRATEGIES
 
 
 def check_exchange(name) -> str:

@@ -99,23 +99,17 @@ import torch
 from . import cost_model
 from .base import (BucketSpec, DeferredFigures, ExchangeContext, HostReadout, Pending,
                    bucket_device, own_dense)
-from .split import (MAX_WIRE_EXPONENT, _bytes, _flag_index_error, _pad4, from_wire_values,
+from .split import (MAX_WIRE_EXPONENT, as_bytes, flag_index_error, from_wire_values,
                     owner_counts, pair_dtype, reduce_at_owner, send_pairs_to_owners,
                     to_wire_values, wire_exponent)
+from .wire import HIST_BINS
+from .wire import balanced_message_nbytes as message_nbytes
 
 NAME = "balanced"
-HEADER_BYTES = 32
-#: sub-bins per owner region in the phase-2 histogram (the rebalancing resolution)
-HIST_BINS = 32
 #: re-balance at least this often (exchanges of the bucket) ...
 REBALANCE_EVERY = 16
 #: ... or as soon as the most loaded owner receives this many times the mean
 IMBALANCE_BOUND = 1.25
-
-
-def message_nbytes(c: int, vb: int, hist_bins: int = HIST_BINS) -> int:
-    """Length of one owner's phase-2 message (see the module docstring)."""
-    return HEADER_BYTES + 4 * hist_bins + 4 * c + _pad4(c * vb)
 
 
 def equal_bounds(numel: int, world_size: int) -> List[int]:
@@ -272,8 +266,8 @@ class BalancedPending(Pending):
         hdr_f = torch.stack([T.square().sum(),
                              from_wire_values(wire_vals, shift).square().sum()])
         tail = torch.cat([shift, shift.new_zeros(1)])
-        parts = [_bytes(hdr_i), _bytes(hdr_f), _bytes(tail), _bytes(hist[:H]),
-                 _bytes(sel.to(torch.int32)), _bytes(wire_vals)]
+        parts = [as_bytes(hdr_i), as_bytes(hdr_f), as_bytes(tail), as_bytes(hist[:H]),
+                 as_bytes(sel.to(torch.int32)), as_bytes(wire_vals)]
         used = sum(int(p.numel()) for p in parts)
         if used < self._L:
             parts.append(torch.zeros(self._L - used, dtype=torch.uint8, device=dev))
@@ -350,7 +344,7 @@ class BalancedPending(Pending):
                                    f"[0, {hi_e}] for {torch.finfo(self._vdtype).bits}-bit "
                                    f"values")
         else:
-            _flag_index_error(ctx, bad)
+            flag_index_error(ctx, bad)
         # one spare slot at N takes padding (and, unvalidated, bad indices)
         buf = ctx.buffer("balanced.sum", self.spec.bucket_id, N + 1, torch.float32,
                          self._device).zero_()

@@ -70,7 +70,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-#: every strategy the model prices, in tie order (fewest collectives / exact first)
+from .wire import balanced_message_nbytes
+
+#: every exchange strategy, in tie order (fewest collectives / exact first): the one list
+#: (``exchange/__init__`` maps each name to its module, ``settings`` validates against it)
 STRATEGIES = ("allgather", "split", "dense", "balanced")
 #: the strategies whose result is the exact sum of what the ranks sent (``balanced``
 #: keeps a global top-k of the sum when the union of the selections overflows it)
@@ -149,9 +152,8 @@ def phase2_capacity(world_size: int, numel: int, capacity: int,
 def balanced_phase2_nbytes(world_size: int, numel: int, capacity: int, value_bytes: int,
                            widest_region: Optional[int] = None) -> int:
     """Length of one owner's phase-2 message in ``balanced`` (see :mod:`.balanced`)."""
-    from .balanced import message_nbytes
     c = phase2_capacity(world_size, numel, capacity, widest_region)
-    return message_nbytes(c, int(value_bytes))
+    return balanced_message_nbytes(c, int(value_bytes))
 
 
 def costs(f: BucketFigures, alpha_bytes: float = 0.0) -> Dict[str, float]:

@@ -79,6 +79,7 @@ import torch
 
 from .. import codec, ops
 from ..payload import ValueEncoding
+from .wire import pad4
 from .base import (BucketSpec, ExchangeContext, HostReadout, Pending, bucket_device,
                    host_list, own_dense)
 
@@ -132,22 +133,19 @@ def pair_dtype(payloads) -> torch.dtype:
     return torch.float32
 
 
-def _pad4(n: int) -> int:
-    return (n + 3) & ~3
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 view (a contiguous copy first when it is not)."""
     return t.contiguous().view(torch.uint8).reshape(-1)
 
 
 def dense_range_nbytes(n: int, bits: int, quant_bucket: int) -> int:
     if not bits:
         return 4 * n
-    return _pad4(-(-n * bits // 8)) + 4 * (-(-n // quant_bucket))
+    return pad4(-(-n * bits // 8)) + 4 * (-(-n // quant_bucket))
 
 
 def sparse_msg_nbytes(k: int, vb: int) -> int:
-    return _pad4(HEADER_BYTES + k * (4 + vb))
+    return pad4(HEADER_BYTES + k * (4 + vb))
 
 
 def dense_msg_nbytes(n_r: int, bits: int, quant_bucket: int) -> int:
@@ -179,7 +177,7 @@ def parse_length(length: int, n_r: int, vb: int, bits: int, quant_bucket: int):
     return None
 
 
-def _flag_index_error(ctx: ExchangeContext, bad: torch.Tensor) -> None:
+def flag_index_error(ctx: ExchangeContext, bad: torch.Tensor) -> None:
     """Trusted path: OR the codec's 'index outside its layer' bit into the device error
     flag when any of ``bad`` is set (device-side; the scheduler reads it a step later)."""
     if ctx.error_flag is not None:
@@ -284,7 +282,7 @@ def reduce_at_owner(pend: Pending, rows_in: torch.Tensor, recv_splits, lo: int, 
                                f"{disagree})")
     else:
         idx = torch.where(bad, torch.full_like(idx, n_r), idx)
-        _flag_index_error(ctx, bad)
+        flag_index_error(ctx, bad)
     a = 0
     for c in recv:
         if c:
@@ -351,19 +349,19 @@ class SplitPending(Pending):
             nz = torch.nonzero_static(red, size=k).reshape(-1)
             vals = red[nz]
             shift = wire_exponent(vals, self._vdtype)
-            body = [_bytes(nz.to(torch.int32)), _bytes(to_wire_values(vals, self._vdtype, shift))]
+            body = [as_bytes(nz.to(torch.int32)), as_bytes(to_wire_values(vals, self._vdtype, shift))]
             length = sparse_msg_nbytes(k, vb)
         elif mode == MODE_DENSE:
-            body = [_bytes(red)]
+            body = [as_bytes(red)]
             length = dense_msg_nbytes(n_r, 0, qb)
         else:
             seed = (ctx.step * 1_000_003 + self.spec.bucket_id * 7919 + r) % (1 << 62)
             codes, scales = ops.quantize_pack(red, bits, qb, seed)
             body = [codes.reshape(-1)]
-            pad = _pad4(codes.numel()) - codes.numel()
+            pad = pad4(codes.numel()) - codes.numel()
             if pad:
                 body.append(torch.zeros(pad, dtype=torch.uint8, device=codes.device))
-            body.append(_bytes(scales))
+            body.append(as_bytes(scales))
             length = dense_msg_nbytes(n_r, bits, qb)
         # header built on the device: host scalars are kernel arguments (no H2D copy of a
         # host buffer), K_r comes from the device count
@@ -372,7 +370,7 @@ class SplitPending(Pending):
         header[2:3].fill_(self._m)
         header[1:2].copy_(self._k_dev)
         header[3:4].copy_(shift)
-        parts = [_bytes(header)] + body
+        parts = [as_bytes(header)] + body
         used = HEADER_BYTES + sum(int(b.numel()) for b in body)
         if used < length:
             parts.append(torch.zeros(length - used, dtype=torch.uint8, device=self._device))
@@ -457,7 +455,7 @@ class SplitPending(Pending):
                     idx = idx + lo
                 else:
                     idx = torch.where(bad, torch.full_like(idx, N), idx + lo)
-                    _flag_index_error(ctx, bad)
+                    flag_index_error(ctx, bad)
                 buf.index_copy_(0, idx, vals)
                 total_k += k
             elif mode == MODE_DENSE:
@@ -465,7 +463,7 @@ class SplitPending(Pending):
             else:
                 nc = -(-n_r * bits // 8)
                 codes = g[b:b + nc]
-                sb = b + _pad4(nc)
+                sb = b + pad4(nc)
                 scales = g[sb:sb + 4 * (-(-n_r // qb))].view(torch.float32)
                 flat[lo:hi].copy_(ops.dequantize_unpack(codes, scales, bits, qb, n_r))
             modes[mode] += 1

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hvdsparse.compressors import QSGD, NoCompression, TopK
+from hvdsparse.compressors import QSGD, AdaComp, NoCompression, TopK
 from hvdsparse.compressors import bucket as BK
 from hvdsparse.momentum import LocalUpdate
 
@@ -29,7 +29,7 @@ DEV = torch.device(os.environ.get("HVDSPARSE_TEST_DEVICE", "cpu"))
 
 # (name, shape): 2-D layers of >= 1024 elements are compressed, the rest dense by policy
 LAYERS = [("w1", (37, 50)), ("b1", (50,)), ("w2", (64, 33)), ("bn.weight", (200,)),
-          ("bn.bias", (200,)), ("w3", (20, 30)), ("w4", (41, 61))]
+          ("bn.bias", (200,)), ("w3", (20, 30)), ("w4", (41, 61)), ("conv", (16, 8, 3, 3))]
 
 
 # ------------------------------------------------------------------ launch counting
@@ -116,6 +116,9 @@ def _make(kind, dtype, seed, mc):
                     overrides={"w2": dict(bits=8, bucket_size=100, error_feedback=True),
                                "w4": dict(bits=2, bucket_size=64, error_feedback=True),
                                "b1": dict(error_feedback=True)})
+    elif kind == "adacomp":
+        comp = AdaComp(seed=seed % 1000, overrides={"w4": dict(bin_size=300, max_per_bin=3),
+                                                    "w2": dict(scale=2.0)})
     elif kind == "topk":
         comp = TopK(0.05, output_ratio=None, seed=seed % 1000)
     else:
@@ -192,12 +195,15 @@ def _run(path, kind, dtype, scale, mc, seed, counter=None, steps=3):
                 got, batch = BK.compress_bucket(comp, its, pls, step, grad_scale=gs)
                 pays.update(got)
                 batches.append(batch)
-            for batch in batches:
+            masked = set()
+            for batch in batches:       # as the step engine masks
                 BK.mask_bucket(batch)
-            if lu is not None:          # masking of the per-layer (non-bucket) layers
-                for n in alone:
-                    lu.mask(n, pays[n])
-            counts.append(len(groups))
+                masked.update(batch.momentum_names)
+            if lu is not None:          # the rest per layer (AdaComp rows: ordinary payloads)
+                for n in names:
+                    if n in lu.u and n not in masked:
+                        lu.mask(n, pays[n])
+            counts.append([(k[0], len(its)) for k, (its, _) in groups.items()])
         if counter is not None and step == steps - 1:
             counter.__exit__(None, None, None)
         hist.append(_snapshot(comp, lu, pays, nfs))
@@ -217,7 +223,10 @@ def _segment(seg):
     c = int(seg.count[0])
     out = dict(enc=(int(seg.index_encoding), int(seg.value_encoding)), numel=seg.numel,
                cap=seg.capacity, count=c, qb=seg.quant_bucket, scales=_bits(seg.scales))
-    if seg.indices is not None:                  # sparse: the pairs, sorted by index
+    if seg.bin_counts is not None:               # bin-relative: slots in wire order
+        out.update(idx=seg.indices.cpu(), vals=seg.values.cpu(), bins=seg.bin_counts.cpu(),
+                   L=seg.bin_size)
+    elif seg.indices is not None:                # sparse: the pairs, sorted by index
         idx = seg.indices[:c].long()
         order = torch.argsort(idx)
         out.update(idx=idx[order].cpu(), vals=_bits(seg.values[:c][order]))
@@ -258,6 +267,9 @@ EXPECT = {"qsgd": {"w1": "qsgd", "w2": "qsgd", "w4": "qsgd", "b1": "dense",
                    "bn.weight": "dense", "bn.bias": "dense", "w3": "dense"},
           "topk": {"w1": "topk", "w2": "topk", "w4": "topk", "b1": "dense",
                    "bn.weight": "dense", "bn.bias": "dense", "w3": "dense"},
+          "adacomp": {"w1": "adacomp", "w2": "adacomp", "w4": "adacomp",
+                      "conv": "adacomp", "b1": "dense", "bn.weight": "dense",
+                      "bn.bias": "dense", "w3": "dense"},
           "none": {n: "dense" for n, _ in LAYERS}}
 
 
@@ -266,6 +278,9 @@ EXPECT = {"qsgd": {"w1": "qsgd", "w2": "qsgd", "w4": "qsgd", "b1": "dense",
     ("qsgd", torch.float16, 0.25, True),
     ("qsgd", torch.bfloat16, 0.5, False),
     ("topk", torch.float32, 0.5, True),
+    ("adacomp", torch.float32, None, False),
+    ("adacomp", torch.float32, 0.5, True),
+    ("adacomp", torch.bfloat16, 0.25, True),
     ("none", torch.float32, None, False),
 ])
 def test_bucket_rows_match_per_layer_path(monkeypatch, kind, dtype, scale, mc):
@@ -284,17 +299,20 @@ def test_bucket_rows_match_per_layer_path(monkeypatch, kind, dtype, scale, mc):
     for step, (a, b) in enumerate(zip(ref, got)):
         _same(a, b, f"seed {seed} step {step}")
         assert a["nf"]["w2"] == 2 and a["nf"]["bn.bias"] == 1, (seed, step)
+    if kind == "adacomp":   # bins sent something
+        assert all(s["count"] > 0 for n, segs in got[-1]["segs"].items() for s in segs
+                   if exp[n] == "adacomp")
     if kind == "qsgd":      # every layer sent something, and the residuals moved
         assert all(s["count"] > 0 for segs in got[-1]["segs"].values() for s in segs)
         assert got[-1]["res"]["w2"].abs().sum() > 0
 
 
-@pytest.mark.parametrize("kind", ["qsgd", "none"])
+@pytest.mark.parametrize("kind", ["qsgd", "adacomp", "none"])
 def test_bucket_rows_launch_counts(monkeypatch, kind, capsys):
     """Device work of one steady-state step, all layers: the per-layer path against the
-    bucket path (one launch per group of rows). Printed for BENCHMARKS-style reporting,
-    and bounded: the bucket path issues one Triton launch per group and no aten op
-    that launches a kernel."""
+    bucket path. Printed for reporting, and checked exactly: a ``dense`` or ``qsgd``
+    group is one Triton launch and no aten op; an ``adacomp`` group three launches,
+    one zero fill, one ``cumsum`` and one ``mean`` per layer."""
     if DEV.type != "cpu":
         pytest.skip("counts through the interpreter")
     monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")
@@ -307,7 +325,9 @@ def test_bucket_rows_launch_counts(monkeypatch, kind, capsys):
     with capsys.disabled():
         print(f"\n[{kind}] {len(LAYERS)} layers, per layer: {before[2]} launches "
               f"(aten {before[0]}, triton {before[1]}); bucket path: {after[2]} in "
-              f"{groups[-1]} groups (aten {after[0]}, triton {after[1]}) + 1 table copy "
+              f"{len(groups[-1])} groups {groups[-1]} (aten {after[0]}, triton {after[1]}) + 1 table copy "
               f"per group on CUDA", file=sys.stderr)
-    assert sum(after[1].values()) == groups[-1] and after[2] == groups[-1]
+    g = groups[-1]
+    assert sum(after[1].values()) == sum(3 if k == "adacomp" else 1 for k, _ in g)
+    assert sum(after[0].values()) == sum(2 + m for k, m in g if k == "adacomp")
     assert before[2] >= 2 * len(LAYERS)

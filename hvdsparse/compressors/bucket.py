@@ -48,8 +48,8 @@ from .topk_bucket import BucketBatch, BucketItem, MomentumSpec, takes
 __all__ = ["MomentumSpec", "BucketItem", "BucketBatch", "KINDS", "enabled", "takes",
            "plan_layer", "group_key", "compress_bucket", "mask_bucket", "kind_of"]
 
-KIND_TOPK, KIND_DENSE, KIND_QSGD = "topk", "dense", "qsgd"
-KINDS = (KIND_TOPK, KIND_DENSE, KIND_QSGD)
+KIND_TOPK, KIND_DENSE, KIND_QSGD, KIND_ADACOMP = "topk", "dense", "qsgd", "adacomp"
+KINDS = (KIND_TOPK, KIND_DENSE, KIND_QSGD, KIND_ADACOMP)
 #: elements per program of the policy-dense copy
 DENSE_BLOCK = 4096
 _GDT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -104,29 +104,44 @@ def plan_layer(comp, local_update, name: str, grad: torch.Tensor, param: torch.T
     n = grad.numel()
     if n == 0 or n >= 2 ** 31:
         return None
+    from .adacomp import AdaComp
     from .qsgd import QSGD
     dense = _dense_kind(comp, name, grad)
+    ada = None
     if dense:
         kind = KIND_DENSE
     elif isinstance(comp, QSGD) and type(comp)._compress is QSGD._compress:
         kind = KIND_QSGD
+    elif isinstance(comp, AdaComp) and type(comp)._compress is AdaComp._compress:
+        kind = KIND_ADACOMP
+        ada = comp._layout(grad.shape, comp.layer_cfg(name))
+        if ada[6] or ada[1] > ops.binned_max_bin():
+            return None       # sent dense (not smaller), or bins wider than the tile
     else:
         return None
-    pre = False
+    pre, spec = False, None
     if local_update is not None and local_update.wants(name):
         ok, spec = local_update.bucket_spec(name, grad, comp.policy.is_dense(name,
                                                                             grad.shape))
-        if not ok or spec is not None:
-            return None       # clipping reads the layer's norm; a velocity to fold in
-        pre = True            # the per-layer path hands over the cleaned gradient
+        if not ok:
+            return None       # local clipping reads the layer's norm first
+        if spec is not None and (kind != KIND_ADACOMP or (spec.weight_decay and (
+                param is None or param.dtype != grad.dtype or not param.is_contiguous()
+                or param.device != grad.device))):
+            return None       # a velocity these rows cannot fold in
+        pre = spec is None    # the per-layer path hands over the cleaned gradient
     plan = dict(kind=kind, n=n, pre=pre)
+    if kind == KIND_ADACOMP:
+        _, L, nb, c, cap, ienc, _ = ada
+        plan.update(L=L, nb=nb, c=c, cap=cap, ienc=ienc,
+                    hm1=float(comp.layer_cfg(name)["scale"]) - 1.0)
     if kind == KIND_QSGD:
-        from .qsgd import _BITS
+        from .qsgd import ENCODING_OF_BITS
         cfg = comp.layer_cfg(name)
-        plan.update(bits=int(cfg["bits"]), enc=_BITS[cfg["bits"]],
+        plan.update(bits=int(cfg["bits"]), enc=ENCODING_OF_BITS[cfg["bits"]],
                     qb=int(cfg["bucket_size"]), ef=bool(cfg["error_feedback"]),
                     seed=comp._seed(name, step, PURPOSE_QUANT))
-    return None, plan
+    return spec, plan
 
 
 def group_key(plan: dict, item: BucketItem):
@@ -136,6 +151,9 @@ def group_key(plan: dict, item: BucketItem):
         return (KIND_TOPK,) + tuple(topk_bucket.group_key(plan, item))
     if kind == KIND_DENSE:
         return (KIND_DENSE, item.grad.dtype, item.grad.device)
+    if kind == KIND_ADACOMP:
+        return (KIND_ADACOMP, item.grad.dtype, item.grad.device, plan["L"], plan["c"],
+                plan["hm1"])
     return (KIND_QSGD, item.grad.dtype, item.grad.device, plan["bits"], plan["qb"])
 
 
@@ -152,6 +170,8 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         return topk_bucket.compress_bucket(comp, items, plans, step, grad_scale=grad_scale)
     if kind == KIND_DENSE:
         return _dense_bucket(comp, items, plans, step, grad_scale)
+    if kind == KIND_ADACOMP:
+        return _adacomp_bucket(comp, items, plans, step, grad_scale)
     return _qsgd_bucket(comp, items, plans, step, grad_scale)
 
 
@@ -293,3 +313,90 @@ def _qsgd_bucket(comp, items, plans, step, grad_scale):
         payloads[it.name] = LayerPayload(it.name, it.grad.shape, [seg])
     _finish(comp, items, step, payloads, {})
     return payloads, BucketBatch([it.name for it in items], table, None, cnt, 0, [], K)
+
+
+# ------------------------------------------------------------------ AdaComp rows
+def _adacomp_bucket(comp, items, plans, step, grad_scale):
+    """``AdaComp._compress``'s Triton route for a group (one bin size, ``max_per_bin``
+    and ``scale``): ``kernels/bucket_binned.py`` plus one ``mean`` per layer (torch's
+    reduction: the per-layer path's bits) and one ``cumsum`` per group. DGC's velocity
+    update folds into the accumulate launch; masking stays per layer (``LocalUpdate.
+    mask`` on the ordinary payloads: the batch lists no momentum rows)."""
+    from .topk_bucket import float_bits
+    K = ops.bucket_kernels("binned")
+    Lr = len(items)
+    dev = items[0].grad.device
+    Lb, c, hm1 = plans[0]["L"], plans[0]["c"], plans[0]["hm1"]
+    rows = K.tile_rows(Lb)
+    tab = np.zeros((Lr, K.W), dtype=np.int64)
+    bin0 = slot0 = word0 = blk0 = 0
+    nprog = []
+    for j, (it, pl) in enumerate(zip(items, plans)):
+        comp._open_layer(it.name)
+        G = comp._residual_for(it.name, it.grad.reshape(-1))
+        row = tab[j]
+        row[K.C_G] = it.grad.data_ptr()
+        row[K.C_R] = G.data_ptr()
+        row[K.C_N] = pl["n"]
+        row[K.C_NF] = it.nonfinite.data_ptr()
+        mode = K.MODE_PRE if pl["pre"] else 0
+        ms = it.momentum
+        if ms is not None:
+            mode = K.MODE_MOMENTUM
+            row[K.C_U] = ms.u.data_ptr()
+            row[K.C_M] = float_bits(ms.momentum)
+            row[K.C_C] = float_bits(1.0 - ms.dampening)
+            if ms.nesterov:
+                mode |= K.MODE_NESTEROV
+            if ms.weight_decay:
+                mode |= K.MODE_WD
+                row[K.C_WD] = float_bits(ms.weight_decay)
+                row[K.C_P] = it.param.data_ptr()
+        row[K.C_MODE] = mode
+        row[K.C_NB] = pl["nb"]
+        row[K.C_BIN0], row[K.C_SLOT0], row[K.C_WORD0] = bin0, slot0, word0
+        row[K.C_BLK0] = blk0
+        bin0 += pl["nb"]
+        slot0 += pl["cap"]
+        word0 += max(1, _cdiv(pl["cap"], 32))
+        nprog.append(_cdiv(pl["nb"], rows))
+        blk0 += nprog[-1]
+    table = _to_device(tab, dev)
+    blk = _program_table(nprog, dev)
+    wide = Lb > 256
+    relw = _cdiv(slot0 * (2 if wide else 1), 4)
+    # one zeroed buffer: slots (unused ones stay 0), sign words, selected counters
+    zero = torch.zeros(relw + word0 + Lr, dtype=torch.int32, device=dev)
+    rel = zero[:relw].view(torch.int16 if wide else torch.uint8)[:slot0]
+    words = zero[relw:relw + word0]
+    selected = zero[relw + word0:]
+    gmax = _empty(bin0, torch.float32, dev)
+    cnt = _empty(bin0, torch.int32, dev)
+    scales = _empty(Lr, torch.float32, dev)
+    counts = _empty(Lr, torch.int32, dev)
+    gdt = _GDT[items[0].grad.dtype]
+    K.accumulate(table, blk, grad_scale, gmax, gdt, Lb, rows)
+    for j, pl in enumerate(plans):          # one scale per layer: the mean of its maxima
+        b0 = int(tab[j, K.C_BIN0])
+        torch.mean(gmax[b0:b0 + pl["nb"]], 0, out=scales[j])
+    K.count(table, blk, grad_scale, gmax, cnt, selected, gdt, Lb, hm1, c, rows)
+    cum = torch.cumsum(cnt, 0, dtype=torch.int32)
+    K.pack(table, blk, grad_scale, gmax, cnt, cum, scales, rel, words, counts, gdt, Lb,
+           hm1, c, rows)
+    wbytes = words.view(torch.uint8)
+    payloads = {}
+    for j, (it, pl) in enumerate(zip(items, plans)):
+        b0, s0, w0 = (int(tab[j, K.C_BIN0]), int(tab[j, K.C_SLOT0]),
+                      int(tab[j, K.C_WORD0]))
+        cap = pl["cap"]
+        seg = Segment(numel=pl["n"], capacity=cap, index_encoding=pl["ienc"],
+                      value_encoding=ValueEncoding.SIGN1, count=counts[j:j + 1],
+                      values=wbytes[4 * w0:4 * w0 + _cdiv(cap, 8)],
+                      indices=rel[s0:s0 + cap], scales=scales[j:j + 1],
+                      bin_counts=cnt[b0:b0 + pl["nb"]], bin_size=Lb)
+        payloads[it.name] = LayerPayload(it.name, it.grad.shape, [seg])
+        p = payloads[it.name]
+        p.nonfinite = it.nonfinite
+        comp._stats.record(it.name, step, p, extra=dict(nonfinite=it.nonfinite),
+                           selected=selected[j:j + 1], threshold=scales[j])
+    return payloads, BucketBatch([it.name for it in items], table, None, counts, 0, [], K)

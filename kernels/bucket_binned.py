@@ -1,0 +1,260 @@
+"""AdaComp over a whole bucket: the layers of a group (one bin size ``L``, one
+``max_per_bin`` ``C``, one ``scale``) as rows of one int64 table ``tab[L_rows, W]``
+(one host-to-device copy per group and step), bit for bit the per-layer Triton path
+(``AdaComp._compress``: ``ops.residual_add_binmax``, ``gmax.mean()``,
+``ops.binned_pack`` = ``kernels/binned.py``). Every layer's bins are numbered within
+the bucket (``BIN0_j + b``); a cached int32 ``blk[nprograms]`` maps each program to its
+row, and program ``p`` owns ``ROWS`` whole bins of that row as a ``[ROWS, next_pow2(L)]``
+tile (the three kernels share the layout; no result depends on it).
+
+Per group and step (``hvdsparse/compressors/bucket.py`` drives them)::
+
+    zeros       1 launch   one int32 buffer: every row's slots (bin-relative indices),
+                           sign words and ``selected`` counter start at 0
+    accumulate  1 launch   G = fin ? G + d : G   (MODE_PRE: G + (fin ? d : +0), a
+                           gradient the local update cleaned), d = fp32(grad) * s;
+                           MODE_MOMENTUM (DGC, kernels/bucket_topk.py's accumulate):
+                             g = (fin ? d : +0) [+ fp32(wd) * fp32(param)],
+                             u = u * m;  u = u + c * g;  x = nesterov ? g + m * u : u,
+                             G = |x| < inf ? G + x : G  (d' below is then x, read
+                             back from the updated velocity)
+                           nonfinite_j += #not fin;  gmax[BIN0_j + b] = max |G| over
+                           bin b (integer max of the bit patterns; NaN canonical)
+    mean        L_rows torch ops   scale_j = gmax[bins of j].mean() (torch's own
+                           reduction, the per-layer path's bits), into scales[j]
+    count       1 launch   h = G + d' * (scale - 1), d' = fin ? d : 0 (or x);
+                           thr = gmax < TINY ? TINY : gmax (NaN stays NaN);
+                           cnt[bin] = min(#{|h| >= thr}, C); selected_j += #{|h| >= thr}
+    cumsum      1 op       cum = cumsum(cnt) over the whole bucket (exact integers)
+    pack        1 launch   kernels/binned.py's pick / pack / residue per bin, the bin's
+                           first slot ``cum[bin] - cnt[bin] - base_j`` (``base_j`` =
+                           the bucket prefix before row j), slots at ``SLOT0_j``, sign
+                           bits in the row's words from ``WORD0_j`` (word aligned);
+                           count_j = cum[last bin of j] - base_j
+
+Compiled with ``enable_fp_fusion=False``: every product and sum its own fp32 rounding.
+Atomics: relaxed adds (non-finite, selected) and ORs (sign words). No host
+synchronisation.
+"""
+import torch
+import triton
+import triton.language as tl
+
+C_G, C_R, C_N, C_NF, C_MODE, C_NB, C_BIN0, C_SLOT0, C_WORD0, C_BLK0 = range(10)
+C_U, C_P, C_M, C_C, C_WD = range(10, 15)
+W = 15
+MODE_PRE, MODE_MOMENTUM, MODE_NESTEROV, MODE_WD = 1, 2, 4, 8
+GDT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_TINY = float(torch.finfo(torch.float32).tiny)
+
+_G = tl.constexpr(C_G)
+_R = tl.constexpr(C_R)
+_N = tl.constexpr(C_N)
+_NF = tl.constexpr(C_NF)
+_MODE = tl.constexpr(C_MODE)
+_NB = tl.constexpr(C_NB)
+_BIN0 = tl.constexpr(C_BIN0)
+_SLOT0 = tl.constexpr(C_SLOT0)
+_WORD0 = tl.constexpr(C_WORD0)
+_BLK0 = tl.constexpr(C_BLK0)
+_U = tl.constexpr(C_U)
+_P = tl.constexpr(C_P)
+_M = tl.constexpr(C_M)
+_C = tl.constexpr(C_C)
+_WD = tl.constexpr(C_WD)
+
+
+@triton.jit
+def _f32(row, col: tl.constexpr):
+    """An fp32 stored as its bits in an int64 table cell."""
+    return tl.load(row + col).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gptr(row, GDT: tl.constexpr, col: tl.constexpr = _G):
+    a = tl.load(row + col)
+    if GDT == 0:
+        p = a.to(tl.pointer_type(tl.float32))
+    elif GDT == 1:
+        p = a.to(tl.pointer_type(tl.float16))
+    else:
+        p = a.to(tl.pointer_type(tl.bfloat16))
+    return p
+
+
+@triton.jit
+def _tile(tab_ptr, blk_ptr, L, W: tl.constexpr, ROWS: tl.constexpr, LP: tl.constexpr):
+    """(row index, row pointer, local bins, bins valid, columns, offsets, mask)."""
+    pid = tl.program_id(0)
+    j = tl.load(blk_ptr + pid).to(tl.int64)
+    row = tab_ptr + j * W
+    n = tl.load(row + _N)
+    lb = (pid - tl.load(row + _BLK0)).to(tl.int64)
+    bins = lb * ROWS + tl.arange(0, ROWS)
+    bin_ok = bins < tl.load(row + _NB)
+    cols = tl.arange(0, LP)
+    offs = bins[:, None] * L + cols[None, :]
+    mask = bin_ok[:, None] & (cols[None, :] < L) & (offs < n)
+    return j, row, lb, bins, bin_ok, cols, offs, mask
+
+
+@triton.jit
+def _d(row, offs, mask, scale_ptr, HAS_SCALE: tl.constexpr, GDT: tl.constexpr):
+    d = tl.load(_gptr(row, GDT) + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        d = d * tl.load(scale_ptr)
+    return d, tl.abs(d) < float("inf")
+
+
+@triton.jit
+def _accumulate_kernel(tab_ptr, blk_ptr, scale_ptr, gmax_ptr, L, W: tl.constexpr,
+                       HAS_SCALE: tl.constexpr, GDT: tl.constexpr, ROWS: tl.constexpr,
+                       LP: tl.constexpr):
+    j, row, lb, bins, bin_ok, cols, offs, mask = _tile(tab_ptr, blk_ptr, L, W, ROWS, LP)
+    d, fin = _d(row, offs, mask, scale_ptr, HAS_SCALE, GDT)
+    rp = tl.load(row + _R).to(tl.pointer_type(tl.float32))
+    r = tl.load(rp + offs, mask=mask, other=0.0)
+    mode = tl.load(row + _MODE)
+    bad2 = tl.zeros([ROWS, LP], dtype=tl.int32)
+    if (mode & 2) != 0:
+        # DGC's momentum correction (LocalUpdate.corrected's roundings), then the
+        # compressor's residual add of x
+        m = _f32(row, _M)
+        g = tl.where(fin, d, 0.0)
+        if (mode & 8) != 0:
+            w = tl.load(_gptr(row, GDT, _P) + offs, mask=mask, other=0.0).to(tl.float32)
+            g = g + _f32(row, _WD) * w
+        up = tl.load(row + _U).to(tl.pointer_type(tl.float32))
+        u = tl.load(up + offs, mask=mask, other=0.0)
+        u = u * m
+        u = u + _f32(row, _C) * g
+        tl.store(up + offs, u, mask=mask)
+        if (mode & 4) != 0:
+            x = g + m * u
+        else:
+            x = u
+        fin2 = tl.abs(x) < float("inf")
+        a = tl.where(fin2, r + x, r)
+        bad2 = ((~fin2) & mask).to(tl.int32)
+    elif (mode & 1) != 0:
+        a = r + tl.where(fin, d, 0.0)
+    else:
+        a = tl.where(fin, r + d, r)
+    tl.store(rp + offs, a, mask=mask)
+    bits = tl.where(mask, a.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+    m = tl.max(bits, axis=1)
+    m = tl.where(m > 0x7F800000, 0x7FC00000, m)
+    tl.store(gmax_ptr + tl.load(row + _BIN0) + bins, m.to(tl.float32, bitcast=True),
+             mask=bin_ok)
+    nbad = tl.sum(tl.sum(((~fin) & mask).to(tl.int32) + bad2, axis=1), axis=0)
+    tl.atomic_add(tl.load(row + _NF).to(tl.pointer_type(tl.int32)), nbad, mask=nbad > 0,
+                  sem="relaxed")
+
+
+@triton.jit
+def _abs_h_thr(row, offs, mask, bins, bin_ok, scale_ptr, gmax_ptr, hm1, tiny,
+               HAS_SCALE: tl.constexpr, GDT: tl.constexpr):
+    """(|h|, per-bin threshold) as kernels/binned.py computes them."""
+    d, fin = _d(row, offs, mask, scale_ptr, HAS_SCALE, GDT)
+    d = tl.where(fin, d, 0.0)
+    mode = tl.load(row + _MODE)
+    if (mode & 2) != 0:
+        # x from the velocity the accumulate launch wrote (the same bits as there)
+        if (mode & 4) != 0:
+            g = d
+            if (mode & 8) != 0:
+                w = tl.load(_gptr(row, GDT, _P) + offs, mask=mask, other=0.0).to(tl.float32)
+                g = g + _f32(row, _WD) * w
+            up = tl.load(row + _U).to(tl.pointer_type(tl.float32))
+            x = g + _f32(row, _M) * tl.load(up + offs, mask=mask, other=0.0)
+        else:
+            up = tl.load(row + _U).to(tl.pointer_type(tl.float32))
+            x = tl.load(up + offs, mask=mask, other=0.0)
+        d = tl.where(tl.abs(x) < float("inf"), x, 0.0)
+    rp = tl.load(row + _R).to(tl.pointer_type(tl.float32))
+    a = tl.load(rp + offs, mask=mask, other=0.0)
+    gm = tl.load(gmax_ptr + tl.load(row + _BIN0) + bins, mask=bin_ok, other=float("inf"))
+    thr = tl.where(gm < tiny, tiny, gm)            # clamp_min(TINY); NaN stays NaN
+    return tl.abs(a + d * hm1), thr
+
+
+@triton.jit
+def _count_kernel(tab_ptr, blk_ptr, scale_ptr, gmax_ptr, cnt_ptr, sel_ptr, L, hm1, tiny, C,
+                  W: tl.constexpr, HAS_SCALE: tl.constexpr, GDT: tl.constexpr,
+                  ROWS: tl.constexpr, LP: tl.constexpr):
+    j, row, lb, bins, bin_ok, cols, offs, mask = _tile(tab_ptr, blk_ptr, L, W, ROWS, LP)
+    a, thr = _abs_h_thr(row, offs, mask, bins, bin_ok, scale_ptr, gmax_ptr, hm1, tiny,
+                        HAS_SCALE, GDT)
+    ps = (a >= thr[:, None]) & mask
+    npass = tl.sum(ps.to(tl.int32), axis=1)
+    tl.store(cnt_ptr + tl.load(row + _BIN0) + bins, tl.minimum(npass, C), mask=bin_ok)
+    tot = tl.sum(npass, axis=0)
+    tl.atomic_add(sel_ptr + j, tot, mask=tot > 0, sem="relaxed")
+
+
+@triton.jit
+def _pack_kernel(tab_ptr, blk_ptr, scale_ptr, gmax_ptr, cnt_ptr, cum_ptr, s_ptr, rel_ptr,
+                 words_ptr, count_ptr, L, hm1, tiny, W: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, GDT: tl.constexpr, C: tl.constexpr,
+                 ROWS: tl.constexpr, LP: tl.constexpr):
+    j, row, lb, bins, bin_ok, cols, offs, mask = _tile(tab_ptr, blk_ptr, L, W, ROWS, LP)
+    a, thr = _abs_h_thr(row, offs, mask, bins, bin_ok, scale_ptr, gmax_ptr, hm1, tiny,
+                        HAS_SCALE, GDT)
+    bin0 = tl.load(row + _BIN0)
+    base = tl.load(cum_ptr + bin0 - 1, mask=bin0 > 0, other=0)
+    if lb == 0:
+        nb = tl.load(row + _NB)
+        tl.store(count_ptr + j, tl.load(cum_ptr + bin0 + nb - 1) - base)
+    avail = (a >= thr[:, None]) & mask
+    cnt = tl.load(cnt_ptr + bin0 + bins, mask=bin_ok, other=0)
+    start = tl.load(cum_ptr + bin0 + bins, mask=bin_ok, other=0) - cnt - base
+    s = tl.load(s_ptr + j)
+    rp = tl.load(row + _R).to(tl.pointer_type(tl.float32))
+    slot0 = tl.load(row + _SLOT0)
+    word0 = tl.load(row + _WORD0)
+    for q in tl.static_range(C):
+        v = tl.where(avail, a, -1.0)
+        vmax = tl.max(v, axis=1)
+        cand = (v == vmax[:, None]) & avail
+        imin = tl.min(tl.where(cand, cols[None, :], LP), axis=1)   # ties: lower index
+        has = bin_ok & (imin < LP) & (q < cnt)
+        avail = avail & (cols[None, :] != imin[:, None])
+        e = bins * L + imin
+        g = tl.load(rp + e, mask=has, other=0.0)
+        neg = g < 0
+        qv = tl.where(neg, -s, s)
+        tl.store(rp + e, g + (-qv), mask=has)
+        slot = (start + q).to(tl.int64)
+        tl.store(rel_ptr + slot0 + slot, imin.to(rel_ptr.dtype.element_ty), mask=has)
+        bit = tl.full([ROWS], 1, tl.int32) << (slot & 31).to(tl.int32)
+        tl.atomic_or(words_ptr + word0 + (slot >> 5), bit, mask=has & neg, sem="relaxed")
+
+
+def tile_rows(L, *, block=4096):
+    """Bins per program for bin size ``L`` (a power of 2)."""
+    return max(1, block // triton.next_power_of_2(int(L)))
+
+
+def accumulate(tab, blk, grad_scale, gmax, gdt, L, rows):
+    has = grad_scale is not None
+    _accumulate_kernel[(blk.numel(),)](
+        tab, blk, grad_scale.reshape(1) if has else gmax, gmax, int(L), W=W,
+        HAS_SCALE=has, GDT=gdt, ROWS=rows, LP=triton.next_power_of_2(int(L)), num_warps=8,
+        enable_fp_fusion=False)
+
+
+def count(tab, blk, grad_scale, gmax, cnt, selected, gdt, L, hm1, c, rows):
+    has = grad_scale is not None
+    _count_kernel[(blk.numel(),)](
+        tab, blk, grad_scale.reshape(1) if has else gmax, gmax, cnt, selected, int(L),
+        float(hm1), _TINY, int(c), W=W, HAS_SCALE=has, GDT=gdt, ROWS=rows,
+        LP=triton.next_power_of_2(int(L)), num_warps=8, enable_fp_fusion=False)
+
+
+def pack(tab, blk, grad_scale, gmax, cnt, cum, scales, rel, words, counts, gdt, L, hm1, c,
+         rows):
+    has = grad_scale is not None
+    _pack_kernel[(blk.numel(),)](
+        tab, blk, grad_scale.reshape(1) if has else gmax, gmax, cnt, cum, scales, rel,
+        words, counts, int(L), float(hm1), _TINY, W=W, HAS_SCALE=has, GDT=gdt, C=int(c),
+        ROWS=rows, LP=triton.next_power_of_2(int(L)), num_warps=8, enable_fp_fusion=False)

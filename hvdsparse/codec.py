@@ -1209,6 +1209,67 @@ def _scatter(dense: torch.Tensor, venc: ValueEncoding, capacity: int, quant_buck
                                error_flag=error_flag)
 
 
+#: index encodings the table-driven bucket decode handles (``kernels/bucket_decode.py``)
+_BUCKET_DECODE_INDEX = (IndexEncoding.DENSE, IndexEncoding.INT32, IndexEncoding.BIN_U8,
+                        IndexEncoding.BIN_U16)
+_BUCKET_META = _LRU(512)     # (signature, device, out offsets) -> the kernel's meta
+
+
+def _shared_out(flat_outs):
+    """``(base, offsets)`` when every output is a slice of one storage (a bucket's flat
+    sum): ``base`` is a 1-D view spanning them, ``offsets`` each one's element offset
+    in it; else None."""
+    if not flat_outs:
+        return None
+    st = flat_outs[0].untyped_storage().data_ptr()
+    if any(o.untyped_storage().data_ptr() != st for o in flat_outs):
+        return None
+    lo = min(o.storage_offset() for o in flat_outs)
+    hi = max(o.storage_offset() + o.numel() for o in flat_outs)
+    base = flat_outs[0].as_strided((hi - lo,), (1,), lo)
+    return base, tuple(o.storage_offset() - lo for o in flat_outs)
+
+
+def _bucket_table(plan: _Plan, device, out_offs):
+    """The bucket decode's device table for this layout and output placement (built
+    once from host ints, one host-to-device copy) and its meta."""
+    key = (plan.sig, str(device), ("bucket_decode", out_offs))
+    ent = _DEVICE_BYTES.get_lru(key)
+    meta = _BUCKET_META.get_lru(key)
+    if ent is None or meta is None:
+        rows = []
+        for s, sl in enumerate(plan.segs):
+            w = bin_count_width(sl.bin_size) if sl.ienc in _MAX_BIN else 0
+            rows.append((out_offs[sl.layer], sl.layer, sl.numel, sl.capacity, int(sl.ienc),
+                         int(sl.venc), sl.bin_size, sl.quant_bucket,
+                         QUANT_BITS.get(sl.venc, 0), sl.offsets,
+                         HEADER_SIZE + RECORD_SIZE * s + _COUNT_OFFSET, w))
+        host, meta = ops.bucket_decode_table(rows)
+        ent = _DEVICE_BYTES.put(key, _to_device(host.tobytes(), device))
+        _BUCKET_META.put(key, meta)
+    return ent.get().view(torch.int64), meta
+
+
+def _bucket_accumulate(b2: torch.Tensor, plan: _Plan, flat_outs, error_flag):
+    """validate=False on the Triton path, every segment DENSE / INT32 / BIN_*: one check
+    launch + one scatter launch per rank (:func:`ops.bucket_decode`); the same sums,
+    error codes and zeroed contributions as the per-segment decode. Returns the
+    per-(rank, segment) error table int32 [P, S], or None when not applicable (the
+    caller then decodes per segment)."""
+    if not plan.segs or any(sl.ienc not in _BUCKET_DECODE_INDEX for sl in plan.segs):
+        return None
+    shared = _shared_out(flat_outs)
+    if shared is None:
+        return None
+    base, out_offs = shared
+    device = b2.device
+    table, meta = _bucket_table(plan, device, out_offs)
+    _, err = ops.bucket_decode(b2, base, table, meta, _plan_bytes(plan, device, "image"),
+                               _plan_bytes(plan, device, "mask"), plan.data_start,
+                               error_flag)
+    return err
+
+
 def _check_out(out, numel: int, what: str, device=None) -> torch.Tensor:
     if not isinstance(out, torch.Tensor):
         raise CodecError(f"{what}: a {type(out).__name__}, expected a torch.Tensor")
@@ -1427,6 +1488,13 @@ def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
         if error_flag is None:
             error_flag = torch.zeros(1, dtype=torch.int32, device=device)
             own_flag = True
+        if ops.use_triton(flat_outs[0] if flat_outs else None):
+            err = _bucket_accumulate(b2, plan, flat_outs, error_flag)
+            if err is not None:
+                if own_flag:
+                    _raise_flag(error_flag, [(s, sl.layer, err[:, s])
+                                             for s, sl in enumerate(segs)])
+                return error_flag
         # header + records must equal this rank's, except the count fields
         hdr = b2[:, :plan.data_start]
         row_hdr = ((hdr & _plan_bytes(plan, device, "mask")) !=
@@ -1478,15 +1546,21 @@ def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
         error_flag.view(-1)[:1].bitwise_or_((present.to(torch.int32) * bits).sum()
                                             .to(torch.int32))
         if own_flag:
-            code = int(error_flag.view(-1)[0])            # the one documented host read
-            if code:
-                where = ""
-                for s, layer, e in seg_errs:
-                    rows = [r for r, v in enumerate(e.tolist()) if v]
-                    if rows:
-                        where = (f"message of rank {rows[0]} segment {s} (layer {layer}): "
-                                 f"{describe_error(e[rows[0]])}; ")
-                        break
-                raise CodecError(f"accumulate(validate=False): {where}error flag {code} = "
-                                 f"{describe_error(code)}")
+            _raise_flag(error_flag, seg_errs)
     return error_flag
+
+
+def _raise_flag(error_flag: torch.Tensor, seg_errs) -> None:
+    """accumulate(validate=False) with its own flag: read it (the one documented host
+    read) and raise CodecError naming the first bad segment and rank."""
+    code = int(error_flag.view(-1)[0])
+    if code:
+        where = ""
+        for s, layer, e in seg_errs:
+            rows = [r for r, v in enumerate(e.tolist()) if v]
+            if rows:
+                where = (f"message of rank {rows[0]} segment {s} (layer {layer}): "
+                         f"{describe_error(e[rows[0]])}; ")
+                break
+        raise CodecError(f"accumulate(validate=False): {where}error flag {code} = "
+                         f"{describe_error(code)}")

@@ -79,9 +79,24 @@ ADAM_METHODS = ["dense", "topk", "threshold", "adacomp", "slimdp", "qsgd"]
 #: workload -> (epochs, evaluate every N steps, default methods)
 DEFAULTS = {"digits-mlp": (15, 11, SGD_METHODS), "digits-wide": (10, 11, SGD_METHODS),
             "digits-cnn": (15, 11, SGD_METHODS),
-            "text-lm": (12, 25, ADAM_METHODS)}
+            "text-lm": (12, 25, ADAM_METHODS),
+            "text-gpt": (20, 50, ["dense", "topk", "threshold", "adacomp"])}
 TOL_ACC_PP = 0.5
 TOL_LOSS = 0.02
+
+
+def _split_top(text):
+    """``text`` split at the commas outside brackets (``()``, ``[]``, ``{}``)."""
+    out, depth, cur = [], 0, []
+    for ch in text:
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    out.append("".join(cur))
+    return out
 
 
 def parse_method(spec):
@@ -99,7 +114,7 @@ def parse_method(spec):
         okw["momentum_correction"] = False      # (Adam: False is what auto gives)
     if flag == "off":
         okw["adam_recipe"] = False
-    for item in filter(None, re.split(r",(?![^()]*\))", tail)):   # commas outside (...)
+    for item in filter(None, _split_top(tail)):   # commas outside (...), [...], {...}
         k, _, v = item.partition("=")
         try:
             v = ast.literal_eval(v)
@@ -114,14 +129,123 @@ def parse_method(spec):
     return name, okw, kw
 
 
+def parse_gpt(text):
+    """``--gpt key=value,...`` -> a dict of :data:`workloads.GPT_CONFIG` entries."""
+    from workloads import GPT_CONFIG
+    out = {}
+    for item in filter(None, (text or "").split(",")):
+        k, _, v = item.partition("=")
+        if k not in GPT_CONFIG:
+            raise SystemExit(f"--gpt: unknown key {k!r} (choose from {sorted(GPT_CONFIG)})")
+        out[k] = ast.literal_eval(v)
+    return out
+
+
 # ------------------------------------------------------------------------ worker (ranks)
+
+def lr_factor(step, total, warmup_frac=0.0):
+    """The cosine schedule's factor for the step after ``step`` steps: a linear warm-up
+    ``(step + 1) / W`` over the first ``W = round(warmup_frac * total)`` steps, then
+    ``0.5 (1 + cos(pi (step - W) / (total - W)))`` (0 at the end of the run)."""
+    w = int(round(warmup_frac * total))
+    if step < w:
+        return (step + 1) / w
+    return 0.5 * (1.0 + math.cos(math.pi * (step - w) / max(total - w, 1)))
+
+
+class AdamTrace:
+    """Per parameter group, what the Adam recipe's compressed step does against the dense
+    Adam step the same gradients would give (``--trace N``; study instrument, one extra
+    dense allreduce of the local gradients per step, not counted in the bytes).
+
+    Every step: ``G`` = the ranks' average of their local gradients (the exact
+    allreduce); a shadow dense Adam ``m~ = b1 m~ + (1 - b1) G``, ``v~ = b2 v~ + (1 - b2)
+    G^2`` (bias-corrected with the step) along the recipe's trajectory; for the layers
+    past the warm-up, the recipe's applied step ``u = m / D`` (``m``: its synchronised
+    momentum, ``D``: its frozen denominator) against the shadow's ``u~ = m~ / bc1 /
+    (sqrt(v~ / bc2) + eps)`` (bc1 cancels in a cosine; both get it). Per group and
+    window of N steps (means): ``cos(u, u~)``, ``|u| / |u~|``, ``cos(X D, G)`` (the
+    exchanged gradient of one step against the exact one), ``D / sqrt(v~_hat)`` (median
+    over the coordinates whose ``v~_hat`` exceeds 1% of the layer's mean: the frozen
+    variance against the one dense Adam would have now), and the residual's
+    age on rank 0: ``sum |r| / mean sum |x|`` (steps of this rank's sent quantity
+    ``x = g / D`` that wait in the residual)."""
+
+    def __init__(self, opt, comp, named, group_of, every):
+        import torch
+        self.torch, self.opt, self.comp = torch, opt, comp
+        self.recipe = getattr(opt, "_local_update", None)
+        self.named = [(n, p) for n, p in named if p.requires_grad]
+        self.group_of, self.every = group_of, every
+        self.m = {n: torch.zeros_like(p) for n, p in self.named}
+        self.v = {n: torch.zeros_like(p) for n, p in self.named}
+        self.xabs = {}
+        self.t = 0
+        self.acc, self.out = {}, []
+
+    def before(self):
+        import horovod.torch as hvd
+        self.local = {n: p.grad.detach().clone() for n, p in self.named if p.grad is not None}
+        self.G = {n: hvd.allreduce(g, name=f"trace.{n}", op=hvd.Average)
+                  for n, g in self.local.items()}
+        r = self.recipe
+        self.refresh = {n for n, _ in self.named
+                        if r is not None and hasattr(r, "refreshing") and r.refreshing(n)}
+
+    def after(self, step):
+        torch = self.torch
+        self.t += 1
+        group0 = self.opt.param_groups[0]
+        b1, b2 = group0["betas"]
+        eps = group0["eps"]
+        bc2 = 1 - b2 ** self.t
+        r = self.recipe
+        for n, p in self.named:
+            G = self.G.get(n)
+            if G is None:
+                continue
+            self.m[n].mul_(b1).add_(G, alpha=1 - b1)
+            self.v[n].mul_(b2).addcmul_(G, G, value=1 - b2)
+            if r is None or not hasattr(r, "frozen") or not r.frozen(n) or n in self.refresh:
+                continue
+            st = self.opt.state[p]
+            D = r._denom(st, self.opt.param_groups[0] if len(self.opt.param_groups) == 1
+                         else r._groups.of(p), r._steps[n])
+            u = st["exp_avg"] / D
+            ud = self.m[n] / ((self.v[n] / bc2).sqrt() + eps)
+            X = p.grad
+            x = self.local[n] / D
+            xa = float(x.abs().sum())
+            self.xabs[n] = xa if n not in self.xabs else 0.9 * self.xabs[n] + 0.1 * xa
+            res = self.comp._residuals.get(n) if self.comp is not None else None
+            a = self.acc.setdefault(self.group_of(n), dict(k=0, cos_u=0.0, ratio_u=0.0,
+                                                            cos_g=0.0, d_ratio=0.0, age=0.0))
+            a["k"] += 1
+            a["cos_u"] += float(torch.nn.functional.cosine_similarity(
+                u.flatten(), ud.flatten(), dim=0))
+            a["ratio_u"] += float(u.norm() / ud.norm().clamp_min(1e-30))
+            a["cos_g"] += float(torch.nn.functional.cosine_similarity(
+                (X * D).flatten(), G.flatten(), dim=0))
+            vh = self.v[n] / bc2
+            live = vh > 0.01 * vh.mean()          # coordinates with a gradient (embeddings:
+            a["d_ratio"] += float((D / (vh.sqrt() + eps))[live].median())   # rows used)
+            if res is not None:
+                a["age"] += float(res.abs().sum()) / max(self.xabs[n], 1e-30)
+        if step % self.every == 0 and self.acc:
+            self.out.append(dict(step=step, groups={
+                g: {k: v / a["k"] for k, v in a.items() if k != "k"} | dict(n=a["k"])
+                for g, a in self.acc.items()}))
+            self.acc = {}
+
 
 def worker(args):
     import torch
     import horovod.torch as hvd
     import hvdsparse
+    import workloads
     from workloads import layer_kind, make_workload
     torch.set_num_threads(1)
+    workloads.GPT_CONFIG.update(parse_gpt(args.gpt))
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
     wl = make_workload(args.workload, rank, world)
@@ -157,8 +281,15 @@ def worker(args):
                 for k, v in recipe_attrs.items():       # study knobs (Adam recipe)
                     setattr(opt._local_update, k, v)
             evals = []
+            tracer = None
+            if args.trace and comp is not None:
+                tracer = AdamTrace(opt, comp, named, lambda n: layer_kind(model, n),
+                                   args.trace)
             step, t0, tl = 0, time.time(), []
             lr0 = [g["lr"] for g in opt.param_groups]
+            if args.lr_schedule == "cosine":     # the first step's rate
+                for g, l0 in zip(opt.param_groups, lr0):
+                    g["lr"] = l0 * lr_factor(0, total, args.warmup_frac)
 
             def record():
                 if rank == 0:
@@ -175,11 +306,15 @@ def worker(args):
                     opt.zero_grad()
                     loss = wl.loss(model, batch)
                     loss.backward()
+                    if tracer is not None:
+                        tracer.before()
                     opt.step()
+                    if tracer is not None:
+                        tracer.after(step + 1)
                     tl.append(loss.detach())
                     step += 1
                     if args.lr_schedule == "cosine":
-                        f = 0.5 * (1.0 + math.cos(math.pi * step / total))
+                        f = lr_factor(step, total, args.warmup_frac)
                         for g, l0 in zip(opt.param_groups, lr0):
                             g["lr"] = l0 * f
                     if step % args.eval_every == 0 or step == total:
@@ -208,7 +343,8 @@ def worker(args):
             if rank == 0:
                 runs.append(dict(method=spec, seed=seed, steps=step, wall_s=wall,
                                  bytes_per_rank_step=bytes_step, numel=numel, evals=evals,
-                                 layers=layers))
+                                 layers=layers,
+                                 trace=tracer.out if tracer is not None else None))
                 q = evals[-1][wl.quality]
                 print(f"[{args.workload} P={world}] {spec:18s} seed {seed}: "
                       f"{wl.quality} {q:.4f}, {bytes_step:.0f} B/rank/step, {wall:.1f} s",
@@ -217,7 +353,9 @@ def worker(args):
                 Path(args.worker_out).write_text(json.dumps(dict(
                     workload=args.workload, np=world, epochs=args.epochs, steps=total,
                     eval_every=args.eval_every, optimizer=args.optimizer,
-                    lr_schedule=args.lr_schedule, quality=wl.quality, runs=runs)))
+                    lr_schedule=args.lr_schedule + (f"+warmup{args.warmup_frac:g}"
+                                                    if args.warmup_frac else ""),
+                    gpt=args.gpt, quality=wl.quality, runs=runs)))
             del opt, base, model, comp
     print(f"HVDSPARSE-OK rank={rank}", flush=True)
 
@@ -232,6 +370,8 @@ def launch(args, methods):
                "--worker", "--worker-out", str(js), "--workload", args.workload,
                "--epochs", str(args.epochs), "--eval-every", str(args.eval_every),
                "--optimizer", args.optimizer, "--lr-schedule", args.lr_schedule,
+               f"--gpt={args.gpt or ''}", "--warmup-frac", str(args.warmup_frac),
+               "--trace", str(args.trace),
                "--seeds", *map(str, args.seeds), "--methods", *methods]
         env = dict(os.environ, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -502,6 +642,16 @@ def main(argv=None):
     ap.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"],
                     help="the workload's learning rate for the whole run (the issue's "
                          "setting), or cosine-annealed to 0 over the run's steps")
+    ap.add_argument("--gpt", default="", help="text-gpt's model / batch, key=value,... "
+                    "(d, layers, heads, seq, batch, lr, weight_decay; default: 2 layers, "
+                    "d=128, 4 heads, seq 64, batch 16 per rank, lr 3e-3, wd 0.01)")
+    ap.add_argument("--warmup-frac", type=float, default=0.0,
+                    help="with --lr-schedule cosine: a linear learning-rate warm-up over "
+                         "this fraction of the run before the cosine decay")
+    ap.add_argument("--trace", type=int, default=0,
+                    help="Adam recipe study: per parameter group, the compressed step "
+                         "against a shadow dense Adam, averaged over windows of N steps "
+                         "(AdamTrace; one extra dense allreduce per step)")
     ap.add_argument("--methods", nargs="+", default=None)
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "convergence"))
     ap.add_argument("--tag", default="", help="suffix of the output file names")
@@ -515,7 +665,8 @@ def main(argv=None):
     ep, ev, methods = DEFAULTS[args.workload]
     args.epochs = args.epochs or ep
     args.eval_every = args.eval_every or ev
-    args.optimizer = args.optimizer or ("adam" if args.workload == "text-lm" else "sgd")
+    args.optimizer = args.optimizer or {"text-lm": "adam", "text-gpt": "adamw"}.get(
+        args.workload, "sgd")
     args.methods = args.methods or methods
     if args.worker:
         return worker(args)

@@ -19,6 +19,19 @@ Three workloads, each a :class:`Workload` (one object per process, data loaded o
   modules and their public members, gathered once and cached in
   ``~/.cache/hvdsparse/docstrings_corpus.txt`` (deterministic for one Python version);
   the last 10% is held out.
+* ``text-gpt``: GPT-style causal byte LM (pre-norm transformer): token embedding
+  256 x d, learned position embedding seq x d, ``layers`` blocks of
+  ``x + attn(LN(x))``, ``x + MLP(LN(x))`` (causal softmax attention with ``heads``
+  heads, MLP d -> 4d -> d with GELU, no dropout), a final LayerNorm and an untied head
+  d -> 256. Default (CPU-sized) config: 2 layers, d = 128, 4 heads, seq 64, batch 16
+  windows per rank (0.47 M parameters), AdamW lr 3e-3, weight decay 0.01 (the
+  transformer issue's setting); :data:`GPT_CONFIG` / ``bench_convergence.py --gpt
+  key=value,...`` select a larger one. Metric: held-out loss (nats per byte).
+  Corpus: the Python language reference as shipped with the interpreter
+  (``pydoc_data.topics.topics``, the text ``help("topics")`` prints), its entries in
+  sorted key order, UTF-8 bytes (deterministic for one Python version); the last 10%
+  is held out. Parameter groups (:func:`gpt_group`): embedding (token, position),
+  attention (qkv, output projection), mlp, layernorm, head, bias.
 
 Data split (digits): fixed stratified 80/20 split (``random_state=0``), independent of
 the training seed; the training seed sets the initial weights and the batch order.
@@ -37,7 +50,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["WORKLOADS", "Workload", "make_workload", "layer_kind", "text_corpus"]
+__all__ = ["WORKLOADS", "Workload", "make_workload", "layer_kind", "text_corpus",
+           "gpt_corpus", "gpt_group", "GPT_CONFIG"]
 
 #: modules whose docstrings make the text corpus (fixed, sorted before use)
 CORPUS_MODULES = ("argparse", "bisect", "calendar", "collections", "csv", "dataclasses",
@@ -80,6 +94,14 @@ def text_corpus() -> str:
     return text
 
 
+def gpt_corpus() -> bytes:
+    """The Python language reference shipped with the interpreter
+    (``pydoc_data.topics.topics``, entries in sorted key order, blank line between),
+    as UTF-8 bytes."""
+    from pydoc_data.topics import topics
+    return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+
+
 # ------------------------------------------------------------------------------- models
 
 class MLP(nn.Module):
@@ -119,8 +141,72 @@ class CharLSTM(nn.Module):
         return self.head(h)
 
 
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(LN(x))``, ``x + MLP(LN(x))``."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (t.view(B, T, self.heads, d // self.heads).transpose(1, 2)
+                   for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab=256, d=128, layers=2, heads=4, seq=64):
+        super().__init__()
+        if d % heads:
+            raise ValueError(f"GPT: d={d} is not a multiple of heads={heads}")
+        self.tok_emb, self.pos_emb = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        for m in self.modules():            # GPT-2's initialisation
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1], device=x.device)
+        h = self.tok_emb(x) + self.pos_emb(pos)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.ln_f(h))
+
+
+def gpt_group(name: str) -> str:
+    """A :class:`GPT` parameter's group: ``embedding`` / ``attention`` / ``mlp`` /
+    ``layernorm`` / ``head`` / ``bias``."""
+    if name.startswith(("tok_emb", "pos_emb")):
+        return "embedding"
+    if ".ln" in name or name.startswith("ln_f"):
+        return "layernorm"
+    if name.endswith(".bias"):
+        return "bias"
+    if name.startswith("head"):
+        return "head"
+    if ".qkv." in name or ".proj." in name:
+        return "attention"
+    if ".fc." in name or ".out." in name:
+        return "mlp"
+    raise ValueError(f"gpt_group: unknown GPT parameter {name!r}")
+
+
 def layer_kind(model: nn.Module, name: str) -> str:
-    """``conv`` / ``fc`` / ``lstm`` / ``embedding`` / ``bias`` for a parameter name."""
+    """``conv`` / ``fc`` / ``lstm`` / ``embedding`` / ``bias`` for a parameter name
+    (:class:`GPT`: its :func:`gpt_group`)."""
+    if isinstance(model, GPT):
+        return gpt_group(name)
     if name.endswith("bias") or ".bias" in name:
         return "bias"
     mod = model.get_submodule(name.rsplit(".", 1)[0])
@@ -270,7 +356,52 @@ class TextLM(Workload):
         return dict(loss=loss, ppl=math.exp(loss))
 
 
-WORKLOADS = {w.name: w for w in (DigitsMLP, DigitsWide, DigitsCNN, TextLM)}
+#: :class:`TextGPT`'s model and batch (``bench_convergence.py --gpt`` replaces entries;
+#: the defaults are the CPU-sized transformer issue's setting)
+GPT_CONFIG = dict(d=128, layers=2, heads=4, seq=64, batch=16, lr=3e-3, weight_decay=0.01)
+
+
+class TextGPT(TextLM):
+    """GPT-style causal byte LM on the Python language reference (module docstring)."""
+    name = "text-gpt"
+    epoch_steps = 50
+
+    def __init__(self, rank=0, world=1):
+        Workload.__init__(self, rank, world)
+        c = self.config = dict(GPT_CONFIG)
+        self.batch, self.seq, self.lr = int(c["batch"]), int(c["seq"]), float(c["lr"])
+        ids = torch.frombuffer(bytearray(gpt_corpus()), dtype=torch.uint8).long()
+        cut = int(0.9 * len(ids))
+        self.train_ids, self.test_ids = ids[:cut], ids[cut:]
+        starts = torch.linspace(0, len(self.test_ids) - self.seq - 2, self.eval_windows).long()
+        w = torch.stack([self.test_ids[s:s + self.seq + 1] for s in starts.tolist()])
+        self.eval_x, self.eval_y = w[:, :-1], w[:, 1:]
+        self.vocab = 256
+
+    def _model(self):
+        c = self.config
+        return GPT(self.vocab, int(c["d"]), int(c["layers"]), int(c["heads"]), self.seq)
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.cross_entropy(model(x).reshape(-1, self.vocab), y.reshape(-1))
+
+    def optimizer(self, model, kind="adamw"):
+        if kind == "adamw":
+            return torch.optim.AdamW(model.parameters(), lr=self.lr,
+                                     weight_decay=float(self.config["weight_decay"]))
+        if kind == "adam":
+            return torch.optim.Adam(model.parameters(), lr=self.lr)
+        raise ValueError(f"{self.name}: optimizer {kind!r} not supported (adamw, adam)")
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        out = model(self.eval_x)
+        loss = F.cross_entropy(out.reshape(-1, self.vocab), self.eval_y.reshape(-1)).item()
+        return dict(loss=loss, ppl=math.exp(loss))
+
+
+WORKLOADS = {w.name: w for w in (DigitsMLP, DigitsWide, DigitsCNN, TextLM, TextGPT)}
 
 
 def make_workload(name, rank=0, world=1) -> Workload:

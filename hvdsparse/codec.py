@@ -1211,7 +1211,7 @@ def _scatter(dense: torch.Tensor, venc: ValueEncoding, capacity: int, quant_buck
 
 #: index encodings the table-driven bucket decode handles (``kernels/bucket_decode.py``)
 _BUCKET_DECODE_INDEX = (IndexEncoding.DENSE, IndexEncoding.INT32, IndexEncoding.BIN_U8,
-                        IndexEncoding.BIN_U16)
+                        IndexEncoding.BIN_U16, IndexEncoding.IMPLICIT)
 _BUCKET_META = _LRU(512)     # (signature, device, out offsets) -> the kernel's meta
 
 
@@ -1230,10 +1230,10 @@ def _shared_out(flat_outs):
     return base, tuple(o.storage_offset() - lo for o in flat_outs)
 
 
-def _bucket_table(plan: _Plan, device, out_offs):
-    """The bucket decode's device table for this layout and output placement (built
-    once from host ints, one host-to-device copy) and its meta."""
-    key = (plan.sig, str(device), ("bucket_decode", out_offs))
+def _bucket_table(plan: _Plan, device, out_offs, imps):
+    """The bucket decode's device table for this layout, output placement and IMPLICIT
+    index addresses (built once from host ints, one host-to-device copy) and its meta."""
+    key = (plan.sig, str(device), ("bucket_decode", out_offs, imps))
     ent = _DEVICE_BYTES.get_lru(key)
     meta = _BUCKET_META.get_lru(key)
     if ent is None or meta is None:
@@ -1243,27 +1243,37 @@ def _bucket_table(plan: _Plan, device, out_offs):
             rows.append((out_offs[sl.layer], sl.layer, sl.numel, sl.capacity, int(sl.ienc),
                          int(sl.venc), sl.bin_size, sl.quant_bucket,
                          QUANT_BITS.get(sl.venc, 0), sl.offsets,
-                         HEADER_SIZE + RECORD_SIZE * s + _COUNT_OFFSET, w))
+                         HEADER_SIZE + RECORD_SIZE * s + _COUNT_OFFSET, w, imps[s]))
         host, meta = ops.bucket_decode_table(rows)
         ent = _DEVICE_BYTES.put(key, _to_device(host.tobytes(), device))
         _BUCKET_META.put(key, meta)
     return ent.get().view(torch.int64), meta
 
 
-def _bucket_accumulate(b2: torch.Tensor, plan: _Plan, flat_outs, error_flag):
-    """validate=False on the Triton path, every segment DENSE / INT32 / BIN_*: one check
-    launch + one scatter launch per rank (:func:`ops.bucket_decode`); the same sums,
-    error codes and zeroed contributions as the per-segment decode. Returns the
-    per-(rank, segment) error table int32 [P, S], or None when not applicable (the
-    caller then decodes per segment)."""
+def _bucket_accumulate(b2: torch.Tensor, plan: _Plan, flat_outs, error_flag, flat_segs):
+    """validate=False on the Triton path, every segment DENSE / INT32 / BIN_* /
+    IMPLICIT (int64 indices on the messages' device): one check launch + one scatter
+    launch per rank and pass (:func:`ops.bucket_decode`); the same sums, error codes and
+    zeroed contributions as the per-segment decode. Returns the per-(rank, segment)
+    error table int32 [P, S], or None when not applicable (the caller then decodes per
+    segment)."""
     if not plan.segs or any(sl.ienc not in _BUCKET_DECODE_INDEX for sl in plan.segs):
         return None
     shared = _shared_out(flat_outs)
     if shared is None:
         return None
-    base, out_offs = shared
     device = b2.device
-    table, meta = _bucket_table(plan, device, out_offs)
+    imps = []
+    for sl, tseg in zip(plan.segs, flat_segs):
+        if sl.ienc != IndexEncoding.IMPLICIT:
+            imps.append(0)
+            continue
+        imp = tseg.implicit_indices
+        if imp.dtype != torch.int64 or imp.device != device or not imp.is_contiguous():
+            return None
+        imps.append(imp.data_ptr() if imp.numel() else 0)
+    base, out_offs = shared
+    table, meta = _bucket_table(plan, device, out_offs, tuple(imps))
     _, err = ops.bucket_decode(b2, base, table, meta, _plan_bytes(plan, device, "image"),
                                _plan_bytes(plan, device, "mask"), plan.data_start,
                                error_flag)
@@ -1489,7 +1499,7 @@ def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
             error_flag = torch.zeros(1, dtype=torch.int32, device=device)
             own_flag = True
         if ops.use_triton(flat_outs[0] if flat_outs else None):
-            err = _bucket_accumulate(b2, plan, flat_outs, error_flag)
+            err = _bucket_accumulate(b2, plan, flat_outs, error_flag, flat_segs)
             if err is not None:
                 if own_flag:
                     _raise_flag(error_flag, [(s, sl.layer, err[:, s])

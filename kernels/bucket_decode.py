@@ -12,7 +12,8 @@ The bucket's layout (host-known, identical on every rank) is an int64 table
 element offset in ``out``, numel ``N``, capacity ``C``, index / value encodings, bin
 size ``B``, quantisation bucket ``Q``, code bits, the byte offsets of the four sections
 and of the record's count field, the bin-count width ``w`` and number of bins, the
-segment's first row in the cumulative-count scratch and the binary-search depth. A
+segment's first row in the cumulative-count scratch, the binary-search depth and an
+IMPLICIT segment's index address. A
 block table maps each program of the scatter to ``(segment, first slot)``. The codec
 builds both once per layout (:func:`build_table`, host ints only) and uploads them in
 one host-to-device copy.
@@ -27,13 +28,16 @@ check (1 launch, grid ``(P, S)``): program ``(r, s)``
   else a relative index ``>= B`` in slots ``j < c``, or ``>= N - (nb-1) B`` in the last
   bin's slots ``[c - bc[nb-1], c)`` -> 1 (the same as ``bin * B + rel >= N``);
   the inclusive running sums of ``bc`` go to ``cum[r, bin0_s + k]``;
+* IMPLICIT (with ``c`` in range): an index of the receiving rank's own int64
+  ``implicit_indices`` (never sent; its device address is in the table) outside
+  ``[0, N)`` in slots ``j < c`` -> 1;
 * ``err[r, s]`` = (2 if the count is out of range, else the content code) | header;
   ``eff[r, s]`` = ``c`` if ``err == 0`` else 0 (a bad (rank, segment) adds nothing);
   ``flag[0] |= err`` (relaxed atomic).
 
 scatter (1 launch per rank ``r = 0 .. P-1`` and pass, in that order on the stream):
 slot ``j < eff[r, s]`` of segment ``s`` has the element index ``j`` (DENSE), the int32
-index (INT32), or ``bin(j) * B + rel[j]`` (BIN_*; ``bin(j)`` = the number of running
+index (INT32), ``implicit_indices[j]`` (IMPLICIT), or ``bin(j) * B + rel[j]`` (BIN_*; ``bin(j)`` = the number of running
 sums ``<= j``, a binary search in ``cum[r]``); its value is the fp32 / fp16 / bf16
 value, ``fp32(fp32(q * scale[j // Q]) / (2^(b-1) - 1))`` of the b-bit code ``q + 2^(b-1)``
 (``div_rn``), or ``+-scale`` by the sign bit; it is added to
@@ -51,8 +55,8 @@ sums equal the per-segment decode's bit for bit.
 
 Error codes (the same values as ``hvdsparse.codec.ERROR_CODES``, repeated here because
 kernels import nothing of hvdsparse): 1 index, 2 count, 4 bin counts, 16 header.
-IMPLICIT and BITMASK segments are not handled here (the codec decodes buckets holding
-them per segment). Offsets are int64.
+BITMASK segments are not handled here (the codec decodes buckets holding them per
+segment). Offsets are int64.
 """
 import numpy as np
 import torch
@@ -61,13 +65,13 @@ import triton.language as tl
 
 # columns of the segment table (int64)
 (T_OUT, T_N, T_C, T_IENC, T_VENC, T_B, T_Q, T_BITS, T_OIND, T_OBC, T_OVAL, T_OSC, T_OCNT,
- T_W, T_NB, T_BIN0, T_STEPS) = range(17)
-W = 17
+ T_W, T_NB, T_BIN0, T_STEPS, T_IMP) = range(18)
+W = 18
 #: index encodings (``payload.IndexEncoding``) and value encodings (``ValueEncoding``)
-IE_DENSE, IE_INT32, IE_BIN_U8, IE_BIN_U16 = 0, 1, 2, 3
+IE_DENSE, IE_INT32, IE_BIN_U8, IE_BIN_U16, IE_IMPLICIT = 0, 1, 2, 3, 4
 VE_FP32, VE_FP16, VE_BF16, VE_INT8, VE_INT4, VE_INT2, VE_SIGN1 = range(7)
 ERR_INDEX, ERR_COUNT, ERR_BIN_COUNTS, ERR_HEADER = 1, 2, 4, 16
-SUPPORTED_INDEX = (IE_DENSE, IE_INT32, IE_BIN_U8, IE_BIN_U16)
+SUPPORTED_INDEX = (IE_DENSE, IE_INT32, IE_BIN_U8, IE_BIN_U16, IE_IMPLICIT)
 BLOCK = 1024
 
 
@@ -146,6 +150,17 @@ def _check_kernel(u8, i16, i32, img, msk, tab, cum, eff, err, flag, row_bytes, h
         rb = rb | (m & (rel >= lim)).to(tl.int32)
     rel_bad = (tl.max(rb, axis=0) != 0) & (~bc_bad)
     content = tl.where(is_bin, bc_bad.to(tl.int32) * 4 | rel_bad.to(tl.int32), 0)
+    # IMPLICIT: the template's own indices of the used slots must lie in [0, N)
+    is_imp = ienc == 4
+    imp = tl.load(t + 17).to(tl.pointer_type(tl.int64))
+    nil = tl.where(is_imp, cc, 0)
+    ib = tl.zeros([BLOCK], tl.int32)
+    for j0 in range(0, nil, BLOCK):
+        j = j0 + offs
+        m = j < nil
+        x = tl.load(imp + j, mask=m, other=0)
+        ib = ib | (m & ((x < 0) | (x >= N))).to(tl.int32)
+    content = tl.where(is_imp, (tl.max(ib, axis=0) != 0).to(tl.int32), content)
     e = tl.where(c_bad, 2, content) | hdr
     tl.store(err + r * S + s, e)
     tl.store(eff + r * S + s, tl.where(e == 0, c, 0).to(tl.int32))
@@ -183,6 +198,8 @@ def _scatter_kernel(out, u8, i16, i32, f32, f16, bf16, tab, bseg, bj0, cum, eff,
     r8 = tl.load(u8 + rowb + oind + j, mask=m & (ienc == 2), other=0).to(tl.int64)
     r16 = tl.load(i16 + (rowb + oind) // 2 + j, mask=m & (ienc == 3),
                   other=0).to(tl.int64) & 0xFFFF
+    imp = tl.load(t + 17).to(tl.pointer_type(tl.int64))
+    iim = tl.load(imp + j, mask=m & (ienc == 4), other=0)
     lo = tl.zeros([BLOCK], tl.int64)
     hi = tl.zeros([BLOCK], tl.int64) + nb
     cbase = cum + rr * nbins_total + bin0
@@ -194,7 +211,8 @@ def _scatter_kernel(out, u8, i16, i32, f32, f16, bf16, tab, bseg, bj0, cum, eff,
         lo = tl.where(act & go, mid + 1, lo)
         hi = tl.where(act & (~go), mid, hi)
     rel = tl.where(ienc == 2, r8, r16)
-    idx = tl.where(ienc == 0, j, tl.where(ienc == 1, i32v, lo * B + rel))
+    idx = tl.where(ienc == 0, j, tl.where(ienc == 1, i32v, tl.where(ienc == 4, iim,
+                                                                     lo * B + rel)))
     ok = (idx >= 0) & (idx < N)
     nbad = tl.sum((m & (~ok)).to(tl.int32), axis=0)
     tl.atomic_or(flag, 1, mask=nbad > 0, sem="relaxed")
@@ -230,7 +248,8 @@ def build_table(segs, block: int = BLOCK):
     """The layout's tables from host ints. ``segs``: one tuple per segment in record
     order, ``(out_offset, layer, numel, capacity, index_enc, value_enc, bin_size,
     quant_bucket, bits, (off_ind, off_bc, off_val, off_sc), count_byte_offset,
-    bc_width)``. Returns ``(host int64 array, meta)``: the array holds ``tab[S, W]``,
+    bc_width, implicit_address)`` (the address of an IMPLICIT segment's int64 indices on
+    the device, else 0). Returns ``(host int64 array, meta)``: the array holds ``tab[S, W]``,
     then ``bseg[nblk]``, then ``bj0[nblk]``; ``meta`` holds ``S``, ``nblk``, the total
     bins and per pass ``(first block, blocks)``."""
     S = len(segs)
@@ -238,12 +257,12 @@ def build_table(segs, block: int = BLOCK):
     seen = {}
     passes = []                    # pass k -> list of segments
     bin0 = 0
-    for s, (oo, layer, n, cap, ie, ve, bs, qb, bits, offs, ocnt, w) in enumerate(segs):
+    for s, (oo, layer, n, cap, ie, ve, bs, qb, bits, offs, ocnt, w, imp) in enumerate(segs):
         if ie not in SUPPORTED_INDEX:
             raise ValueError(f"bucket_decode: segment {s}: index encoding {ie} unsupported")
         nb = -(-n // bs) if ie in (IE_BIN_U8, IE_BIN_U16) and bs else 0
         tab[s] = (oo, n, cap, ie, ve, bs, qb, bits, offs[0], offs[1], offs[2], offs[3],
-                  ocnt, w, nb, bin0, int(nb).bit_length())
+                  ocnt, w, nb, bin0, int(nb).bit_length(), imp)
         bin0 += nb
         k = seen.get(layer, 0)
         seen[layer] = k + 1

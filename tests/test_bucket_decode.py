@@ -3,13 +3,13 @@ scatter launch per rank) against the per-segment decode it replaces on the trust
 (``validate=False``) Triton path, through Triton's interpreter on CPU tensors.
 
 Fresh random buckets (1-4 layers, 1-2 segments per layer: DENSE / INT32 / BIN_U8 /
-BIN_U16 indices -- INT32 float segments narrowed to BIN_U16 on the wire at random --
+BIN_U16 / IMPLICIT indices -- INT32 float segments narrowed to BIN_U16 on the wire at random --
 with every value encoding), P = 1..3 ranks, encoded by ``codec.encode``; the output is
 poisoned with random values first (accumulate adds into it). Both decodes must give the
 same output bits and the same error flag, on valid messages and on corrupted ones
 (random byte flips anywhere in a row; targeted: a count above capacity or negative, a
 bin count out of range, a relative index past its bin, an INT32 index past numel, a
-header field), and the same CodecError when accumulate owns the flag. Valid messages are
+header field, an IMPLICIT index of the receiver's own template outside its layer), and the same CodecError when accumulate owns the flag. Valid messages are
 also checked against the plain numpy reference of tests/workers/allgather_worker.py.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tests.workers.allgather_worker import (ALL_VE, assert_close, dense_referenc
 
 pytest.importorskip("triton")
 H, R = codec.HEADER_SIZE, codec.RECORD_SIZE
-BUCKET_IE = [IE.DENSE, IE.INT32, IE.BIN_U8, IE.BIN_U16]
+BUCKET_IE = [IE.DENSE, IE.INT32, IE.BIN_U8, IE.BIN_U16, IE.IMPLICIT]
 
 
 def fresh_seed() -> int:
@@ -100,7 +100,7 @@ def _corrupt(rng, rows, template, kind):
         return f"{kind} byte {pos} at rank {r}"
     # content damage: find a segment of a matching kind
     want = {"bins": (IE.BIN_U8, IE.BIN_U16), "rel": (IE.BIN_U8, IE.BIN_U16),
-            "index": (IE.INT32,)}[kind]
+            "index": (IE.INT32,), "implicit": (IE.IMPLICIT,)}[kind]
     cands = [k for k, x in enumerate(segs) if x.ienc in want and x.capacity]
     if not cands:
         return _corrupt(rng, rows, template, "flips")
@@ -117,6 +117,11 @@ def _corrupt(rng, rows, template, kind):
     if count == 0:
         return _corrupt(rng, rows, template, "count")
     j = int(rng.integers(count))
+    if kind == "implicit":           # the receiver's own indices (never sent)
+        tseg = [x for p in template for x in p.segments][s]
+        v = int(rng.choice([sl.numel, sl.numel + 3, -1]))
+        tseg.implicit_indices[j] = v
+        return f"{kind} slot {j} = {v} in the template's segment {s}"
     if kind == "rel":
         iw = 1 if sl.ienc == IE.BIN_U8 else 2
         lim = (1 << (8 * iw)) - 1
@@ -161,7 +166,7 @@ def _same_bits(a, b):
 
 
 @pytest.mark.parametrize("kind", ["valid", "flips", "count", "header", "bins", "rel",
-                                  "index"])
+                                  "index", "implicit"])
 def test_bucket_decode_equals_per_segment_decode(monkeypatch, kind):
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
@@ -206,7 +211,7 @@ def test_bucket_decode_launches_and_table_cache(monkeypatch):
     layout = []
     for li in range(6):
         numel = int(rng.integers(50, 800))
-        ie = BUCKET_IE[li % 4]
+        ie = BUCKET_IE[li % 5]
         spec = seg_spec(rng, numel, ie, VE.FP32)
         spec["narrow"] = False
         layout.append((f"l{li}", (numel,), [spec]))

@@ -127,15 +127,11 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import codec
-from .compressors import topk_bucket
-from .compressors.base import inverse_loss_scale
-from .exchange import BucketSpec, BufferPool, ExchangeContext, HostReadout, cost_model
-from .exchange import launch as launch_exchange
-from .exchange.base import TaggedFigures, bucket_capacity
-from .exchange.split import pair_dtype
+from .engine import (BucketHistory, LayerInput, NonFinite, StepEngine, bind_compressor,
+                     make_local_update)
+from .exchange import BucketSpec, BufferPool, HostReadout, cost_model
 from .stats import add_totals, empty_totals
-from .settings import DEFAULT_FUSION_THRESHOLD, ExchangeSettings, differences, fingerprint
+from .settings import DEFAULT_FUSION_THRESHOLD, ExchangeSettings, fingerprint
 from .transport import Transport, TorchDistTransport
 
 __all__ = ["State", "hook"]
@@ -149,27 +145,29 @@ _UNSUPPORTED = {
 }
 
 
-def _history_entry(saved) -> tuple:
-    """``(pairs, reduced, capacity)`` of a saved history entry (checkpoints written
-    before the capacity was recorded hold ``(pairs, reduced)``)."""
+def _history_entry(saved) -> list:
+    """A saved history entry as :meth:`BucketHistory.load` takes it: a list of figure
+    dicts (oldest first); a checkpoint that holds one exchange's
+    ``(pairs, reduced[, capacity])`` gives that exchange for both slots."""
     if saved is None:
-        return None, None, None
-    saved = tuple(saved)
-    return saved + (None,) * (3 - len(saved))
+        return []
+    if isinstance(saved, (tuple, list)) and saved and not isinstance(saved[0], dict):
+        saved = tuple(saved) + (None,) * (3 - len(saved))
+        figs = {k: v for k, v in zip(("pairs", "reduced", "capacity"), saved)
+                if v is not None}
+        return [figs, figs]
+    return [dict(f) for f in saved]
 
 
 class _Layout:
     """Per bucket layout (keyed by its parameter names): the spec and the cost model's
     history."""
 
-    __slots__ = ("spec", "pairs", "reduced", "capacity", "deferred", "_first")
+    __slots__ = ("spec", "history", "_first")
 
     def __init__(self, spec: BucketSpec):
         self.spec = spec
-        self.pairs: Optional[float] = None
-        self.reduced: Optional[int] = None
-        self.capacity: Optional[int] = None     # the bucket's capacity behind pairs / reduced
-        self.deferred = None           # DeferredFigures of the previous exchange (CUDA)
+        self.history = BucketHistory()
         self._first = None             # spec.first_elements(), for NaN marking
 
     def mark_nan(self, flat: torch.Tensor, flags: torch.Tensor) -> None:
@@ -180,7 +178,7 @@ class _Layout:
 
 class _InFlight:
     __slots__ = ("layout", "pend", "future", "names", "params", "buffer", "strategy",
-                 "payloads")
+                 "payloads", "batches")
 
 
 class State:
@@ -289,8 +287,6 @@ class State:
         self._inflight: List[_InFlight] = []
         self._used: set = set()
         self._step_open = False
-        self._pending_reads: List[tuple] = []
-        self._error_flag: Optional[torch.Tensor] = None
         self.last_stats: dict = {}
         self.totals: dict = empty_totals()
         self._t_compress = 0.0
@@ -300,21 +296,12 @@ class State:
         self._txn_open = False          # a transactional step awaits commit / rollback
         self._txn_readout = None        # CUDA: that step's "any non-finite" flag
         self._last_committed = True
-        self._inv: Optional[torch.Tensor] = None   # 1 / loss scale of the open step
         self.skipped_steps = 0          # overflow steps rolled back (grad_scaler)
-        # TopK / Threshold's bucket path (compressors/topk_bucket.py, as in the Horovod
-        # scheduler): a DDP bucket's eligible layers compressed together, same bits;
-        # HVDSPARSE_BUCKET_PATH=0 turns it off. Decided after the local update is set up.
-        self._bucket_path = False
-        _bind(compression, self)
+        bind_compressor(compression, self.transport, self.prefix, self)
         register = getattr(compression, "register_layers", None)
         if callable(register):
             register([(n, p.shape) for n, p in self.params.items()])
-        try:
-            self._after_takes_param = "param" in inspect.signature(
-                compression.after_exchange).parameters
-        except (TypeError, ValueError):
-            self._after_takes_param = False
+        self._after_takes_param = _takes_param(compression.after_exchange)
         self.local_update = None
         from .momentum import resolve_momentum_correction
         # None (the rule) without optimizer= resolves to off: the rule needs an SGD; it
@@ -352,7 +339,10 @@ class State:
         compression.transactional = transactional
         if self.local_update is not None:
             self.local_update.transactional = transactional
-        self._bucket_path = topk_bucket.enabled(compression, self.local_update)
+        self.engine = StepEngine(compression, settings, self.transport, rank=self.rank,
+                                 world_size=self.world_size, prefix=self.prefix,
+                                 local_update=self.local_update, grad_scaler=grad_scaler,
+                                 nonfinite=self.nonfinite)
         self.fingerprint["momentum_correction"] = bool(momentum_correction)
         self.fingerprint["momentum_masking"] = momentum_masking
         self.fingerprint["clip_grad_norm"] = clip_grad_norm
@@ -368,7 +358,6 @@ class State:
 
     def _setup_local_update(self, optimizer, momentum_correction, clip_grad_norm,
                             momentum_masking):
-        from .momentum import LocalUpdate
         if optimizer is None:
             raise ValueError("momentum_correction / clip_grad_norm need optimizer= (the "
                              "torch.optim.SGD that steps the DDP model)")
@@ -381,10 +370,10 @@ class State:
         if missing:
             raise ValueError(f"momentum_correction: parameters {missing[:5]} are not "
                              f"optimised by the given optimizer")
-        lu = LocalUpdate(optimizer, {n: p for n, p in self.params.items()
-                                     if id(p) in group_of}, self.world_size,
-                         momentum_correction=momentum_correction,
-                         clip_grad_norm=clip_grad_norm, masking=momentum_masking)
+        lu = make_local_update(optimizer, {n: p for n, p in self.params.items()
+                                           if id(p) in group_of}, self.world_size,
+                               self.compressor, momentum_correction=momentum_correction,
+                               clip_grad_norm=clip_grad_norm, masking=momentum_masking)
         self.local_update = lu
         if self.world_size > 1 and momentum_correction:
             ctx = {}
@@ -403,19 +392,14 @@ class State:
     def _setup_adam(self, optimizer, adam, clip_grad_norm):
         """The Adam recipe (:mod:`hvdsparse.adam`): scaled gradient compressed in the hook, the
         recipe's update applied around the optimizer's ``step()`` (pre/post hooks)."""
-        from .adam import AdamRecipe
         owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
         missing = [n for n, p in self.params.items() if p.requires_grad and
                    id(p) not in owned]
         if missing:
             raise ValueError(f"adam recipe: parameters {missing[:5]} are not optimised by "
                              f"the given optimizer")
-        pol = self.compressor.policy
-        shapes = {n: p.shape for n, p in self.params.items()}
-        lu = AdamRecipe(optimizer, self.params, self.world_size,
-                        lambda n: not pol.is_dense(n, shapes[n]), warmup=adam.warmup,
-                        refresh=adam.refresh, refresh_start=adam.refresh_start,
-                        clip_grad_norm=clip_grad_norm, residual=self.compressor.residual)
+        lu = make_local_update(optimizer, self.params, self.world_size, self.compressor,
+                               adam=adam, clip_grad_norm=clip_grad_norm)
         self.local_update = lu
         if self.world_size > 1:
             self._opt_hooks = [
@@ -431,17 +415,14 @@ class State:
         if self._inflight:
             raise RuntimeError("hvdsparse.ddp.State.state_dict() during a step")
         self._settle()                  # a skipped step is not saved (CUDA: reads a flag)
-        for lay in self._layouts.values():     # the last exchange's figures, not yet read
-            self._fold_deferred(lay)
         lu = self.local_update
         extra = {} if lu is None else \
             {getattr(lu, "state_key", "momentum_correction"): lu.state_dict()}
         return dict(compressor=self.compressor.state_dict(), step=self.step, **extra,
                     rank=self.rank, world_size=self.world_size,
                     fingerprint=self.fingerprint,
-                    history={"\x1f".join(k): (v.pairs, v.reduced, v.capacity)
-                             for k, v in self._layouts.items()
-                             if v.pairs is not None or v.reduced is not None})
+                    history={"\x1f".join(k): v.history.state()
+                             for k, v in self._layouts.items() if v.history.later})
 
     def load_state_dict(self, sd: dict):
         if not isinstance(sd, dict) or "compressor" not in sd:
@@ -463,9 +444,7 @@ class State:
         self._saved_history = {tuple(k.split("\x1f")): v
                                for k, v in sd.get("history", {}).items()}
         for key, lay in self._layouts.items():
-            lay.pairs, lay.reduced, lay.capacity = _history_entry(
-                self._saved_history.get(key))
-            lay.deferred = None
+            lay.history.load(_history_entry(self._saved_history.get(key)))
 
     def stats(self) -> dict:
         """As ``hvdsparse.DistributedOptimizer.stats()``: ``last`` (the last step's bytes
@@ -512,90 +491,17 @@ class State:
             lay = _Layout(BucketSpec.build(len(self._layouts), names, numels))
             saved = getattr(self, "_saved_history", {}).get(key)
             if saved is not None:
-                lay.pairs, lay.reduced, lay.capacity = _history_entry(saved)
+                lay.history.load(_history_entry(saved))
             self._layouts[key] = lay
         return lay
 
     def _agree(self):
         """First hook call: compare settings and parameters with rank 0 (every rank
         raises the same error)."""
-        mine = dict(fingerprint=self.fingerprint,
-                    numels={n: int(p.numel()) for n, p in self.params.items()})
-        everyone = self.transport.allgather_object(mine, name=f"{self.prefix}.agree")
-        ref = everyone[0]
-        problems, diff_ranks = [], defaultdict(list)
-        for r, d in enumerate(everyone):
-            for key, a, b in differences(d["fingerprint"], ref["fingerprint"]):
-                diff_ranks[(key, repr(a), repr(b))].append(r)
-        for (key, a, b), ranks in sorted(diff_ranks.items()):
-            problems.append(f"setting {key!r} is {a} on rank(s) {ranks} but {b} on rank 0")
-        for r, d in enumerate(everyone):
-            if d["numels"] != ref["numels"]:
-                n_r, n_0 = set(d["numels"]), set(ref["numels"])
-                diff = sorted(n for n in n_r & n_0 if d["numels"][n] != ref["numels"][n])
-                problems.append(f"rank {r} names parameters {sorted(n_r - n_0)} that rank 0 "
-                                f"lacks, lacks {sorted(n_0 - n_r)}, sizes differ for {diff}")
-        if problems:
-            raise ValueError("hvdsparse.ddp: ranks disagree at the first step: " +
-                             "; ".join(problems))
+        self.engine.agree(dict(fingerprint=self.fingerprint,
+                               numels={n: int(p.numel()) for n, p in self.params.items()}),
+                          "agree")
         self._agreed = True
-
-    def _flag_for(self, device) -> torch.Tensor:
-        if self._error_flag is None:
-            self._error_flag = torch.zeros(1, dtype=torch.int32, device=device)
-        return self._error_flag
-
-    def _ctx(self, device, want_figures: bool) -> ExchangeContext:
-        return ExchangeContext.from_settings(
-            self.settings, device=device, rank=self.rank, world_size=self.world_size,
-            prefix=self.prefix, step=self.step, error_flag_for=self._flag_for,
-            want_figures=want_figures, buffers=self._pool, transport=self.transport)
-
-    def _strategy(self, lay: _Layout, payloads) -> str:
-        st = self.settings
-        if st.exchange != "auto":
-            return st.exchange
-        self._fold_deferred(lay)
-        cap = bucket_capacity(payloads)
-        vb = torch.tensor([], dtype=pair_dtype(payloads)).element_size()
-        figs = cost_model.BucketFigures(
-            world_size=self.world_size, numel=lay.spec.numel,
-            wire_nbytes=codec.encoded_nbytes(payloads), capacity=cap,
-            sparse_value_bytes=vb,
-            dense_value_bytes=torch.tensor([], dtype=st.dense_dtype).element_size(),
-            split_dense_bits=st.split_dense_bits, quant_bucket=st.quant_bucket,
-            prev_pairs=lay.pairs, prev_reduced=lay.reduced, prev_capacity=lay.capacity)
-        return cost_model.choose(figs, alpha_bytes=st.alpha_bytes)
-
-    @staticmethod
-    def _fold_deferred(lay: _Layout) -> None:
-        """Read the previous exchange's figures (all ranks equal; a host read of a
-        device tensor on CUDA) into the layout's history."""
-        if lay.deferred is None:
-            return
-        figs = lay.deferred.get()
-        if figs.get("capacity") != lay.capacity:         # another layout's: start over
-            lay.pairs = lay.reduced = None
-        lay.pairs = figs.get("pairs", lay.pairs)
-        lay.reduced = figs.get("reduced", lay.reduced)
-        lay.capacity = figs.get("capacity", lay.capacity)
-        lay.deferred = None
-
-    def _check_deferred(self):
-        reads, self._pending_reads = self._pending_reads, []
-        for kind, step, reader, names in reads:
-            if kind == "error":
-                code = int(reader.get()[0])
-                if code:
-                    raise RuntimeError(f"hvdsparse.ddp: a message received at step {step} "
-                                       f"carried error code {code}; ranks disagree on the "
-                                       f"layout or a message was corrupted (rerun with "
-                                       f"validate=True to find the rank)")
-            else:
-                shape = (self.world_size, len(names))
-                vals = reader.get()
-                _raise_nonfinite([vals[r * shape[1]:(r + 1) * shape[1]]
-                                  for r in range(shape[0])], names, step)
 
     def on_bucket(self, bucket) -> torch.futures.Future:
         """The hook body (see the module docstring)."""
@@ -608,83 +514,32 @@ class State:
         if not self._step_open:
             self._step_open = True
             self._settle()
-            self._check_deferred()
+            self.engine.check_deferred()
             if not self._agreed:
                 self._agree()
-            begin = getattr(self.compressor, "begin_step", None)
-            if callable(begin):
-                begin(self.step)
-            if self.local_update is not None:
-                self.local_update.begin_step()
+            self.engine.begin_step(self.step)
             self._txn_open = self.grad_scaler is not None
-            self._inv = inverse_loss_scale(self.grad_scaler, buf.device)
         if buf.is_sparse or any(g.is_sparse for g in bucket.gradients()):
             raise NotImplementedError("hvdsparse.ddp: sparse gradients are not supported")
         names = self._names(params)
         lay = self._layout(names, params, bucket.gradients(), buf)
         spec = lay.spec
         t0 = time.perf_counter()
-        payloads = []
-        groups: Dict[tuple, tuple] = {}      # the bucket path's layers: slot -> filled below
-        with torch.no_grad():
-            lu = self.local_update
-            for name, p, g in zip(names, params, spec.views(buf)):
-                used = name in self._used
-                if not used and lu is not None and lu.zero_fills_absent and p.requires_grad:
-                    g, used = torch.zeros_like(p), True   # Adam recipe: a zero gradient
-                if used and self._bucket_path:
-                    item = self._bucket_item(name, p, g.view(p.shape), buf.device)
-                    if item is not None:
-                        it, plan = item
-                        items, plans, slots = groups.setdefault(
-                            topk_bucket.group_key(plan, it), ([], [], []))
-                        items.append(it)
-                        plans.append(plan)
-                        slots.append(len(payloads))
-                        payloads.append(None)
-                        continue
-                mspec = lu.fused_spec(self.compressor, name, g.view(p.shape), p.detach()) \
-                    if used and lu is not None and lu.wants(name) and \
-                    hasattr(lu, "fused_spec") else None
-                if mspec is not None:
-                    # the compressor folds the velocity update into its own pass
-                    # (AdaComp's compiled CPU route), the same bits as corrected()
-                    kw = {"momentum": mspec}
-                    if self._inv is not None:
-                        kw["grad_scale"] = self._inv
-                    payloads.append(self.compressor.compress(
-                        name, g.view(p.shape), self.step, param=p.detach(), **kw))
-                elif used and lu is not None and lu.wants(name):
-                    # DGC: clip, fold in weight decay, accumulate the velocity locally;
-                    # Adam recipe: the local momentum (dense gradient in its warm-up)
-                    dense = self.compressor.policy.is_dense(name, p.shape)
-                    x, nonfinite = lu.corrected(name, g.view(p.shape), p, dense, self._inv)
-                    if lu.sends_dense(name):
-                        pl = lu.dense_payload(name, x)
-                        pl.nonfinite = nonfinite
-                    else:     # one counter: the compressor adds its count into it
-                        pl = self.compressor.compress(name, x, self.step,
-                                                      param=p.detach(), nonfinite=nonfinite)
-                    payloads.append(pl)
-                elif used:
-                    kw = {} if self._inv is None else {"grad_scale": self._inv}
-                    payloads.append(self.compressor.compress(
-                        name, g.view(p.shape), self.step, param=p.detach(), **kw))
-                else:
-                    payloads.append(self.compressor.compress_absent(
-                        name, p.detach(), self.step, param=p.detach()))
-            for items, plans, slots in groups.values():
-                pays, _ = topk_bucket.compress_bucket(self.compressor, items, plans,
-                                                      self.step, grad_scale=self._inv)
-                for it, slot in zip(items, slots):
-                    payloads[slot] = pays[it.name]
+        layers = []
+        for name, p, g in zip(names, params, spec.views(buf)):
+            used = name in self._used or self.engine.zero_fills(p)
+            grad = (g.view(p.shape) if name in self._used else torch.zeros_like(p)) \
+                if used else None      # Adam recipe: an absent layer is a zero gradient
+            layers.append(LayerInput(name, grad, p))
+        batches: list = []
+        payloads = self.engine.compress_group(layers, self.step, batches)
         self._t_compress += time.perf_counter() - t0
-        strategy = self._strategy(lay, payloads)
-        pend = launch_exchange(strategy, spec, payloads,
-                               self._ctx(buf.device, self.settings.exchange == "auto"))
+        strategy = self.engine.strategy(lay.history, spec.numel, payloads)
+        pend = self.engine.launch(strategy, spec, payloads, buf.device, self.step, self._pool)
         item = _InFlight()
         item.layout, item.pend, item.future, item.names = lay, pend, fut, names
         item.params, item.buffer, item.strategy, item.payloads = params, buf, strategy, payloads
+        item.batches = batches
         self._inflight.append(item)
         if bucket.is_last():
             self._finish_step()
@@ -698,13 +553,11 @@ class State:
         results, stats_b = [], []
         sent, recv = defaultdict(int), defaultdict(int)
         for it in items:
-            total = it.pend.finish()
-            total.mul_(scale)
             pend = it.pend
-            self._feed_back(it, pend.undelivered)
-            if pend.deferred_figures is not None:
-                it.layout.deferred = TaggedFigures(pend.deferred_figures,
-                                                   bucket_capacity(it.payloads))
+            total = self.engine.finish(pend, it.layout.history, it.payloads)
+            total.mul_(scale)
+            self.engine.feed_back(it.names, it.payloads, it.layout.spec, pend.undelivered,
+                                  it.batches, self.step)
             sent[pend.strategy] += pend.sent_bytes
             recv[pend.strategy] += pend.recv_bytes
             stats_b.append(dict(layers=list(it.names), numel=it.layout.spec.numel,
@@ -722,9 +575,10 @@ class State:
                     view.copy_(lu.dense_momentum(name, g, p).reshape(-1))  # sent dense
             results.append(total)
         flagged = self._nonfinite(items, results)
-        if self._inv is not None:        # back to the scaled units GradScaler expects
+        inv = self.engine.grad_scale(items[0].buffer.device) if items else None
+        if inv is not None:              # back to the scaled units GradScaler expects
             for total in results:
-                total.div_(self._inv)
+                total.div_(inv)
         for it, total in zip(items, results):
             if it.buffer.dtype == total.dtype:
                 it.future.set_result(total)
@@ -736,10 +590,7 @@ class State:
             self._close_txn(commit=not flagged.numpy().any())   # host memory: no sync
         else:                                     # CUDA: decided when the next step opens
             self._txn_readout = HostReadout(flagged.any().view(1))
-        if self._error_flag is not None:
-            self._pending_reads.append(("error", self.step, HostReadout(self._error_flag),
-                                        None))
-            self._error_flag = None
+        self.engine.retire_error_flag(self.step)
         n_total = sum(it.layout.spec.numel for it in items)
         self.last_stats = dict(step=self.step, world_size=P, buckets=stats_b,
                                strategies=[b["strategy"] for b in stats_b],
@@ -759,66 +610,23 @@ class State:
         self._step_open = False
         self.step += 1
 
-    def _bucket_item(self, name, p, g, device):
-        """``(BucketItem, plan)`` when layer ``name`` takes the bucket path this step
-        (``topk_bucket.layer_plan``), else None (it is compressed per layer). Masking
-        stays per layer (``_feed_back``): the payloads are ordinary ones."""
-        planned = topk_bucket.plan_layer(self.compressor, self.local_update, name, g,
-                                         p.detach(), self.step)
-        if planned is None:
-            return None
-        spec, plan = planned
-        nf = torch.zeros(1, dtype=torch.int32, device=device)
-        return topk_bucket.BucketItem(name, g, p.detach(), nf, spec), plan
-
-    def _feed_back(self, it, undelivered):
-        """As the Horovod scheduler's: what the exchange sent but did not deliver
-        (``Pending.undelivered``, ``balanced``'s phase-2 truncation) goes back into each
-        layer's residual (device ops only), then DGC's masking of the delivered
-        elements' velocity. Only a layer with ``error_feedback=False`` cannot take its
-        share back (``Compressor.take_back``)."""
-        lu = self.local_update
-        views = it.layout.spec.views(undelivered) if undelivered is not None else \
-            [None] * len(it.names)
-        with torch.no_grad():
-            for name, pl, back in zip(it.names, it.payloads, views):
-                if back is not None:
-                    self.compressor.take_back(name, back)
-                if lu is not None and name in lu.u:   # momentum masking
-                    lu.mask(name, pl, back, self.compressor.warmup_density(name, self.step))
-
     def _nonfinite(self, items, results) -> Optional[torch.Tensor]:
-        """One small allgather of every rank's per-layer non-finite counts (same table
-        on every rank). ``raise``: CPU raises now, CUDA reads the table at the next
-        step without a stall. ``propagate`` (and ``raise`` on CUDA until the error is
-        raised): element 0 of every flagged layer becomes NaN in ``results`` on every
-        rank (device ops, no read). Returns the per-layer
+        """The step's non-finite table (:class:`NonFinite`, same on every rank) under the
+        policy (:meth:`StepEngine.nonfinite_flags`): the flagged layers' element 0
+        becomes NaN in ``results`` on every rank (device ops). Returns the per-layer
         "flagged on some rank" vector (None with no layers)."""
         names = [n for it in items for n in it.names]
-        counts = [pl.nonfinite for it in items for pl in it.payloads]
         if not names:
             return None
-        dev = items[0].buffer.device
-        zero = torch.zeros((), dtype=torch.int32, device=dev)
-        mine = torch.stack([(c if c is not None else zero).reshape(()).to(torch.int32)
-                            for c in counts]).view(1, -1)
-        table = self.transport.synchronize(self.transport.allgather_async(
-            mine, name=f"{self.prefix}.nonfinite"))
-        if self.nonfinite == "raise":
-            if table.device.type == "cpu":
-                _raise_nonfinite(table.numpy().tolist(), names, self.step)
-            else:
-                self._pending_reads.append(("nonfinite", self.step, HostReadout(table),
-                                            names))
-        flagged = table.sum(0) > 0
-        # propagate; and raise on CUDA, whose error comes one step late: meanwhile the
-        # affected layers' gradients are NaN on every rank (as in the Horovod path)
-        if self.nonfinite == "propagate" or table.device.type != "cpu":
+        table = self.engine.gather_nonfinite(NonFinite.row(
+            [pl for it in items for pl in it.payloads], items[0].buffer.device))
+        flagged = self.engine.nonfinite_flags(table, names, self.step)
+        if flagged is not None:
             j = 0
             for it, total in zip(items, results):
                 it.layout.mark_nan(total, flagged[j:j + len(it.names)])
                 j += len(it.names)
-        return flagged
+        return table.sum(0) > 0
 
     # ------------------------------------------------------------------ transactions
     def _close_txn(self, commit: bool):
@@ -826,14 +634,10 @@ class State:
         self._txn_open = False
         self._last_committed = commit
         if commit:
-            self.compressor.commit()
-            if self.local_update is not None:
-                self.local_update.commit()
+            self.engine.commit()
         else:
             self.skipped_steps += 1
-            self.compressor.rollback()
-            if self.local_update is not None:
-                self.local_update.rollback()
+            self.engine.rollback()
 
     def _settle(self):
         """CUDA with ``grad_scaler``: decide the previous step's transaction from its
@@ -844,26 +648,11 @@ class State:
         self._close_txn(commit=not int(reader.get()[0]))
 
 
-def _raise_nonfinite(table, names, step):
-    hits = [(names[j], r, int(row[j])) for r, row in enumerate(table)
-            for j in range(len(names)) if row[j]]
-    if hits:
-        desc = "; ".join(f"layer {n!r} on rank {r}: {c} element(s)" for n, r, c in hits[:8])
-        raise FloatingPointError(
-            f"hvdsparse.ddp: non-finite gradient (NaN/Inf) at step {step}: {desc}"
-            f"{' ...' if len(hits) > 8 else ''}. Nothing of it entered a residual.")
-
-
-def _bind(compression, state: State):
-    params = inspect.signature(compression.bind).parameters
-    kw = {}
-    if "broadcast" in params:
-        def broadcast(tensor, name):   # blocking, from rank 0 (Slim-DP cores)
-            return state.transport.broadcast(tensor, 0, name=f"{state.prefix}.bcast.{name}")
-        kw["broadcast"] = broadcast
-    if "owner" in params:
-        kw["owner"] = state
-    compression.bind(state.rank, state.world_size, **kw)
+def _takes_param(fn) -> bool:
+    try:
+        return "param" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def hook(state: State, bucket) -> torch.futures.Future[torch.Tensor]:

@@ -80,12 +80,12 @@ class LocalGradient:
         return steps_done > 0 and steps_done % self.sync_period == 0
 
 
-def sync_parameters(params: Iterable[torch.Tensor], name: str = "hvdsparse.sync"):
-    """Average parameters across ranks in place (one grouped dense allreduce)."""
-    import horovod.torch as hvd
+def sync_parameters(params: Iterable[torch.Tensor], transport,
+                    name: str = "hvdsparse.sync"):
+    """Average parameters across ranks in place (one grouped dense allreduce through
+    ``transport``)."""
     ps = [p for p in params]
     if not ps:
         return
     with torch.no_grad():
-        datas = [p.data for p in ps]
-        hvd.grouped_allreduce_(datas, name=name, op=hvd.Average)
+        transport.grouped_allreduce_([p.data for p in ps], name=name, average=True)

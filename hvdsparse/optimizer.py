@@ -38,11 +38,12 @@ from contextlib import contextmanager
 
 import torch
 
-from .adam import AdamRecipe, adam_setup
+from .adam import adam_setup
 from .local import LocalGradient, sync_parameters
-from .momentum import LocalUpdate
+from .engine import bind_compressor, make_local_update
 from .scheduler import LayerScheduler
-from .settings import DEFAULT_FUSION_THRESHOLD, ExchangeSettings, fingerprint  # noqa: F401
+from .settings import ExchangeSettings, fingerprint
+from .transport import horovod as horovod_transport
 _instance_counter = itertools.count()
 
 
@@ -98,23 +99,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._settings = settings
         self._compression_state_loaded = False
 
-        rank, size = hvd.rank(), hvd.size()
+        transport = horovod_transport()
+        rank, size = transport.rank(), transport.size()
         prefix = f"hvdsparse.o{next(_instance_counter)}"
-        _bind(compression, rank, size, prefix)
+        bind_compressor(compression, transport, prefix, prefix)
         compression.register_layers([(k, v.shape) for k, v in optimised])
-        self._local_update = None
-        if adam is not None:               # the Adam recipe (hvdsparse.adam)
-            self._local_update = AdamRecipe(
-                self, dict(optimised), size,
-                lambda n, _s={k: v.shape for k, v in optimised}:
-                    not compression.policy.is_dense(n, _s[n]),
-                warmup=adam.warmup, refresh=adam.refresh, refresh_start=adam.refresh_start,
-                clip_grad_norm=clip_grad_norm, residual=compression.residual)
-        elif momentum_correction or clip_grad_norm is not None:
-            self._local_update = LocalUpdate(
-                self, dict(optimised), size,
-                momentum_correction=momentum_correction, clip_grad_norm=clip_grad_norm,
-                masking=momentum_masking)
+        self._local_update = make_local_update(
+            self, dict(optimised), size, compression, adam=adam,
+            momentum_correction=momentum_correction, clip_grad_norm=clip_grad_norm,
+            masking=momentum_masking)
         self._fingerprint = fingerprint(settings, compression)
         self._fingerprint["momentum_correction"] = bool(momentum_correction)
         self._fingerprint["momentum_masking"] = bool(momentum_masking)
@@ -125,7 +118,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvdsparse = LayerScheduler(
             optimised, compression, settings, rank=rank, world_size=size, prefix=prefix,
             local=self._local, fingerprint=self._fingerprint, grad_scaler=grad_scaler,
-            local_update=self._local_update)
+            local_update=self._local_update, transport=transport)
         self._hvdsparse.register_hooks()
 
     # -------------------------------------------------------------- Horovod API
@@ -157,8 +150,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop("hvdsparse", None)
         super(self.__class__, self).load_state_dict(state_dict)
-        if isinstance(self._local_update, AdamRecipe):
-            self._local_update.forget()     # phases follow the loaded steps
+        forget = getattr(self._local_update, "forget", None)
+        if forget is not None:
+            forget()                        # the Adam recipe's phases follow the loaded steps
         if extra is not None:
             self._hvdsparse.step = int(extra["scheduler_step"])
             self._steps_done = int(extra["optimizer_steps"])
@@ -224,7 +218,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._steps_done += 1
         if self._local is not None and self._local.should_sync(self._steps_done):
             sync_parameters([p for g in self.param_groups for p in g['params']],
-                            name=f"{self._hvdsparse.prefix}.sync")
+                            self._hvdsparse.transport, name=f"{self._hvdsparse.prefix}.sync")
             self._hvdsparse.events.append(("param_sync", self._steps_done))
         return loss
 
@@ -288,17 +282,6 @@ def _find_duplicates(lst):
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, torch.float32: torch.float32,
            "fp16": torch.float16, "float16": torch.float16, torch.float16: torch.float16}
-
-
-def _bind(compression, rank, size, owner):
-    """Bind the compressor to this rank and this optimizer (a second optimizer raises:
-    residuals are keyed by layer name) with a blocking broadcast from rank 0 (Slim-DP's
-    core)."""
-    import horovod.torch as hvd
-
-    def broadcast(tensor, name):
-        return hvd.broadcast(tensor, root_rank=0, name=f"{owner}.bcast.{name}")
-    compression.bind(rank, size, broadcast=broadcast, owner=owner)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,

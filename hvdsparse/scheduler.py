@@ -32,7 +32,7 @@ Per step
 First step: the bucket plan
 ---------------------------
 Buckets must be identical on all ranks. At the first ``synchronize()`` every rank
-contributes, through one ``hvd.allgather_object``, its settings fingerprint
+contributes, through one ``allgather_object`` of the transport, its settings fingerprint
 (:func:`hvdsparse.settings.fingerprint`: compressor type and arguments, per-layer
 overrides, fusion threshold, exchange, dense dtype, value encodings, library and wire
 versions), the order in which its layers became ready, each layer's numel, its
@@ -74,21 +74,20 @@ import inspect
 import logging
 import time
 import warnings
-from collections import defaultdict, deque
+from collections import defaultdict
 from typing import Dict, List, Optional
 
-import numpy as np
 import torch
 
 from . import codec
-from .exchange import ExchangeContext, BucketSpec, launch as launch_exchange
-from .exchange import cost_model
-from .exchange.base import BufferPool, HostReadout, TaggedFigures, bucket_capacity
-from .compressors.base import Compressor, inverse_loss_scale
-from .compressors import topk_bucket
-from .exchange.split import pair_dtype
-from .settings import ExchangeSettings, differences
+from .engine import BucketHistory, LayerInput, NonFinite, StepEngine, plan_buckets, \
+    raise_nonfinite
+from .exchange import BucketSpec, cost_model
+from .exchange.base import BufferPool
+from .compressors.base import Compressor
+from .settings import ExchangeSettings
 from .stats import add_totals, empty_totals
+from .transport import Transport, horovod
 
 log = logging.getLogger("hvdsparse")
 
@@ -96,56 +95,6 @@ _HOROVOD_DELAY_MSG = ("Gradients were computed more than backward_passes_per_ste
                       "before call to step(). Increase backward_passes_per_step to "
                       "accumulate gradients locally.")
 
-
-
-def plan_buckets(order, sizes, fusion_threshold: int) -> List[List[str]]:
-    """Greedy bucketing: layers in ``order``; a bucket closes once the sum of its
-    encoded sizes reaches ``fusion_threshold`` bytes (so ``fusion_threshold=0`` puts
-    every layer in its own bucket)."""
-    buckets, cur, cur_bytes = [], [], 0
-    for name in order:
-        cur.append(name)
-        cur_bytes += int(sizes[name])
-        if cur_bytes >= fusion_threshold:
-            buckets.append(cur)
-            cur, cur_bytes = [], 0
-    if cur:
-        buckets.append(cur)
-    return buckets
-
-
-class _BucketHistory:
-    """The cost model's figures of a bucket's last two exchanges (``DeferredFigures``).
-    ``auto`` at step t reads those of step t-2: their copy to the host completed before
-    step t-1's collectives could, so reading never stalls and every rank reads the same
-    values (never "whatever has arrived"), on CPU and CUDA alike."""
-    __slots__ = ("later",)
-
-    def __init__(self):
-        self.later = deque(maxlen=2)
-
-    def figures(self) -> dict:
-        return self.later[0].get() if len(self.later) == 2 else {}
-
-    def state(self) -> list:
-        """The figures held, oldest first, as plain dicts (a host read: checkpoints)."""
-        return [f.get() for f in self.later]
-
-    def load(self, figures: list):
-        self.later.clear()
-        for f in figures:
-            self.later.append(_Resolved(f))
-
-
-class _Resolved:
-    """Figures restored from a checkpoint: already on the host."""
-    __slots__ = ("value",)
-
-    def __init__(self, value: dict):
-        self.value = dict(value)
-
-    def get(self) -> dict:
-        return dict(self.value)
 
 
 class LayerScheduler:
@@ -161,7 +110,7 @@ class LayerScheduler:
     def __init__(self, named_params, compressor, settings: Optional[ExchangeSettings] = None,
                  *, rank: int, world_size: int, prefix: str, local=None,
                  fingerprint: Optional[dict] = None, grad_scaler=None, local_update=None,
-                 **legacy):
+                 transport: Optional[Transport] = None, **legacy):
         if settings is None:
             settings = ExchangeSettings.from_args(**legacy)
         elif legacy:
@@ -175,7 +124,6 @@ class LayerScheduler:
         self.local = local
         self.fingerprint = fingerprint if fingerprint is not None else {}
         self.grad_scaler = grad_scaler
-        self._inv: Optional[torch.Tensor] = None   # this step's 1 / loss scale
         self.local_update = local_update        # hvdsparse.momentum.LocalUpdate or None
         self.nonfinite = settings.nonfinite
         if grad_scaler is not None and settings.nonfinite == "raise":
@@ -185,6 +133,14 @@ class LayerScheduler:
         compressor.transactional = transactional
         if local_update is not None:
             local_update.transactional = transactional
+        self.transport = transport if transport is not None else horovod()
+        self.engine = StepEngine(compressor, settings, self.transport, rank=self.rank,
+                                 world_size=self.world_size, prefix=prefix,
+                                 local_update=local_update, grad_scaler=grad_scaler,
+                                 nonfinite=self.nonfinite)
+        self.engine.hint = (" Use DistributedOptimizer(nonfinite='skip') to skip such "
+                            "steps, or grad_scaler=... with torch.amp.GradScaler (README: "
+                            "mixed precision)")
 
         self.params: Dict[str, torch.Tensor] = {}
         for name, p in named_params:
@@ -197,7 +153,7 @@ class LayerScheduler:
         self._specs: List[BucketSpec] = []
         self._bucket_of: Dict[str, int] = {}
         self._dense_order: List[str] = []
-        self._history: List[_BucketHistory] = []
+        self._history: List[BucketHistory] = []
         self._buffers = BufferPool()     # exchange buffers reused step to step
         self._nan_index: List[Optional[torch.Tensor]] = []   # per bucket: first elements
         self._delay = {n: self.backward_passes_per_step for n in self.params}
@@ -215,12 +171,6 @@ class LayerScheduler:
         self.pending_warning: Optional[str] = None   # said when the next step opens
         self.skip_update = False        # the last synchronize decided to skip the step
         self.skipped_steps = 0
-        # Unvalidated (CUDA) decode: the kernels flag bad messages in a device int32[1]
-        # instead of raising; the flag (and, on CUDA, the non-finite table) is read at
-        # the next synchronize() through a HostReadout, when reading it no longer
-        # stalls the stream.
-        self._error_flag: Optional[torch.Tensor] = None
-        self._pending_reads: List[tuple] = []
         self._dirty = False
         self._clear_events = False
         self.events: List[tuple] = []
@@ -250,12 +200,8 @@ class LayerScheduler:
         self._nf_slot: Dict[str, int] = {}          # layer -> index in _dense_order
         self._nf_step: Optional[torch.Tensor] = None
         self._nf_given: Dict[str, torch.Tensor] = {}  # layer -> slice handed out this step
-        # The bucket path (TopK; Threshold between its refreshes; on the device path or
-        # the CPU with the compiled loops): a layer's compression waits for the rest of
-        # its bucket, then the bucket is compressed in a fixed number of launches
-        # (compressors/topk_bucket.py; same bits as per layer). HVDSPARSE_BUCKET_PATH=0
-        # turns it off (benchmarks compare the two).
-        self._bucket_path = topk_bucket.enabled(compressor, local_update)
+        # The bucket path (engine.compress_group): a layer's compression waits for the
+        # rest of its bucket, then the bucket is compressed in a fixed number of launches
         self._deferred: Dict[int, List[str]] = {}    # bucket -> layers waiting for it
         self._batches: Dict[int, list] = {}           # bucket -> BucketBatch (masking)
 
@@ -334,14 +280,10 @@ class LayerScheduler:
                               "optimizer.step(); the residuals already gave up what that "
                               "step sent. Pass grad_scaler=... (or nonfinite='skip') to "
                               "DistributedOptimizer so skipped steps are rolled back.")
-        self.compressor.begin_step(self.step)
-        if self.local_update is not None:
-            self.local_update.begin_step()
+        self.engine.begin_step(self.step)
 
     def _rollback(self):
-        self.compressor.rollback()
-        if self.local_update is not None:
-            self.local_update.rollback()
+        self.engine.rollback()
 
     def _on_grad(self, name: str):
         self._open_step()
@@ -382,47 +324,14 @@ class LayerScheduler:
             pend.advance()
 
     def _grad_scale(self, device) -> Optional[torch.Tensor]:
-        """1 / loss scale on ``device`` (``inverse_loss_scale``), or None; computed once
-        per step (the scale changes only in ``scaler.update()``, after the step)."""
-        if self.grad_scaler is None:
-            return None
-        inv = self._inv
-        if inv is None or inv.device != device:
-            inv = self._inv = inverse_loss_scale(self.grad_scaler, device)
-        return inv
+        return self.engine.grad_scale(device)
 
     def _compress(self, name: str):
         p = self.params[name]
         t0 = time.perf_counter()
-        kw = {}
-        inv = self._grad_scale(p.grad.device)
-        grad, lu = p.grad, self.local_update
         # this step's counter slice (None before the plan: the callee makes its own)
-        nonfinite = self._nonfinite_counter(name, grad.device)
-        with torch.no_grad():
-            if lu is not None and lu.wants(name):
-                # the compressor may fold the velocity update into its own pass
-                # (AdaComp's compiled CPU route), the same bits as corrected()
-                spec = lu.fused_spec(self.compressor, name, grad, p.detach()) \
-                    if hasattr(lu, "fused_spec") else None
-                if spec is not None:
-                    kw["momentum"] = spec
-                    if inv is not None:
-                        kw["grad_scale"] = inv
-                else:
-                    # DGC: clip, fold in weight decay, accumulate the velocity locally
-                    dense = self.compressor.policy.is_dense(name, p.shape)
-                    grad, nonfinite = lu.corrected(name, p.grad, p, dense, inv,
-                                                   nonfinite=nonfinite)
-            elif inv is not None:
-                kw["grad_scale"] = inv
-            if lu is not None and lu.sends_dense(name):   # Adam recipe warm-up: exact
-                payload = lu.dense_payload(name, grad)
-                payload.nonfinite = nonfinite
-            else:
-                # the local update's counter, if any, collects the compressor's count too
-                payload = self.compressor.compress(name, grad, self.step, param=p.detach(),
-                                                   nonfinite=nonfinite, **kw)
+        nonfinite = self._nonfinite_counter(name, p.grad.device)
+        payload = self.engine.compress(name, p.grad, p, self.step, nonfinite)
         self._t_compress += time.perf_counter() - t0
         self._payloads[name] = payload
         self._ready_order.append(name)
@@ -432,49 +341,29 @@ class LayerScheduler:
         """Whether layer ``name`` waits for its bucket (the bucket path: planned, on the
         device path or the CPU with the compiled loops; whether it is compressed there is
         decided when the bucket is complete, :meth:`_compress_bucket`)."""
-        return self._bucket_path and self.plan is not None and name in self._bucket_of \
-            and topk_bucket.takes(p.grad)
+        return self.plan is not None and name in self._bucket_of and \
+            self.engine.may_bucket(p.grad)
 
     def _compress_bucket(self, b: int):
-        """Compress bucket ``b``'s waiting layers: those the bucket path takes
-        (``topk_bucket.layer_plan``) together, grouped by gradient dtype, value encoding
-        and rounds; the others one by one as :meth:`_compress` does."""
+        """Compress bucket ``b``'s waiting layers (:meth:`StepEngine.compress_group`:
+        those the bucket path takes together, the others one by one)."""
         names = self._deferred.pop(b, None)
         if not names:
             return
         t0 = time.perf_counter()
-        lu, comp = self.local_update, self.compressor
-        groups: Dict[tuple, tuple] = {}
-        alone = []
-        with torch.no_grad():
-            for name in names:
-                p = self.params[name]
-                grad = p.grad
-                planned = topk_bucket.plan_layer(comp, lu, name, grad, p.detach(), self.step)
-                nf = self._nonfinite_counter(name, grad.device) if planned is not None \
-                    else None
-                if nf is None:
-                    alone.append(name)
-                    continue
-                spec, plan = planned
-                item = topk_bucket.BucketItem(name, grad, p.detach(), nf, spec)
-                items, plans = groups.setdefault(topk_bucket.group_key(plan, item), ([], []))
-                items.append(item)
-                plans.append(plan)
-            batches = self._batches.setdefault(b, [])
-            for items, plans in groups.values():
-                payloads, batch = topk_bucket.compress_bucket(
-                    comp, items, plans, self.step, grad_scale=self._grad_scale(
-                        items[0].grad.device))
-                batches.append(batch)
-                for it in items:
-                    self._payloads[it.name] = payloads[it.name]
-                    self._ready_order.append(it.name)
-                    self.events.append(("ready", it.name))
-                self.events.append(("bucket_path", b, len(items)))
+        layers = [LayerInput(n, self.params[n].grad, self.params[n],
+                             self._nonfinite_counter(n, self.params[n].grad.device))
+                  for n in names]
+        batches = self._batches.setdefault(b, [])
+        n_before = len(batches)
+        payloads = self.engine.compress_group(layers, self.step, batches)
+        for batch in batches[n_before:]:
+            self.events.append(("bucket_path", b, len(batch.names)))
+        for name, payload in zip(names, payloads):
+            self._payloads[name] = payload
+            self._ready_order.append(name)
+            self.events.append(("ready", name))
         self._t_compress += time.perf_counter() - t0
-        for name in alone:
-            self._compress(name)
 
     def _nonfinite_counter(self, name: str, device) -> Optional[torch.Tensor]:
         """Layer ``name``'s int32[1] non-finite counter for this step: its slice of the
@@ -503,15 +392,13 @@ class LayerScheduler:
         """Payload of a layer without a gradient this step: its wire layout, contributing
         zero, residual and compressor state untouched."""
         p = self.params[name]
-        if p.requires_grad and self.local_update is not None and \
-                self.local_update.zero_fills_absent:
+        if self.engine.zero_fills(p):
             p.grad = torch.zeros_like(p)   # Adam recipe: a zero gradient, as Horovod's fill
             return self._compress(name)
         if not p.requires_grad:
             self._frozen.add(name)
         with torch.no_grad():
-            payload = self.compressor.compress_absent(name, p.detach(), self.step,
-                                                      param=p.detach())
+            payload = self.engine.compress_absent(name, p.detach(), self.step)
             # its count is 0 like the (untouched) slot of the step's counter tensor:
             # keep the non-finite row unstacked (_launch_nonfinite)
             zero = self._nonfinite_counter(name, payload.nonfinite.device) \
@@ -523,58 +410,29 @@ class LayerScheduler:
         self.events.append(("absent", name))
 
     def _launch_sparse(self, name: str, grad: torch.Tensor):
-        import horovod.torch as hvd
-        from horovod.torch.mpi_ops import sparse_allreduce_async
         if name in self._bucket_of:
             raise RuntimeError(f"hvdsparse: parameter {name!r} produced a sparse gradient, "
                                f"but it was planned as a dense layer at the first step; a "
                                f"layer's gradients must be always sparse or always dense")
         self.sparse_layers.add(name)
-        op = hvd.Average if self.average else hvd.Sum
-        self._sparse_handles[name] = sparse_allreduce_async(
-            grad.coalesce(), name=f"{self.prefix}.sparse.{name}", op=op)
+        self._sparse_handles[name] = self.transport.sparse_allreduce_async(
+            grad.coalesce(), name=f"{self.prefix}.sparse.{name}", average=self.average)
         self.events.append(("sparse", name))
 
     # ------------------------------------------------------------------ buckets
-    def _flag_for(self, device) -> torch.Tensor:
-        if self._error_flag is None:
-            self._error_flag = torch.zeros(1, dtype=torch.int32, device=device)
-        return self._error_flag
-
-    def _ctx(self, want_figures: bool) -> ExchangeContext:
-        dev = self._device() or torch.device("cpu")
-        return ExchangeContext.from_settings(
-            self.settings, device=dev, rank=self.rank, world_size=self.world_size,
-            prefix=self.prefix, step=self.step, error_flag_for=self._flag_for,
-            want_figures=want_figures, buffers=self._buffers)
-
     def _device(self):
         return next(iter(self.params.values())).device if self.params else None
 
-    def figures(self, b: int, payloads) -> cost_model.BucketFigures:
-        """The rank-independent figures the auto cost model reads for bucket ``b``."""
-        spec, prev = self._specs[b], self._history[b].figures()
-        cap = bucket_capacity(payloads)
-        st = self.settings
-        return cost_model.BucketFigures(
-            world_size=self.world_size, numel=spec.numel,
-            wire_nbytes=codec.encoded_nbytes(payloads), capacity=cap,
-            sparse_value_bytes=torch.finfo(pair_dtype(payloads)).bits // 8,
-            dense_value_bytes=torch.finfo(st.dense_dtype).bits // 8,
-            split_dense_bits=st.split_dense_bits, quant_bucket=st.quant_bucket,
-            prev_pairs=prev.get("pairs"), prev_reduced=prev.get("reduced"),
-            prev_capacity=prev.get("capacity"))
-
     def strategy_for(self, b: int, payloads) -> str:
-        if self.exchange != "auto":
-            return self.exchange
-        return cost_model.choose(self.figures(b, payloads), alpha_bytes=self.settings.alpha_bytes)
+        return self.engine.strategy(self._history[b], self._specs[b].numel, payloads)
 
     def _launch(self, b: int):
         spec = self._specs[b]
         payloads = [self._payloads[n] for n in spec.names]
         strategy = self.strategy_for(b, payloads)
-        pend = launch_exchange(strategy, spec, payloads, self._ctx(self.exchange == "auto"))
+        pend = self.engine.launch(strategy, spec, payloads,
+                                  self._device() or torch.device("cpu"), self.step,
+                                  self._buffers)
         self._inflight[b] = pend
         self.events.append(("launch", b, strategy))
 
@@ -582,49 +440,31 @@ class LayerScheduler:
         """Encoded bytes of a layer's payload once warm-up is over (the plan is made for
         the steady state, not for a dense warm-up step)."""
         p = self.params[name]
-        with torch.no_grad():
-            payload = self.compressor.compress_absent(
-                name, p.detach(), max(int(self.compressor.steady_state_step()), self.step),
-                param=p.detach())
+        payload = self.engine.compress_absent(
+            name, p.detach(), max(int(self.compressor.steady_state_step()), self.step))
         return codec.encoded_nbytes([payload])
 
     def _build_plan(self):
-        import horovod.torch as hvd
+        """First step: agree with every rank (:meth:`StepEngine.agree`: settings,
+        parameters, and here also the steady-state payload sizes), then plan the buckets
+        from rank 0's ready order."""
         dense_ready = [n for n in self._ready_order if n in self._payloads]
         mine = dict(order=dense_ready,
                     sizes={n: self._steady_size(n) for n in dense_ready},
                     numels={n: int(self.params[n].numel()) for n in self.params},
                     sparse=sorted(self.sparse_layers), fingerprint=self.fingerprint)
-        everyone = hvd.allgather_object(mine, name=f"{self.prefix}.plan")
+
+        def sizes_differ(everyone):
+            ref, sparse = everyone[0], set().union(*(set(d["sparse"]) for d in everyone))
+            return [f"parameter {n!r}: encoded payload is {d['sizes'][n]} bytes on rank "
+                    f"{r} but {ref['sizes'][n]} on rank 0 (compressor settings differ "
+                    f"across ranks?)"
+                    for r, d in enumerate(everyone) if set(d["numels"]) == set(ref["numels"])
+                    for n in ref["order"]
+                    if n not in sparse and n in d["sizes"] and d["sizes"][n] != ref["sizes"][n]]
+        everyone = self.engine.agree(mine, "plan", sizes_differ)
         ref = everyone[0]
-        problems = []
-        diff_ranks = defaultdict(list)
-        for r, d in enumerate(everyone):
-            for key, a, b in differences(d["fingerprint"], ref["fingerprint"]):
-                diff_ranks[(key, repr(a), repr(b))].append(r)
-        for (key, a, b), ranks in sorted(diff_ranks.items()):
-            problems.append(f"setting {key!r} is {a} on rank(s) {ranks} but {b} on rank 0")
         sparse = set().union(*(set(d["sparse"]) for d in everyone))
-        for r, d in enumerate(everyone):
-            names_r, names_0 = set(d["numels"]), set(ref["numels"])
-            if names_r != names_0:
-                problems.append(f"rank {r} has parameters {sorted(names_r - names_0)} that "
-                                f"rank 0 lacks and lacks {sorted(names_0 - names_r)}")
-                continue
-            for n in ref["numels"]:
-                if d["numels"][n] != ref["numels"][n]:
-                    problems.append(f"parameter {n!r} has {d['numels'][n]} elements on rank "
-                                    f"{r} but {ref['numels'][n]} on rank 0")
-            for n in ref["order"]:
-                if n in sparse or n not in d["sizes"]:
-                    continue
-                if d["sizes"][n] != ref["sizes"][n]:
-                    problems.append(f"parameter {n!r}: encoded payload is {d['sizes'][n]} "
-                                    f"bytes on rank {r} but {ref['sizes'][n]} on rank 0 "
-                                    f"(compressor settings differ across ranks?)")
-        if problems:
-            raise ValueError("hvdsparse: ranks disagree at the first step: " +
-                             "; ".join(problems))
         # a layer that was sparse on some rank is sparse everywhere
         for n in sorted(sparse - self.sparse_layers):
             self._payloads.pop(n, None)
@@ -640,7 +480,7 @@ class LayerScheduler:
         self._nf_slot = {n: j for j, n in enumerate(order)}
         self._nf_step = None
         self._nf_given.clear()
-        self._history = [_BucketHistory() for _ in self.plan]
+        self._history = [BucketHistory() for _ in self.plan]
         self._restore_history()
         dev = self._device()
         self._nan_index = [spec.first_elements(dev) for spec in self._specs]
@@ -653,39 +493,7 @@ class LayerScheduler:
 
     def _check_deferred(self):
         """Act on last step's device flags (CUDA: read now, without stalling)."""
-        reads, self._pending_reads = self._pending_reads, []
-        for kind, step, shape, reader in reads:
-            values = np.asarray(reader.get(), dtype=np.int64).reshape(shape)
-            if kind == "error":
-                code = int(values[0])
-                if code:
-                    what = codec.describe_error(code)
-                    raise RuntimeError(
-                        f"hvdsparse: a message received at step {step} carried {what}; "
-                        f"those entries were skipped. The ranks disagree on the bucket "
-                        f"layout or a message was corrupted (rerun with validate=True to "
-                        f"find the rank and segment)")
-            elif kind == "nonfinite":
-                self._raise_nonfinite(values, step)
-
-    def _retire_error_flag(self):
-        """This step's decode flag is read at the next synchronize()."""
-        if self._error_flag is not None:
-            self._pending_reads.append(("error", self.step, (1,), HostReadout(self._error_flag)))
-            self._error_flag = None
-
-    def _raise_nonfinite(self, table, step: int):
-        """``table``: host [P, nlayers] counts of non-finite gradient elements."""
-        hits = [(self._dense_order[j], r, int(table[r, j]))
-                for r in range(table.shape[0]) for j in range(table.shape[1])
-                if table[r, j]]
-        if hits:
-            desc = "; ".join(f"layer {n!r} on rank {r}: {c} element(s)" for n, r, c in hits[:8])
-            raise FloatingPointError(
-                f"hvdsparse: non-finite gradient (NaN/Inf) at step {step}: {desc}"
-                f"{' ...' if len(hits) > 8 else ''}. Nothing of it entered a residual. Use "
-                f"DistributedOptimizer(nonfinite='skip') to skip such steps, or "
-                f"grad_scaler=... with torch.amp.GradScaler (README: mixed precision)")
+        self.engine.check_deferred()
 
     def synchronize(self):
         """Flush, wait, decode, average and write ``p.grad`` for every parameter."""
@@ -754,7 +562,7 @@ class LayerScheduler:
                 for name, view in zip(spec.names, spec.views(total)):
                     self._apply(name, view, inv, pending)
         self._finish_sparse(write=not skip)
-        self._retire_error_flag()
+        self.engine.retire_error_flag(self.step)
         n_total = sum(s.numel for s in self._specs)
         self.last_stats = dict(
             step=self.step, world_size=P, buckets=buckets,
@@ -778,7 +586,6 @@ class LayerScheduler:
         self._ready_count = [0] * len(self._specs)
         self._delay = {n: self.backward_passes_per_step for n in self.params}
         self._t_compress = 0.0
-        self._inv = None
         self._nf_step = None        # the next step counts into a new tensor
         self._nf_given.clear()
         self._deferred.clear()
@@ -792,7 +599,8 @@ class LayerScheduler:
         t_wait = t_dec = 0.0
         for b, spec in enumerate(self._specs):
             pend = self._inflight[b]
-            total = pend.finish()
+            total = self.engine.finish(pend, self._history[b],
+                                       [self._payloads[n] for n in spec.names])
             t0 = time.perf_counter()
             self.events.append(("finish", b))
             if scale != 1.0 and not self._scale_at_write:
@@ -801,10 +609,6 @@ class LayerScheduler:
             self._feed_back(b, spec, pend.undelivered)
             t_dec += pend.decode_s + time.perf_counter() - t0
             t_wait += pend.wait_s
-            if pend.deferred_figures is not None:
-                self._history[b].later.append(TaggedFigures(
-                    pend.deferred_figures,
-                    bucket_capacity([self._payloads[n] for n in spec.names])))
             sent[pend.strategy] += pend.sent_bytes
             recv[pend.strategy] += pend.recv_bytes
             buckets.append(dict(id=b, layers=list(spec.names), numel=spec.numel,
@@ -813,44 +617,18 @@ class LayerScheduler:
         return t_wait, t_dec
 
     def _feed_back(self, b: int, spec: BucketSpec, undelivered: Optional[torch.Tensor]):
-        """What the exchange sent but did not deliver (``Pending.undelivered``:
-        ``balanced``'s phase-2 truncation) goes back into each layer's residual, device
-        ops only; then DGC's momentum-factor masking ``u[sent and delivered] = 0``. Runs
-        before the non-finite policy, so a skipped step's rollback undoes it with the
-        rest of the step. Only a layer with ``error_feedback=False`` cannot take its
-        share back (``Compressor.take_back``): it stays lost (``p2_dropped_energy``)."""
-        lu = self.local_update
-        views = spec.views(undelivered) if undelivered is not None else \
-            [None] * len(spec.names)
-        masked = set()
-        with torch.no_grad():
-            # the bucket path's layers: one launch per batch (unless a layer keeps its
-            # velocity at this step, or the exchange gave something back)
-            for batch in self._batches.pop(b, ()):
-                if lu is not None and undelivered is None and all(
-                        lu.masks_now(n, self.compressor.warmup_density(n, self.step))
-                        for n in batch.momentum_names):
-                    topk_bucket.mask_bucket(batch)
-                    masked.update(batch.momentum_names)
-            for name, back in zip(spec.names, views):
-                if back is not None:
-                    self.compressor.take_back(name, back)
-                if lu is not None and name in lu.u and name not in masked:
-                    lu.mask(name, self._payloads[name], back,
-                            self.compressor.warmup_density(name, self.step))
+        self.engine.feed_back(spec.names, [self._payloads[n] for n in spec.names], spec,
+                              undelivered, self._batches.pop(b, ()), self.step)
 
     def step_applied(self):
         """The optimizer applied the exchanged gradients: commit the compressor's step."""
         if self._await_step:
             self._await_step = False
-            self.compressor.commit()
-            if self.local_update is not None:
-                self.local_update.commit()
+            self.engine.commit()
 
     # ------------------------------------------------------------------ non-finite
     def _launch_nonfinite(self):
         """One small allgather of this rank's per-layer non-finite counts."""
-        import horovod.torch as hvd
         if not self._dense_order:
             return None
         buf, given = self._nf_step, self._nf_given
@@ -860,18 +638,12 @@ class LayerScheduler:
             # payload has no counter was handed none: its slot stayed 0): send it as is
             mine = buf.view(1, -1)
         else:
-            dev = self._device()
-            zero = torch.zeros((), dtype=torch.int32, device=dev)
-            counts = [self._payloads[n].nonfinite if self._payloads[n].nonfinite is not None
-                      else zero for n in self._dense_order]
-            mine = torch.stack([c.reshape(()).to(torch.int32) for c in counts]).view(1, -1)
-        return hvd.allgather_async(mine, name=f"{self.prefix}.nonfinite")
+            mine = NonFinite.row([self._payloads[n] for n in self._dense_order],
+                                 self._device())
+        return self.engine.gather_nonfinite(mine, wait=False)
 
     def _finish_nonfinite(self, handle):
-        import horovod.torch as hvd
-        if handle is None:
-            return None
-        return hvd.synchronize(handle)          # [P, nlayers] int32, identical on all ranks
+        return self.engine.finish_nonfinite(handle)    # [P, nlayers], same on all ranks
 
     def _apply_nonfinite_policy(self, table, totals) -> bool:
         """Returns True when the step is skipped."""
@@ -882,7 +654,7 @@ class LayerScheduler:
             if not host.any():
                 return False
             if self.nonfinite == "raise":
-                self._raise_nonfinite(host, self.step)
+                raise_nonfinite(host.tolist(), self._dense_order, self.step, self.engine.hint)
             if self.nonfinite == "skip":
                 self.skipped_steps += 1
                 if self.compressor.transactional:
@@ -894,10 +666,8 @@ class LayerScheduler:
             self._mark_nan(totals, torch.as_tensor(host).sum(0) > 0)
             return False
         # CUDA, raise / propagate: mark on the device, decide next step (raise)
-        self._mark_nan(totals, table.sum(0) > 0)
-        if self.nonfinite == "raise":
-            self._pending_reads.append(("nonfinite", self.step, tuple(table.shape),
-                                        HostReadout(table)))
+        self._mark_nan(totals, self.engine.nonfinite_flags(table, self._dense_order,
+                                                           self.step))
         return False
 
     def _mark_nan(self, totals, flagged: torch.Tensor):
@@ -910,9 +680,8 @@ class LayerScheduler:
 
     # ------------------------------------------------------------------ writing p.grad
     def _finish_sparse(self, write: bool = True):
-        import horovod.torch as hvd
         for name, handle in list(self._sparse_handles.items()):
-            out = hvd.synchronize(handle) if not callable(handle) else handle()
+            out = self.transport.synchronize(handle) if not callable(handle) else handle()
             p = self.params[name]
             if write and p.requires_grad:
                 p.grad = out.coalesce()

@@ -22,6 +22,10 @@ prescale_factor, postscale_factor)``
 ``poll(h)`` / ``synchronize(h)``      never blocks / waits and returns the result
 ``broadcast(t, root_rank, name)``     rank ``root_rank``'s ``t`` on every rank (blocking)
 ``allgather_object(obj, name)``       list of every rank's picklable ``obj`` (blocking)
+``sparse_allreduce_async(t, name)``   a sparse COO tensor summed / averaged (Horovod only:
+                                      the Horovod door's sparse gradients)
+``grouped_allreduce_(ts, name)``      in place, blocking (Horovod only: parameter
+                                      averaging of the local-gradient modes)
 ``future(h)``                         a ``torch.futures.Future`` completed with
                                       ``synchronize(h)``'s result (torch only)
 ====================================  ==============================================
@@ -141,6 +145,20 @@ class HorovodTransport(Transport):
 
     def allgather_object(self, obj, name=None):
         return self._hvd.allgather_object(obj, name=name)
+
+    def sparse_allreduce_async(self, tensor, name=None, *, average: bool = True):
+        """A sparse COO gradient summed (or averaged) over ranks the way
+        ``hvd.DistributedOptimizer`` does it: an allgather of indices and values."""
+        from horovod.torch.mpi_ops import sparse_allreduce_async
+        hvd = self._hvd
+        return sparse_allreduce_async(tensor, name=name,
+                                      op=hvd.Average if average else hvd.Sum)
+
+    def grouped_allreduce_(self, tensors, name=None, *, average: bool = True):
+        """In place, blocking: every tensor of ``tensors`` summed (or averaged) over
+        ranks in one grouped collective."""
+        hvd = self._hvd
+        hvd.grouped_allreduce_(tensors, name=name, op=hvd.Average if average else hvd.Sum)
 
 
 _HOROVOD: Optional[HorovodTransport] = None

@@ -37,7 +37,7 @@ def test_bad_index_is_flagged_and_raised_next_step(monkeypatch, bad):
     w = torch.nn.Parameter(torch.zeros(numel))
     sched = LayerScheduler([("w", w)], NoCompression(), rank=0, world_size=2,
                            prefix="t", validate=False)
-    ctx = sched._ctx(False)
+    ctx = sched.engine.context(torch.device("cpu"), sched.step, None)
     assert ctx.error_flag is not None and not ctx.validate
 
     idx = torch.randperm(numel, generator=g)[:5].tolist()
@@ -59,11 +59,12 @@ def test_bad_index_is_flagged_and_raised_next_step(monkeypatch, bad):
 
     # end of step 0: the flag is handed to a DeferredRead (pinned copy + event on
     # CUDA) and read at the next step's synchronize() without stalling the stream
-    sched._retire_error_flag()
+    sched.engine.retire_error_flag(sched.step)
     sched.step += 1
     if bad:
         with pytest.raises(RuntimeError, match="step 0 carried an index outside its layer"):
-            sched._check_deferred()
+            sched.engine.check_deferred()
     else:
-        sched._check_deferred()
-        assert sched._ctx(False).error_flag is not None
+        sched.engine.check_deferred()
+        assert sched.engine.context(torch.device("cpu"), sched.step, None).error_flag \
+            is not None

@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 
 from . import cpu as _ref
+from . import native
 
 __all__ = [
     "residual_add", "residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
@@ -89,6 +90,34 @@ def bucket_kernels(family: str):
     if not isinstance(family, str) or not family.isidentifier():
         raise ValueError(f"bucket_kernels: family must be an identifier, got {family!r}")
     return importlib.import_module(_kernels().__name__ + ".bucket_" + family)
+
+
+def compiled_cpu_available() -> bool:
+    """Whether the compiled CPU loops (:mod:`hvdsparse.native`) are built and loaded; False
+    with ``HVDSPARSE_NATIVE=0``, without a C compiler or after a failed build (the numpy
+    CPU path then runs, with the same bits). Compressors ask here, never ``native``."""
+    return native.available()
+
+
+def bucket_topk_kernels(t: torch.Tensor):
+    """TopK's bucket path for tensor ``t``'s device: ``kernels/bucket_topk.py`` on the
+    Triton path, else its compiled CPU twin (``native.bucket_topk()``: the same segment
+    table, the same bits; only when :func:`compiled_cpu_available`)."""
+    return bucket_kernels("topk") if use_triton(t) else native.bucket_topk()
+
+
+#: the most slots per bin :func:`adacomp_select` keeps
+ADACOMP_MAX_C = native.ADACOMP_MAX_C
+
+
+def adacomp_select(grad: torch.Tensor, residual: torch.Tensor, bin_size: int, c: int,
+                   h_scale: float, grad_scale: Optional[torch.Tensor],
+                   nonfinite: torch.Tensor, momentum=None, param=None):
+    """AdaComp's accumulate, bin maxima and selection in one pass over a CPU layer (the
+    compiled loop; only when :func:`compiled_cpu_available`, ``c <= ADACOMP_MAX_C``).
+    Contract, layouts and bits: :func:`hvdsparse.native.adacomp_select`."""
+    return native.adacomp_select(grad, residual, bin_size, c, h_scale, grad_scale, nonfinite,
+                                 momentum=momentum, param=param)
 
 
 def use_triton(t: Optional[torch.Tensor]) -> bool:

@@ -58,7 +58,7 @@ import math
 import torch
 
 from ..payload import IndexEncoding, LayerPayload, Segment, ValueEncoding, bin_count_width
-from .. import native, ops
+from .. import ops
 from .base import TINY, Compressor, binned_rel, binned_topc, ceil_div, pack_signs
 
 __all__ = ["AdaComp"]
@@ -147,7 +147,7 @@ class AdaComp(Compressor):
             # route below: residual_add_binmax, then binned_select), with DGC's velocity
             # update in the same pass when the scheduler hands it over (fuses_momentum)
             G = self._residual_for(name, flat)
-            gmax, gidx, rel, vmask, count, bin_counts, selected = native.adacomp_select(
+            gmax, gidx, rel, vmask, count, bin_counts, selected = ops.adacomp_select(
                 flat, G, L, c, cfg["scale"], self._call.grad_scale, self._call.nonfinite,
                 momentum=self._call.momentum,
                 param=None if param is None else param.detach().reshape(-1))
@@ -187,9 +187,9 @@ class AdaComp(Compressor):
         """Whether the compiled CPU loop (``native.adacomp_select``) takes this layer."""
         call = self._call
         return flat.device.type == "cpu" and flat.dtype == torch.float32 and \
-            flat.is_contiguous() and c <= native.ADACOMP_MAX_C and \
+            flat.is_contiguous() and c <= ops.ADACOMP_MAX_C and \
             (call.nonfinite is None or call.nonfinite.device.type == "cpu") and \
-            not ops.use_triton(flat) and native.available()
+            not ops.use_triton(flat) and ops.compiled_cpu_available()
 
     def _pack(self, name, shape, n, cap, L, ienc, G, scale, gidx, rel, vmask, count,
               bin_counts, selected):

@@ -27,7 +27,8 @@ from .checks import check_bool
 
 __all__ = ["QSGD"]
 
-_BITS = {8: ValueEncoding.INT8, 4: ValueEncoding.INT4, 2: ValueEncoding.INT2}
+#: bits per value -> the value encoding on the wire
+ENCODING_OF_BITS = {8: ValueEncoding.INT8, 4: ValueEncoding.INT4, 2: ValueEncoding.INT2}
 
 
 class QSGD(Compressor):
@@ -45,7 +46,7 @@ class QSGD(Compressor):
 
     def _validate_cfg(self, cfg, where=""):
         b = cfg["bits"]
-        if isinstance(b, bool) or b not in _BITS:
+        if isinstance(b, bool) or b not in ENCODING_OF_BITS:
             raise ValueError(f"{where}bits must be one of 8, 4, 2, got {b!r}")
         bs = cfg["bucket_size"]
         if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
@@ -57,5 +58,5 @@ class QSGD(Compressor):
         ef = cfg["error_feedback"]
         acc, _ = self._acc(name, flat, None, ef)
         seed = self._seed(name, step, PURPOSE_QUANT)
-        return (self._dense_from_acc(name, acc, shape, _BITS[cfg["bits"]], seed,
+        return (self._dense_from_acc(name, acc, shape, ENCODING_OF_BITS[cfg["bits"]], seed,
                                      cfg["bucket_size"], ef), dict())

@@ -33,8 +33,8 @@ from typing import Dict, List, NamedTuple, Optional
 import numpy as np
 import torch
 
-from .. import native, ops
-from ..payload import FLOAT_DTYPES, IndexEncoding, LayerPayload, Segment, ValueEncoding
+from .. import ops
+from ..payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
 from .base import PURPOSE_SAMPLE, Compressor
 
 __all__ = ["MomentumSpec", "BucketItem", "BucketBatch", "layer_plan", "compress_bucket",
@@ -78,7 +78,7 @@ class BucketBatch(NamedTuple):
 def takes(grad: torch.Tensor) -> bool:
     """Whether the bucket path can run on ``grad``'s device at all: the Triton path, or
     the CPU with the compiled loops (the per-layer conditions are :func:`layer_plan`'s)."""
-    return ops.use_triton(grad) or (ops.has_cpu_path(grad) and native.available())
+    return ops.use_triton(grad) or (ops.has_cpu_path(grad) and ops.compiled_cpu_available())
 
 
 def enabled(comp, local_update) -> bool:
@@ -106,11 +106,8 @@ def plan_layer(comp, local_update, name: str, grad: torch.Tensor, param: torch.T
     return None if plan is None else (spec, plan)
 
 
-def _kernels_for(grad: torch.Tensor):
-    return ops._kernels().bucket_topk if ops.use_triton(grad) else native.bucket_topk()
-
-
-def _bits(x: float) -> int:
+def float_bits(x: float) -> int:
+    """The int32 bit pattern of ``fp32(x)`` (how the segment table carries a float)."""
     return int(np.array([x], dtype=np.float32).view(np.int32)[0])
 
 
@@ -214,7 +211,7 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
     """Compress ``items`` (one group: same gradient dtype, device, value encoding and
     rounds; ``plans`` from :func:`layer_plan`) at ``step``. Returns ``(payloads by name,
     BucketBatch)``; records each layer's statistics as ``compress`` does."""
-    K = _kernels_for(items[0].grad)
+    K = ops.bucket_topk_kernels(items[0].grad)
     L = len(items)
     dev = items[0].grad.device
     tab = np.zeros((L, K.W), dtype=np.int64)
@@ -235,19 +232,19 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
             mom.append(name)
             mode = K.MODE_MOMENTUM
             row[K.C_U] = ms.u.data_ptr()
-            row[K.C_M] = _bits(ms.momentum)
-            row[K.C_C] = _bits(1.0 - ms.dampening)
+            row[K.C_M] = float_bits(ms.momentum)
+            row[K.C_C] = float_bits(1.0 - ms.dampening)
             if ms.nesterov:
                 mode |= K.MODE_NESTEROV
             if ms.weight_decay:
                 mode |= K.MODE_WD
-                row[K.C_WD] = _bits(ms.weight_decay)
+                row[K.C_WD] = float_bits(ms.weight_decay)
                 row[K.C_P] = it.param.data_ptr()
             row[K.C_MODE] = mode
         row[K.C_RK], row[K.C_RCAP], row[K.C_CAP] = pl["rk"], pl["rcap"], pl["cap"]
         row[K.C_STRIDE], row[K.C_OFF], row[K.C_S] = pl["stride"], pl["off"], pl["s"]
         row[K.C_R0], row[K.C_MLEN], row[K.C_EXACT] = pl["r0"], pl["m"], pl["exact"]
-        row[K.C_TGT] = _bits(pl["target"])
+        row[K.C_TGT] = float_bits(pl["target"])
         if pl["exact"] == K.ROUTE_GIVEN:
             row[K.C_TIN] = pl["tau"].data_ptr()
             if pl["guard"]:

@@ -21,7 +21,10 @@ Two launch layouts, both with a grid proportional to ``n`` whatever the bin size
 
 * ``L < flat_min`` (small bins): program ``p`` owns ``ROWS`` whole bins as a
   ``[ROWS, CHUNK]`` tile (``CHUNK = min(next_pow2(L), max_chunk)``, looping over the
-  bin when ``L > CHUNK``) and stores their maxima: no atomics.
+  bin when ``L > CHUNK``) and stores their maxima: no atomics. The tile holds at most
+  ``TILE_PER_THREAD`` elements per thread (``ROWS * CHUNK <= 8 * 32 * num_warps``,
+  except one row of ``CHUNK`` when that is wider): each element carries an int64 offset
+  and a mask, and 16 per thread made ptxas spill on sm_90 (Triton 3.6, L = 500).
 * ``L >= flat_min`` (large bins, e.g. ``bin_size = n``): program ``p`` streams the
   contiguous elements ``[p*BLOCK, (p+1)*BLOCK)`` (every block but the last unmasked, so
   128-bit loads for any ``n`` when the tensors are 16-byte aligned); since
@@ -39,6 +42,8 @@ import triton.language as tl
 
 _CANON_NAN = 0x7FC00000
 _INF_BITS = 0x7F800000
+#: most elements per thread in one [ROWS, CHUNK] tile of the small-bin layout
+TILE_PER_THREAD = 8
 
 
 @triton.jit
@@ -152,7 +157,8 @@ def residual_add_binmax(grad, residual, bin_size, *, out=None, grad_scale=None,
     validated by ``hvdsparse.ops``). ``grad_scale``: None or an fp32 1-element device
     tensor; ``nonfinite``: None or an int32[>=1] device tensor (``[0]`` is added to).
 
-    ``block``: elements per program (tile layout: rounded to whole bins, at least one;
+    ``block``: elements per program (tile layout: at most ``TILE_PER_THREAD * 32 *
+    num_warps`` of them, rounded to whole bins, at least one;
     flat layout: a power of 2); ``max_chunk``: widest column tile (power of 2);
     ``flat_min``: smallest bin size that takes the flat layout (default ``block``).
     """
@@ -179,7 +185,8 @@ def residual_add_binmax(grad, residual, bin_size, *, out=None, grad_scale=None,
             enable_fp_fusion=False)
         return out
     chunk = min(triton.next_power_of_2(L), max_chunk)
-    rows = triton.next_power_of_2(max(1, block // chunk))
+    tile = min(block, TILE_PER_THREAD * 32 * num_warps)
+    rows = triton.next_power_of_2(max(1, tile // chunk))
     rows = min(rows, triton.next_power_of_2(nbins))
     grid = (triton.cdiv(nbins, rows),)
     _residual_tile_kernel[grid](grad, residual, out, sc, nf, n, nbins, L,

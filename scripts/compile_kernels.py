@@ -14,7 +14,14 @@ What it does (the engine of ``tests/test_compile_offline.py``):
    ``enable_fp_fusion``), de-duplicates the specialisations and compiles each one with
    ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` for cc 80 and
    90. ``ptxas -v`` (the one shipped in the Triton wheel) reports registers and spills.
-3. Inspects the result and writes a JSON report: compile errors, registers, spill bytes,
+3. Integer specialisation: a real launch turns an integer argument equal to 1 into a
+   constexpr (and one divisible by 16 into an ``i32`` with a divisibility attribute), so
+   a kernel whose code needs a tensor there (``x.to(...)`` on an argument) compiles for
+   most values and fails for 1. The recorded scenarios rarely pass 1, so every kernel is
+   also bound once with each of its (specialised, non-constexpr) integer arguments set
+   to 1 and once set to 16, through the same binder, and compiled (``forced`` in the
+   report; sm_90 only, compile errors only).
+4. Inspects the result and writes a JSON report: compile errors, registers, spill bytes,
    grid sizes, 128-bit global loads (``ld.global.v4``) in the PTX, atomic semantics
    (every ``atom``/``red`` relaxed, no ``fence``), FMA instructions where a product
    feeds a sum (``fma.rn.f32`` must not appear in the no-contraction kernels), fp32
@@ -25,10 +32,12 @@ What it does (the engine of ``tests/test_compile_offline.py``):
 
 Run (must NOT run under TRITON_INTERPRET=1; the test starts it in a subprocess)::
 
-    PYTHONPATH=. python scripts/compile_kernels.py --out report.json [--full]
+    PYTHONPATH=. python scripts/compile_kernels.py --out report.json [--full] [--cc 90]
 
 ``--full`` (or ``HVDSPARSE_COMPILE_FULL=1``): every compressor x encoding x bucket;
 default: a representative subset that stays within about a minute with a warm cache.
+``--cc 90`` compiles for sm_90 only (the reduced run against a second Triton: put that
+Triton first on ``PYTHONPATH``; the report's ``triton`` field says which one ran).
 The Triton cache defaults to ``~/.cache/hvdsparse/triton`` (``TRITON_CACHE_DIR``).
 """
 from __future__ import annotations
@@ -302,6 +311,41 @@ def _bind(rec, target):
     return fn, options, signature, constexprs, attrs
 
 
+def _int_params(fn, rec):
+    """Names of ``fn``'s non-constexpr parameters that this launch passes a Python int
+    (not a bool) and that the JIT specialises (not in ``do_not_specialize``)."""
+    names = list(fn.signature.parameters)
+    bound = dict(zip(names, rec["args"]))
+    bound.update({k: v for k, v in rec["kwargs"].items() if k in names})
+    out = []
+    for kp in fn.params:
+        v = bound.get(kp.name)
+        if kp.is_constexpr or kp.do_not_specialize:
+            continue
+        if isinstance(v, int) and not isinstance(v, bool):
+            out.append(kp.name)
+    return out
+
+
+def _forced(rec, value):
+    """A copy of the launch record with every specialised integer argument set to
+    ``value`` (grid and everything else unchanged), or None if it has none."""
+    fn = rec["fn"]
+    names = list(fn.signature.parameters)
+    which = _int_params(fn, rec)
+    if not which:
+        return None
+    args = list(rec["args"])
+    kwargs = dict(rec["kwargs"])
+    for name in which:
+        i = names.index(name)
+        if i < len(args):
+            args[i] = value
+        else:
+            kwargs[name] = value
+    return dict(rec, args=tuple(args), kwargs=kwargs, forced=which)
+
+
 def _ptxas_report(ptx: str, cc: int, fmad: bool, cache_dir: str):
     """(registers, spill store bytes, spill load bytes) from ``ptxas -v`` (cached)."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
@@ -423,9 +467,34 @@ def compile_all(full: bool, ccs=(80, 90)) -> dict:
             row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:2000]}")
         row["seconds"] = round(time.time() - t, 2)
         out.append(row)
+    # every kernel once with its integer arguments forced to 1 and to 16 (sm_90)
+    forced, seen = [], set()
+    target = GPUTarget("cuda", 90, 32)
+    for rec in RECORDS:
+        if rec["kernel"] in seen:
+            continue
+        seen.add(rec["kernel"])
+        for value in (1, 16):
+            frec = _forced(rec, value)
+            if frec is None:
+                continue
+            row = dict(kernel=rec["kernel"], cc=90, value=value, args=frec["forced"],
+                       scenario=rec["scenario"])
+            t = time.time()
+            try:
+                fn, options, signature, constexprs, attrs = _bind(frec, target)
+                row["constexprs"] = sorted(str(k) for k in constexprs)
+                triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                               options=options.__dict__)
+                row["ok"] = True
+            except Exception as e:
+                row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:2000]}")
+            row["seconds"] = round(time.time() - t, 2)
+            forced.append(row)
     return dict(full=full, triton=triton.__version__, torch=torch.__version__,
+                ccs=sorted(ccs),
                 drive_seconds=round(t_drive, 1), total_seconds=round(time.time() - t0, 1),
-                errors=errors, launches=launches, specializations=out,
+                errors=errors, launches=launches, specializations=out, forced=forced,
                 controls=_controls(),
                 streaming=sorted(STREAMING), vector_loads=sorted(VECTOR_LOADS),
                 no_fma=sorted(NO_FMA), big=BIG)
@@ -436,14 +505,21 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--full", action="store_true",
                     default=os.environ.get("HVDSPARSE_COMPILE_FULL", "") == "1")
+    ap.add_argument("--cc", type=int, action="append", choices=(80, 90),
+                    help="compute capability to compile for (repeatable; default 80 and 90)")
     a = ap.parse_args()
-    rep = compile_all(a.full)
+    rep = compile_all(a.full, tuple(a.cc or (80, 90)))
     with open(a.out, "w") as f:
         json.dump(rep, f, indent=1, default=str)
     bad = [r for r in rep["specializations"] if not r["ok"]]
-    print(f"{len(rep['launches'])} launches, {len(rep['specializations'])} specialisations "
-          f"compiled ({len(bad)} failed) in {rep['total_seconds']} s; "
+    fbad = [r for r in rep["forced"] if not r["ok"]]
+    print(f"Triton {rep['triton']}, torch {rep['torch']}, sm_{rep['ccs']}: "
+          f"{len(rep['launches'])} launches, {len(rep['specializations'])} specialisations "
+          f"compiled ({len(bad)} failed), {len(rep['forced'])} forced-integer variants "
+          f"({len(fbad)} failed) in {rep['total_seconds']} s; "
           f"{len(rep['errors'])} scenario errors")
+    for r in fbad:
+        print(f"  FORCED {r['kernel']} {r['args']}={r['value']}: {r['error'][-300:]}")
     for r in rep["specializations"]:
         print(f"  {r['kernel']:<24} sm_{r['cc']} ok={r['ok']} regs={r.get('registers')} "
               f"spills={r.get('spill_store_bytes')}/{r.get('spill_load_bytes')} "

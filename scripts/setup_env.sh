@@ -8,6 +8,11 @@
 # CMakeLists before building. The built wheel is cached under
 # ~/.cache/hvdsparse/wheels keyed by horovod, torch and python versions: the first
 # build takes ~12 minutes on 2 cores, later runs take seconds.
+#
+# Beside the venv, $VENV/triton-side/<version>/ holds the oldest and the newest
+# supported Triton (setup.cfg states the range) as bare wheels (pip --target, no
+# dependencies): tests/test_compile_offline.py compiles the kernels offline against
+# each of them (torch and the rest from the venv). Checked on every run; installed once.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -15,6 +20,8 @@ VENV="${HVDSPARSE_VENV:-$ROOT/.venv}"
 PY_BOOT="${PYTHON:-python3}"
 TORCH_VERSION=2.13.0
 TRITON_VERSION=3.7.1
+# the bounds of setup.cfg's triton range: the oldest release and the newest one
+TRITON_SIDE_VERSIONS="${HVDSPARSE_TRITON_SIDE_VERSIONS:-3.6.0 3.9.0}"
 HOROVOD_VERSION=0.28.1
 CACHE="${HVDSPARSE_CACHE:-$HOME/.cache/hvdsparse}"
 STAMP="$VENV/.hvdsparse-setup-v1"
@@ -27,6 +34,26 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip --disable-pip-version-check -q)
+
+SIDE="$VENV/triton-side"
+mkdir -p "$SIDE"
+for d in "$SIDE"/*; do          # versions no longer wanted (or half installed)
+  [ -e "$d" ] || continue
+  v=$(basename "$d")
+  case " $TRITON_SIDE_VERSIONS " in
+    *" $v "*) [ -f "$d/.complete" ] || { log "removing half-installed $d"; rm -rf "$d"; } ;;
+    *) log "removing $d (not in: $TRITON_SIDE_VERSIONS)"; rm -rf "$d" ;;
+  esac
+done
+for v in $TRITON_SIDE_VERSIONS; do
+  if [ ! -f "$SIDE/$v/.complete" ]; then
+    log "installing triton $v (wheel only) into $SIDE/$v"
+    rm -rf "$SIDE/$v.tmp"
+    "${PIP[@]}" install --no-deps --target "$SIDE/$v.tmp" "triton==$v"
+    touch "$SIDE/$v.tmp/.complete"
+    mv "$SIDE/$v.tmp" "$SIDE/$v"
+  fi
+done
 
 if [ -f "$STAMP" ] && "$PY" -c "import horovod.torch, hvdsparse" 2>/dev/null; then
   log "environment ready ($VENV)"

@@ -5,6 +5,11 @@ tl.sum are jit functions created at import time), so it is set here, at the very
 It only matters for tests that run Triton kernels on CPU tensors (tests/test_kernels.py
 forces them with HVDSPARSE_FORCE_TRITON=1); every other test takes the CPU reference
 path, which hvdsparse.ops picks for CPU tensors anyway.
+
+Every Horovod job a test starts (through tests/hvdrun.py or any launcher that copies this
+process's environment) runs with ``tests.hvdrun.REPEATABLE_HOROVOD_ENV`` (tensor fusion
+off), so a dense allreduce sums every element in the same order in every launch, whatever
+the machine's load.
 """
 import os
 
@@ -14,6 +19,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import random  # noqa: E402  (after TRITON_INTERPRET, which must come first)
 
 import pytest  # noqa: E402
+
+from tests.hvdrun import REPEATABLE_HOROVOD_ENV  # noqa: E402
+
+os.environ.update(REPEATABLE_HOROVOD_ENV)
 
 
 @pytest.fixture

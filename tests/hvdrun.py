@@ -3,6 +3,9 @@
 Each launch costs ~9 s of start-up, so tests batch many checks into one worker script.
 The worker prints ``HVDSPARSE-OK rank=<r>`` at the end of a successful run; a launch
 passes only when every rank printed it and horovodrun exited 0.
+
+Every launch runs with :data:`REPEATABLE_HOROVOD_ENV` (tests/conftest.py also puts it in
+the test process's environment, so launchers that copy ``os.environ`` get it too).
 """
 from __future__ import annotations
 
@@ -15,6 +18,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+#: Horovod settings of every test launch: tensor fusion off. With fusion on, the
+#: allreduces that are ready in the same Horovod cycle are copied into one buffer and
+#: reduced together; Gloo's ring splits that buffer into P chunks, and the chunk an
+#: element falls in decides which rank starts its sum. Which tensors share a cycle
+#: depends on timing (machine load), so at P >= 3 an element's summation order, and its
+#: fp32 rounding, could change from one launch to the next. With fusion off each tensor
+#: is reduced on its own and its chunks depend only on its size and P: a dense allreduce
+#: gives the same bits in every launch (scripts/check_repeatable.py shows it, quiet and
+#: loaded). Fusion changes no result a test checks beyond these bits; the tests never
+#: exercise Horovod's fusion buffer itself.
+REPEATABLE_HOROVOD_ENV = {"HOROVOD_FUSION_THRESHOLD": "0"}
 
 
 def launcher_path(name: str, hint: str) -> str:
@@ -41,6 +56,7 @@ def run_job(cmd, np: int, timeout: float, env=None, omp_threads: str = "1") -> s
     full_env.pop("TRITON_INTERPRET", None)  # workers run the CPU path unless told otherwise
     full_env.setdefault("OMP_NUM_THREADS", omp_threads)
     full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")])
+    full_env.update(REPEATABLE_HOROVOD_ENV)
     if env:
         full_env.update(env)
     what = Path(cmd[0]).name

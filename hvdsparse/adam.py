@@ -170,6 +170,7 @@ from typing import Dict, NamedTuple, Optional
 
 import torch
 
+from .compressors.base import Compressor
 from .payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
 from .momentum import clean_local_gradient
 from .param_groups import GroupLookup
@@ -252,8 +253,9 @@ def default_refresh(compression) -> Optional[int]:
     one dense step in 50 costs it 28% of its byte saving (20.4x -> 14.7x fewer bytes;
     BENCHMARKS.md 4b). With today's ``scale=4`` no gain either: +2.19% refreshed from
     step 300 against +1.99% frozen."""
-    from .compressors import AdaComp
-    return None if isinstance(compression, AdaComp) else DEFAULT_REFRESH
+    if not isinstance(compression, Compressor) or compression.adam_refresh_by_default:
+        return DEFAULT_REFRESH
+    return None
 
 
 def check_refresh_start(refresh_start, warmup: int) -> int:
@@ -312,8 +314,8 @@ def adam_setup(optimizer, compression, adam_recipe, adam_warmup, *, local_gradie
         raise ValueError(f"adam_recipe must be None (auto), True or False, got "
                          f"{adam_recipe!r}")
     if adam_recipe is None:
-        from .compressors import NoCompression
-        on = is_adam(optimizer) and not isinstance(compression, NoCompression)
+        on = is_adam(optimizer) and (not isinstance(compression, Compressor)
+                                     or compression.compresses)
     else:
         on = adam_recipe
     if not on:

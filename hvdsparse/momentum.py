@@ -75,6 +75,7 @@ from typing import Dict, Optional
 import torch
 
 from . import codec, ops
+from .compressors.base import Compressor
 from .param_groups import GroupLookup
 
 __all__ = ["LocalUpdate", "UNMASKED_MAX_DENSITY", "clean_local_gradient",
@@ -135,19 +136,17 @@ def resolve_momentum_correction(momentum_correction, optimizer, compression,
         raise ValueError(f"momentum_masking must be a bool, got {momentum_masking!r}")
     if momentum_correction is not None:
         return momentum_correction
-    from .compressors import AdaComp, Threshold, TopK
     if local_gradient is not None or type(optimizer) is not torch.optim.SGD:
         return False
     m = max(float(g.get("momentum", 0.0) or 0.0) for g in optimizer.param_groups)
     if m <= 0.0:
         return False
-    if isinstance(compression, AdaComp):
+    if not isinstance(compression, Compressor):
+        return False
+    if compression.momentum_correction_always:
         return True
-    if isinstance(compression, Threshold) and compression.error_feedback:
-        density = 1.0 - compression.sparsity
-    elif isinstance(compression, TopK) and compression.error_feedback:
-        density = compression.ratio
-    else:
+    density = compression.error_feedback_density()
+    if density is None:
         return False
     if not momentum_masking:
         return density <= UNMASKED_MAX_DENSITY

@@ -73,6 +73,10 @@ class AdaComp(Compressor):
     """
 
     _settings = ("bin_size", "scale", "max_per_bin")
+    #: momentum correction on by default (``momentum.resolve_momentum_correction``)
+    momentum_correction_always = True
+    #: the Adam recipe's variance refresh off by default (``adam.default_refresh``)
+    adam_refresh_by_default = False
 
     def __init__(self, bin_size=None, scale: float = 4.0, max_per_bin=None, **kw):
         super().__init__(**kw)

@@ -479,6 +479,26 @@ class Compressor:
     #: whole buckets on the device path (only TopK: compressors/topk_bucket.py)
     bucket_path = False
 
+    # Capabilities the front doors' automatic rules ask of a compressor (never by its
+    # class): each subclass states its own.
+
+    #: False only for a compressor that sends every layer as it is (NoCompression): the
+    #: Adam recipe's automatic switch (``adam.adam_setup``) stays off for it
+    compresses = True
+    #: whether the Adam recipe's periodic dense variance refresh is on by default with
+    #: this compressor (``adam.default_refresh``)
+    adam_refresh_by_default = True
+    #: DGC momentum correction's automatic rule (``momentum.resolve_momentum_correction``)
+    #: turns correction on with this compressor at any density (AdaComp)
+    momentum_correction_always = False
+
+    def error_feedback_density(self) -> Optional[float]:
+        """The fraction of a layer sent per step by a sparsifier whose error feedback
+        keeps the rest for later steps (TopK's ``ratio``, Threshold's ``1 - sparsity``),
+        which momentum correction's automatic rule bounds; None when that rule does not
+        apply (no error feedback, every coordinate sent, or never measured with it)."""
+        return None
+
     def warmup_density(self, name: str, step: int) -> Optional[float]:
         """The layer's density at ``step`` while a density warm-up holds it above the
         layer's own target density; ``None`` otherwise (no warm-up, the warm-up is over,

@@ -9,6 +9,8 @@ __all__ = ["NoCompression"]
 class NoCompression(Compressor):
     """``NoCompression()``: one DENSE fp32 segment per layer, no residual."""
 
+    compresses = False
+
     def __init__(self, **kw):
         kw.setdefault("min_numel", 0)
         super().__init__(**kw)

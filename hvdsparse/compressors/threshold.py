@@ -123,6 +123,9 @@ class Threshold(TopK):
     bucket_path = True       # between refreshes (topk_bucket.layer_plan: ROUTE_GIVEN)
     ladder = LADDER          # the overflow ladder's rung factors (module docstring)
 
+    def error_feedback_density(self):
+        return 1.0 - self.sparsity if self.error_feedback else None
+
     _settings = ("sparsity", "life_span", "values", "slack", "quant_bucket",
                  "error_feedback")
     _extra_args = ("record_true_threshold", "max_history", "overflow_guard", "output_ratio")

@@ -240,6 +240,9 @@ class TopK(Compressor):
     #: device path (compressors/topk_bucket.py)
     bucket_path = True
 
+    def error_feedback_density(self) -> Optional[float]:
+        return self.ratio if self.error_feedback else None
+
     def _output_cfg(self, cfg: dict) -> dict:
         """The output layer's settings: density at least ``output_ratio``."""
         return dict(cfg, ratio=max(cfg["ratio"], self.output_ratio))

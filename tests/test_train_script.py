@@ -38,7 +38,7 @@ def test_train_topk_checkpoint_resume(tmp_path):
 
     out = run_horovod(TRAIN, 2, COMMON + ["--epochs", "3", "--checkpoint", ck,
                                           "--keep-checkpoints", "--json", full_json],
-                      timeout=120)
+                      timeout=300)
     assert "epoch   3" in out
     epoch_lines = [l for l in out.splitlines() if "INFO epoch " in l]
     assert len(epoch_lines) == 3 and all("[rank 0]" in l for l in epoch_lines), epoch_lines
@@ -55,7 +55,7 @@ def test_train_topk_checkpoint_resume(tmp_path):
     assert s["time_to_target_s"] is not None and s["final_test_acc"] >= 0.5, s
 
     out = run_horovod(TRAIN, 2, COMMON + ["--epochs", "3", "--resume", f"{ck}.e2",
-                                          "--json", res_json, "--profile"], timeout=120)
+                                          "--json", res_json, "--profile"], timeout=300)
     assert "resumed from" in out
     res = json.loads(res_json.read_text())
     assert res["summary"]["profiled_steps"] and res["summary"]["median_opt_step_s"] > 0

@@ -30,10 +30,11 @@ rest from the venv), and every assertion below holds for each report.
 ``test_supported_range_is_covered`` checks that the Tritons compiled against are the
 bounds of the range ``setup.cfg`` states.
 
-Default: a representative subset (about 110 specialisations; about 40 s with a cold
-cache on 2 cores for the venv's Triton, half that per other Triton, 10-15 s warm; one
-cache, ``~/.cache/hvdsparse/triton`` unless ``TRITON_CACHE_DIR`` is set, keyed by
-Triton version). The full matrix (every compressor, encoding and bucket) runs with
+Default: a representative subset (about 110 specialisations for the venv's Triton,
+55 for each other one, plus about 32 forced-integer variants each; about 40 s with a
+cold cache on 2 cores for the venv's Triton, 10-15 s warm; one cache,
+``~/.cache/hvdsparse/triton`` unless ``TRITON_CACHE_DIR`` is set, keyed by Triton
+version). The full matrix (every compressor, encoding and bucket) runs with
 ``HVDSPARSE_COMPILE_FULL=1``.
 """
 import glob

@@ -541,6 +541,37 @@ def tables(data, rows, kinds):
     return "\n".join(lines)
 
 
+def trace_rows(data):
+    """Per (method, parameter group): the :class:`AdamTrace` measures averaged over the
+    windows of the first and the second half of the run (and over seeds)."""
+    acc = {}
+    for r in data["runs"]:
+        for w in r.get("trace") or []:
+            half = "1st" if w["step"] <= r["steps"] / 2 else "2nd"
+            for g, a in w["groups"].items():
+                e = acc.setdefault((r["method"], g, half), {})
+                for k, v in a.items():
+                    e.setdefault(k, []).append(v)
+    rows = []
+    for (m, g, half), e in acc.items():
+        rows.append(dict(method=m, group=g, half=half,
+                         **{k: statistics.mean(v) for k, v in e.items() if k != "n"}))
+    return rows
+
+
+def trace_table(rows):
+    if not rows:
+        return ""
+    lines = ["| method | group | half | cos(step, dense Adam's) | norm ratio | "
+             "cos(exchanged, exact gradient) | frozen D / dense sqrt(v) (median) | "
+             "residual age (steps) |", "|" + "---|" * 8]
+    for x in rows:
+        lines.append(f"| {x['method']} | {x['group']} | {x['half']} | {x['cos_u']:.3f} | "
+                     f"{x['ratio_u']:.3f} | {x['cos_g']:.3f} | {x['d_ratio']:.3f} | "
+                     f"{x['age']:.1f} |")
+    return "\n".join(lines)
+
+
 def plot(data, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -708,6 +739,12 @@ def main(argv=None):
     md = tables(data, rows, kinds)
     data["adacomp_breakdown"], bd = adacomp_breakdown(data)
     js.write_text(json.dumps(data, indent=1))
+    data["trace_rows"] = trace_rows(data)
+    if data["trace_rows"]:
+        js.write_text(json.dumps(data, indent=1))
+        md += ("\n\nThe Adam recipe's step per parameter group against a shadow dense Adam "
+               "on the same gradients (`--trace`, AdamTrace):\n\n"
+               + trace_table(data["trace_rows"]))
     if bd:
         md += "\n\nAdaComp's wire bytes per layer and step (seed " \
               f"{min(r['seed'] for r in data['runs'])}):\n\n" + bd

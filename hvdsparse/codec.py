@@ -1250,7 +1250,8 @@ def _bucket_table(plan: _Plan, device, out_offs, imps):
     return ent.get().view(torch.int64), meta
 
 
-def _bucket_accumulate(b2: torch.Tensor, plan: _Plan, flat_outs, error_flag, flat_segs):
+def _bucket_accumulate(b2: torch.Tensor, plan: _Plan, flat_outs, error_flag, flat_segs,
+                       counts_out=None):
     """validate=False on the Triton path, every segment DENSE / INT32 / BIN_* /
     IMPLICIT (int64 indices on the messages' device): one check launch + one scatter
     launch per rank and pass (:func:`ops.bucket_decode`); the same sums, error codes and
@@ -1274,9 +1275,9 @@ def _bucket_accumulate(b2: torch.Tensor, plan: _Plan, flat_outs, error_flag, fla
         imps.append(imp.data_ptr() if imp.numel() else 0)
     base, out_offs = shared
     table, meta = _bucket_table(plan, device, out_offs, tuple(imps))
-    _, err = ops.bucket_decode(b2, base, table, meta, _plan_bytes(plan, device, "image"),
-                               _plan_bytes(plan, device, "mask"), plan.data_start,
-                               error_flag)
+    _, err, _ = ops.bucket_decode(b2, base, table, meta, _plan_bytes(plan, device, "image"),
+                                  _plan_bytes(plan, device, "mask"), plan.data_start,
+                                  error_flag, counts_out=counts_out)
     return err
 
 
@@ -1435,8 +1436,8 @@ def _validate_rows(b2: torch.Tensor, plan: _Plan, template, flat_segs) -> None:
 
 def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
                template: Sequence[LayerPayload], outs: Sequence[torch.Tensor],
-               validate: bool = True, *, error_flag: Optional[torch.Tensor] = None
-               ) -> Optional[torch.Tensor]:
+               validate: bool = True, *, error_flag: Optional[torch.Tensor] = None,
+               counts_out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """Add the decoded values of P ranks' messages into ``outs`` (summed over ranks).
 
     ``buffers``: uint8 [P, nbytes] (allgathered equal-size messages) or a list of P
@@ -1460,6 +1461,11 @@ def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
     a bad (rank, segment) contributes nothing. With ``error_flag=None`` a flag is made
     here and read once at the end (a host sync on CUDA), raising CodecError naming the
     first bad rank and segment.
+
+    ``counts_out`` (contiguous int32 with P x S elements, S the template's segment
+    count, on the messages' device): receives every message's count fields as sent
+    (u32 read as int32, row r = rank r, record order), read from the same bytes on
+    every rank; on the bucket decode's path the check launch writes them.
 
     Returns ``error_flag`` (validate=True: as passed).
     """
@@ -1491,6 +1497,12 @@ def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
                 raise CodecError(f"template segment {s} (layer {sl.layer}): IMPLICIT needs "
                                  f"implicit_indices with capacity {sl.capacity} elements, "
                                  f"got {None if imp is None else tuple(imp.shape)}")
+    if counts_out is not None:
+        if not isinstance(counts_out, torch.Tensor) or counts_out.dtype != torch.int32 or \
+                not counts_out.is_contiguous() or counts_out.numel() != P * len(segs) or \
+                counts_out.device != device:
+            raise CodecError(f"accumulate: counts_out must be a contiguous int32 tensor of "
+                             f"{P} x {len(segs)} elements on {device}")
     own_flag = False
     if validate:
         _validate_rows(b2, plan, template, flat_segs)
@@ -1499,7 +1511,7 @@ def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
             error_flag = torch.zeros(1, dtype=torch.int32, device=device)
             own_flag = True
         if ops.use_triton(flat_outs[0] if flat_outs else None):
-            err = _bucket_accumulate(b2, plan, flat_outs, error_flag, flat_segs)
+            err = _bucket_accumulate(b2, plan, flat_outs, error_flag, flat_segs, counts_out)
             if err is not None:
                 if own_flag:
                     _raise_flag(error_flag, [(s, sl.layer, err[:, s])
@@ -1511,6 +1523,8 @@ def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
                    _plan_bytes(plan, device, "image")).any(1).to(torch.int32) * ERR_HEADER
         row_err = row_hdr
         seg_errs = []
+    if counts_out is not None:
+        _read_counts(b2, len(segs), counts_out)
     for s, (sl, tseg) in enumerate(zip(segs, flat_segs)):
         rec = HEADER_SIZE + RECORD_SIZE * s + _COUNT_OFFSET
         # u32 on the wire, read as int32: a corrupt count >= 2^31 reads negative
@@ -1558,6 +1572,16 @@ def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
         if own_flag:
             _raise_flag(error_flag, seg_errs)
     return error_flag
+
+
+def _read_counts(b2: torch.Tensor, nseg: int, counts_out: torch.Tensor) -> None:
+    """``counts_out`` (int32, P x nseg) <- every row's count fields: one strided copy."""
+    if nseg == 0:
+        return
+    P = b2.shape[0]
+    lo = HEADER_SIZE + _COUNT_OFFSET
+    src = b2[:, lo:lo + RECORD_SIZE * nseg].unflatten(1, (nseg, RECORD_SIZE))[:, :, :4]
+    counts_out.view(P, nseg, 1).view(torch.uint8).copy_(src)
 
 
 def _raise_flag(error_flag: torch.Tensor, seg_errs) -> None:

@@ -464,14 +464,15 @@ def bucket_decode_table(segments):
 
 def bucket_decode(msg: torch.Tensor, out: torch.Tensor, table: torch.Tensor, meta: dict,
                   image: torch.Tensor, mask: torch.Tensor, hdr_bytes: int,
-                  error_flag: torch.Tensor):
+                  error_flag: torch.Tensor, counts_out: Optional[torch.Tensor] = None):
     """Check and scatter-add P encoded messages of one bucket (``msg`` uint8 [P, n],
     rows 8-aligned) into the flat fp32 ``out``: one check launch plus one scatter
     launch per rank and pass (``kernels/bucket_decode.py``); problems are ORed into
     ``error_flag`` (int32, codes of ``hvdsparse.codec.ERROR_CODES``). Triton only (CUDA
     tensors, or ``HVDSPARSE_FORCE_TRITON=1``): the CPU decode is the codec's
-    per-segment path. Returns ``(eff, err)`` int32 [P, S]: the count each (rank,
-    segment) contributed and its error code."""
+    per-segment path. Returns ``(eff, err, raw)`` int32 [P, S]: the count each (rank,
+    segment) contributed, its error code and the count field as received (written into
+    ``counts_out``, contiguous int32 [P, S], when given)."""
     if not use_triton(out):
         raise NotImplementedError("ops.bucket_decode runs on the Triton path only "
                                   "(CUDA tensors or HVDSPARSE_FORCE_TRITON=1)")
@@ -482,8 +483,12 @@ def bucket_decode(msg: torch.Tensor, out: torch.Tensor, table: torch.Tensor, met
         raise ValueError("bucket_decode: out must be a contiguous 1-D fp32 tensor")
     if error_flag.dtype != torch.int32 or error_flag.numel() < 1:
         raise TypeError("error_flag must be an int32 tensor with >= 1 element")
+    if counts_out is not None and (counts_out.dtype != torch.int32 or
+                                   not counts_out.is_contiguous() or
+                                   counts_out.numel() != msg.shape[0] * meta["S"]):
+        raise ValueError("bucket_decode: counts_out must be a contiguous int32 [P, S] tensor")
     return bucket_kernels("decode").decode(msg, out, table, meta, image, mask,
-                                           int(hdr_bytes), error_flag)
+                                           int(hdr_bytes), error_flag, raw=counts_out)
 
 
 def philox_uniform(seed: int, n: int, offset: int = 0, device=None) -> torch.Tensor:

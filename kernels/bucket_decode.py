@@ -33,7 +33,8 @@ check (1 launch, grid ``(P, S)``): program ``(r, s)``
   ``[0, N)`` in slots ``j < c`` -> 1;
 * ``err[r, s]`` = (2 if the count is out of range, else the content code) | header;
   ``eff[r, s]`` = ``c`` if ``err == 0`` else 0 (a bad (rank, segment) adds nothing);
-  ``flag[0] |= err`` (relaxed atomic).
+  ``flag[0] |= err`` (relaxed atomic); ``raw[r, s]`` = ``c`` as received (the cost
+  model's figures: no extra launch to read them).
 
 scatter (1 launch per rank ``r = 0 .. P-1`` and pass, in that order on the stream):
 slot ``j < eff[r, s]`` of segment ``s`` has the element index ``j`` (DENSE), the int32
@@ -85,7 +86,7 @@ def _bc_load(u8, i16, i32, byte_off, k, m, w):
 
 
 @triton.jit
-def _check_kernel(u8, i16, i32, img, msk, tab, cum, eff, err, flag, row_bytes, hdr_bytes,
+def _check_kernel(u8, i16, i32, img, msk, tab, cum, eff, err, raw, flag, row_bytes, hdr_bytes,
                   S, nbins_total, W: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1).to(tl.int64)
@@ -163,6 +164,7 @@ def _check_kernel(u8, i16, i32, img, msk, tab, cum, eff, err, flag, row_bytes, h
     content = tl.where(is_imp, (tl.max(ib, axis=0) != 0).to(tl.int32), content)
     e = tl.where(c_bad, 2, content) | hdr
     tl.store(err + r * S + s, e)
+    tl.store(raw + r * S + s, c.to(tl.int32))
     tl.store(eff + r * S + s, tl.where(e == 0, c, 0).to(tl.int32))
     tl.atomic_or(flag, e, mask=e != 0, sem="relaxed")
 
@@ -284,13 +286,14 @@ def build_table(segs, block: int = BLOCK):
 
 
 def decode(msg, out, table, meta, image, mask, hdr_bytes, flag, eff=None, err=None,
-           cum=None):
+           cum=None, raw=None):
     """Check + scatter-add the P messages ``msg`` (uint8 [P, n]) into ``out`` (fp32,
     1-D). ``table``: the device int64 copy of :func:`build_table`'s array; ``image`` /
     ``mask``: uint8 [hdr_bytes] (the expected header + records with counts 0, and 0xFF
     except 0 on the count fields); ``flag``: int32 [>= 1]. Scratch (``eff``, ``err``
-    int32 [P, S], ``cum`` int32 [P, nbins]) is made here unless passed. Returns
-    ``(eff, err)``: per (rank, segment) the count used and the error code."""
+    int32 [P, S], ``cum`` int32 [P, nbins]) is made here unless passed, and so is
+    ``raw`` (int32 [P, S]: every count field as received). Returns ``(eff, err, raw)``:
+    per (rank, segment) the count used, the error code and the count received."""
     P = msg.shape[0]
     S, nblk, nbins, block = meta["S"], meta["nblk"], meta["nbins"], meta["block"]
     dev = msg.device
@@ -300,8 +303,10 @@ def decode(msg, out, table, meta, image, mask, hdr_bytes, flag, eff=None, err=No
         err = torch.empty((P, max(S, 1)), dtype=torch.int32, device=dev)
     if cum is None:
         cum = torch.empty((P, max(nbins, 1)), dtype=torch.int32, device=dev)
+    if raw is None:
+        raw = torch.empty((P, max(S, 1)), dtype=torch.int32, device=dev)
     if P == 0 or S == 0:
-        return eff, err
+        return eff, err, raw
     tab = table[:S * W]
     bseg = table[S * W:S * W + nblk]
     bj0 = table[S * W + nblk:S * W + 2 * nblk]
@@ -309,7 +314,7 @@ def decode(msg, out, table, meta, image, mask, hdr_bytes, flag, eff=None, err=No
     i16, i32 = msg.view(torch.int16), msg.view(torch.int32)
     f32, f16, bf16 = msg.view(torch.float32), msg.view(torch.float16), \
         msg.view(torch.bfloat16)
-    _check_kernel[(P, S)](msg, i16, i32, image, mask, tab, cum, eff, err, flag, row_bytes,
+    _check_kernel[(P, S)](msg, i16, i32, image, mask, tab, cum, eff, err, raw, flag, row_bytes,
                           hdr_bytes, S, max(nbins, 1), W=W, BLOCK=block, num_warps=4)
     for start, n in meta["passes"]:
         if n == 0:
@@ -318,4 +323,4 @@ def decode(msg, out, table, meta, image, mask, hdr_bytes, flag, eff=None, err=No
             _scatter_kernel[(n,)](out, msg, i16, i32, f32, f16, bf16, tab, bseg, bj0, cum,
                                   eff, flag, r, start, row_bytes, S, max(nbins, 1),
                                   W=W, BLOCK=block, num_warps=4)
-    return eff, err
+    return eff, err, raw

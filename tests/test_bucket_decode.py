@@ -9,7 +9,8 @@ poisoned with random values first (accumulate adds into it). Both decodes must g
 same output bits and the same error flag, on valid messages and on corrupted ones
 (random byte flips anywhere in a row; targeted: a count above capacity or negative, a
 bin count out of range, a relative index past its bin, an INT32 index past numel, a
-header field, an IMPLICIT index of the receiver's own template outside its layer), and the same CodecError when accumulate owns the flag. Valid messages are
+header field, an IMPLICIT index of the receiver's own template outside its layer), and
+the same count fields read back for the cost model (``counts_out``), and the same CodecError when accumulate owns the flag. Valid messages are
 also checked against the plain numpy reference of tests/workers/allgather_worker.py.
 """
 from __future__ import annotations
@@ -151,13 +152,21 @@ def _run(monkeypatch, rows, template, poison, bucket: bool, own_flag: bool = Fal
             outs.append(flat[pos:pos + p.numel])
             pos += p.numel
         flag = None if own_flag else torch.zeros(1, dtype=torch.int32)
+        nseg = sum(len(p.segments) for p in template)
+        counts = torch.full((rows.shape[0], nseg), -7, dtype=torch.int32)
         exc = None
         try:
-            codec.accumulate(rows, template, outs, validate=False, error_flag=flag)
+            codec.accumulate(rows, template, outs, validate=False, error_flag=flag,
+                             counts_out=counts)
         except codec.CodecError as e:
             exc = str(e)
     if bucket:
         assert calls == [True], "the bucket decode was not used"
+    if exc is None:
+        # the count fields as received, read independently with struct
+        exp = [[struct.unpack_from("<i", rows[r].numpy(), H + R * s + 16)[0]
+                for s in range(nseg)] for r in range(rows.shape[0])]
+        assert counts.tolist() == exp
     return flat, (None if flag is None else int(flag[0])), exc
 
 

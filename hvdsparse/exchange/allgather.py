@@ -3,14 +3,15 @@
 Each rank encodes its bucket (:func:`codec.encode`, fixed length for the bucket at a
 given step on every rank), Horovod concatenates the P messages (``[P * nbytes]``) and
 every rank decodes all P and scatter-adds them into the flat fp32 sum
-(:func:`codec.accumulate`, one fused decode + scatter-add per segment over all P).
+(:func:`codec.accumulate`: on the CUDA path one check launch for the bucket plus one
+scatter-add launch per rank, ``kernels/bucket_decode.py``).
 
 Bytes per rank (ring allgather): sent = received = ``(P-1) * nbytes``.
 
 No host synchronisation: the encode buffer and the flat sum are reused per bucket
-(:class:`.base.BufferPool`); the cost model's figures (sum of the P ranks' ``count``
-fields, read from the gathered bytes, so identical on every rank) stay on the device
-and reach the host through :class:`.base.DeferredFigures`.
+(:class:`.base.BufferPool`); the cost model's figures (the P ranks' ``count`` fields,
+read from the gathered bytes by the decode, so identical on every rank) stay on the
+device, reach the host through :class:`.base.DeferredFigures` and are summed there.
 """
 from __future__ import annotations
 
@@ -22,12 +23,11 @@ from .. import codec
 from .base import BucketSpec, ExchangeContext, Pending
 
 NAME = "allgather"
-_COUNT_FIELD = 16   # offset of the u32 count inside a codec segment record
 
 
-def _count_byte_offsets(nseg: int):
-    return [codec.HEADER_SIZE + codec.RECORD_SIZE * s + _COUNT_FIELD + b
-            for s in range(nseg) for b in range(4)]
+def _figures(total: int, P: int, N: int) -> dict:
+    """The cost model's figures from the sum of the P ranks' count fields."""
+    return dict(pairs=float(total) / P, reduced=int(min(N, max(0, total))))
 
 
 class AllgatherPending(Pending):
@@ -46,18 +46,19 @@ class AllgatherPending(Pending):
         rows = gathered.view(P, nbytes)
         flat = self.ctx.buffer("allgather.sum", self.spec.bucket_id, self.spec.numel,
                                torch.float32, rows.device).zero_()
+        nseg = sum(len(p.segments) for p in self.payloads)
+        counts = None
+        if self.ctx.want_figures and nseg:
+            # every rank's count fields, read from the gathered bytes (identical on every
+            # rank) by the decode itself; summed on the host when read back
+            counts = self.ctx.buffer("allgather.counts", self.spec.bucket_id, P * nseg,
+                                     torch.int32, rows.device)
         codec.accumulate(rows, self.payloads, self.spec.views(flat), validate=self.ctx.validate,
-                         error_flag=None if self.ctx.validate else self.ctx.error_flag)
-        if self.ctx.want_figures:
-            nseg = sum(len(p.segments) for p in self.payloads)
-            if nseg:
-                offs = self.ctx.pool().const_index(_count_byte_offsets(nseg), rows.device)
-                # integers read from the gathered bytes: identical on every rank
-                counts = rows.index_select(1, offs).contiguous().view(torch.int32)
-                total = counts.to(torch.int64).sum().reshape(1)
-                N = self.spec.numel
-                self._defer_figures(total, lambda v, P=P, N=N: dict(
-                    pairs=float(v[0]) / P, reduced=int(min(N, max(0, v[0])))))
+                         error_flag=None if self.ctx.validate else self.ctx.error_flag,
+                         counts_out=counts)
+        if counts is not None:
+            N = self.spec.numel
+            self._defer_figures(counts, lambda v, P=P, N=N: _figures(sum(v), P, N))
         self.decode_s += time.perf_counter() - t1
         self.wait_s += t1 - t0
         self.result = flat

@@ -43,8 +43,8 @@ import torch
 
 from . import native
 from .payload import to_wire_float
-from .philox import (_check_pos_int, _check_seed, _par_ranges, _par_run,  # noqa: F401
-                     _philox_parallel, _philox_scratch, _PHILOX_CHUNK, _PHILOX_PAR_MIN,
+from .philox import (check_pos_int, check_seed, par_ranges, par_run,  # noqa: F401
+                     philox_parallel, philox_scratch, PHILOX_CHUNK, PHILOX_PAR_MIN,
                      philox_uint32, philox_uniform, uniform_block)
 
 __all__ = [
@@ -60,7 +60,7 @@ __all__ = [
 VE_FP32, VE_FP16, VE_BF16, VE_SIGN1 = 0, 1, 2, 6
 _FLOAT_VE = {VE_FP32: torch.float32, VE_FP16: torch.float16, VE_BF16: torch.bfloat16}
 QUANT_BITS_ALLOWED = (8, 4, 2)
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 #: elements per chunk of the CPU path (1 MiB of fp32: stays in L2/L3; the per-op
 #: dispatch overhead of smaller chunks costs more than the cache misses it saves)
@@ -88,7 +88,7 @@ def _chunk_scratch(m: int):
 # --------------------------------------------------------------------------------------
 
 
-def _check_1d(name: str, t, dtypes=None) -> None:
+def check_1d(name: str, t, dtypes=None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != 1:
@@ -99,7 +99,7 @@ def _check_1d(name: str, t, dtypes=None) -> None:
         raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
 
 
-def _check_bits(bits) -> int:
+def check_bits(bits) -> int:
     if bits not in QUANT_BITS_ALLOWED:
         raise ValueError(f"bits must be one of {QUANT_BITS_ALLOWED}, got {bits!r}")
     return int(bits)
@@ -114,7 +114,7 @@ def _value_encoding(ve) -> int:
     return v
 
 
-def _scalar_tensor(name: str, x, device) -> torch.Tensor:
+def scalar_tensor(name: str, x, device) -> torch.Tensor:
     """fp32 0-d/1-element tensor from a float or tensor (no host sync for tensors)."""
     if isinstance(x, torch.Tensor):
         if x.numel() != 1:
@@ -145,24 +145,24 @@ def _count_value(name: str, count, n: int) -> int:
 # --------------------------------------------------------------------------------------
 
 
-def _check_residual_args(grad, residual, bin_size, out, grad_scale, nonfinite):
+def check_residual_args(grad, residual, bin_size, out, grad_scale, nonfinite):
     """Validation shared by the CPU path and ops (kernels): returns (n, L, nbins)."""
-    _check_1d("grad", grad, _FLOAT_DTYPES)
-    _check_1d("residual", residual, (torch.float32,))
+    check_1d("grad", grad, FLOAT_INPUT_DTYPES)
+    check_1d("residual", residual, (torch.float32,))
     if grad.numel() != residual.numel():
         raise ValueError(f"grad has {grad.numel()} elements but residual has {residual.numel()}")
     if grad.device != residual.device:
         raise ValueError(f"grad is on {grad.device} but residual is on {residual.device}")
-    L = _check_pos_int("bin_size", bin_size)
+    L = check_pos_int("bin_size", bin_size)
     n = residual.numel()
     nbins = -(-n // L)
     if out is not None:
-        _check_1d("out", out, (torch.float32,))
+        check_1d("out", out, (torch.float32,))
         if out.numel() != nbins:
             raise ValueError(f"out must have {nbins} elements, got {out.numel()}")
         if out.device != residual.device:
             raise ValueError(f"out is on {out.device} but residual is on {residual.device}")
-    _check_grad_scale(grad_scale, residual.device)
+    check_grad_scale(grad_scale, residual.device)
     _check_nonfinite(nonfinite, "residual", residual.device)
     return n, L, nbins
 
@@ -180,10 +180,10 @@ def _check_nonfinite(nonfinite, what: str, device) -> None:
         raise ValueError(f"nonfinite is on {nonfinite.device} but {what} is on {device}")
 
 
-def _check_clean_args(grad, grad_scale, nonfinite):
+def check_clean_args(grad, grad_scale, nonfinite):
     """Validation shared by :func:`clean_grad` and ops (kernel)."""
-    _check_1d("grad", grad, _FLOAT_DTYPES)
-    _check_grad_scale(grad_scale, grad.device)
+    check_1d("grad", grad, FLOAT_INPUT_DTYPES)
+    check_grad_scale(grad_scale, grad.device)
     _check_nonfinite(nonfinite, "grad", grad.device)
 
 
@@ -193,7 +193,7 @@ def clean_grad(grad: torch.Tensor, *, grad_scale: Optional[torch.Tensor] = None,
     tensor; -0.0 stays -0.0) and adds ``#non-finite(d)`` to ``nonfinite[0]`` -- the
     residual add's rule (:func:`residual_add_binmax`) for gradients that go elsewhere.
     Torch ops (any device, no host sync); the Triton kernel is ``kernels/clean.py``."""
-    _check_clean_args(grad, grad_scale, nonfinite)
+    check_clean_args(grad, grad_scale, nonfinite)
     d = grad.float() if grad_scale is None else grad.float() * grad_scale.reshape(1)
     fin = torch.isfinite(d)
     if nonfinite is not None:
@@ -201,7 +201,7 @@ def clean_grad(grad: torch.Tensor, *, grad_scale: Optional[torch.Tensor] = None,
     return torch.where(fin, d, torch.zeros((), dtype=torch.float32, device=d.device))
 
 
-def _check_zero_slots_args(flat, positions, count):
+def check_zero_slots_args(flat, positions, count):
     """Validation shared by :func:`zero_slots` and ops (kernel)."""
     if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError("zero_slots: flat must be a contiguous 1-D tensor")
@@ -223,7 +223,7 @@ def zero_slots(flat: torch.Tensor, positions: torch.Tensor, count: torch.Tensor)
     are pointed at slot 0's position and write what is there (0 when ``count > 0``:
     slot 0 is then a sent one; its old value otherwise). An out-of-range position of a
     sent slot raises (index_put_). The Triton kernel is ``kernels/masking.py``."""
-    _check_zero_slots_args(flat, positions, count)
+    check_zero_slots_args(flat, positions, count)
     C = positions.numel()
     if C == 0 or flat.numel() == 0:
         return
@@ -248,7 +248,7 @@ def zero_slots(flat: torch.Tensor, positions: torch.Tensor, count: torch.Tensor)
     flat.index_put_((target,), fill.expand(C))
 
 
-def _check_grad_scale(grad_scale, device) -> None:
+def check_grad_scale(grad_scale, device) -> None:
     if grad_scale is None:
         return
     if not isinstance(grad_scale, torch.Tensor) or grad_scale.numel() != 1 \
@@ -289,7 +289,7 @@ def residual_add(grad: torch.Tensor, residual: torch.Tensor, *,
     (TopK, Threshold, RandomK, QSGD): the same residual bits and non-finite count, one
     pass fewer over the layer (no ``|residual|`` and max per chunk)."""
     L = min(max(residual.numel(), 1), _CHUNK)       # one "bin" per chunk: never read
-    _check_residual_args(grad, residual, L, None, grad_scale, nonfinite)
+    check_residual_args(grad, residual, L, None, grad_scale, nonfinite)
     _residual_add(grad, residual, L, None, grad_scale, nonfinite, want_binmax=False)
 
 
@@ -307,7 +307,7 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
     update (last bin partial; NaN where the bin holds a NaN, like ``torch.amax``).
     ``out`` optionally receives binmax. Same math as ``kernels/residual.py``.
     """
-    _, _, nbins = _check_residual_args(grad, residual, bin_size, out, grad_scale, nonfinite)
+    _, _, nbins = check_residual_args(grad, residual, bin_size, out, grad_scale, nonfinite)
     if out is None:
         out = torch.empty(nbins, dtype=torch.float32, device=residual.device)
     return _residual_add(grad, residual, bin_size, out, grad_scale, nonfinite,
@@ -372,7 +372,7 @@ def _residual_add(grad, residual, L, out, grad_scale, nonfinite, want_binmax: bo
                     with lock:
                         bad[0] += nb
 
-            _par_run(work, _par_ranges(n, ch, max(ch, _CHUNK_PAR_MIN)))
+            par_run(work, par_ranges(n, ch, max(ch, _CHUNK_PAR_MIN)))
         else:
             tmp = torch.empty(min(ch, n), dtype=torch.float32, device=residual.device)
             for st in range(0, n, ch):
@@ -423,7 +423,7 @@ def count_abs_ge(x: torch.Tensor, threshold: torch.Tensor, same_as=None) -> torc
     ``same_as = (t_prev, c_prev)``: when ``t == t_prev`` (both read on the host: CPU
     tensors) the count is ``c_prev`` and no pass is made -- the count of an unchanged
     threshold cannot change."""
-    _check_1d("x", x, (torch.float32,))
+    check_1d("x", x, (torch.float32,))
     t32 = np.float32(threshold.detach().reshape(-1).numpy()[0])
     if same_as is not None:
         tp, cp = same_as
@@ -446,7 +446,7 @@ def count_abs_ge(x: torch.Tensor, threshold: torch.Tensor, same_as=None) -> torc
             counts.append(c)
 
     if n:
-        _par_run(work, _par_ranges(n, _COUNT_CHUNK, max(_COUNT_CHUNK, _CHUNK_PAR_MIN)))
+        par_run(work, par_ranges(n, _COUNT_CHUNK, max(_COUNT_CHUNK, _CHUNK_PAR_MIN)))
     # exact: a count < 2**24 is an fp32 integer, larger ones round once (as .float())
     return torch.tensor(float(sum(counts)), dtype=torch.float32)
 
@@ -472,8 +472,8 @@ def binned_select(acc: torch.Tensor, grad: torch.Tensor, h_scale: float,
     padding slots hold index 0; ``selected`` counts every passing element (before the
     per-bin cap). One chunked numpy pass (no full-size temporary) plus a sort of the
     passing elements only."""
-    _check_1d("acc", acc, (torch.float32,))
-    _check_1d("grad", grad, _FLOAT_DTYPES)
+    check_1d("acc", acc, (torch.float32,))
+    check_1d("grad", grad, FLOAT_INPUT_DTYPES)
     n = acc.numel()
     L = int(bin_size)
     nb = -(-n // L)
@@ -573,11 +573,11 @@ def binned_select(acc: torch.Tensor, grad: torch.Tensor, h_scale: float,
 # --------------------------------------------------------------------------------------
 
 
-def _check_select_args(acc, threshold, capacity, bin_size, grad, value_encoding, sign_scale):
-    _check_1d("acc", acc, (torch.float32,))
+def check_select_args(acc, threshold, capacity, bin_size, grad, value_encoding, sign_scale):
+    check_1d("acc", acc, (torch.float32,))
     n = acc.numel()
     _check_index_width("acc", n)
-    capacity = _check_pos_int("capacity", capacity, 0)
+    capacity = check_pos_int("capacity", capacity, 0)
     if not isinstance(threshold, torch.Tensor):
         if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
             threshold = torch.tensor(float(threshold), dtype=torch.float32, device=acc.device)
@@ -589,9 +589,9 @@ def _check_select_args(acc, threshold, capacity, bin_size, grad, value_encoding,
         raise ValueError(f"threshold is on {threshold.device} but acc is on {acc.device}")
     per_bin = threshold.dim() > 0 and bin_size
     if per_bin:
-        L = _check_pos_int("bin_size", bin_size)
+        L = check_pos_int("bin_size", bin_size)
         nbins = -(-n // L)
-        _check_1d("threshold", threshold)
+        check_1d("threshold", threshold)
         if threshold.numel() != nbins:
             raise ValueError(f"per-bin threshold must have ceil(n / bin_size) = {nbins} "
                              f"elements, got {threshold.numel()}")
@@ -602,7 +602,7 @@ def _check_select_args(acc, threshold, capacity, bin_size, grad, value_encoding,
         threshold = threshold.reshape(())
         L = 0
     if grad is not None:
-        _check_1d("grad", grad, _FLOAT_DTYPES)
+        check_1d("grad", grad, FLOAT_INPUT_DTYPES)
         if grad.numel() != n:
             raise ValueError(f"grad has {grad.numel()} elements but acc has {n}")
         if grad.device != acc.device:
@@ -611,11 +611,11 @@ def _check_select_args(acc, threshold, capacity, bin_size, grad, value_encoding,
     if ve == VE_SIGN1:
         if sign_scale is None:
             raise ValueError("sign_scale is required for value_encoding SIGN1")
-        sign_scale = _scalar_tensor("sign_scale", sign_scale, acc.device)
+        sign_scale = scalar_tensor("sign_scale", sign_scale, acc.device)
     return n, threshold, capacity, L, ve, sign_scale
 
 
-def _alloc_select_out(out, capacity, ve, device):
+def alloc_select_out(out, capacity, ve, device):
     vbytes = -(-capacity // 8)
     if out is None:
         indices = torch.zeros(capacity, dtype=torch.int32, device=device)
@@ -626,19 +626,19 @@ def _alloc_select_out(out, capacity, ve, device):
         count = torch.zeros(2, dtype=torch.int32, device=device)
         return indices, values, count
     indices, values, count = out
-    _check_1d("out indices", indices, (torch.int32,))
+    check_1d("out indices", indices, (torch.int32,))
     if indices.numel() != capacity:
         raise ValueError(f"out indices must have capacity={capacity} elements, got {indices.numel()}")
     if ve == VE_SIGN1:
-        _check_1d("out values", values, (torch.uint8,))
+        check_1d("out values", values, (torch.uint8,))
         if values.numel() != vbytes:
             raise ValueError(f"out values (SIGN1) must have ceil(capacity/8)={vbytes} bytes, "
                              f"got {values.numel()}")
     else:
-        _check_1d("out values", values, (_FLOAT_VE[ve],))
+        check_1d("out values", values, (_FLOAT_VE[ve],))
         if values.numel() != capacity:
             raise ValueError(f"out values must have capacity={capacity} elements, got {values.numel()}")
-    _check_1d("out count", count, (torch.int32,))
+    check_1d("out count", count, (torch.int32,))
     if count.numel() != 2:
         raise ValueError(f"out count must be int32[2], got {count.numel()} elements")
     return indices, values, count
@@ -711,7 +711,7 @@ def _select_compact_np(acc, thr, capacity, L, ch, grad, use_h, hm1, ve, sscale,
     if use_h and gn_all is None:
         ranges = [(0, n)]
     else:
-        ranges = _par_ranges(n, ch, max(ch, _CHUNK_PAR_MIN))
+        ranges = par_ranges(n, ch, max(ch, _CHUNK_PAR_MIN))
     found = [None] * len(ranges)      # per range: (count, [(chunk start, local idx), ...])
 
     def phase1(i, s0, e0):
@@ -752,7 +752,7 @@ def _select_compact_np(acc, thr, capacity, L, ch, grad, use_h, hm1, ve, sscale,
             cnt += k
         found[i] = (cnt, keep)
 
-    _par_run(phase1, [(i, s0, e0) for i, (s0, e0) in enumerate(ranges)])
+    par_run(phase1, [(i, s0, e0) for i, (s0, e0) in enumerate(ranges)])
     # exclusive prefix: output offset and number sent of each range
     plan = []
     total = 0
@@ -796,7 +796,7 @@ def _select_compact_np(acc, thr, capacity, L, ch, grad, use_h, hm1, ve, sscale,
             quota -= k
         signs[i] = negs
 
-    _par_run(phase2, [(i,) for i in range(len(ranges)) if plan[i][1] > 0])
+    par_run(phase2, [(i,) for i in range(len(ranges)) if plan[i][1] > 0])
     if ve == VE_SIGN1 and sent:
         bits = np.concatenate([x for negs in signs if negs for x in negs])
         values[: -(-sent // 8)] = pack_bits(torch.from_numpy(bits).to(torch.uint8), 1)
@@ -848,10 +848,10 @@ def select_compact(acc: torch.Tensor, threshold, capacity: int, *, bin_size: int
     ``acc - (+-sign_scale)`` for SIGN1); every other element is unchanged.
     ``out`` = optional preallocated ``(indices, values, count)``.
     """
-    n, thr, capacity, L, ve, sscale = _check_select_args(
+    n, thr, capacity, L, ve, sscale = check_select_args(
         acc, threshold, capacity, bin_size, grad, value_encoding, sign_scale)
-    _check_grad_scale(grad_scale, acc.device)
-    indices, values, count = _alloc_select_out(out, capacity, ve, acc.device)
+    check_grad_scale(grad_scale, acc.device)
+    indices, values, count = alloc_select_out(out, capacity, ve, acc.device)
     hm1 = float(h_scale) - 1.0
     use_h = grad is not None and hm1 != 0.0
     if use_h and grad_scale is not None:
@@ -926,7 +926,7 @@ def _q_parallel(n: int, B: int, bits: int, work) -> None:
     whole :func:`_q_block_len` blocks (each piece starts on a bucket and a code byte),
     one per thread (:func:`hvdsparse.philox._philox_parallel`)."""
     L = _q_block_len(B, bits)
-    _philox_parallel(n, work, align=L, min_per=max(L, _PHILOX_PAR_MIN))
+    philox_parallel(n, work, align=L, min_per=max(L, PHILOX_PAR_MIN))
 
 
 def _quantize_pack_np(v: np.ndarray, c: int, bits: int, B: int, seed: int,
@@ -941,7 +941,7 @@ def _quantize_pack_np(v: np.ndarray, c: int, bits: int, B: int, seed: int,
     fs = np.float32(s)
 
     def work(s0, e0):
-        scratch = _philox_scratch()
+        scratch = philox_scratch()
         a = np.empty(L, np.float32)       # |v| -> r -> r - floor(r)
         fl = np.empty(L, np.float32)      # floor(r) -> q
         u = np.empty(L, np.float32)
@@ -975,8 +975,8 @@ def _quantize_pack_np(v: np.ndarray, c: int, bits: int, B: int, seed: int,
                 A = A[:m]
                 # u = tl.rand(seed, j)
                 U = u[:m]
-                for ps in range(0, m, _PHILOX_CHUNK):
-                    uniform_block(seed, bs + ps, U[ps:min(ps + _PHILOX_CHUNK, m)], scratch)
+                for ps in range(0, m, PHILOX_CHUNK):
+                    uniform_block(seed, bs + ps, U[ps:min(ps + PHILOX_CHUNK, m)], scratch)
                 # q = sign(v) * min(s, floor(r) + (u < r - floor(r)))
                 F = fl[:m]
                 np.floor(A, out=F)
@@ -1025,10 +1025,10 @@ def quantize_pack(values: torch.Tensor, bits: int, bucket_size: int, seed: int,
     Returns ``(codes uint8[ceil(n*bits/8)], scales fp32[ceil(n / bucket_size)])``.
     On the CPU this runs in numpy, in cache-sized blocks of whole buckets (and threads).
     """
-    _check_1d("values", values, _FLOAT_DTYPES)
-    bits = _check_bits(bits)
-    B = _check_pos_int("bucket_size", bucket_size)
-    seed = _check_seed(seed)
+    check_1d("values", values, FLOAT_INPUT_DTYPES)
+    bits = check_bits(bits)
+    B = check_pos_int("bucket_size", bucket_size)
+    seed = check_seed(seed)
     n = values.numel()
     c = _count_value("count", count, n)
     if values.device.type != "cpu" or not _USE_NUMPY:
@@ -1122,11 +1122,11 @@ def dequantize_unpack(codes: torch.Tensor, scales: torch.Tensor, bits: int,
     """Inverse map of :func:`quantize_pack`: fp32[n] with
     ``v[j] = fp32(fp32(q_j * scale[j // bucket_size]) / s)``, ``q_j = code_j - 2**(bits-1)``.
     """
-    _check_1d("codes", codes, (torch.uint8,))
-    _check_1d("scales", scales, (torch.float32,))
-    bits = _check_bits(bits)
-    B = _check_pos_int("bucket_size", bucket_size)
-    n = _check_pos_int("n", n, 0)
+    check_1d("codes", codes, (torch.uint8,))
+    check_1d("scales", scales, (torch.float32,))
+    bits = check_bits(bits)
+    B = check_pos_int("bucket_size", bucket_size)
+    n = check_pos_int("n", n, 0)
     if codes.numel() < -(-n * bits // 8):
         raise ValueError(f"codes has {codes.numel()} bytes, needs ceil(n*bits/8) = "
                          f"{-(-n * bits // 8)} for n={n}, bits={bits}")
@@ -1151,11 +1151,11 @@ def dequantize_unpack(codes: torch.Tensor, scales: torch.Tensor, bits: int,
 
 def sign_unpack(bits_u8: torch.Tensor, scale, n: int) -> torch.Tensor:
     """fp32[n]: ``-scale`` where bit j (bit j%8 of byte j//8) is 1, ``+scale`` otherwise."""
-    _check_1d("bits_u8", bits_u8, (torch.uint8,))
-    n = _check_pos_int("n", n, 0)
+    check_1d("bits_u8", bits_u8, (torch.uint8,))
+    n = check_pos_int("n", n, 0)
     if bits_u8.numel() < -(-n // 8):
         raise ValueError(f"bits_u8 has {bits_u8.numel()} bytes, needs ceil(n/8) = {-(-n // 8)}")
-    sc = _scalar_tensor("scale", scale, bits_u8.device)
+    sc = scalar_tensor("scale", scale, bits_u8.device)
     b = unpack_bits(bits_u8[: -(-n // 8)], 1, n)
     return torch.where(b.bool(), -sc, sc)
 
@@ -1182,9 +1182,9 @@ def _as_2d(name: str, t: Optional[torch.Tensor], P: int, batched: bool):
     return t
 
 
-def _check_scatter_args(dense, indices, count, values, codes, scales, bits, bucket_size,
+def check_scatter_args(dense, indices, count, values, codes, scales, bits, bucket_size,
                         signs, sign_scale):
-    _check_1d("dense", dense, (torch.float32,))
+    check_1d("dense", dense, (torch.float32,))
     if not isinstance(indices, torch.Tensor) or indices.dim() not in (1, 2):
         raise ValueError("indices must be a 1-D [cap] or 2-D [P, cap] tensor")
     if indices.dtype not in (torch.int32, torch.int64):
@@ -1201,15 +1201,15 @@ def _check_scatter_args(dense, indices, count, values, codes, scales, bits, buck
                          "must be given")
     vals = _as_2d("values", values, P, batched)
     if vals is not None:
-        if vals.dtype not in _FLOAT_DTYPES:
+        if vals.dtype not in FLOAT_INPUT_DTYPES:
             raise TypeError(f"values must be fp32/fp16/bf16, got {vals.dtype}")
         if vals.shape[1] < cap:
             raise ValueError(f"values must have >= cap={cap} columns, got {vals.shape[1]}")
     cds = _as_2d("codes", codes, P, batched)
     scl = None
     if cds is not None:
-        bits = _check_bits(bits)
-        bucket_size = _check_pos_int("bucket_size", bucket_size)
+        bits = check_bits(bits)
+        bucket_size = check_pos_int("bucket_size", bucket_size)
         if cds.dtype != torch.uint8:
             raise TypeError(f"codes must be uint8, got {cds.dtype}")
         if cds.shape[1] < -(-cap * bits // 8):
@@ -1277,7 +1277,7 @@ def scatter_add_decode(dense: torch.Tensor, indices: torch.Tensor, count: torch.
     outside [0, cap]; nothing is written in either case. Returns ``error_flag`` unchanged
     (the CPU path never sets it; errors raise instead).
     """
-    ind, P, cap, cnt, vals, cds, scl, bits, B, sgn, ssc = _check_scatter_args(
+    ind, P, cap, cnt, vals, cds, scl, bits, B, sgn, ssc = check_scatter_args(
         dense, indices, count, values, codes, scales, bits, bucket_size, signs, sign_scale)
     N = dense.numel()
     counts = cnt[:, 0].tolist()
@@ -1347,12 +1347,12 @@ def dense_add_decode(dense: torch.Tensor, count: torch.Tensor, capacity: int,
     cnt = count.reshape(rows.shape[0], -1) if isinstance(count, torch.Tensor) else None
     if cnt is None or cnt.shape[1] < 1 or cnt.dtype not in (torch.int32, torch.int64):
         raise ValueError("count must be an int32 tensor [P, >=1]")
-    cap = _check_pos_int("capacity", capacity, 0)
+    cap = check_pos_int("capacity", capacity, 0)
     if values is not None:
         have = values.shape[1]
     else:
-        bits = _check_bits(bits)
-        bucket_size = _check_pos_int("bucket_size", bucket_size)
+        bits = check_bits(bits)
+        bucket_size = check_pos_int("bucket_size", bucket_size)
         have = codes.shape[1] * 8 // bits
         if not isinstance(scales, torch.Tensor) or scales.dim() != 2 or \
                 scales.shape[0] != codes.shape[0] or scales.shape[1] < -(-cap // bucket_size):

@@ -165,7 +165,7 @@ def residual_add_binmax(grad: torch.Tensor, residual: torch.Tensor, bin_size: in
     if not use_triton(residual):
         return _ref.residual_add_binmax(grad, residual, bin_size, out=out,
                                         grad_scale=grad_scale, nonfinite=nonfinite)
-    _ref._check_residual_args(grad, residual, bin_size, out, grad_scale, nonfinite)
+    _ref.check_residual_args(grad, residual, bin_size, out, grad_scale, nonfinite)
     return _kernels().residual_add_binmax(grad, residual, bin_size, out=out,
                                           grad_scale=grad_scale, nonfinite=nonfinite)
 
@@ -178,7 +178,7 @@ def clean_grad(grad: torch.Tensor, *, grad_scale: Optional[torch.Tensor] = None,
     of ~8 device ops; elsewhere torch ops. No host sync on either."""
     if not use_triton(grad):
         return _ref.clean_grad(grad, grad_scale=grad_scale, nonfinite=nonfinite)
-    _ref._check_clean_args(grad, grad_scale, nonfinite)
+    _ref.check_clean_args(grad, grad_scale, nonfinite)
     return _kernels().clean_grad(grad.contiguous(), grad_scale=grad_scale,
                                  nonfinite=nonfinite)
 
@@ -190,7 +190,7 @@ def zero_slots(flat: torch.Tensor, positions: torch.Tensor, count: torch.Tensor)
     if not use_triton(flat):
         _ref.zero_slots(flat, positions, count)
         return
-    _ref._check_zero_slots_args(flat, positions, count)
+    _ref.check_zero_slots_args(flat, positions, count)
     _kernels().zero_slots(flat, positions.contiguous(), count.reshape(1))
 
 
@@ -326,7 +326,7 @@ def binned_pack(acc, grad, h_scale, threshold, bin_size, c, scale, grad_scale=No
         raise ValueError(f"binned_pack: c must be an int in [1, {L}], got {c!r}")
     if n >= 2**31:
         raise ValueError(f"binned_pack: acc has {n} elements (int32 slot counts)")
-    _ref._check_grad_scale(grad_scale, acc.device)
+    _ref.check_grad_scale(grad_scale, acc.device)
     return _kernels().binned_pack(acc, grad.reshape(-1).contiguous(), h_scale,
                                   threshold.contiguous(), L, c, scale,
                                   grad_scale=grad_scale)
@@ -356,10 +356,10 @@ def select_compact(acc: torch.Tensor, threshold, capacity: int, *, bin_size: int
         return _ref.select_compact(acc, threshold, capacity, bin_size=bin_size, grad=grad,
                                    h_scale=h_scale, value_encoding=value_encoding,
                                    sign_scale=sign_scale, out=out, grad_scale=grad_scale)
-    n, thr, capacity, L, ve, sscale = _ref._check_select_args(
+    n, thr, capacity, L, ve, sscale = _ref.check_select_args(
         acc, threshold, capacity, bin_size, grad, value_encoding, sign_scale)
-    _ref._check_grad_scale(grad_scale, acc.device)
-    out = _ref._alloc_select_out(out, capacity, ve, acc.device) if out is not None else None
+    _ref.check_grad_scale(grad_scale, acc.device)
+    out = _ref.alloc_select_out(out, capacity, ve, acc.device) if out is not None else None
     return _kernels().select_compact(acc, thr, capacity, bin_size=L, grad=grad,
                                      h_scale=float(h_scale), value_encoding=ve,
                                      sign_scale=sscale, out=out, grad_scale=grad_scale)
@@ -369,10 +369,10 @@ def quantize_pack(values: torch.Tensor, bits: int, bucket_size: int, seed: int, 
     """See :func:`hvdsparse.cpu.quantize_pack`."""
     if not use_triton(values):
         return _ref.quantize_pack(values, bits, bucket_size, seed, count)
-    _ref._check_1d("values", values, _ref._FLOAT_DTYPES)
-    _ref._check_bits(bits)
-    _ref._check_pos_int("bucket_size", bucket_size)
-    _ref._check_seed(seed)
+    _ref.check_1d("values", values, _ref.FLOAT_INPUT_DTYPES)
+    _ref.check_bits(bits)
+    _ref.check_pos_int("bucket_size", bucket_size)
+    _ref.check_seed(seed)
     if count is not None and not isinstance(count, torch.Tensor):
         count = torch.tensor([int(count)], dtype=torch.int32, device=values.device)
     return _kernels().quantize_pack(values, bits, bucket_size, seed, count)
@@ -383,11 +383,11 @@ def dequantize_unpack(codes: torch.Tensor, scales: torch.Tensor, bits: int,
     """See :func:`hvdsparse.cpu.dequantize_unpack`."""
     if not use_triton(codes):
         return _ref.dequantize_unpack(codes, scales, bits, bucket_size, n)
-    _ref._check_1d("codes", codes, (torch.uint8,))
-    _ref._check_1d("scales", scales, (torch.float32,))
-    _ref._check_bits(bits)
-    _ref._check_pos_int("bucket_size", bucket_size)
-    _ref._check_pos_int("n", n, 0)
+    _ref.check_1d("codes", codes, (torch.uint8,))
+    _ref.check_1d("scales", scales, (torch.float32,))
+    _ref.check_bits(bits)
+    _ref.check_pos_int("bucket_size", bucket_size)
+    _ref.check_pos_int("n", n, 0)
     if codes.numel() < -(-n * bits // 8) or scales.numel() < -(-n // bucket_size):
         raise ValueError("codes/scales too short for n elements")
     return _kernels().dequantize_unpack(codes, scales, bits, bucket_size, n)
@@ -397,11 +397,11 @@ def sign_unpack(bits_u8: torch.Tensor, scale, n: int) -> torch.Tensor:
     """See :func:`hvdsparse.cpu.sign_unpack`."""
     if not use_triton(bits_u8):
         return _ref.sign_unpack(bits_u8, scale, n)
-    _ref._check_1d("bits_u8", bits_u8, (torch.uint8,))
-    _ref._check_pos_int("n", n, 0)
+    _ref.check_1d("bits_u8", bits_u8, (torch.uint8,))
+    _ref.check_pos_int("n", n, 0)
     if bits_u8.numel() < -(-n // 8):
         raise ValueError(f"bits_u8 has {bits_u8.numel()} bytes, needs ceil(n/8) = {-(-n // 8)}")
-    return _kernels().sign_unpack(bits_u8, _ref._scalar_tensor("scale", scale, bits_u8.device), n)
+    return _kernels().sign_unpack(bits_u8, _ref.scalar_tensor("scale", scale, bits_u8.device), n)
 
 
 def scatter_add_decode(dense: torch.Tensor, indices: torch.Tensor, count: torch.Tensor,
@@ -421,7 +421,7 @@ def scatter_add_decode(dense: torch.Tensor, indices: torch.Tensor, count: torch.
                                        scales=scales, bits=bits, bucket_size=bucket_size,
                                        signs=signs, sign_scale=sign_scale,
                                        error_flag=error_flag)
-    ind, P, cap, cnt, vals, cds, scl, bits, B, sgn, ssc = _ref._check_scatter_args(
+    ind, P, cap, cnt, vals, cds, scl, bits, B, sgn, ssc = _ref.check_scatter_args(
         dense, indices, count, values, codes, scales, bits, bucket_size, signs, sign_scale)
     if error_flag is None:
         error_flag = torch.zeros(1, dtype=torch.int32, device=dense.device)
@@ -447,7 +447,7 @@ def dense_add_decode(dense: torch.Tensor, count: torch.Tensor, capacity: int,
                               bits=bits, bucket_size=bucket_size)
         return error_flag
     rows = values if values is not None else codes
-    cap = _ref._check_pos_int("capacity", capacity, 0)
+    cap = _ref.check_pos_int("capacity", capacity, 0)
     idx = indices if indices is not None else torch.arange(
         cap, dtype=torch.int32, device=dense.device).expand(rows.shape[0], cap)
     return scatter_add_decode(dense, idx, count, values, codes=codes, scales=scales,
@@ -498,9 +498,9 @@ def philox_uniform(seed: int, n: int, offset: int = 0, device=None) -> torch.Ten
     dev = torch.device(device) if device is not None else torch.device("cpu")
     forced = os.environ.get("HVDSPARSE_FORCE_TRITON", "") == "1"
     if forced or (dev.type == "cuda" and use_triton(torch.empty(0, device=dev))):
-        _ref._check_seed(seed)
-        _ref._check_pos_int("n", n, 0)
-        _ref._check_pos_int("offset", offset, 0)
+        _ref.check_seed(seed)
+        _ref.check_pos_int("n", n, 0)
+        _ref.check_pos_int("offset", offset, 0)
         return _kernels().philox_uniform(seed, n, offset, device=dev)
     return _ref.philox_uniform(seed, n, offset, device=dev)
 

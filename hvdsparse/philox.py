@@ -30,7 +30,7 @@ from . import native
 __all__ = ["philox_uint32", "philox_uniform"]
 
 
-def _check_pos_int(name: str, v, minimum: int = 1) -> int:
+def check_pos_int(name: str, v, minimum: int = 1) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name} must be an int, got {type(v).__name__}")
     if v < minimum:
@@ -38,7 +38,7 @@ def _check_pos_int(name: str, v, minimum: int = 1) -> int:
     return v
 
 
-def _check_seed(seed) -> int:
+def check_seed(seed) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     if not 0 <= seed < (1 << 63):
@@ -60,10 +60,10 @@ _U32_TO_UNIFORM = 4.6566127342e-10
 
 #: elements per block of the numpy Philox (6 uint64 scratch arrays of 512 KiB: ~90 ufunc
 #: calls per block make smaller blocks dispatch/GIL-bound -- measured best on 2 cores)
-_PHILOX_CHUNK = 1 << 16
+PHILOX_CHUNK = 1 << 16
 #: at least this many elements per worker thread before the numpy Philox is split
 #: across threads (numpy releases the GIL inside ufuncs)
-_PHILOX_PAR_MIN = 1 << 17
+PHILOX_PAR_MIN = 1 << 17
 _NP_M32 = np.uint64(_M32)
 _NP_32 = np.uint64(32)
 _NP_ROUND_A = np.uint64(_PHILOX_ROUND_A)
@@ -105,12 +105,12 @@ def _philox_uint32_torch(seed: int, counters: torch.Tensor) -> torch.Tensor:
     return c0
 
 
-def _philox_scratch():
-    """Per-thread scratch: 6 uint64[_PHILOX_CHUNK] arrays and a uint64 ramp."""
+def philox_scratch():
+    """Per-thread scratch: 6 uint64[PHILOX_CHUNK] arrays and a uint64 ramp."""
     s = getattr(_philox_tls, "s", None)
-    if s is None or s[0].shape[0] != _PHILOX_CHUNK:
-        s = [np.empty(_PHILOX_CHUNK, np.uint64) for _ in range(6)]
-        s.append(np.arange(_PHILOX_CHUNK, dtype=np.uint64))
+    if s is None or s[0].shape[0] != PHILOX_CHUNK:
+        s = [np.empty(PHILOX_CHUNK, np.uint64) for _ in range(6)]
+        s.append(np.arange(PHILOX_CHUNK, dtype=np.uint64))
         _philox_tls.s = s
     return s
 
@@ -165,7 +165,7 @@ def _uint32_to_uniform_np(w_u32: np.ndarray, out_f32: np.ndarray, tmp_i32: np.nd
     np.multiply(out_f32, _NP_U32_TO_UNIFORM, out=out_f32)
 
 
-def _par_ranges(n: int, align: int, min_per: int):
+def par_ranges(n: int, align: int, min_per: int):
     """Contiguous ``align``-aligned ranges covering [0, n), one per thread: up to
     torch.get_num_threads() (and os.cpu_count()) of them, at least ``min_per`` elements
     each; a single range when n is small."""
@@ -177,7 +177,7 @@ def _par_ranges(n: int, align: int, min_per: int):
     return [(s, min(s + per, n)) for s in range(0, n, per)]
 
 
-def _par_run(work, items) -> None:
+def par_run(work, items) -> None:
     """``work(*item)`` for every item: the first inline, the others on the shared pool
     (created lazily; numpy releases the GIL inside ufuncs). Waits for all of them."""
     global _philox_pool
@@ -199,11 +199,11 @@ def _par_run(work, items) -> None:
             f.result()
 
 
-def _philox_parallel(n: int, work, align: int = 0, min_per: int = 0) -> None:
+def philox_parallel(n: int, work, align: int = 0, min_per: int = 0) -> None:
     """Run ``work(start, end)`` over [0, n) in ``align``-aligned pieces (default
-    _PHILOX_CHUNK), one per thread (up to torch.get_num_threads(), at least ``min_per``
-    elements each, default _PHILOX_PAR_MIN), or inline when n is small."""
-    _par_run(work, _par_ranges(n, align or _PHILOX_CHUNK, min_per or _PHILOX_PAR_MIN))
+    PHILOX_CHUNK), one per thread (up to torch.get_num_threads(), at least ``min_per``
+    elements each, default PHILOX_PAR_MIN), or inline when n is small."""
+    par_run(work, par_ranges(n, align or PHILOX_CHUNK, min_per or PHILOX_PAR_MIN))
 
 
 def _philox_uint32_np(seed: int, ctr: np.ndarray) -> np.ndarray:
@@ -213,20 +213,20 @@ def _philox_uint32_np(seed: int, ctr: np.ndarray) -> np.ndarray:
     out32 = np.empty(n, np.uint32)
 
     def work(s0, e0):
-        scratch = _philox_scratch()
-        for s in range(s0, e0, _PHILOX_CHUNK):
-            e = min(s + _PHILOX_CHUNK, e0)
+        scratch = philox_scratch()
+        for s in range(s0, e0, PHILOX_CHUNK):
+            e = min(s + PHILOX_CHUNK, e0)
             _philox_np_block(seed, ctr[s:e], out32[s:e], scratch)
 
-    _philox_parallel(n, work)
+    philox_parallel(n, work)
     np.copyto(out, out32, casting="unsafe")
     return out
 
 
 def uniform_block(seed: int, start: int, out_f32: np.ndarray, scratch) -> None:
     """``out_f32[i] = tl.rand(seed, start + i)`` for one contiguous block: the compiled
-    loop when available, else numpy (``scratch``: :func:`_philox_scratch`, blocks of at
-    most ``_PHILOX_CHUNK``)."""
+    loop when available, else numpy (``scratch``: :func:`philox_scratch`, blocks of at
+    most ``PHILOX_CHUNK``)."""
     if native.available():
         native.philox_uniform(seed, start, out_f32)
         return
@@ -243,11 +243,11 @@ def _philox_uniform_np(seed: int, n: int, offset: int, out_f32: np.ndarray) -> N
     (:func:`uniform_block`: the compiled loop when available)."""
 
     def work(s0, e0):
-        scratch = _philox_scratch()
-        for s in range(s0, e0, _PHILOX_CHUNK):
-            uniform_block(seed, offset + s, out_f32[s:min(s + _PHILOX_CHUNK, e0)], scratch)
+        scratch = philox_scratch()
+        for s in range(s0, e0, PHILOX_CHUNK):
+            uniform_block(seed, offset + s, out_f32[s:min(s + PHILOX_CHUNK, e0)], scratch)
 
-    _philox_parallel(n, work)
+    philox_parallel(n, work)
 
 
 def philox_uint32(seed: int, counters: torch.Tensor) -> torch.Tensor:
@@ -258,7 +258,7 @@ def philox_uint32(seed: int, counters: torch.Tensor) -> torch.Tensor:
     ``offset`` (and with an int32 ``offset`` for counters < 2**31). Returns int64 in
     [0, 2**32).
     """
-    seed = _check_seed(seed)
+    seed = check_seed(seed)
     if counters.device.type != "cpu":
         return _philox_uint32_torch(seed, counters)
     ctr = counters.to(torch.int64).contiguous().reshape(-1).numpy().view(np.uint64)
@@ -284,9 +284,9 @@ def philox_uniform(seed: int, n: int, offset: int = 0, device=None) -> torch.Ten
     Triton kernels draw exactly the same numbers for the same (seed, counter).
     On the CPU the stream is generated in numpy, in L2-sized blocks (and threads).
     """
-    n = _check_pos_int("n", n, 0)
-    offset = _check_pos_int("offset", offset, 0)
-    seed = _check_seed(seed)
+    n = check_pos_int("n", n, 0)
+    offset = check_pos_int("offset", offset, 0)
+    seed = check_seed(seed)
     if offset + n > (1 << 63):
         raise ValueError("offset + n must be < 2**63")
     dev = torch.device(device) if device is not None else torch.get_default_device()

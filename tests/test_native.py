@@ -268,7 +268,7 @@ def test_philox_uniform_is_the_numpy_stream():
     if not native.available():
         pytest.skip(f"compiled CPU loops unavailable: {native.why_unavailable()}")
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    scratch = philox._philox_scratch()
+    scratch = philox.philox_scratch()
     for seed, off in [(int(torch.randint(0, 2 ** 62, (1,), generator=g)) * 2 + 1,
                        2 ** 32 - 1000), (int(torch.randint(0, 2 ** 31, (1,), generator=g)), 0),
                       (2 ** 63 - 1, int(torch.randint(0, 2 ** 40, (1,), generator=g)))]:
@@ -276,8 +276,8 @@ def test_philox_uniform_is_the_numpy_stream():
         got = np.full(n, np.nan, np.float32)
         native.philox_uniform(seed, off, got)
         want = np.empty(n, np.float32)
-        for s in range(0, n, philox._PHILOX_CHUNK):
-            e = min(s + philox._PHILOX_CHUNK, n)
+        for s in range(0, n, philox.PHILOX_CHUNK):
+            e = min(s + philox.PHILOX_CHUNK, n)
             ctr = np.arange(off + s, off + e, dtype=np.uint64)
             w = want[s:e].view(np.uint32)
             philox._philox_np_block(seed, ctr, w, scratch)

@@ -525,7 +525,7 @@ _ARANGES: dict = {}
 _CACHE_ELEMS = 1 << 22
 
 
-def _arange(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def cached_arange(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``arange(n)`` as a slice of a cached, geometrically grown tensor (one per device
     and dtype): slot numbers and DENSE indices without a per-step allocation."""
     if n > _CACHE_ELEMS:
@@ -562,11 +562,11 @@ def _slots(P: int, C: int, dtype: torch.dtype, device, start: int = 0) -> torch.
     """Contiguous [P, C] rows ``start .. start+C-1`` (cached: searchsorted wants a
     contiguous input and would copy an expanded one at every call)."""
     if P * C > _CACHE_ELEMS:
-        return _arange(start + C, dtype, device)[start:].expand(P, C).contiguous()
+        return cached_arange(start + C, dtype, device)[start:].expand(P, C).contiguous()
     key = (P, C, dtype, str(device), start)
     t = _SLOTS.get_lru(key)
     if t is None:
-        t = _SLOTS.put(key, _arange(start + C, dtype, device)[start:].expand(P, C)
+        t = _SLOTS.put(key, cached_arange(start + C, dtype, device)[start:].expand(P, C)
                        .contiguous())
     return t
 
@@ -1109,7 +1109,7 @@ def _slot_indices(sl: _SegLayout, ind: Optional[torch.Tensor], bc: Optional[torc
     checks = cnt is not None
     err = None
     if ienc == IndexEncoding.DENSE:
-        return _arange(C, torch.int32, device).expand(P, C), err
+        return cached_arange(C, torch.int32, device).expand(P, C), err
     if ienc in (IndexEncoding.INT32, IndexEncoding.IMPLICIT):
         if ienc == IndexEncoding.INT32:
             idx = ind
@@ -1123,7 +1123,7 @@ def _slot_indices(sl: _SegLayout, ind: Optional[torch.Tensor], bc: Optional[torc
             # the template's own indices: checked before the int32 cast can wrap them
             check_int32 = True
         if checks and check_int32:
-            used = _arange(C, torch.int32, device) < cnt.unsqueeze(1)            # [P, C]
+            used = cached_arange(C, torch.int32, device) < cnt.unsqueeze(1)      # [P, C]
             bad = ((idx < 0) | (idx >= N)) & used
             err = bad.any(1).to(torch.int32) * ERR_INDEX
         if ienc == IndexEncoding.IMPLICIT:
@@ -1165,7 +1165,7 @@ def _slot_indices(sl: _SegLayout, ind: Optional[torch.Tensor], bc: Optional[torc
     # BITMASK: slot k <- the k-th set bit, found as the first element whose inclusive
     # running popcount reaches k+1 (k >= popcount finds numel: out of range)
     nbits = 8 * sl.lengths[0]
-    bits = ((ind.unsqueeze(-1) >> _arange(8, torch.uint8, device)) & 1).reshape(P, nbits)
+    bits = ((ind.unsqueeze(-1) >> cached_arange(8, torch.uint8, device)) & 1).reshape(P, nbits)
     cum = bits[:, :N].cumsum(1, dtype=torch.int32)                                 # [P, N]
     if N and C:
         idx = torch.searchsorted(cum, _slots(P, C, torch.int32, device, start=1))

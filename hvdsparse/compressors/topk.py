@@ -103,7 +103,7 @@ from typing import Optional
 import torch
 
 from .. import ops
-from ..codec import _arange
+from ..codec import cached_arange
 from ..payload import FLOAT_DTYPES, QUANT_BITS, IndexEncoding, LayerPayload, Segment, \
     ValueEncoding, bin_count_width
 from .base import (PURPOSE_QUANT, PURPOSE_SAMPLE, TINY, Compressor, binned_topc, ceil_div,
@@ -298,7 +298,8 @@ class TopK(Compressor):
         n = a.numel()
         key = self._scratch_buf("exact_key", n, torch.int64, a.device)
         key.copy_(a.view(torch.int32))
-        key.bitwise_left_shift_(32).sub_(_arange(n, torch.int64, a.device)).add_(0xFFFFFFFF)
+        idx = cached_arange(n, torch.int64, a.device)
+        key.bitwise_left_shift_(32).sub_(idx).add_(0xFFFFFFFF)
         return torch.topk(key, k, sorted=True).indices
 
     def _abs_buf(self, acc):

@@ -38,12 +38,12 @@ check (1 launch, grid ``(P, S)``): program ``(r, s)``
 
 scatter (1 launch per rank ``r = 0 .. P-1`` and pass, in that order on the stream):
 slot ``j < eff[r, s]`` of segment ``s`` has the element index ``j`` (DENSE), the int32
-index (INT32), ``implicit_indices[j]`` (IMPLICIT), or ``bin(j) * B + rel[j]`` (BIN_*; ``bin(j)`` = the number of running
-sums ``<= j``, a binary search in ``cum[r]``); its value is the fp32 / fp16 / bf16
-value, ``fp32(fp32(q * scale[j // Q]) / (2^(b-1) - 1))`` of the b-bit code ``q + 2^(b-1)``
-(``div_rn``), or ``+-scale`` by the sign bit; it is added to
-``out[off_s + index]`` with a relaxed ``tl.atomic_add``. An index outside ``[0, N)``
-(INT32 only: other kinds were checked) is skipped and ORs 1 into the flag.
+index (INT32), ``implicit_indices[j]`` (IMPLICIT), or ``bin(j) * B + rel[j]`` (BIN_*;
+``bin(j)`` = the number of running sums ``<= j``, a binary search in ``cum[r]``); its
+value is the fp32 / fp16 / bf16 value, ``fp32(fp32(q * scale[j // Q]) / (2^(b-1) - 1))``
+of the b-bit code ``q + 2^(b-1)`` (``div_rn``), or ``+-scale`` by the sign bit; it is
+added to ``out[off_s + index]`` with a relaxed ``tl.atomic_add``. An index outside
+``[0, N)`` (INT32 only: other kinds were checked) is skipped and ORs 1 into the flag.
 
 Bitwise determinism: every element receives its addends in rank order (launch order on
 the stream). A layer's k-th segment is in pass k: passes run one after the other, each

@@ -9,9 +9,10 @@ poisoned with random values first (accumulate adds into it). Both decodes must g
 same output bits and the same error flag, on valid messages and on corrupted ones
 (random byte flips anywhere in a row; targeted: a count above capacity or negative, a
 bin count out of range, a relative index past its bin, an INT32 index past numel, a
-header field, an IMPLICIT index of the receiver's own template outside its layer), and
-the same count fields read back for the cost model (``counts_out``), and the same CodecError when accumulate owns the flag. Valid messages are
-also checked against the plain numpy reference of tests/workers/allgather_worker.py.
+header field, an IMPLICIT index of the receiver's own template outside its layer), the
+same count fields read back for the cost model (``counts_out``), and the same
+CodecError when accumulate owns the flag. Valid messages are also checked against the
+plain numpy reference of tests/workers/allgather_worker.py.
 """
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def _corrupt(rng, rows, template, kind):
         return _corrupt(rng, rows, template, "flips")
     s = cands[int(rng.integers(len(cands)))]
     sl = segs[s]
-    (oi, ob, ov, osc), w = sl.offsets, codec.bin_count_width(sl.bin_size)
+    (oi, ob, _, _), w = sl.offsets, codec.bin_count_width(sl.bin_size)
     count = struct.unpack_from("<i", row, H + R * s + 16)[0]
     if kind == "bins":
         k = int(rng.integers(sl.nbins))
@@ -192,7 +193,9 @@ def test_bucket_decode_equals_per_segment_decode(monkeypatch, kind):
         poison = torch.randn(numel, generator=torch.Generator().manual_seed(seed + trial))
         ref, ref_flag, _ = _run(monkeypatch, rows, template, poison, bucket=False)
         got, got_flag, _ = _run(monkeypatch, rows, template, poison, bucket=True)
-        ctx = f"trial {trial}, P={P}, {what}, layout {[(n, [(s['ienc'].name, s['venc'].name, s['cap'], s['narrow']) for s in sp]) for n, _, sp in layout]}"
+        desc = [(n, [(s['ienc'].name, s['venc'].name, s['cap'], s['narrow']) for s in sp])
+                for n, _, sp in layout]
+        ctx = f"trial {trial}, P={P}, {what}, layout {desc}"
         assert got_flag == ref_flag, f"{ctx}: flag {got_flag} != {ref_flag}"
         assert _same_bits(got, ref), f"{ctx}: sums differ"
         if kind == "valid":

@@ -1,222 +1,545 @@
-"""Device work per training step on the Triton (GPU) path, counted without a GPU (issue
-13, item 2: launches per step should follow buckets, not layers x ops).
+"""Device work per training step on the CUDA code path, counted without a GPU.
 
-Runs hvdsparse's whole step -- compress in the backward hooks, encode, Horovod's size-1
-allgather, decode, write ``p.grad``, the optimizer step -- at world size 1
-(``HVDSPARSE_COMPRESS_AT_SIZE_ONE=1``) with ``HVDSPARSE_FORCE_TRITON=1`` and Triton's
-interpreter, on an MLP of ``--layers`` square ``--width`` Linear layers (weights
-compressed, biases dense by policy), and counts in one steady-state step:
+What runs: hvdsparse's whole step through either front door at world size 2 (two
+processes, Gloo, localhost), with ``HVDSPARSE_FORCE_TRITON=1`` and Triton's interpreter
+(``TRITON_INTERPRET=1``), so every dispatch in hvdsparse takes the branch a CUDA tensor
+takes, and ``validate=False`` (the CUDA default: no host parse of received messages):
 
-* ``triton``: Triton kernel launches (each is one GPU launch);
-* ``aten``: aten ops dispatched outside the kernels that would launch a GPU kernel:
-  everything except views, metadata and allocations (``empty``), and except the ops
-  Triton's interpreter itself issues while emulating a kernel;
-* split by phase: ``backward`` (model backward + compress hooks), ``synchronize``
-  (wait, decode, write ``p.grad``, masking), ``step``.
+* ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (``gradient_as_bucket_view=True``:
+  otherwise DDP's reducer adds two copies per parameter and step whatever the hook;
+  ``--no-bucket-view`` counts them, in ``model``) + ``hvdsparse.ddp.State`` /
+  ``hvdsparse.ddp.hook`` under ``torchrun --nproc-per-node 2`` (Gloo);
+* ``horovod``: ``hvdsparse.DistributedOptimizer`` under ``horovodrun -np 2 --gloo``.
 
-Each aten op is counted as one launch: on CUDA most are exactly one kernel, a few
-(``topk``, ``cat``) one to three. The numbers are an upper-bound proxy for
-``cudaLaunchKernel`` calls, measured here because no GPU is lent to these sessions;
-``scripts/gpu_check.sh`` counts real launches with ``torch.profiler`` where a GPU is.
+The model has ResNet-50's topology and its 161 parameter tensors (bottlenecks
+[3, 4, 6, 3], 1x1 / 3x3 / 1x1 convolutions, batch norm, downsample branches, fc) with
+every channel width divided by ``--div`` (default 8), fed ``--image`` x ``--image``
+inputs. Sizes that decide the launch structure are scaled with the widths so the
+layer classification and the bucket count resemble the full model: the compressors'
+``min_numel`` (1024, dense-by-policy below it) and the bucket sizes (DDP's
+``bucket_cap_mb`` 25 and first bucket 1 MiB; Horovod's ``fusion_threshold`` 1 MiB) are
+divided by ``div**2``, the factor by which the element counts shrink.
 
-Side by side: ``--tree LABEL=PATH`` (repeatable) counts with the hvdsparse package of
-another checkout (``git worktree add /tmp/wt_base REV``) in a fresh subprocess.
+Counted, over ``--steps`` steady-state steps after ``--warmup`` steps, from the start of
+backward to the end of the optimizer step (the forward is not counted):
 
-    .venv/bin/python scripts/count_device_ops.py --tree after=. \\
-        --tree before=/tmp/wt_base --out docs/bench/device_ops/mlp8
+* device ops: aten ops dispatched (a ``TorchDispatchMode``) that would be a CUDA kernel
+  launch -- everything but views, metadata, allocations and host scalar reads, and not
+  the ops Triton's interpreter issues while emulating a kernel;
+* Triton launches (one GPU launch each);
+* Horovod's collectives (C++ calls that bypass torch's dispatcher), one launch each;
+  ``torch.distributed``'s are aten ops already.
+
+Each aten op counts as one launch (on CUDA most are exactly one kernel, a few one to
+three): an upper-bound proxy for ``cudaLaunchKernel`` calls. ``scripts/gpu_check.sh``
+counts real launches with ``torch.profiler`` where a GPU is lent.
+
+Phases (the issuing Python stack decides; first rule that applies):
+``nonfinite`` (a function named ``*nonfinite*`` / ``*finite*`` on the stack),
+``feedback`` (``*feed_back*`` / ``*feedback*``, or codec's own-payload decode used by
+the residual update and masking), then the innermost hvdsparse frame: ``exchange``
+(transport.py: the collectives), ``encode`` (codec's encoder, a strategy's ``launch``),
+``decode`` (codec's decoder, a strategy's ``finish``), ``compress`` (compressors,
+momentum, Adam recipe, the kernels' wrappers), ``other`` (the rest of hvdsparse: the
+front door's plumbing), ``model`` (no hvdsparse frame, or issued by ``torch.optim``
+code called from hvdsparse's wrapper: autograd, DDP's reducer, the optimizer).
+
+``added`` = total - the same count of a plain local step (no DDP, no hvdsparse: the
+model's own backward + optimizer step, counted the same way); the framework's dense
+exchange without hvdsparse (DDP's allreduce, ``hvd.DistributedOptimizer``) is counted
+too, for reference. Buckets: exchange launches
+per step. The bound checked by ``scripts/launch_bound_check.py``: ``added <= 20 *
+buckets + 10`` per step.
+
+    .venv/bin/python scripts/count_device_ops.py --out docs/bench/device_ops/resnet50_div8
+    .venv/bin/python scripts/count_device_ops.py --doors ddp --methods topk --where
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
-import traceback
+import time
 from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: label -> (description, constructor expression; ``MIN`` is the scaled min_numel)
 METHODS = {
-    "none": "plain SGD (no hvdsparse)",
-    "topk1": "TopK(0.01)",
-    "topk1+mc": "TopK(0.01)",
-    "threshold99+mc": "Threshold(0.99)",
-    "adacomp+mc": "AdaComp()",
-    "qsgd4": "QSGD(4)",
+    "topk": ("TopK 1%", "TopK(0.01, min_numel=MIN)"),
+    "threshold": ("Threshold 99%", "Threshold(0.99, min_numel=MIN)"),
+    "adacomp": ("AdaComp", "AdaComp(min_numel=MIN)"),
+    "qsgd4": ("QSGD 4-bit", "QSGD(4, min_numel=MIN)"),
+    "randomk": ("RandomK 1%", "RandomK(0.01, min_numel=MIN)"),
+    "slimdp": ("Slim-DP (0.2, 0.1)", "SlimDP(alpha=0.2, beta=0.1, min_numel=MIN)"),
 }
-#: aten ops that launch nothing on a GPU (views, metadata, allocation)
+DOORS = ("ddp", "horovod")
+PHASES = ("compress", "encode", "exchange", "decode", "feedback", "nonfinite", "other",
+          "model")
+#: aten ops that launch nothing on a GPU (views, metadata, allocation, host reads)
 NO_LAUNCH = {"view", "detach", "slice", "t", "expand", "as_strided", "_unsafe_view",
              "alias", "unsqueeze", "squeeze", "reshape", "select", "permute", "transpose",
              "split", "chunk", "unbind", "empty", "new_empty", "empty_strided",
-             "lift_fresh", "_reshape_alias", "narrow", "set_", "resolve_conj",
-             "resolve_neg", "view_as", "_record_function_enter_new",
-             "_record_function_exit", "is_nonzero", "_local_scalar_dense"}
+             "empty_like", "lift_fresh", "_reshape_alias", "narrow", "set_",
+             "resolve_conj", "resolve_neg", "view_as", "_record_function_enter_new",
+             "_record_function_exit", "is_nonzero", "_local_scalar_dense", "unfold",
+             "split_with_sizes", "expand_as", "movedim", "flatten", "unflatten",
+             "is_same_size", "_to_copy_meta", "record_stream", "size", "stride",
+             "dim", "numel", "is_contiguous", "sym_size", "sym_stride", "sym_numel",
+             "sym_storage_offset", "storage_offset", "_has_compatible_shallow_copy_type",
+             "_is_any_true", "item", "view_as_real", "view_as_complex"}
+_ENCODE_FUNCS = {"encode", "new_message", "_narrow_message", "_joined", "run",
+                 "_segment_pieces", "_count_bytes", "_as_bytes", "_narrow_bin_counts"}
+_FEEDBACK_CODEC = {"payload_to_dense", "sent_positions", "_own_segments"}
 
+
+# ------------------------------------------------------------------------------ model
+
+def resnet50(div: int = 8, num_classes: int = 1000):
+    """ResNet-50 (torchvision's v1.5 topology: stride on the 3x3 conv) with every
+    channel width divided by ``div``: 161 parameter tensors at any ``div``."""
+    import torch.nn as nn
+
+    def w(c):
+        return max(1, c // div)
+
+    class Bottleneck(nn.Module):
+        def __init__(self, cin, mid, stride):
+            super().__init__()
+            out = mid * 4
+            self.conv1 = nn.Conv2d(cin, mid, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(mid)
+            self.conv2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(mid)
+            self.conv3 = nn.Conv2d(mid, out, 1, bias=False)
+            self.bn3 = nn.BatchNorm2d(out)
+            self.relu = nn.ReLU()
+            self.downsample = None
+            if stride != 1 or cin != out:
+                self.downsample = nn.Sequential(nn.Conv2d(cin, out, 1, stride, bias=False),
+                                                nn.BatchNorm2d(out))
+
+        def forward(self, x):
+            y = self.relu(self.bn1(self.conv1(x)))
+            y = self.relu(self.bn2(self.conv2(y)))
+            y = self.bn3(self.conv3(y))
+            return self.relu(y + (x if self.downsample is None else self.downsample(x)))
+
+    layers = [nn.Conv2d(3, w(64), 7, 2, 3, bias=False), nn.BatchNorm2d(w(64)), nn.ReLU(),
+              nn.MaxPool2d(3, 2, 1)]
+    cin = w(64)
+    for mid, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        for b in range(blocks):
+            layers.append(Bottleneck(cin, w(mid), stride if b == 0 else 1))
+            cin = w(mid) * 4
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, max(1, num_classes // div))]
+    return nn.Sequential(*layers)
+
+
+# ------------------------------------------------------------------------- counting
+
+def _phase(frame) -> str:
+    """The phase of the op issued with ``frame`` innermost (see the module doc)."""
+    hv = []                                   # hvdsparse frames, innermost first
+    f = frame
+    while f is not None:
+        fn = f.f_code.co_filename
+        if "/hvdsparse/" in fn or "/kernels/" in fn:
+            hv.append((fn, f.f_code.co_name))
+        elif "/torch/optim/" in fn and not hv:
+            return "model"                    # the wrapped optimizer's own step
+        f = f.f_back
+    if not hv:
+        return "model"
+    for fn, name in hv:
+        low = name.lower()
+        if "nonfinite" in low or "finite" in low:
+            return "nonfinite"
+    for fn, name in hv:
+        low = name.lower()
+        if "feed_back" in low or "feedback" in low or (
+                fn.endswith("codec.py") and name in _FEEDBACK_CODEC):
+            return "feedback"
+    for fn, name in hv:
+        if "/kernels/" in fn or fn.endswith("/ops.py"):
+            continue                      # kernel wrappers: the caller decides
+        if fn.endswith("transport.py"):
+            return "exchange"
+        if fn.endswith("codec.py"):
+            return "encode" if name in _ENCODE_FUNCS else "decode"
+        if "/exchange/" in fn:
+            if name == "launch":
+                return "encode"
+            if name.startswith("finish") or name.startswith("_finish") or \
+                    "phase2" in name or "decode" in name:
+                return "decode"
+        if "/compressors/" in fn or fn.endswith(("momentum.py", "adam.py")):
+            return "compress"
+    if all("/kernels/" in fn or fn.endswith("/ops.py") for fn, _ in hv):
+        return "compress"
+    return "other"
+
+
+class Counting:
+    """Installs the dispatch mode and the Triton launch counter (once per process)."""
+
+    def __init__(self, where: bool = False):
+        import torch
+        import triton.runtime.interpreter as ti
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.active = False
+        self.inside = 0
+        self.where = where
+        self.reset()
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, a=(), kw=None):
+                name = func.overloadpacket.__name__
+                if outer.active and not outer.inside and name not in NO_LAUNCH:
+                    outer._record("aten", name, sys._getframe(1))
+                return func(*a, **(kw or {}))
+
+        self.mode = Mode
+        orig = ti.InterpretedFunction.run
+
+        def run(fn_self, *a, **k):
+            if outer.active and not outer.inside:
+                kname = getattr(getattr(fn_self, "fn", None), "__name__", "kernel")
+                outer._record("triton", kname, sys._getframe(1))
+            outer.inside += 1
+            try:
+                return orig(fn_self, *a, **k)
+            finally:
+                outer.inside -= 1
+        ti.InterpretedFunction.run = run
+        self._torch = torch
+
+    def reset(self):
+        self.aten = Counter()         # phase -> ops
+        self.triton = Counter()       # phase -> launches
+        self.names = Counter()        # (kind, name) -> n
+        self.sites = Counter()
+        self.buckets = 0
+        self.strategies = Counter()
+
+    def _record(self, kind, name, frame):
+        ph = _phase(frame)
+        (self.triton if kind == "triton" else self.aten)[ph] += 1
+        self.names[f"{kind}:{name}"] += 1
+        if self.where:
+            site = "torch / model"
+            f = frame
+            while f is not None:
+                fn = f.f_code.co_filename
+                if "/hvdsparse/" in fn or "/kernels/" in fn:
+                    site = f"{Path(fn).name}:{f.f_lineno} {f.f_code.co_name}"
+                    break
+                f = f.f_back
+            self.sites[f"{kind}:{name} @ {site} [{ph}]"] += 1
+
+    def __enter__(self):
+        self.active = True
+        self._m = self.mode()
+        self._m.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._m.__exit__(*exc)
+        self.active = False
+
+    def result(self, steps: int) -> dict:
+        per = {}
+        for ph in PHASES:
+            a, t = self.aten.get(ph, 0), self.triton.get(ph, 0)
+            if a or t:
+                per[ph] = dict(aten=a / steps, triton=t / steps, total=(a + t) / steps)
+        total = (sum(self.aten.values()) + sum(self.triton.values())) / steps
+        out = dict(total=total, phases=per, buckets=self.buckets / steps,
+                   strategies={k: v / steps for k, v in self.strategies.items()},
+                   top=[(k, v / steps) for k, v in self.names.most_common(25)])
+        if self.where:
+            out["sites"] = [(k, v / steps) for k, v in self.sites.most_common()]
+        return out
+
+
+#: Horovod's collectives (C++ calls outside torch's dispatcher): one launch each
+HVD_COLLECTIVES = ("allgather_async", "alltoall_async", "allreduce_async_", "allreduce_async",
+                   "grouped_allreduce_async_", "grouped_allreduce_async",
+                   "broadcast_async_", "broadcast_async", "sparse_allreduce_async")
+
+
+def _patch_horovod_counter(cnt: Counting):
+    """Count Horovod's collective calls as launches (``hvd`` kind), wherever the module
+    that calls them imported them from."""
+    import horovod.torch as hvd_mod
+    import horovod.torch.mpi_ops as mpi_ops
+    mods = [hvd_mod, mpi_ops]
+    try:
+        import horovod.torch.optimizer as hopt
+        mods.append(hopt)
+    except ImportError:
+        pass
+    for name in HVD_COLLECTIVES:
+        orig = getattr(mpi_ops, name, None)
+        if orig is None:
+            continue
+
+        def wrapped(*a, _orig=orig, _name=name, **k):
+            if cnt.active and not cnt.inside:
+                cnt._record("hvd", _name, sys._getframe(1))
+            return _orig(*a, **k)
+        for mod in mods:
+            if getattr(mod, name, None) is orig:
+                setattr(mod, name, wrapped)
+
+
+def _patch_bucket_counter(cnt: Counting):
+    """Count exchange launches (one per bucket and step) and their strategies."""
+    import hvdsparse.exchange as ex
+    for name, mod in ex.STRATEGIES.items():
+        orig = mod.launch
+
+        def launch(spec, payloads, ctx, _orig=orig, _name=name):
+            if cnt.active:
+                cnt.buckets += 1
+                cnt.strategies[_name] += 1
+            return _orig(spec, payloads, ctx)
+        mod.launch = launch
+
+
+# -------------------------------------------------------------------------- workers
 
 def _worker(args):
-    sys.path.insert(0, str(Path(args.tree_path).resolve()))
-    os.environ.update(HVDSPARSE_COMPRESS_AT_SIZE_ONE="1", HVDSPARSE_FORCE_TRITON="1",
-                      TRITON_INTERPRET="1")
+    os.environ.update(HVDSPARSE_FORCE_TRITON="1", TRITON_INTERPRET="1")
+    sys.path.insert(0, args.tree_path)
     import torch
     torch.set_num_threads(1)
-    import horovod.torch as hvd
-    import triton.runtime.interpreter as ti
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     import hvdsparse
     import hvdsparse.compressors as C
-    assert Path(hvdsparse.__file__).resolve().is_relative_to(Path(args.tree_path).resolve())
-    hvd.init()
+    if not Path(hvdsparse.__file__).resolve().is_relative_to(Path(args.tree_path)):
+        raise SystemExit(f"hvdsparse imported from {hvdsparse.__file__}, not from "
+                         f"{args.tree_path}")
 
-    class Count(TorchDispatchMode):
-        inside = 0
-
-        def __init__(self):
-            super().__init__()
-            self.phase = None
-            self.aten = Counter()
-            self.names = Counter()
-            self.sites = Counter()
-
-        def __torch_dispatch__(self, func, types, a=(), kw=None):
-            name = func.overloadpacket.__name__
-            if self.phase and not Count.inside and name not in NO_LAUNCH:
-                self.aten[self.phase] += 1
-                self.names[name] += 1
-                if args.where:                  # innermost hvdsparse frame issuing it
-                    site = "torch / model"
-                    for fr in reversed(traceback.extract_stack()[:-1]):
-                        if "/hvdsparse/" in fr.filename:
-                            site = (f"{Path(fr.filename).name}:{fr.lineno} "
-                                    f"{fr.name}")
-                            break
-                    self.sites[f"{name} @ {site}"] += 1
-            return func(*a, **(kw or {}))
-
-    launches = Counter()
-    current = [None]
-    orig = ti.InterpretedFunction.run
-
-    def run(self, *a, **k):
-        if current[0] is not None:
-            launches[current[0]] += 1
-        Count.inside += 1
-        try:
-            return orig(self, *a, **k)
-        finally:
-            Count.inside -= 1
-    ti.InterpretedFunction.run = run
-
+    door = args.door
+    if door == "horovod":
+        import horovod.torch as hvd
+        hvd.init()
+        rank, world = hvd.rank(), hvd.size()
+    else:
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if hasattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES"):
+            dist._DEFAULT_FIRST_BUCKET_BYTES = max(1, (1 << 20) // args.div ** 2)
+        import hvdsparse.ddp
+    cnt = Counting(where=args.where)
+    _patch_bucket_counter(cnt)
+    if door == "horovod":
+        _patch_horovod_counter(cnt)
+    scale = args.div ** 2
+    min_numel = max(1, 1024 // scale)
     out = {}
-    for label in args.methods:
+    for label in ["none", "dense"] + args.methods:
         torch.manual_seed(0)
-        layers = []
-        for _ in range(args.layers):
-            layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
-        model = torch.nn.Sequential(*layers)
+        model = resnet50(args.div)
+        params = list(model.parameters())
+        assert len(params) == 161, len(params)
         base = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        if label == "none":
-            opt = base
-        else:
-            comp = eval(METHODS[label], {k: getattr(C, k) for k in C.__all__})
-            opt = hvdsparse.DistributedOptimizer(
-                base, named_parameters=model.named_parameters(), compression=comp,
-                exchange="allgather", momentum_correction=label.endswith("+mc"))
-        g = torch.Generator().manual_seed(1)
-
-        def step(cnt=None):
-            x = torch.randn(16, args.width, generator=g)
-            opt.zero_grad(set_to_none=False)
-            if cnt is not None:
-                cnt.phase = current[0] = "backward"
-            model(x).square().mean().backward()
-            if cnt is not None:
-                cnt.phase = current[0] = "synchronize"
-            if label != "none":
-                opt.synchronize()
-            if cnt is not None:
-                cnt.phase = current[0] = "step"
-            if label != "none":
-                with opt.skip_synchronize():
-                    opt.step()
+        opt, net = base, model
+        if label == "dense":             # the framework's own dense allreduce, no hvdsparse
+            if door == "ddp":
+                from torch.nn.parallel import DistributedDataParallel as DDP
+                net = DDP(model, bucket_cap_mb=25.0 / scale,
+                          gradient_as_bucket_view=args.bucket_view)
             else:
-                opt.step()
-            if cnt is not None:
-                cnt.phase = current[0] = None
+                opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+        elif label != "none":
+            comp = eval(METHODS[label][1].replace("MIN", str(min_numel)),
+                        {k: getattr(C, k) for k in C.__all__})
+            if door == "ddp":
+                from torch.nn.parallel import DistributedDataParallel as DDP
+                net = DDP(model, bucket_cap_mb=25.0 / scale,
+                          gradient_as_bucket_view=args.bucket_view)
+                state = hvdsparse.ddp.State(comp, model.named_parameters(), validate=False)
+                net.register_comm_hook(state, hvdsparse.ddp.hook)
+            else:
+                opt = hvdsparse.DistributedOptimizer(
+                    base, named_parameters=model.named_parameters(), compression=comp,
+                    validate=False, fusion_threshold=max(1, (1 << 20) // scale))
+        g = torch.Generator().manual_seed(1 + rank)
 
-        for _ in range(3):
-            step()
-        launches.clear()
-        cnt = Count()
-        with cnt:
-            step(cnt)
-        out[label] = dict(aten=dict(cnt.aten), triton=dict(launches),
-                          top_aten=cnt.names.most_common(15))
-        if args.where:
-            out[label]["sites"] = cnt.sites.most_common()
-    print("RESULT " + json.dumps(out))
+        def step(count):
+            x = torch.randn(args.batch, 3, args.image, args.image, generator=g)
+            y = torch.randint(0, max(1, 1000 // args.div), (args.batch,), generator=g)
+            model.zero_grad(set_to_none=False)
+            loss = torch.nn.functional.cross_entropy(net(x), y)
+            if count:
+                cnt.__enter__()
+            try:
+                loss.backward()
+                opt.step()
+            finally:
+                if count:
+                    cnt.__exit__(None, None, None)
+
+        for _ in range(args.warmup):
+            step(False)
+        cnt.reset()
+        for _ in range(args.steps):
+            step(True)
+        out[label] = cnt.result(args.steps)
+        if door == "ddp" and label != "none":
+            del net
+    if rank == 0:
+        base_total = out["none"]["total"]
+        for label in args.methods:
+            out[label]["added"] = out[label]["total"] - base_total
+        print("RESULT " + json.dumps(dict(door=door, world=world, results=out)), flush=True)
+    if door == "ddp":
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    print(f"HVDSPARSE-OK rank={rank}", flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_door(door: str, methods, *, np: int = 2, div: int = 8, image: int = 32,
+             batch: int = 2, warmup: int = 3, steps: int = 1, where: bool = False,
+             timeout: float = 1800, tree=None, bucket_view: bool = True) -> dict:
+    """Launch the counting worker for one front door at world size ``np``; returns
+    rank 0's result dict (``door``, ``world``, ``results``: label -> counts).
+    ``tree``: the checkout whose hvdsparse is counted (default: this one)."""
+    tree = str(Path(tree or ROOT).resolve())
+    bindir = Path(sys.executable).parent
+    wargs = ["--worker", "--door", door, "--methods", ",".join(methods), "--div", str(div),
+             "--image", str(image), "--batch", str(batch), "--warmup", str(warmup),
+             "--steps", str(steps), "--tree-path", tree] + (["--where"] if where else []) + \
+        ([] if bucket_view else ["--no-bucket-view"])
+    if door == "ddp":
+        launcher = bindir / "torchrun"
+        cmd = [str(launcher if launcher.exists() else "torchrun"), "--nproc-per-node",
+               str(np), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+               __file__, *wargs]
+    else:
+        launcher = bindir / "horovodrun"
+        cmd = [str(launcher if launcher.exists() else "horovodrun"), "-np", str(np),
+               "--gloo", sys.executable, __file__, *wargs]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HVDSPARSE_FORCE_TRITON="1",
+               TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       env=env, timeout=timeout, cwd=tree)
+    line = [x for x in p.stdout.splitlines() if "RESULT " in x]
+    if p.returncode != 0 or not line:
+        raise RuntimeError(f"{door} counting job failed (rc {p.returncode}): "
+                           f"{' '.join(cmd)}\n{p.stdout[-6000:]}")
+    return json.loads(line[0].split("RESULT ", 1)[1])
+
+
+def bound(buckets: float) -> float:
+    """The launch budget of one step beyond the model's own: 20 per bucket + 10."""
+    return 20 * buckets + 10
+
+
+def table(results: dict, methods) -> str:
+    head = ["door", "method", "buckets", "total", "added", "added/bucket", "bound",
+            "compress", "encode", "exchange", "decode", "feedback", "nonfinite", "other",
+            "model", "triton"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for door, res in results.items():
+        r0 = res["results"]["none"]
+        rows.append(f"| {door} | plain local step (model's own) | - | {r0['total']:.0f} | "
+                    f"0 | - | - |" + " - |" * 7 + f" {r0['total']:.0f} | 0 |")
+        rd = res["results"].get("dense")
+        if rd is not None:
+            rows.append(f"| {door} | dense ({'DDP allreduce' if door == 'ddp' else 'Horovod'}"
+                        f", no hvdsparse) | - | {rd['total']:.0f} | "
+                        f"{rd['total'] - r0['total']:.0f} | - | - |" + " - |" * 8 + " 0 |")
+        for m in methods:
+            r = res["results"][m]
+            ph = r["phases"]
+            nb = r["buckets"]
+            cells = [door, METHODS[m][0], f"{nb:g}", f"{r['total']:.0f}", f"{r['added']:.0f}",
+                     f"{r['added'] / nb:.1f}" if nb else "-", f"{bound(nb):.0f}"]
+            cells += [f"{ph.get(p, {}).get('total', 0):.0f}" for p in PHASES]
+            cells.append(f"{sum(v['triton'] for v in ph.values()):.0f}")
+            rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tree", action="append", default=[],
-                    help="LABEL=PATH of a checkout (default: this one, as 'here')")
+    ap.add_argument("--doors", default=",".join(DOORS))
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--div", type=int, default=8, help="channel widths / div")
+    ap.add_argument("--image", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--out", default=None, help="path stem for .json / .md")
+    ap.add_argument("--no-bucket-view", dest="bucket_view", action="store_false",
+                    help="DDP with gradient_as_bucket_view=False (DDP's default: two "
+                         "copies per parameter and step, counted in 'model')")
     ap.add_argument("--where", action="store_true",
                     help="also list where (hvdsparse file:line) every counted op is issued")
+    ap.add_argument("--tree", default=None,
+                    help="count the hvdsparse of another checkout (e.g. `git archive REV | "
+                         "tar -x -C DIR`; default: this one)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tree-path", default=str(ROOT), help=argparse.SUPPRESS)
+    ap.add_argument("--door", default="ddp", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.methods = args.methods.split(",") if isinstance(args.methods, str) else args.methods
+    for m in args.methods:
+        if m not in METHODS:
+            raise SystemExit(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
     if args.worker:
         return _worker(args)
-    trees = [t.split("=", 1) for t in args.tree] or [("here", str(ROOT))]
+    doors = args.doors.split(",")
     results = {}
-    for label, path in trees:
-        cmd = [sys.executable, __file__, "--worker", "--tree-path", path, "--layers",
-               str(args.layers), "--width", str(args.width), "--methods",
-               ",".join(args.methods)] + (["--where"] if args.where else [])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, os.environ.get(
-            "PYTHONPATH", "")]))
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-        line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-        if p.returncode != 0 or not line:
-            raise SystemExit(f"tree {label} ({path}) failed:\n{p.stdout[-3000:]}\n"
-                             f"{p.stderr[-3000:]}")
-        results[label] = json.loads(line[0][7:])
-    head = ["method"] + [f"{t}: {c}" for t, _ in trees
-                         for c in ("backward", "synchronize", "step", "triton", "total")]
-    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for m in args.methods:
-        cells = [METHODS[m] + (" + mc" if m.endswith("+mc") else "")]
-        for t, _ in trees:
-            r = results[t][m]
-            a, tr = r["aten"], sum(r["triton"].values())
-            cells += [str(a.get("backward", 0)), str(a.get("synchronize", 0)),
-                      str(a.get("step", 0)), str(tr), str(sum(a.values()) + tr)]
-        rows.append("| " + " | ".join(cells) + " |")
-    table = "\n".join(rows)
-    if args.where:                   # where the ops come from, per tree and method
-        for t, _ in trees:
+    for door in doors:
+        if door not in DOORS:
+            raise SystemExit(f"unknown door {door!r}; choose from {', '.join(DOORS)}")
+        t0 = time.time()
+        results[door] = run_door(door, args.methods, np=args.np, div=args.div,
+                                 image=args.image, batch=args.batch, warmup=args.warmup,
+                                 steps=args.steps, where=args.where, tree=args.tree,
+                                 bucket_view=args.bucket_view)
+        print(f"[{door}: {time.time() - t0:.0f} s]", flush=True)
+        print(table({door: results[door]}, args.methods), flush=True)
+        if args.out:                  # each door as soon as it is counted
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(f"{args.out}.{door}.json").write_text(json.dumps(results[door]))
+    tab = table(results, args.methods)
+    if args.where:
+        for door, res in results.items():
             for m in args.methods:
-                print(f"\n{t} / {m}: aten ops per step by issuing site")
-                for site, n in results[t][m].get("sites", []):
-                    print(f"  {n:5d}  {site}")
-    print(f"device ops + Triton launches per step, {args.layers} Linear({args.width}, "
-          f"{args.width}) layers ({args.layers} compressed weights, {args.layers} dense "
-          f"biases), world size 1, forced Triton (interpreter)")
-    print(table)
+                print(f"\n{door} / {m}: ops per step by issuing site")
+                for site, n in res["results"][m].get("sites", []):
+                    print(f"  {n:7.1f}  {site}")
+    print(f"device ops + Triton launches per step (aten ops as launches), ResNet-50 "
+          f"topology (161 tensors) widths / {args.div}, {args.image}x{args.image} inputs, "
+          f"world size {args.np}, validate=False, forced Triton (interpreter)")
+    print(tab)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out + ".json").write_text(json.dumps(dict(
-            layers=args.layers, width=args.width, trees=dict(trees), results=results),
-            indent=1))
-        Path(args.out + ".md").write_text(table + "\n")
+            tree=str(Path(args.tree or ROOT).resolve()), div=args.div, image=args.image,
+            batch=args.batch, np=args.np, bucket_view=args.bucket_view,
+            warmup=args.warmup, steps=args.steps, results=results), indent=1))
+        Path(args.out + ".md").write_text(tab + "\n")
+    return results
 
 
 if __name__ == "__main__":

@@ -175,8 +175,8 @@ def test_converges_within_bound_of_dense(label, make, data):
     rates = {n: st[n]["mean_compression_rate"] for n in w}
     eff = {n: st[n]["mean_effective_rate"] for n in w}
     print(f"[convergence] {label:18s} acc {100 * acc:.2f}% (dense {100 * base:.2f}%, "
-          f"diff {100 * (acc - base):+.2f} pp) params {dig} | whole-model rate {tot['compression_rate']:.1f}x "
-          f"(effective {tot['effective_rate']:.1f}x) | per weight: "
+          f"diff {100 * (acc - base):+.2f} pp) params {dig} | whole-model rate "
+          f"{tot['compression_rate']:.1f}x (effective {tot['effective_rate']:.1f}x) | per weight: "
           + ", ".join(f"{n} {rates[n]:.1f}x/eff {eff[n]:.1f}x" for n in w)
           + f" | {time.time() - t0:.1f} s")
     for n in w:   # the big layers really are compressed

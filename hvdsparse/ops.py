@@ -82,6 +82,12 @@ def _kernels():
     return mod
 
 
+def kernels_package():
+    """The ``hvdsparse.kernels`` package (imports Triton), loaded once (module docstring):
+    for tools that compile or count the kernels themselves (``scripts/compile_kernels.py``)."""
+    return _kernels()
+
+
 def bucket_kernels(family: str):
     """The Triton module of a bucket-path kernel family, ``kernels/bucket_<family>.py``
     (``topk``, ``dense``, ...: whole buckets of layers as rows of one segment table,

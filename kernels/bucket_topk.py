@@ -43,7 +43,7 @@ Per bucket and step (``hvdsparse/compressors/topk_bucket.py`` drives them)::
                            sqrt_rn: threshold.py's torch expression, bit for bit)
     mask        1 launch   (after the exchange) u_j[idx] = 0 for the sent slots
 
-Each segment's threshold follows ``kernels/refine.py``'s rule (the same ``_replay``):
+Each segment's threshold follows ``kernels/refine.py``'s rule (the same ``replay_rounds``):
 ``v`` is row ``j`` of the sorted sample, ``r0``, ``m``, ``k``, ``capacity`` its own.
 Rows on ``ROUTE_GIVEN`` (``Threshold``, DCT-DP, between its refreshes) read their
 threshold from the fp32 tensor at ``C_TIN`` instead: one sampled element, no counting
@@ -66,8 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .refine import _replay
-from .select import _reserve_slots, _store_float_values
+from .refine import replay_rounds
+from .select import reserve_slots, store_float_values
 
 # columns of the segment table (int64); fp32 values are stored as their bits
 C_G, C_R, C_U, C_P, C_N, C_MODE, C_M, C_C, C_WD, C_NF = range(10)
@@ -213,8 +213,8 @@ def _row_replay(row, v_ptr, Mmax, counts_ptr, R, j, ROUNDS: tl.constexpr):
     kf = tl.load(row + _RK).to(tl.float32)
     capf = tl.load(row + _RCAP).to(tl.float32)
     mf = tl.load(row + _MLEN).to(tl.float32)
-    return _replay(v_ptr + j * Mmax, counts_ptr + j * R, tl.load(row + _R0), mf, kf, capf,
-                   _f32(row, _TGT), ROUNDS)
+    return replay_rounds(v_ptr + j * Mmax, counts_ptr + j * R, tl.load(row + _R0), mf, kf,
+                         capf, _f32(row, _TGT), ROUNDS)
 
 
 @triton.jit
@@ -271,10 +271,10 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
     rp = _fptr(row, _R)
     a = tl.load(rp + offs, mask=mask, other=0.0)
     sel = (tl.abs(a) >= ts) & mask
-    slot, w = _reserve_slots(sel, cnt_ptr + j * 2 + 1, tl.load(row + _CAP))
+    slot, w = reserve_slots(sel, cnt_ptr + j * 2 + 1, tl.load(row + _CAP))
     out = tl.load(row + _OUT) + slot
     tl.store(idx_ptr + out, offs.to(tl.int32), mask=w)
-    newa = _store_float_values(a, val_ptr, out, w, VE)
+    newa = store_float_values(a, val_ptr, out, w, VE)
     tl.store(rp + offs, newa, mask=w)
 
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .residual import _ld, _st
+from .residual import load_block, store_block
 
 
 @triton.jit
@@ -26,11 +26,11 @@ def _clean_block(g_ptr, o_ptr, nf_ptr, start, n, s, HAS_SCALE: tl.constexpr,
                  HAS_NF: tl.constexpr, BLOCK: tl.constexpr, FULL: tl.constexpr):
     offs = start + tl.arange(0, BLOCK)
     mask = offs < n
-    d = _ld(g_ptr, offs, mask, FULL).to(tl.float32)
+    d = load_block(g_ptr, offs, mask, FULL).to(tl.float32)
     if HAS_SCALE:
         d = d * s
     fin = tl.abs(d) < float("inf")
-    _st(o_ptr, offs, tl.where(fin, d, 0.0), mask, FULL)
+    store_block(o_ptr, offs, tl.where(fin, d, 0.0), mask, FULL)
     if HAS_NF:
         bad = tl.sum(((~fin) & mask).to(tl.int32), axis=0)
         tl.atomic_add(nf_ptr, bad, mask=bad > 0, sem="relaxed")

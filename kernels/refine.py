@@ -38,7 +38,7 @@ _TINY = float(torch.finfo(torch.float32).tiny)
 
 
 @triton.jit
-def _replay(v_ptr, cnt_ptr, r0, mf, kf, capf, target, ROUNDS: tl.constexpr):
+def replay_rounds(v_ptr, cnt_ptr, r0, mf, kf, capf, target, ROUNDS: tl.constexpr):
     """``t`` after rounds ``0 .. ROUNDS-1`` (the module docstring's rule).
 
     ``r0`` may arrive as a runtime i32 or as a Python int (a JIT specialises an integer
@@ -66,7 +66,7 @@ def _replay(v_ptr, cnt_ptr, r0, mf, kf, capf, target, ROUNDS: tl.constexpr):
 @triton.jit(do_not_specialize=["r0"])
 def _refine_count_kernel(acc_ptr, v_ptr, cnt_ptr, n, r0, mf, kf, capf, target,
                          ROUND: tl.constexpr, BLOCK: tl.constexpr):
-    t = _replay(v_ptr, cnt_ptr, r0, mf, kf, capf, target, ROUND)
+    t = replay_rounds(v_ptr, cnt_ptr, r0, mf, kf, capf, target, ROUND)
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = start + tl.arange(0, BLOCK)
     if start + BLOCK <= n:       # every block but the last: unmasked, 128-bit loads
@@ -81,7 +81,7 @@ def _refine_count_kernel(acc_ptr, v_ptr, cnt_ptr, n, r0, mf, kf, capf, target,
 @triton.jit(do_not_specialize=["r0"])
 def _refine_final_kernel(v_ptr, cnt_ptr, out_ptr, r0, mf, kf, capf, target, tiny,
                          ROUNDS: tl.constexpr):
-    t = _replay(v_ptr, cnt_ptr, r0, mf, kf, capf, target, ROUNDS)
+    t = replay_rounds(v_ptr, cnt_ptr, r0, mf, kf, capf, target, ROUNDS)
     tl.store(out_ptr, tl.maximum(t, tiny))
 
 

@@ -47,7 +47,7 @@ TILE_PER_THREAD = 8
 
 
 @triton.jit
-def _ld(ptr, offs, mask, FULL: tl.constexpr):
+def load_block(ptr, offs, mask, FULL: tl.constexpr):
     """Load; unmasked for a full block, so the compiler can prove 16-byte contiguity and
     emit 128-bit loads whatever ``n`` is (a mask ``offs < n`` only allows that when the
     specialisation knows 16 | n)."""
@@ -59,7 +59,8 @@ def _ld(ptr, offs, mask, FULL: tl.constexpr):
 
 
 @triton.jit
-def _st(ptr, offs, x, mask, FULL: tl.constexpr):
+def store_block(ptr, offs, x, mask, FULL: tl.constexpr):
+    """Store; unmasked for a full block (as :func:`load_block`)."""
     if FULL:
         tl.store(ptr + offs, x)
     else:
@@ -70,8 +71,8 @@ def _st(ptr, offs, x, mask, FULL: tl.constexpr):
 def _add_scaled(g_ptr, r_ptr, offs, mask, s, HAS_SCALE: tl.constexpr,
                 FULL: tl.constexpr = False):
     """(new residual, non-finite mask) for the elements ``offs`` (see module doc)."""
-    g = _ld(g_ptr, offs, mask, FULL).to(tl.float32)
-    r = _ld(r_ptr, offs, mask, FULL)
+    g = load_block(g_ptr, offs, mask, FULL).to(tl.float32)
+    r = load_block(r_ptr, offs, mask, FULL)
     if HAS_SCALE:
         d = g * s
     else:
@@ -118,7 +119,7 @@ def _residual_flat_block(grad_ptr, res_ptr, binmax_i32_ptr, nf_ptr, start, n, L,
     offs = start + tl.arange(0, BLOCK)
     mask = offs < n
     a, bad = _add_scaled(grad_ptr, res_ptr, offs, mask, s, HAS_SCALE, FULL)
-    _st(res_ptr, offs, a, mask, FULL)
+    store_block(res_ptr, offs, a, mask, FULL)
     bits = tl.where(mask, a.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
     bits = tl.where(bits > 0x7F800000, 0x7FC00000, bits)
     # BLOCK <= L: the block meets bin b0 and possibly b0 + 1

@@ -47,7 +47,7 @@ def _ld(ptr, offs, mask, FULL: tl.constexpr):
 
 
 @triton.jit
-def _reserve_slots(sel, count_ptr, capacity):
+def reserve_slots(sel, count_ptr, capacity):
     """Step 2: each selected element's slot (its exclusive rank in the block plus the
     block's base, reserved with ONE relaxed ``atomic_add`` into ``count_ptr``) and the
     mask of those that fit below ``capacity``."""
@@ -60,7 +60,7 @@ def _reserve_slots(sel, count_ptr, capacity):
 
 
 @triton.jit
-def _store_float_values(a, val_ptr, at, w, VE: tl.constexpr):
+def store_float_values(a, val_ptr, at, w, VE: tl.constexpr):
     """Step 3 for fp32 / fp16 / bf16 values: ``val[at] = cast(a)`` where ``w``; returns
     the new residual of those elements (0 for fp32, the cast error otherwise).
 
@@ -107,7 +107,7 @@ def _select_block(acc_ptr, grad_ptr, thr_ptr, idx_ptr, val_ptr, sign_ptr, count_
     else:
         thr = tl.load(thr_ptr)
     sel = (tl.abs(h) >= thr) & inb
-    slot, w = _reserve_slots(sel, count_ptr + 1, capacity)
+    slot, w = reserve_slots(sel, count_ptr + 1, capacity)
     tl.store(idx_ptr + slot, offs.to(tl.int32), mask=w)
     if VE == 6:  # SIGN1
         ss = tl.load(sscale_ptr)
@@ -116,7 +116,7 @@ def _select_block(acc_ptr, grad_ptr, thr_ptr, idx_ptr, val_ptr, sign_ptr, count_
         bit = tl.full([BLOCK], 1, tl.int32) << (slot & 31).to(tl.int32)
         tl.atomic_or(sign_ptr + (slot >> 5), bit, mask=w & neg, sem="relaxed")
     else:
-        newa = _store_float_values(a, val_ptr, slot, w, VE)
+        newa = store_float_values(a, val_ptr, slot, w, VE)
     tl.store(acc_ptr + offs, newa, mask=w)
 
 

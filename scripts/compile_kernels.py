@@ -68,7 +68,7 @@ if REPO not in sys.path:
 
 from hvdsparse import ops  # noqa: E402
 
-K = ops._kernels()
+K = ops.kernels_package()
 #: (submodule, kernel attribute) of every launch kernel
 KERNELS = [("residual", "_residual_tile_kernel"), ("residual", "_residual_flat_kernel"),
            ("select", "_select_compact_kernel"), ("quantize", "_quantize_pack_kernel"),

@@ -34,15 +34,11 @@ Masking is off by default (``momentum_masking=False`` in both front doors; the
 velocity is linear in the gradients and nothing is dropped: every step adds the whole
 velocity into the residual, so the ranks' sent values add up, with a delay, to the
 momentum SGD update. DGC masks to stop a coordinate that waited long in the residual
-from being pushed on by its stale momentum after it is sent. Measured here (BENCHMARKS.md
-4b, eleventh session; P = 4, 110-165-step runs), masking cost accuracy and steps instead:
-digits CNN TopK 1% -1.08 pp masked against -0.03 pp unmasked (9 seeds; the paired
-difference +0.96 pp, 8 of 9 seeds >= 0), digits MLP +0.42 pp paired (6 seeds); on the
-4.35 M MLP unmasked was as good or better for TopK / Threshold / AdaComp (steps to 95%
-of dense's final accuracy 1.11 -> 0.93x, 1.22 -> 1.11x, 1.04 -> 0.78x of dense). At 30
-epochs (330 steps) the CNN gap closed either way (masked -0.19, unmasked -0.46 pp, 3
-seeds): the gain is in short runs, and very low densities over long runs (DGC's
-setting, 0.1% for 10^5 steps) were not measured; ``momentum_masking=True`` restores DGC.
+from being pushed on by its stale momentum after it is sent. On this project's
+workloads (digits MLP and CNN, P = 4, TopK / Threshold / AdaComp) masking cost accuracy
+and steps to a target in short runs and made no difference in longer ones, hence the
+default; DGC's own regime (0.1% density over 10^5 steps) was not measured, and
+``momentum_masking=True`` restores DGC's rule.
 
 Masking during a density warm-up (``TopK`` / ``Threshold`` / ``RandomK(warmup=...)``):
 masking exists for coordinates that wait many steps in the residual, whose velocity would
@@ -52,10 +48,9 @@ coordinate is sent every few steps and masking would only discard momentum: at d
 masked DGC is SGD *without* momentum, while unmasked it is exactly momentum SGD (the
 velocity is linear in the gradients, so the sum of the ranks' sent velocities is the
 dense momentum update). So masking is suspended there and resumes when the warm-up has
-lowered the density (``Compressor.warmup_density``). Measured (BENCHMARKS.md 4b, 4.35 M
-MLP, P = 4, 3 seeds): DGC's 4-stage warm-up with masking throughout fell behind no
-warm-up (steps to 95 % accuracy 70 vs 63, dense 48); with masking suspended, 50, and
-the first 20 steps track dense.
+lowered the density (``Compressor.warmup_density``). (With masking throughout, DGC's
+4-stage warm-up fell behind no warm-up at all on the 4.35 M-parameter MLP at P = 4; with
+masking suspended its first steps track dense training.)
 
 What the user writes stays the same: ``torch.optim.SGD(params, lr, momentum=0.9,
 nesterov=..., weight_decay=...)`` wrapped with ``momentum_correction=True``.
@@ -83,7 +78,7 @@ __all__ = ["LocalUpdate", "UNMASKED_MAX_DENSITY", "clean_local_gradient",
 
 
 #: the densest TopK / Threshold setting the rule turns momentum correction on for when
-#: masking is off: the densest one measured (BENCHMARKS.md 4b, twelfth session)
+#: masking is off: the densest setting at which it was measured not to hurt
 UNMASKED_MAX_DENSITY = 0.25
 
 
@@ -107,28 +102,22 @@ def resolve_momentum_correction(momentum_correction, optimizer, compression,
     is SGD without momentum. Measured on digits-cnn at P = 4 (3 seeds): masked momentum
     correction at 10% / 25% ends 3.6 / 8.1 pp below dense. Without masking the velocity
     is kept, every step adds the whole velocity into the residual, and what the ranks
-    send adds up to the momentum SGD update, only delayed; measured (BENCHMARKS.md 4b,
-    twelfth session; digits MLP and CNN at P = 4, 9 seeds, TopK 5%, 10% and 25%,
-    unmasked correction against none): final accuracy -0.19 to +0.30 pp (means of
-    9 seeds), steps to target fewer in 4 of 6 cells (MLP at 5%: 1.49x -> 1.29x of
-    dense's steps; at 10%: 1.19x -> 1.06x), the same in one and more in one (the CNN at
-    5%: 1.17x -> 1.24x). Denser settings were not measured, and at ``TopK(1.0)``
-    correction would only reorder the floating-point sums of momentum SGD, so the rule
-    stops at the densest measured one and ``TopK(1.0)`` stays exactly plain Horovod.
+    send adds up to the momentum SGD update, only delayed. Unmasked correction was
+    measured up to density 0.25 (digits MLP and CNN at P = 4, TopK 5% to 25%: final
+    accuracy within noise of no correction, steps to target mostly fewer); denser
+    settings were not, and at ``TopK(1.0)`` correction would only reorder the
+    floating-point sums of momentum SGD, so the rule stops at 0.25 and ``TopK(1.0)``
+    stays exactly plain Horovod.
 
-    Why on (BENCHMARKS.md 4b, 3 seeds, digits MLP and CNN at P = 2 and 4, TopK 1%,
-    Threshold 99%, AdaComp, m = 0.9): final accuracy rose in 8 of 9 (compressor,
-    workload, P) cases (+0.2 to +1.2 pp) and steps to target fell (AdaComp 1.94x ->
-    1.28x of dense at P = 4); the exception was AdaComp on the CNN at P = 4 (-1.5 pp).
-    Other compressors were not measured with it (QSGD sends every coordinate; Slim-DP,
-    RandomK), so auto leaves them alone.
+    Why on: with TopK 1%, Threshold 99% and AdaComp at m = 0.9 (digits MLP and CNN,
+    P = 2 and 4) correction raised final accuracy and cut steps to target in all but
+    one measured case (AdaComp on the CNN at P = 4). Other compressors were not measured
+    with it (QSGD sends every coordinate; Slim-DP, RandomK), so auto leaves them alone.
 
-    The default of both front doors (``None``). Its cost is small since the local
-    update works in place (the velocity updated with ``mul_`` / ``add_``, the finite
-    check one reduction on the CPU, masking O(capacity) with ``codec.sent_positions``):
-    TopK 1% on a 4.35 M-parameter MLP at P = 1, 35.6 ms per step without it and 38.5 ms
-    with it, against 73.1 ms when every step allocated full-size temporaries and
-    decoded its own payload to mask (BENCHMARKS.md 7, side by side)."""
+    The default of both front doors (``None``). The local update works in place (the
+    velocity updated with ``mul_`` / ``add_``, the finite check one reduction on the
+    CPU, masking O(capacity) with ``codec.sent_positions``): no full-size temporaries
+    and no decode of the layer's own payload per step."""
     if momentum_correction not in (None, True, False):
         raise ValueError(f"momentum_correction must be None (auto), True or False, got "
                          f"{momentum_correction!r}")

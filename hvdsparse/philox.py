@@ -11,8 +11,8 @@ other devices and gives the same bits. ``hvdsparse.oracle`` has an independent
 textbook version that the tests compare against.
 
 With the compiled CPU loops (``hvdsparse/native/philox.c``, the same stream bit for
-bit; BENCHMARKS.md 7 measures what it saves QSGD) the CPU stream is generated there;
-without them (no compiler, ``HVDSPARSE_NATIVE=0``) in numpy.
+bit; ``scripts/bench_overhead.py`` measures what it saves QSGD) the CPU stream is
+generated there; without them (no compiler, ``HVDSPARSE_NATIVE=0``) in numpy.
 
 Imports nothing of hvdsparse but :mod:`hvdsparse.native` (itself on the floor).
 """

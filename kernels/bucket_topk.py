@@ -1,5 +1,5 @@
 """TopK over a whole bucket: every layer of a fusion bucket compressed in a fixed number
-of launches (issue 13: launches per step proportional to buckets, not layers x ops).
+of launches (launches per step proportional to buckets, not to layers x operations).
 
 The per-layer path (``kernels/clean.py``, ``residual.py``, ``refine.py``,
 ``select.py``, ``masking.py`` plus ~12 torch ops) issues ~25 launches per layer. Here the

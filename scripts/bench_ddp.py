@@ -13,8 +13,8 @@ full-duplex link each (tbf on both ends of every node's veth, a bridge between t
 The DDP methods run in ONE multi-node torchrun job -- one ``torchrun --nnodes P
 --node-rank k`` agent per node namespace (``netemu.run_torchrun``), Gloo over the
 shaped ``eth0`` -- and the Horovod references in one unmodified ``horovodrun -np P -H
-node1:1,...`` launch each (netemu's ssh shim, the ``sched_yield`` shim on, as in
-BENCHMARKS.md section 1). Time dilation (``--dilation``, default ``dilated``): P ranks
+node1:1,...`` launch each (netemu's ssh shim, the ``sched_yield`` shim on, as
+``bench_network.py`` runs them). Time dilation (``--dilation``, default ``dilated``): P ranks
 share this machine's C cores, so the link runs at ``rate * C / P`` (1 Gbit/s, 4 ranks, 2
 cores -> 500 Mbit/s), which keeps the compute-to-network ratio of P nodes with a CPU
 each. Before the methods the emulation is validated (``--validate on``): dense fp32

@@ -75,14 +75,14 @@ METHODS = {
     "dense": ("dense allreduce (fp32)", ["--compression", "none"]),
     "fp16": ("Horovod fp16 allreduce", ["--compression", "fp16"]),
     "topk1": ("TopK 1%", ["--compression", "topk", "--ratio", "0.01"]),
-    # the output layer (4.weight, 20 K of 4.35 M elements) at 10%: BENCHMARKS.md 4b
+    # the output layer (4.weight, 20 K of 4.35 M elements) at 10%
     "topk1_head": ("TopK 1%, output layer 10%", ["--compression", "topk", "--ratio", "0.01",
                                                  "--override", "4.weight:ratio=0.1"]),
-    # DGC's 4-stage exponential density warm-up over the first 20 steps (BENCHMARKS.md 4b)
+    # DGC's 4-stage exponential density warm-up over the first 20 steps
     "topk1_warmup": ("TopK 1%, warm-up exp(20, 4 stages)", ["--compression", "topk",
                                                             "--ratio", "0.01",
                                                             "--warmup", "exp,20,4"]),
-    # DGC's momentum-factor masking on / off explicitly (BENCHMARKS.md 4b, eleventh session)
+    # DGC's momentum-factor masking on / off explicitly
     "topk1_mask": ("TopK 1%, momentum masking on", ["--compression", "topk", "--ratio",
                                                      "0.01", "--momentum-masking"]),
     "topk1_nomask": ("TopK 1%, momentum masking off", ["--compression", "topk", "--ratio",
@@ -94,7 +94,7 @@ METHODS = {
     "qsgd4": ("QSGD 4-bit", ["--compression", "qsgd", "--bits", "4"]),
     "topk1_int4": ("TopK 1% + int4", ["--compression", "topk", "--ratio", "0.01",
                                       "--values", "int4"]),
-    # TopK 1% with bf16 values (the rounding error stays in the residual; BENCHMARKS 4b)
+    # TopK 1% with bf16 values (the rounding error stays in the residual)
     "topk1_bf16": ("TopK 1% + bf16 values", ["--compression", "topk", "--ratio", "0.01",
                                              "--values", "bf16"]),
     # not in the default list: denser TopK, fewer steps to the target

@@ -1,4 +1,4 @@
-"""Compression overhead at world size 1 (issue 13, item 2): what each compressor adds
+"""Compression overhead at world size 1: what each compressor adds
 to a training step when there is no network at all.
 
 Every method trains the same model (``scripts/train.py``'s ``wide`` MLP 64-W-W-10,

@@ -1,4 +1,4 @@
-"""Bytes per rank per step vs world size (issue 13, item 3): allgather, split, balanced
+"""Bytes per rank per step vs world size: allgather, split, balanced
 and auto, measured against the cost model's prediction.
 
 One ``horovodrun -np P`` launch per P (Gloo, localhost). In each launch every exchange

@@ -31,7 +31,7 @@ class ThresholdTracking(Threshold):
     """Threshold (DCT-DP) whose reused tau tracks a target count between refreshes: after
     every step ``tau <- tau * clamp(sqrt(selected / target), 1 / 2, 2)`` (both ways),
     ``target = k + track * (capacity - k)``, instead of only raising it on an overflow.
-    Per layer only (no bucket path) -- a study of the CNN divergence (BENCHMARKS 4b)."""
+    Per layer only (no bucket path) -- a study of the CNN divergence."""
 
     bucket_path = False
 
@@ -50,8 +50,8 @@ class ThresholdLargestOnOverflow(Threshold):
     """Threshold (DCT-DP) whose overflowing selection keeps the ``capacity`` LARGEST
     ``|acc|`` passing the reused tau instead of the first ``capacity`` in slot order
     (ascending index on the CPU); the overflow guard is unchanged (it still sees the
-    count at tau). Per layer, host-synchronising -- a study of the CNN divergence
-    (BENCHMARKS 4b), not a library path."""
+    count at tau). Per layer, host-synchronising -- a study of the CNN divergence,
+    not a library path."""
 
     bucket_path = False
 
@@ -71,7 +71,7 @@ class ThresholdLargestOnOverflow(Threshold):
 class ThresholdCoarseLadder(Threshold):
     """Threshold with a coarser overflow ladder: 16 rungs of 2^(1/4) (the library's: 32
     of 2^(1/8)), so an overflowing step fills less of its capacity -- a study of what
-    the rung spacing costs (BENCHMARKS 4b, sixteenth session)."""
+    the rung spacing costs."""
 
     ladder = tuple(float(torch.tensor(2.0 ** (j / 4), dtype=torch.float32))
                    for j in range(16))

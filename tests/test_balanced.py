@@ -175,7 +175,7 @@ def test_cost_model_prices_balanced_and_auto_margin(P):
 
 
 def test_bytes_target_predicted():
-    """Issue 13's target in the model: TopK 1 % at P = 16 within 2.5x of P = 2 (auto)."""
+    """The scaling target in the model: TopK 1 % at P = 16 within 2.5x of P = 2 (auto)."""
     N, k = 4_000_000, 40_000
 
     def auto_bytes(P):

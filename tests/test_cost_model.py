@@ -40,7 +40,7 @@ def documented_pick(ag, sp, de):
 def test_split_margin_is_the_documented_one():
     from hvdsparse.exchange.cost_model import SPLIT_MARGIN
     assert SPLIT_MARGIN == 0.75
-    # split at 0.80x allgather's bytes (BENCHMARKS 1, P = 4): allgather
+    # split at 0.80x allgather's bytes (P = 4, the per-node network benchmark): allgather
     f = fig(4, 0.01)
     c = costs(f)
     for ratio, want in ((0.80, "allgather"), (0.70, "split")):
@@ -49,7 +49,7 @@ def test_split_margin_is_the_documented_one():
         assert choose(g) == want, (ratio, costs(g))
     # balanced (all strategies allowed) must beat 0.4x split's bytes even when the
     # margin passes split over: at P = 4 with split at 0.80x allgather it is not taken
-    # (BENCHMARKS 5b and 1: taking it there cost time and accuracy)
+    # (measured on the per-node network: taking it there cost time and accuracy)
     from hvdsparse.exchange.cost_model import LOSSY_MARGIN
     assert LOSSY_MARGIN == 0.4
     g = BucketFigures(world_size=4, numel=N, capacity=10_000,

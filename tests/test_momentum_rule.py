@@ -2,7 +2,7 @@
 (:func:`hvdsparse.momentum.resolve_momentum_correction`): on for SGD with momentum
 around the sparsifiers whose error feedback delays coordinates; with momentum-factor
 masking only up to the density ``(1 - m) / 2``, without masking (the default) up to the
-densest setting measured, 0.25 (BENCHMARKS.md 4b, twelfth session)."""
+densest setting measured, 0.25."""
 import pytest
 import torch
 

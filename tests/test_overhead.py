@@ -1,4 +1,4 @@
-"""The CPU fast paths added for issue 13 item 2 (compression overhead at P = 1), each
+"""The CPU fast paths that cut the compression overhead at P = 1, each
 against an independent plain-torch / plain-Python reference written from its
 definition, plus a smoke run of scripts/bench_overhead.py.
 

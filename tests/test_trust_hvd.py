@@ -1,4 +1,4 @@
-"""Proof across real ranks (trust issue 9): tests/workers/trust_worker.py under real
+"""Proof across real ranks of the trust matrix: tests/workers/trust_worker.py under real
 ``horovodrun`` (Gloo, localhost), three launches plus one plain process.
 
 * ``-np 3`` matrix (one launch): every compressor (TopK(0.05), Threshold(0.95),

@@ -43,7 +43,7 @@ count per segment, plus one dense push (``n`` words) every ``q`` steps. With
 ``values="fp16"`` etc. the value words shrink accordingly. If ``(2 alpha - beta) n``
 words would not be smaller than the dense layer, the layer goes dense.
 
-Default q (measured, BENCHMARKS.md section 4b): the paper's q = 20k-50k mini-batches
+Default q (measured): the paper's q = 20k-50k mini-batches
 belongs to runs of a few hundred thousand steps (q ~ 5-10 % of the run). A default of
 1000 never re-selects in a run of a few hundred steps, and the core stays the one chosen
 from step 0's gradient and the initial weights: on the digits MLP (330 steps, 2 ranks,

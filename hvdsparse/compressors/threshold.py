@@ -37,8 +37,7 @@ Deviations, all forced by fixed-size messages:
     14.7x) is cut as before. Without the ladder an overflowing step sends the lowest
     slots whatever their size, and the starved elements' accumulations grow until they
     go out at once: on the digits CNN with momentum correction that made training
-    diverge for tens of steps in 2 of 3 seeds. Over 6 seeds (BENCHMARKS 4b, sixteenth
-    session) the accuracy gap to dense went from -2.18 pp to -0.69 pp with these rungs
+    diverge for tens of steps in 2 of 3 seeds. Over 6 seeds the accuracy gap to dense went from -2.18 pp to -0.69 pp with these rungs
     (-0.93 pp with 16 rungs of 2^(1/4), -0.28 pp sending exactly the ``capacity``
     largest, which a host-synchronising top-k would cost).
   - *The next steps: tau is raised.* With ``selected = c_0`` (the count at ``tau``,

@@ -1,6 +1,6 @@
 """TopK for a whole fusion bucket: the layers of a bucket compressed together in a fixed
 number of launches (``kernels/bucket_topk.py`` on the device path, instead of ~25
-launches per layer: issue 13, item 2), or of calls into the compiled CPU loops
+launches per layer), or of calls into the compiled CPU loops
 (``hvdsparse/native/bucket_topk.c``, the same table and bits: one fused pass for the
 velocity update and residual add, usually one for the threshold count and selection).
 

@@ -85,7 +85,7 @@ EXACT_STRATEGIES = ("allgather", "split", "dense")
 #: undelivered share) that the byte model does not price, so it is worth it for a
 #: clear saving only. With k pairs per rank it moves ~2/P of allgather's bytes, so
 #: auto takes it from P = 6 on and exact strategies up to P = 5. Measured on the
-#: per-node 500 Mbit/s emulation (BENCHMARKS.md 1, P = 4, TopK 1%, 4.35 M elements):
+#: per-node 500 Mbit/s emulation (P = 4, TopK 1%, 4.35 M elements):
 #: at 0.53x allgather's bytes balanced took 1.59x its step time (204.5 vs 128.8 ms)
 #: and 1.17x its time to 95% (15.4 vs 13.2 s); with the earlier margin of 0.5 auto
 #: chose it there.
@@ -94,7 +94,7 @@ LOSSY_MARGIN = 0.4
 #: ``split`` is chosen over ``allgather`` only below this fraction of allgather's bytes:
 #: split makes two passes over the dense bucket (per-owner counts, the non-zero gather)
 #: and a second collective, which the byte model does not price. Measured on the
-#: per-node 500 Mbit/s emulation (BENCHMARKS.md 1, P = 4, TopK 1%, 4.35 M elements):
+#: per-node 500 Mbit/s emulation (P = 4, TopK 1%, 4.35 M elements):
 #: split moved 0.80x allgather's wire bytes but took 1.39x its step time (218 vs 157 ms).
 SPLIT_MARGIN = 0.75
 

@@ -14,7 +14,7 @@ Philox drawn inline through ``philox.h``).
 Why C: the numpy CPU path walks a layer once per operation (velocity update, residual
 add, finiteness check, counting, selection: ~10 passes over a layer per step for TopK
 with momentum correction), each near memory speed but together the larger part of a
-compressed step's overhead (BENCHMARKS.md section 7). The C loops fuse them: one pass
+compressed step's overhead (``scripts/bench_overhead.py``). The C loops fuse them: one pass
 for the velocity update and residual add, and usually one for the threshold count and
 selection together. The decode reads each received int32 index and fp32 value once,
 where ``torch.index_add_`` first copies the indices to int64 and checks their range in

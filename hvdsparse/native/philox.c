@@ -8,8 +8,8 @@
  *
  * Why: QSGD's stochastic rounding needs one uniform per element, and the numpy version
  * (uint64 mulhilo, ~90 ufunc passes over every block) was most of QSGD's CPU cost
- * (BENCHMARKS.md section 7). Integer arithmetic only, then one int -> fp32 conversion
- * (round to nearest) and one fp32 product (no contraction: -ffp-contract=off).
+ * (measured by scripts/bench_overhead.py). Integer arithmetic only, then one int -> fp32
+ * conversion (round to nearest) and one fp32 product (no contraction: -ffp-contract=off).
  */
 #include "philox.h"
 

@@ -1,4 +1,4 @@
-"""Proof across real ranks (trust issue 9): run under ``horovodrun`` (modes ``matrix``,
+"""Proof across real ranks of the trust matrix: run under ``horovodrun`` (modes ``matrix``,
 ``scenarios``, ``kill``) or as a plain process (``single``: world size 1).
 
 Usage: horovodrun -np 3 ... python trust_worker.py matrix|scenarios|kill

@@ -3,7 +3,7 @@
 
 CPU (always): on an n-element fp32 gradient and residual (default 25M), time
 
-* ``torch.add(grad, residual)``           -- the memory floor named in the issue,
+* ``torch.add(grad, residual)``           -- the memory floor,
 * ``(1) + (2)`` through ``hvdsparse.ops`` (the CPU path, ``hvdsparse.cpu``) at ~1% density
   (a scalar threshold from a sample quantile; also per-bin thresholds, bin 500),
 * ``torch.topk(acc.abs(), k)`` with ``k = density * n``,

@@ -1,6 +1,6 @@
 """Encode / decode cost of the wire's index narrowing on the CPU, side by side in one run.
 
-Not a network measurement (section 1 of BENCHMARKS.md has those): one process, one
+Not a network measurement (``scripts/bench_network.py`` makes those): one process, one
 thread, the TopK 1% payloads of the per-node benchmark's 4.35 M-parameter MLP (784-2048-
 2048-10) as one bucket. Per repetition, narrowed and int32 indices alternate
 (``hvdsparse.payload.NARROW_INDICES`` switched in-process), for ``codec.encode`` into a

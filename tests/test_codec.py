@@ -620,7 +620,7 @@ def test_encode_and_trusted_accumulate_never_sync(monkeypatch):
 
 
 def test_wire_defect_regressions():
-    """The decode defects found by the first mutation run (trust issue item 10), one by
+    """The decode defects found by the first mutation run, one by
     one: each now decodes correctly or is reported (CodecError / error flag)."""
     rng = np.random.default_rng(fresh_seed())
     # a valid message with a 0-element layer and bin-relative indices, both paths

@@ -1,6 +1,5 @@
-"""The bucket plan is made for the steady state, not for a dense warm-up step (trust
-issue item 8): with a warm-up whose step 0 is dense, the plan's bucket sizes follow the
-payload sizes after warm-up, computed independently here from the compressor's own
+"""The bucket plan is made for the steady state, not for a dense warm-up step: with a
+warm-up whose step 0 is dense, the plan's bucket sizes follow the payload sizes after warm-up, computed independently here from the compressor's own
 steady-state payloads.
 
 Runs the scheduler's first-step agreement for real (``hvd.allgather_object`` in a

@@ -49,7 +49,7 @@ Precision of phase 2 (no error feedback): the reduced sums travel as the pairs' 
 (fp16/bf16 when every segment is fp16/bf16: one extra rounding of the *sum*) or, in
 mode 2, quantised (unbiased, variance ``<= scale^2 / (4 s^2)`` per element). That error
 is not fed back: the compressors' residuals hold each rank's own selection error only.
-BENCHMARKS.md ("Split phase 2 without error feedback") measures bytes vs accuracy.
+``scripts/split_phase2_error.py`` measures bytes vs accuracy.
 
 Host synchronisation: the alltoall needs, on the host, the number of pairs per owner
 (phase 1 splits) and ``K_r`` (the length of the phase-2 message). Both are computed on

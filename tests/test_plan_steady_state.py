@@ -1,6 +1,6 @@
 """The bucket plan is made for the steady state, not for a dense warm-up step: with a
-warm-up whose step 0 is dense, the plan's bucket sizes follow the payload sizes after warm-up, computed independently here from the compressor's own
-steady-state payloads.
+warm-up whose step 0 is dense, the plan's bucket sizes follow the payload sizes after
+warm-up, computed independently here from the compressor's own steady-state payloads.
 
 Runs the scheduler's first-step agreement for real (``hvd.allgather_object`` in a
 one-process Horovod job, started in a subprocess so this test process never initialises

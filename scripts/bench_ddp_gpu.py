@@ -382,31 +382,45 @@ class Worker:
         return {}
 
     def profile(self, step):
-        """Counts over --profile-steps steps on this rank (see the module docstring)."""
+        """Counts over --profile-steps steps on this rank (see the module docstring).
+        Host-side events (launches, syncs) count when they start inside a step (each step
+        is a ``record_function`` range), so the closing synchronize is not counted;
+        device-side kernels count over the whole window (the steps' kernels may finish
+        after their step's host range)."""
         torch = self.torch
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerActivity, profile, record_function
         K = self.a.profile_steps
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self.sync()
-        caught = []
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if self.cuda:
-                torch.cuda.set_sync_debug_mode("warn")
-            try:
-                with profile(activities=acts) as prof:
-                    for _ in range(K):
-                        step()
-                    self.sync()
-            finally:
+        with profile(activities=acts) as prof:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 if self.cuda:
-                    torch.cuda.set_sync_debug_mode(0)
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    for _ in range(K):
+                        with record_function("bench_ddp_gpu_step"):
+                            step()
+                finally:
+                    if self.cuda:
+                        torch.cuda.set_sync_debug_mode(0)
+            self.sync()
         evs = list(prof.events())
+        ranges = [(e.time_range.start, e.time_range.end) for e in evs
+                  if e.name == "bench_ddp_gpu_step"]
+
+        def in_step(e):
+            t = e.time_range.start
+            return any(lo <= t <= hi for lo, hi in ranges)
+
         out = {"profile_steps": K}
         if self.cuda:
-            launches = sum(1 for e in evs if "LaunchKernel" in e.name)
+            launches = sum(1 for e in evs if "LaunchKernel" in e.name and in_step(e))
             kernels = sum(1 for e in evs if _is_device(e) and _is_kernel(e.name))
-            syncs = Counter(e.name for e in evs if e.name in SYNC_EVENTS)
+            if kernels == 0:   # device events only attached to their launching host op
+                kernels = sum(1 for e in evs if not _is_device(e)
+                              for k in getattr(e, "kernels", ()) if _is_kernel(k.name))
+            syncs = Counter(e.name for e in evs if e.name in SYNC_EVENTS and in_step(e))
             sync_warn = [w for w in caught if "synchroniz" in str(w.message).lower()]
             sites = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in sync_warn)
             out.update(launches_per_step=launches / K, kernels_per_step=kernels / K,
@@ -415,8 +429,8 @@ class Worker:
                        sync_warnings_per_step=len(sync_warn) / K,
                        sync_warning_sites=dict(sites.most_common(8)))
         else:
-            aten = [e for e in evs if e.name.startswith("aten::")]
-            top = sum(1 for e in aten if not _has_aten_parent(e))
+            top = sum(1 for e in evs if e.name.startswith("aten::")
+                      and not _has_aten_parent(e) and in_step(e))
             out.update(aten_ops_per_step=top / K,
                        note_counts="CPU: top-level aten ops (a proxy, not CUDA launches); "
                                    "host syncs not counted")
@@ -464,9 +478,9 @@ def _is_device(e):
 
 
 def _is_kernel(name):
-    """A device-side event that is not a copy or a memset (runtime / driver API calls are
-    host-side events and never reach here)."""
-    return not (name.startswith("Memcpy") or name.startswith("Memset"))
+    """A device-side event that is not a copy, a memset or a synchronisation record
+    (runtime / driver API calls are host-side events and never reach here)."""
+    return not (name.startswith("Memcpy") or name.startswith("Memset") or "Sync" in name)
 
 
 def _has_aten_parent(e):

@@ -2,7 +2,8 @@
 
 Public names: the compressors (``TopK``, ``Threshold``, ``AdaComp``, ``SlimDP``,
 ``RandomK``, ``QSGD``, ``NoCompression``, warm-up schedules), :func:`DistributedOptimizer`
-the routing hook, :mod:`hvdsparse.ddp` (the same compressors as a DDP communication
+the routing hook, :class:`ExchangeSettings` (the options both front doors take),
+:mod:`hvdsparse.ddp` (the same compressors as a DDP communication
 hook for torchrun users) and :mod:`hvdsparse.mp` (DCT-MP thresholding at model-parallel
 splits).
 
@@ -18,11 +19,12 @@ from .compressors import (AdaComp, Compressor, ExponentialWarmup, LayerPolicy, N
                           QSGD, RandomK, RtWarmup, SlimDP, Threshold, TopK, WarmupSchedule)
 from .optimizer import (DistributedOptimizer, horovod_original, install_routing,
                         routed_distributed_optimizer, uninstall_routing)
+from .settings import ExchangeSettings
 from .version import __version__
 
 install_routing()
 
-__all__ = ["__version__", "adam", "compressors", "ddp", "mp", "Compressor", "TopK", "Threshold", "AdaComp", "SlimDP", "RandomK",
+__all__ = ["__version__", "ExchangeSettings", "adam", "compressors", "ddp", "mp", "Compressor", "TopK", "Threshold", "AdaComp", "SlimDP", "RandomK",
            "QSGD", "NoCompression", "LayerPolicy", "WarmupSchedule", "RtWarmup",
            "ExponentialWarmup", "DistributedOptimizer", "install_routing",
            "uninstall_routing", "routed_distributed_optimizer", "horovod_original"]

@@ -119,17 +119,19 @@ Host synchronisation (CUDA): as in the Horovod path, except the split strategy, 
 variable-size alltoalls need one small size exchange each on torch.distributed
 (:mod:`hvdsparse.transport`).
 """
-import inspect
 import time
 import warnings
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from typing import Dict, List, Optional
 
 import torch
 
-from .engine import (BucketHistory, LayerInput, NonFinite, StepEngine, bind_compressor,
-                     make_local_update)
-from .exchange import BucketSpec, BufferPool, HostReadout, cost_model
+from .bucket_plan import BucketHistory
+from .door import (bind_compressor, check_compressor, local_fingerprint, make_local_update,
+                   resolve_local_update)
+from .engine import LayerInput, StepEngine
+from .nonfinite import NonFinite
+from .exchange import BucketSpec, BufferPool, HostReadout
 from .stats import add_totals, empty_totals
 from .settings import DEFAULT_FUSION_THRESHOLD, ExchangeSettings, fingerprint
 from .transport import Transport, TorchDistTransport
@@ -145,29 +147,15 @@ _UNSUPPORTED = {
 }
 
 
-def _history_entry(saved) -> list:
-    """A saved history entry as :meth:`BucketHistory.load` takes it: a list of figure
-    dicts (oldest first); a checkpoint that holds one exchange's
-    ``(pairs, reduced[, capacity])`` gives that exchange for both slots."""
-    if saved is None:
-        return []
-    if isinstance(saved, (tuple, list)) and saved and not isinstance(saved[0], dict):
-        saved = tuple(saved) + (None,) * (3 - len(saved))
-        figs = {k: v for k, v in zip(("pairs", "reduced", "capacity"), saved)
-                if v is not None}
-        return [figs, figs]
-    return [dict(f) for f in saved]
-
-
 class _Layout:
     """Per bucket layout (keyed by its parameter names): the spec and the cost model's
     history."""
 
     __slots__ = ("spec", "history", "_first")
 
-    def __init__(self, spec: BucketSpec):
+    def __init__(self, spec: BucketSpec, history: BucketHistory):
         self.spec = spec
-        self.history = BucketHistory()
+        self.history = history
         self._first = None             # spec.first_elements(), for NaN marking
 
     def mark_nan(self, flat: torch.Tensor, flags: torch.Tensor) -> None:
@@ -221,27 +209,18 @@ class State:
 
     def __init__(self, compression, named_parameters, *, process_group=None,
                  settings: Optional[ExchangeSettings] = None,
-                 transport: Optional[Transport] = None, optimizer=None,
-                 momentum_correction=None, clip_grad_norm=None, adam_recipe=None,
-                 adam_warmup=None, adam_refresh=None, adam_refresh_start=None,
-                 grad_scaler=None,
-                 momentum_masking=False, **kwargs):
-        from .compressors import Compressor
-        if isinstance(compression, type) and issubclass(compression, Compressor):
-            raise TypeError(f"compression must be an hvdsparse compressor instance, got the "
-                            f"class {compression.__name__}; write {compression.__name__}(...)")
-        if not isinstance(compression, Compressor):
-            raise TypeError(f"compression must be an hvdsparse compressor "
-                            f"(hvdsparse.TopK(...), ...), got {type(compression).__name__}")
-        for k in kwargs:
+                 transport: Optional[Transport] = None, optimizer=None, grad_scaler=None,
+                 **options):
+        if compression is None:
+            raise TypeError("compression must be an hvdsparse compressor instance "
+                            "(hvdsparse.TopK(0.01), ...)")
+        compression = check_compressor(compression)
+        for k in options:
             if k in _UNSUPPORTED:
                 raise ValueError(f"hvdsparse.ddp.State: {k}= is not supported: "
                                  f"{_UNSUPPORTED[k]}")
-        if settings is None:
-            settings = ExchangeSettings.from_args(
-                fusion_threshold=DEFAULT_FUSION_THRESHOLD, **kwargs)
-        elif kwargs:
-            raise TypeError(f"pass settings or keyword settings, not both: {sorted(kwargs)}")
+        settings = ExchangeSettings.from_options(settings, options, "hvdsparse.ddp.State",
+                                                 fusion_threshold=DEFAULT_FUSION_THRESHOLD)
         for k in ("backward_passes_per_step", "local_gradient"):
             if getattr(settings, k) != getattr(ExchangeSettings(), k):
                 raise ValueError(f"hvdsparse.ddp.State: {k}= is not supported: "
@@ -301,34 +280,15 @@ class State:
         register = getattr(compression, "register_layers", None)
         if callable(register):
             register([(n, p.shape) for n, p in self.params.items()])
-        self._after_takes_param = _takes_param(compression.after_exchange)
         self.local_update = None
-        from .momentum import resolve_momentum_correction
-        # None (the rule) without optimizer= resolves to off: the rule needs an SGD; it
-        # also rejects a momentum_masking that is not a bool
-        momentum_correction = resolve_momentum_correction(
-            momentum_correction, optimizer, compression, momentum_masking=momentum_masking)
-        if clip_grad_norm is not None and (not isinstance(clip_grad_norm, (int, float)) or
-                                           isinstance(clip_grad_norm, bool) or
-                                           not clip_grad_norm > 0):
-            raise ValueError(f"clip_grad_norm must be None or a number > 0, got "
-                             f"{clip_grad_norm!r}")
-        from .adam import adam_setup
-        if optimizer is None and (adam_recipe or adam_warmup is not None or
-                                  adam_refresh is not None or
-                                  adam_refresh_start is not None):
-            raise ValueError("adam_recipe / adam_warmup / adam_refresh / adam_refresh_start "
-                             "need optimizer= (the torch.optim.Adam / AdamW that steps the "
-                             "DDP model)")
-        adam = adam_setup(optimizer, compression, adam_recipe, adam_warmup,
-                          momentum_correction=momentum_correction, adam_refresh=adam_refresh,
-                          adam_refresh_start=adam_refresh_start) \
-            if optimizer is not None else None
+        # the rule without optimizer= resolves to off: it needs an SGD
+        momentum_correction, adam = resolve_local_update(optimizer, compression, settings)
+        clip_grad_norm = settings.clip_grad_norm
         if adam is not None:
             self._setup_adam(optimizer, adam, clip_grad_norm)
         elif momentum_correction or clip_grad_norm is not None:
             self._setup_local_update(optimizer, momentum_correction, clip_grad_norm,
-                                     momentum_masking)
+                                     settings.momentum_masking)
         elif optimizer is not None and not isinstance(optimizer, torch.optim.SGD):
             # an SGD optimizer is read by the momentum-correction default even when that
             # leaves it off; anything else here is an optimizer= that does nothing
@@ -339,16 +299,12 @@ class State:
         compression.transactional = transactional
         if self.local_update is not None:
             self.local_update.transactional = transactional
+        self._nf = NonFinite(list(self.params))     # per-step non-finite counters
         self.engine = StepEngine(compression, settings, self.transport, rank=self.rank,
                                  world_size=self.world_size, prefix=self.prefix,
                                  local_update=self.local_update, grad_scaler=grad_scaler,
                                  nonfinite=self.nonfinite)
-        self.fingerprint["momentum_correction"] = bool(momentum_correction)
-        self.fingerprint["momentum_masking"] = momentum_masking
-        self.fingerprint["clip_grad_norm"] = clip_grad_norm
-        self.fingerprint["adam_warmup"] = adam and adam.warmup
-        self.fingerprint["adam_refresh"] = adam and adam.refresh
-        self.fingerprint["adam_refresh_start"] = adam and adam.refresh_start
+        self.fingerprint.update(local_fingerprint(momentum_correction, adam, settings))
         self.fingerprint["grad_scaler"] = grad_scaler is not None
         self._hooks = []
         for n, p in self.params.items():
@@ -421,8 +377,7 @@ class State:
         return dict(compressor=self.compressor.state_dict(), step=self.step, **extra,
                     rank=self.rank, world_size=self.world_size,
                     fingerprint=self.fingerprint,
-                    history={"\x1f".join(k): v.history.state()
-                             for k, v in self._layouts.items() if v.history.later})
+                    history=self.engine.history_state())
 
     def load_state_dict(self, sd: dict):
         if not isinstance(sd, dict) or "compressor" not in sd:
@@ -441,10 +396,7 @@ class State:
         self._inflight.clear()
         self._used.clear()
         self._step_open = False
-        self._saved_history = {tuple(k.split("\x1f")): v
-                               for k, v in sd.get("history", {}).items()}
-        for key, lay in self._layouts.items():
-            lay.history.load(_history_entry(self._saved_history.get(key)))
+        self.engine.load_history_state(sd.get("history", {}))
 
     def stats(self) -> dict:
         """As ``hvdsparse.DistributedOptimizer.stats()``: ``last`` (the last step's bytes
@@ -488,10 +440,8 @@ class State:
             if off != buf.numel():
                 raise RuntimeError(f"hvdsparse.ddp: bucket of {buf.numel()} elements holds "
                                    f"parameters of {off} elements")
-            lay = _Layout(BucketSpec.build(len(self._layouts), names, numels))
-            saved = getattr(self, "_saved_history", {}).get(key)
-            if saved is not None:
-                lay.history.load(_history_entry(saved))
+            lay = _Layout(BucketSpec.build(len(self._layouts), names, numels),
+                          self.engine.history(names))
             self._layouts[key] = lay
         return lay
 
@@ -530,7 +480,7 @@ class State:
             used = name in self._used or self.engine.zero_fills(p)
             grad = (g.view(p.shape) if name in self._used else torch.zeros_like(p)) \
                 if used else None      # Adam recipe: an absent layer is a zero gradient
-            layers.append(LayerInput(name, grad, p))
+            layers.append(LayerInput(name, grad, p, self._nf.counter(name, buf.device)))
         batches: list = []
         payloads = self.engine.compress_group(layers, self.step, batches)
         self._t_compress += time.perf_counter() - t0
@@ -550,29 +500,19 @@ class State:
         P = self.world_size
         scale = 1.0 / P if self.settings.average else 1.0
         items, self._inflight = self._inflight, []
-        results, stats_b = [], []
-        sent, recv = defaultdict(int), defaultdict(int)
+        results = []
         for it in items:
             pend = it.pend
             total = self.engine.finish(pend, it.layout.history, it.payloads)
             total.mul_(scale)
             self.engine.feed_back(it.names, it.payloads, it.layout.spec, pend.undelivered,
                                   it.batches, self.step)
-            sent[pend.strategy] += pend.sent_bytes
-            recv[pend.strategy] += pend.recv_bytes
-            stats_b.append(dict(layers=list(it.names), numel=it.layout.spec.numel,
-                                strategy=pend.strategy, sent_bytes=pend.sent_bytes,
-                                recv_bytes=pend.recv_bytes))
             for name, p, view in zip(it.names, it.params, it.layout.spec.views(total)):
                 g = view.view(p.shape)
-                if self._after_takes_param:
-                    self.compressor.after_exchange(name, g, self.step, param=p.detach())
-                else:
-                    self.compressor.after_exchange(name, g, self.step)
-                lu = self.local_update
-                if lu is not None and lu.momentum_correction and \
-                        self.compressor.policy.is_dense(name, p.shape):
-                    view.copy_(lu.dense_momentum(name, g, p).reshape(-1))  # sent dense
+                self.engine.after_exchange(name, g, p, self.step)
+                m = self.engine.dense_momentum(name, g, p)
+                if m is not None:                       # sent dense (DGC)
+                    view.copy_(m.reshape(-1))
             results.append(total)
         flagged = self._nonfinite(items, results)
         inv = self.engine.grad_scale(items[0].buffer.device) if items else None
@@ -591,19 +531,11 @@ class State:
         else:                                     # CUDA: decided when the next step opens
             self._txn_readout = HostReadout(flagged.any().view(1))
         self.engine.retire_error_flag(self.step)
-        n_total = sum(it.layout.spec.numel for it in items)
-        self.last_stats = dict(step=self.step, world_size=P, buckets=stats_b,
-                               strategies=[b["strategy"] for b in stats_b],
-                               bytes_sent=dict(sent), bytes_recv=dict(recv),
-                               bytes_sent_total=int(sum(sent.values())),
-                               bytes_recv_total=int(sum(recv.values())),
-                               dense_allreduce_bytes=int(cost_model.dense_allreduce_bytes(
-                                   P, n_total)),
-                               time_compress_s=self._t_compress,
-                               time_wait_s=sum(it.pend.wait_s for it in items),
-                               time_decode_s=sum(it.pend.decode_s for it in items),
-                               skipped=None if self._txn_readout is not None
-                               else not self._last_committed)
+        self.last_stats = self.engine.step_stats(
+            self.step, [(it.layout.spec, it.pend) for it in items],
+            compress_s=self._t_compress, wait_s=sum(it.pend.wait_s for it in items),
+            decode_s=sum(it.pend.decode_s for it in items),
+            skipped=None if self._txn_readout is not None else not self._last_committed)
         add_totals(self.totals, self.last_stats)
         self._t_compress = 0.0
         self._used.clear()
@@ -618,8 +550,9 @@ class State:
         names = [n for it in items for n in it.names]
         if not names:
             return None
-        table = self.engine.gather_nonfinite(NonFinite.row(
-            [pl for it in items for pl in it.payloads], items[0].buffer.device))
+        table = self.engine.gather_nonfinite(self._nf.row(
+            names, [pl for it in items for pl in it.payloads], items[0].buffer.device))
+        self._nf.reset()
         flagged = self.engine.nonfinite_flags(table, names, self.step)
         if flagged is not None:
             j = 0
@@ -646,13 +579,6 @@ class State:
             return
         reader, self._txn_readout = self._txn_readout, None
         self._close_txn(commit=not int(reader.get()[0]))
-
-
-def _takes_param(fn) -> bool:
-    try:
-        return "param" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def hook(state: State, bucket) -> torch.futures.Future[torch.Tensor]:

@@ -14,13 +14,14 @@ engine knows *what* a step does with a bucket, in this order:
    layer without a gradient contributes an *absent* payload (:meth:`compress_absent`).
 2. **choose** (:meth:`StepEngine.strategy`): the exchange, fixed or ``auto`` by the cost
    model from sizes and from the figures of this bucket's exchange two steps back
-   (:class:`BucketHistory`: read without stalling, the same on every rank).
+   (:class:`hvdsparse.bucket_plan.BucketHistory`: read without stalling, the same on
+   every rank).
 3. **launch** (:meth:`StepEngine.launch`) through the door's transport, and **finish**
    (:meth:`StepEngine.finish`): the rank-order sum of every rank's decoded payloads.
 4. **feed back** (:meth:`StepEngine.feed_back`): what the exchange sent but did not
    deliver returns to the residuals; DGC's momentum-factor masking.
-5. **non-finite policy** (:class:`NonFinite`): one per-layer count table, the same on every
-   rank; ``raise`` / ``skip`` / ``propagate``.
+5. **non-finite policy** (:mod:`hvdsparse.nonfinite`): one per-layer count table, the
+   same on every rank; ``raise`` / ``skip`` / ``propagate``.
 6. **commit or roll back** (:meth:`StepEngine.commit` / :meth:`StepEngine.rollback`) the
    compressor's and the local update's step.
 
@@ -38,7 +39,8 @@ them.
 from __future__ import annotations
 
 import inspect
-from collections import defaultdict, deque
+import logging
+from collections import defaultdict
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -51,65 +53,13 @@ from .exchange import BucketSpec, ExchangeContext, HostReadout, cost_model
 from .exchange import launch as launch_exchange
 from .exchange.base import TaggedFigures, bucket_capacity
 from .exchange.split import pair_dtype
+from .bucket_plan import BucketHistory, saved_figures
+from .nonfinite import raise_nonfinite
 from .settings import ExchangeSettings, differences
 
-__all__ = ["StepEngine", "BucketHistory", "LayerInput", "plan_buckets", "NonFinite",
-           "raise_nonfinite", "bind_compressor",
-           "make_local_update"]
+log = logging.getLogger("hvdsparse")
 
-
-def plan_buckets(order, sizes, fusion_threshold: int) -> List[List[str]]:
-    """Greedy bucketing: layers in ``order``; a bucket closes once the sum of its
-    encoded sizes reaches ``fusion_threshold`` bytes (so ``fusion_threshold=0`` puts
-    every layer in its own bucket)."""
-    buckets, cur, cur_bytes = [], [], 0
-    for name in order:
-        cur.append(name)
-        cur_bytes += int(sizes[name])
-        if cur_bytes >= fusion_threshold:
-            buckets.append(cur)
-            cur, cur_bytes = [], 0
-    if cur:
-        buckets.append(cur)
-    return buckets
-
-
-class _Resolved:
-    """Figures restored from a checkpoint: already on the host."""
-    __slots__ = ("value",)
-
-    def __init__(self, value: dict):
-        self.value = dict(value)
-
-    def get(self) -> dict:
-        return dict(self.value)
-
-
-class BucketHistory:
-    """The cost model's figures of a bucket's last two exchanges (``DeferredFigures``
-    tagged with the bucket's capacity). ``auto`` at step t reads those of step t-2: their
-    copy to the host completed before step t-1's collectives could, so reading never
-    stalls, and every rank reads the same values (never "whatever has arrived"), on CPU
-    and CUDA alike."""
-    __slots__ = ("later",)
-
-    def __init__(self):
-        self.later = deque(maxlen=2)
-
-    def figures(self) -> dict:
-        return self.later[0].get() if len(self.later) == 2 else {}
-
-    def record(self, figures) -> None:
-        self.later.append(figures)
-
-    def state(self) -> list:
-        """The figures held, oldest first, as plain dicts (a host read: checkpoints)."""
-        return [f.get() for f in self.later]
-
-    def load(self, figures: list) -> None:
-        self.later.clear()
-        for f in figures:
-            self.later.append(_Resolved(f))
+__all__ = ["StepEngine", "LayerInput"]
 
 
 class LayerInput(NamedTuple):
@@ -122,69 +72,6 @@ class LayerInput(NamedTuple):
     grad: Optional[torch.Tensor]
     param: torch.Tensor
     nonfinite: Optional[torch.Tensor] = None
-
-
-def bind_compressor(compressor, transport, prefix: str, owner) -> None:
-    """Bind ``compressor`` to this rank and to its one owner (a second owner raises:
-    residuals are keyed by layer name), with a blocking broadcast from rank 0 through
-    ``transport`` (Slim-DP's core) for compressors that take one."""
-    params = inspect.signature(compressor.bind).parameters
-    kw = {}
-    if "broadcast" in params:
-        def broadcast(tensor, name):
-            return transport.broadcast(tensor, 0, name=f"{prefix}.bcast.{name}")
-        kw["broadcast"] = broadcast
-    if "owner" in params:
-        kw["owner"] = owner
-    compressor.bind(transport.rank(), transport.size(), **kw)
-
-
-def make_local_update(optimizer, params: Dict[str, torch.Tensor], world_size: int,
-                      compressor, *, adam=None, momentum_correction=False,
-                      clip_grad_norm=None, masking=False):
-    """The local update both doors run between the gradient and the compressor: the Adam
-    recipe (``adam``: resolved :class:`hvdsparse.adam.AdamSettings`), or DGC's momentum
-    correction / local clipping (:class:`hvdsparse.momentum.LocalUpdate`), or None.
-    ``params``: the optimised parameters by name."""
-    if adam is not None:
-        from .adam import AdamRecipe
-        shapes = {n: p.shape for n, p in params.items()}
-        pol = compressor.policy
-        return AdamRecipe(optimizer, params, world_size,
-                          lambda n: not pol.is_dense(n, shapes[n]), warmup=adam.warmup,
-                          refresh=adam.refresh, refresh_start=adam.refresh_start,
-                          clip_grad_norm=clip_grad_norm, residual=compressor.residual)
-    if momentum_correction or clip_grad_norm is not None:
-        from .momentum import LocalUpdate
-        return LocalUpdate(optimizer, params, world_size,
-                           momentum_correction=momentum_correction,
-                           clip_grad_norm=clip_grad_norm, masking=masking)
-    return None
-
-
-def raise_nonfinite(table, names: Sequence[str], step: int, hint: str = "") -> None:
-    """``table``: host [P][nlayers] counts of non-finite gradient elements; raises
-    ``FloatingPointError`` naming the layers and ranks when any is non-zero."""
-    hits = [(names[j], r, int(row[j])) for r, row in enumerate(table)
-            for j in range(len(names)) if row[j]]
-    if hits:
-        desc = "; ".join(f"layer {n!r} on rank {r}: {c} element(s)" for n, r, c in hits[:8])
-        raise FloatingPointError(
-            f"hvdsparse: non-finite gradient (NaN/Inf) at step {step}: {desc}"
-            f"{' ...' if len(hits) > 8 else ''}. Nothing of it entered a residual.{hint}")
-
-
-class NonFinite:
-    """The non-finite policy's table: every rank's per-layer counts of non-finite gradient
-    elements (``payload.nonfinite``), gathered in one small collective, so that every rank
-    sees the same [P, nlayers] table and acts identically."""
-
-    @staticmethod
-    def row(payloads, device) -> torch.Tensor:
-        """This rank's [1, nlayers] int32 counts (a layer without a counter counts 0)."""
-        zero = torch.zeros((), dtype=torch.int32, device=device)
-        return torch.stack([(p.nonfinite if p.nonfinite is not None else zero)
-                            .reshape(()).to(torch.int32) for p in payloads]).view(1, -1)
 
 
 class StepEngine:
@@ -208,9 +95,19 @@ class StepEngine:
         self.grad_scaler = grad_scaler
         self.nonfinite = nonfinite
         self.bucket_path = topk_bucket.enabled(compressor, local_update)
+        try:
+            self._after_takes_param = "param" in inspect.signature(
+                compressor.after_exchange).parameters
+        except (TypeError, ValueError):
+            self._after_takes_param = False
+        #: whether the compressor reads the exchanged gradient (overrides after_exchange)
+        self.reads_exchanged = getattr(type(compressor), "after_exchange", None) is not \
+            Compressor.after_exchange
         self._inv: Optional[torch.Tensor] = None
         self._error_flag: Optional[torch.Tensor] = None
         self._pending_reads: List[tuple] = []
+        self._histories: Dict[tuple, BucketHistory] = {}
+        self._saved_histories: Dict[tuple, list] = {}
         self.hint = ""                   # appended to the non-finite error (door's advice)
 
     # ------------------------------------------------------------------ per step
@@ -314,12 +211,18 @@ class StepEngine:
             return comp.compress(name, grad, step, param=param.detach(), nonfinite=nonfinite,
                                  **kw)
 
-    def compress_absent(self, name: str, param: torch.Tensor, step: int):
+    def compress_absent(self, name: str, param: torch.Tensor, step: int,
+                        nonfinite: Optional[torch.Tensor] = None):
         """Payload of a layer without a gradient this step: its wire layout,
-        contributing zero, residual and compressor state untouched."""
+        contributing zero, residual and compressor state untouched. Its count is 0, like
+        the untouched ``nonfinite`` counter, which it carries when given (so the step's
+        row stays one tensor: ``NonFinite.row``)."""
         param = param.detach()
         with torch.no_grad():
-            return self.compressor.compress_absent(name, param, step, param=param)
+            payload = self.compressor.compress_absent(name, param, step, param=param)
+        if nonfinite is not None:
+            payload.nonfinite = nonfinite
+        return payload
 
     def zero_fills(self, param: torch.Tensor) -> bool:
         """Whether an absent trainable layer is compressed as a zero gradient instead
@@ -345,7 +248,7 @@ class StepEngine:
         with torch.no_grad():
             for i, lay in enumerate(layers):
                 if lay.grad is None:
-                    out[i] = self.compress_absent(lay.name, lay.param, step)
+                    out[i] = self.compress_absent(lay.name, lay.param, step, lay.nonfinite)
                     continue
                 planned = topk_bucket.plan_layer(comp, lu, lay.name, lay.grad,
                                                  lay.param.detach(), step) \
@@ -374,6 +277,32 @@ class StepEngine:
         return out
 
     # ------------------------------------------------------------------ exchange
+    def history(self, names: Sequence[str]) -> BucketHistory:
+        """The cost model's history of the bucket holding layers ``names`` (keyed by the
+        names, so a new bucket layout starts its own), restored from a checkpoint when
+        one was loaded for it."""
+        key = tuple(names)
+        h = self._histories.get(key)
+        if h is None:
+            h = self._histories[key] = BucketHistory()
+            h.load(saved_figures(self._saved_histories.pop(key, None)))
+        return h
+
+    def history_state(self) -> dict:
+        """Every bucket's history as plain data (a host read: checkpoints), keyed by its
+        layer names joined by ``"\\x1f"``; loaded ones not yet used included."""
+        out = {"\x1f".join(k): v for k, v in self._saved_histories.items()}
+        out.update({"\x1f".join(k): h.state() for k, h in self._histories.items()
+                    if h.later})
+        return out
+
+    def load_history_state(self, saved: dict) -> None:
+        """Replace every bucket's history by ``saved`` (:meth:`history_state`'s form);
+        a bucket ``saved`` does not hold starts without figures."""
+        self._saved_histories = {tuple(k.split("\x1f")): v for k, v in saved.items()}
+        for key, h in self._histories.items():
+            h.load(saved_figures(self._saved_histories.pop(key, None)))
+
     def strategy(self, history: BucketHistory, numel: int, payloads) -> str:
         """The exchange for a bucket of ``numel`` elements carrying ``payloads``: the
         fixed one, or ``auto``'s choice from rank-independent figures (sizes, and the
@@ -419,6 +348,30 @@ class StepEngine:
             history.record(TaggedFigures(pend.deferred_figures, bucket_capacity(payloads)))
         return total
 
+    def step_stats(self, step: int, finished, *, compress_s: float, wait_s: float,
+                   decode_s: float, skipped) -> dict:
+        """The step's statistics (``stats()["last"]``) from ``finished``: the step's
+        ``(BucketSpec, Pending)`` pairs in launch order. Bytes are per-rank link bytes by
+        strategy; ``dense_allreduce_bytes`` is what a ring allreduce of the same elements
+        would move."""
+        sent, recv, buckets = defaultdict(int), defaultdict(int), []
+        for b, (spec, pend) in enumerate(finished):
+            sent[pend.strategy] += pend.sent_bytes
+            recv[pend.strategy] += pend.recv_bytes
+            buckets.append(dict(id=b, layers=list(spec.names), numel=spec.numel,
+                                strategy=pend.strategy, sent_bytes=pend.sent_bytes,
+                                recv_bytes=pend.recv_bytes, figures=dict(pend.figures)))
+        n_total = sum(spec.numel for spec, _ in finished)
+        return dict(step=step, world_size=self.world_size, buckets=buckets,
+                    strategies=[bk["strategy"] for bk in buckets],
+                    bytes_sent=dict(sent), bytes_recv=dict(recv),
+                    bytes_sent_total=int(sum(sent.values())),
+                    bytes_recv_total=int(sum(recv.values())),
+                    dense_allreduce_bytes=int(cost_model.dense_allreduce_bytes(
+                        self.world_size, n_total)),
+                    time_compress_s=compress_s, time_wait_s=wait_s, time_decode_s=decode_s,
+                    skipped=skipped)
+
     def feed_back(self, names: Sequence[str], payloads, spec: BucketSpec,
                   undelivered: Optional[torch.Tensor], batches: Sequence, step: int) -> None:
         """What the exchange sent but did not deliver (``Pending.undelivered``:
@@ -445,6 +398,31 @@ class StepEngine:
                 if lu is not None and name in lu.u and name not in masked:
                     lu.mask(name, payload, back, comp.warmup_density(name, step))
 
+    # ------------------------------------------------------------------ after the exchange
+    def after_exchange(self, name: str, g: torch.Tensor, param: torch.Tensor,
+                       step: int) -> None:
+        """Hand the exchanged average ``g`` (unscaled units) of layer ``name`` to the
+        compressor (Slim-DP's core choice reads it)."""
+        if self._after_takes_param:
+            self.compressor.after_exchange(name, g, step, param=param.detach())
+        else:
+            self.compressor.after_exchange(name, g, step)
+
+    def dense_momentum(self, name: str, g: torch.Tensor, param: torch.Tensor,
+                       inv: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """DGC momentum correction for a layer sent dense by policy: ordinary momentum on
+        the exchanged average ``g`` (returned), its buffer in unscaled units (``g`` in
+        GradScaler's scaled units when ``inv`` = 1 / scale is given: a buffer in scaled
+        units would mix scales when the scale changes, and weight decay would be divided
+        by it). None when the layer has no such momentum."""
+        lu = self.local_update
+        if lu is None or not lu.momentum_correction or \
+                not self.compressor.policy.is_dense(name, param.shape):
+            return None
+        if inv is None:
+            return lu.dense_momentum(name, g, param)
+        return lu.dense_momentum(name, g * inv, param) / inv
+
     # ------------------------------------------------------------------ non-finite
     def gather_nonfinite(self, row: torch.Tensor, *, wait: bool = True):
         """Every rank's [1, nlayers] row -> the [P, nlayers] table (rank order); with
@@ -470,6 +448,16 @@ class StepEngine:
         if self.nonfinite == "propagate" or table.device.type != "cpu":
             return table.sum(0) > 0
         return None
+
+    def nonfinite_skip(self, table: torch.Tensor, names: Sequence[str], step: int) -> bool:
+        """``nonfinite="skip"``: whether this step is skipped on every rank (a host read
+        of the table in the same step, as ``torch.amp.GradScaler`` reads its flag)."""
+        host = table.cpu().numpy()
+        if not host.any():
+            return False
+        log.warning("hvdsparse: step %d skipped: non-finite gradient in %s", step,
+                    sorted({names[j] for j in range(host.shape[1]) if host[:, j].any()}))
+        return True
 
     # ------------------------------------------------------------------ deferred reads
     def defer_read(self, kind: str, step: int, values: torch.Tensor, names=None) -> None:

@@ -32,15 +32,17 @@ Code that imported ``DistributedOptimizer`` by name from ``horovod.torch`` *befo
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 from contextlib import contextmanager
+from typing import Optional
 
 import torch
 
-from .adam import adam_setup
 from .local import LocalGradient, sync_parameters
-from .engine import bind_compressor, make_local_update
+from .door import (bind_compressor, check_compressor, local_fingerprint, make_local_update,
+                   resolve_local_update)
 from .scheduler import LayerScheduler
 from .settings import ExchangeSettings, fingerprint
 from .transport import horovod as horovod_transport
@@ -54,7 +56,7 @@ def _compressor_base():
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, settings, grad_scaler,
-                 momentum_correction, clip_grad_norm, adam, momentum_masking=False):
+                 momentum_correction, adam):
         import horovod.torch as hvd
         super(self.__class__, self).__init__(params)
         self._compression = compression
@@ -106,15 +108,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         compression.register_layers([(k, v.shape) for k, v in optimised])
         self._local_update = make_local_update(
             self, dict(optimised), size, compression, adam=adam,
-            momentum_correction=momentum_correction, clip_grad_norm=clip_grad_norm,
-            masking=momentum_masking)
+            momentum_correction=momentum_correction, clip_grad_norm=settings.clip_grad_norm,
+            masking=settings.momentum_masking)
         self._fingerprint = fingerprint(settings, compression)
-        self._fingerprint["momentum_correction"] = bool(momentum_correction)
-        self._fingerprint["momentum_masking"] = bool(momentum_masking)
-        self._fingerprint["clip_grad_norm"] = clip_grad_norm
-        self._fingerprint["adam_warmup"] = adam and adam.warmup
-        self._fingerprint["adam_refresh"] = adam and adam.refresh
-        self._fingerprint["adam_refresh_start"] = adam and adam.refresh_start
+        self._fingerprint.update(local_fingerprint(momentum_correction, adam, settings))
         self._hvdsparse = LayerScheduler(
             optimised, compression, settings, rank=rank, world_size=size, prefix=prefix,
             local=self._local, fingerprint=self._fingerprint, grad_scaler=grad_scaler,
@@ -250,7 +247,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             sd[_state_key(self._local_update)] = self._local_update.state_dict()
         sd["scheduler_step"] = self._hvdsparse.step
         sd["optimizer_steps"] = self._steps_done
-        sd["cost_history"] = self._hvdsparse.history_state()
+        sd["cost_history"] = self._hvdsparse.engine.history_state()
         return sd
 
     def load_compression_state_dict(self, sd: dict):
@@ -264,7 +261,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if "optimizer_steps" in sd:
             self._steps_done = int(sd["optimizer_steps"])
         if "cost_history" in sd:
-            self._hvdsparse.load_history_state(sd["cost_history"])
+            self._hvdsparse.engine.load_history_state(sd["cost_history"])
 
 
 def _state_key(local_update) -> str:
@@ -286,14 +283,17 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, torch.float32: torch
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
-                         fusion_threshold=None, exchange="auto", local_gradient=None,
-                         sync_period=500, dense_dtype="fp32", split_dense_bits=0,
-                         quant_bucket=512, validate=None, alpha_bytes=0.0,
-                         nonfinite="raise", grad_scaler=None, momentum_correction=None,
-                         momentum_masking=False, clip_grad_norm=None, adam_recipe=None,
-                         adam_warmup=None, adam_refresh=None, adam_refresh_start=None,
-                         num_groups=0, groups=None, sparse_as_dense=False, process_set=None):
+                         num_groups=0, groups=None, sparse_as_dense=False, process_set=None,
+                         *, settings: Optional[ExchangeSettings] = None, grad_scaler=None,
+                         **options):
     """Wrap ``optimizer`` so that gradients are compressed and exchanged sparsely.
+
+    Horovod's arguments (same names, order and meaning as ``hvd.DistributedOptimizer``),
+    plus ``compression``, ``grad_scaler`` and hvdsparse's options: either one
+    ``settings=`` (:class:`hvdsparse.ExchangeSettings`, e.g.
+    ``ExchangeSettings.from_args(exchange="split")``) or the options below as keywords,
+    which fill one. An unknown option, or options beside ``settings=``, raise an error
+    naming them.
 
     Arguments (Horovod's meaning where the name is Horovod's):
         optimizer: the torch optimizer to wrap (SGD, Adam, AdamW, ...).
@@ -365,18 +365,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     import horovod.torch as hvd
     if op is None:
         op = hvd.Average
-    if compression is None:
-        from .compressors import NoCompression
-        compression = NoCompression()
-    Compressor = _compressor_base()
-    if isinstance(compression, type) and issubclass(compression, Compressor):
-        raise TypeError(f"compression must be an hvdsparse compressor instance, got the class "
-                        f"{compression.__name__}; write {compression.__name__}(...)")
-    if not isinstance(compression, Compressor):
-        raise TypeError(f"compression must be an hvdsparse compressor (hvdsparse.TopK(...), "
-                        f"hvdsparse.AdaComp(...), ...), got {compression!r} "
-                        f"({type(compression).__name__}); Horovod's own compressors "
-                        f"(hvd.Compression.none / fp16) go to hvd.DistributedOptimizer")
+    compression = check_compressor(compression)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
@@ -395,31 +384,27 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     if grad_scaler is not None and not hasattr(grad_scaler, "is_enabled"):
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got "
                         f"{type(grad_scaler).__name__}")
-    from .momentum import resolve_momentum_correction     # also checks momentum_masking
-    momentum_correction = resolve_momentum_correction(momentum_correction, optimizer,
-                                                      compression, local_gradient,
-                                                      momentum_masking)
-    if momentum_correction:
-        if not isinstance(optimizer, torch.optim.SGD):
-            raise ValueError(f"momentum_correction=True needs torch.optim.SGD (with "
-                             f"momentum), got {type(optimizer).__name__}")
-        if local_gradient is not None:
-            raise ValueError("momentum_correction cannot be combined with local_gradient")
-    if clip_grad_norm is not None and (not isinstance(clip_grad_norm, (int, float)) or
-                                       isinstance(clip_grad_norm, bool) or
-                                       not clip_grad_norm > 0):
-        raise ValueError(f"clip_grad_norm must be None or a number > 0, got "
-                         f"{clip_grad_norm!r}")
-    adam = adam_setup(optimizer, compression, adam_recipe, adam_warmup,
-                      local_gradient=local_gradient, momentum_correction=momentum_correction,
-                      adam_refresh=adam_refresh, adam_refresh_start=adam_refresh_start)
-    settings = ExchangeSettings.from_args(
-        exchange=exchange, fusion_threshold=fusion_threshold, average=(op == hvd.Average),
-        gradient_predivide_factor=gradient_predivide_factor,
-        backward_passes_per_step=backward_passes_per_step, dense_dtype=dense_dtype,
-        split_dense_bits=split_dense_bits, quant_bucket=quant_bucket, validate=validate,
-        alpha_bytes=alpha_bytes, local_gradient=local_gradient, sync_period=sync_period,
-        nonfinite=nonfinite, sparse_as_dense=sparse_as_dense)
+    who = "hvdsparse.DistributedOptimizer"
+    if "average" in options:
+        raise TypeError(f"{who}: unknown option 'average' (Horovod's op= says it)")
+    given = settings is not None
+    settings = ExchangeSettings.from_options(settings, options, who)
+    # Horovod's own arguments, validated as options are; one that is not at its default
+    # fills the settings (and must agree with a settings= that sets it too)
+    horovod = ExchangeSettings.from_args(
+        average=(op == hvd.Average), gradient_predivide_factor=gradient_predivide_factor,
+        backward_passes_per_step=backward_passes_per_step, sparse_as_dense=sparse_as_dense)
+    default, merged = ExchangeSettings(), {}
+    for k in ("average", "gradient_predivide_factor", "backward_passes_per_step",
+              "sparse_as_dense"):
+        mine, theirs = getattr(horovod, k), getattr(settings, k)
+        if mine != getattr(default, k):
+            if given and theirs != getattr(default, k) and theirs != mine:
+                raise ValueError(f"{who}: {k} is {mine!r} as an argument but {theirs!r} in "
+                                 f"settings=")
+            merged[k] = mine
+    settings = dataclasses.replace(settings, **merged)
+    momentum_correction, adam = resolve_local_update(optimizer, compression, settings)
 
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
@@ -430,8 +415,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
     cls.__module__ = "horovod.torch.optimizer"
     cls.__qualname__ = f"hvdsparse.DistributedOptimizer[{optimizer.__class__.__name__}]"
     return cls(optimizer.param_groups, named_parameters, compression, settings, grad_scaler,
-               momentum_correction, clip_grad_norm, adam,
-               momentum_masking=momentum_masking)
+               momentum_correction, adam)
 
 
 # ---------------------------------------------------------------------- routing

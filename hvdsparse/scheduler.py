@@ -1,95 +1,61 @@
-"""Layer-by-layer fusion scheduler: compress each layer as soon as its gradient is ready,
-fill fixed buckets, launch one named collective per bucket while backward continues.
+"""The Horovod door's adapter: *when* a bucket is ready and *where* its result goes; what
+a step does with a bucket is :mod:`hvdsparse.engine`'s.
 
 Per step
 --------
 1. Backward: a post-accumulate-grad hook per parameter (on the gradient accumulator, as
-   Horovod does) counts down ``backward_passes_per_step``; at zero it compresses the
-   (locally accumulated) ``p.grad`` into a :class:`LayerPayload` and marks the layer
-   ready. When every layer of bucket ``b`` is ready, bucket ``b`` is launched (one named
-   async collective, see :mod:`hvdsparse.exchange`). A layer that arrives out of order
-   simply waits for the rest of its bucket, so buckets are identical on every rank
-   whatever the hook order. A *sparse* gradient (``nn.Embedding(sparse=True)``) is
-   already index/value data: it goes through Horovod's sparse allreduce (allgather of
-   indices and values, as ``hvd.DistributedOptimizer`` does) and never into a bucket.
+   Horovod does) counts down ``backward_passes_per_step``; at zero the layer is ready:
+   compressed at once, or (bucket path) when the rest of its bucket is ready. When every
+   layer of bucket ``b`` is ready, bucket ``b`` is launched while backward continues.
+   Buckets are identical on every rank whatever the hook order. A *sparse* gradient
+   (``nn.Embedding(sparse=True)``) goes through Horovod's sparse allreduce, as with
+   ``hvd.DistributedOptimizer``, never into a bucket.
 2. ``synchronize()``: a layer without a gradient this step (unused on this rank, or
-   frozen with ``requires_grad=False``) contributes an *absent* payload -- the wire
-   layout of its compressed form with nothing in it -- so its residual is neither
-   flushed nor changed (it stays for when the layer trains again); unlaunched buckets
-   are launched; every bucket is waited for, decoded and summed **in rank order**
-   (bitwise identical on every rank), averaged (``op=Average``: ``G = sum * fp32(1/P)``;
-   ``gradient_predivide_factor`` f splits this into ``/f`` before and ``*f/P`` after the
-   sum), optionally combined with the local gradient (:mod:`hvdsparse.local`), written
-   to ``p.grad`` and passed to ``compressor.after_exchange``. A parameter that is frozen
-   on this rank keeps its ``p.grad`` untouched (usually ``None``, so the optimizer does
-   not move it); a trainable parameter without a gradient gets the exchanged one (zeros
-   when no rank had one), as Horovod zero-fills it.
-3. Non-finite gradients: compressors never absorb NaN/Inf into a residual and count
-   them per layer (``payload.nonfinite``). Each step one small allgather carries every
-   rank's per-layer counts, so every rank sees the same table and applies the policy of
-   :mod:`hvdsparse.settings` (``raise`` / ``skip`` / ``propagate``) identically.
+   frozen) contributes an *absent* payload (its residual untouched); unlaunched buckets
+   are launched; every bucket is finished (rank-order sum: bitwise identical on every
+   rank), averaged (``op=Average``: ``G = sum * fp32(1/P)``; ``gradient_predivide_factor``
+   f splits this into ``/f`` before and ``*f/P`` after the sum), optionally combined with
+   the local gradient (:mod:`hvdsparse.local`), written to ``p.grad`` and passed to
+   ``compressor.after_exchange``. A frozen parameter keeps its ``p.grad``; a trainable
+   one without a gradient gets the exchanged one (zeros when no rank had one), as
+   Horovod zero-fills it.
+3. Non-finite gradients: one small allgather of per-layer counts, queued behind the
+   buckets; ``raise`` / ``skip`` / ``propagate`` applied identically on every rank.
 
-First step: the bucket plan
----------------------------
-Buckets must be identical on all ranks. At the first ``synchronize()`` every rank
-contributes, through one ``allgather_object`` of the transport, its settings fingerprint
-(:func:`hvdsparse.settings.fingerprint`: compressor type and arguments, per-layer
-overrides, fusion threshold, exchange, dense dtype, value encodings, library and wire
-versions), the order in which its layers became ready, each layer's numel, its
-*steady-state* encoded payload size (after warm-up: :meth:`Compressor.steady_state_step`)
-and which layers had sparse gradients. Any difference from rank 0 raises the same
-``ValueError`` on every rank naming the setting or layer and the ranks (no hang). The
-plan is computed on every rank from rank 0's order and sizes (greedy: append layers in
-that order, close a bucket once its encoded size reaches ``fusion_threshold`` bytes).
-From the second step on buckets are launched from the hooks.
+First step: every rank's settings fingerprint, parameter sizes, ready order,
+*steady-state* payload sizes (:meth:`Compressor.steady_state_step`) and sparse layers
+are compared with rank 0's (:meth:`StepEngine.agree`: the same ``ValueError`` on every
+rank, no hang); the bucket plan is rank 0's order, greedily closed at
+``fusion_threshold`` encoded bytes. World size 1: as in Horovod, nothing is exchanged
+(``compress_at_size_one``, a benchmark setting, runs the whole path anyway).
 
-World size 1
-------------
-As in Horovod, nothing is exchanged: no hooks, no compression, ``p.grad`` is left as
-backward made it, so a step equals the wrapped optimizer's step. The benchmark-only
-setting ``compress_at_size_one`` (:mod:`hvdsparse.settings`) runs the whole path anyway,
-exchanging through Horovod's size-1 collectives, to measure compression overhead.
+Host synchronisation: the hooks never read device values (except split's launch, which
+needs its pair counts on the host); ``synchronize()`` waits on the handles, where Horovod
+synchronises too; device flags are read one step late (:class:`StepEngine`). The
+``nonfinite="skip"`` policy reads the table in the same step (one host read per step on
+CUDA, as ``torch.amp.GradScaler`` does).
 
-Host synchronisation
---------------------
-The hooks never read device values (except the split strategy's launch, which needs
-its per-range pair counts on the host for the alltoall splits). ``synchronize()`` waits
-on the handles, which is where Horovod synchronises too. Device flags that the host
-must act on -- the unvalidated decode's error flag and the non-finite table on CUDA --
-are copied into pinned memory with a non-blocking copy plus an event and read at the
-next step's ``synchronize()``, when they are long done (so the error surfaces one step
-late on CUDA, at once on CPU). The ``nonfinite="skip"`` policy reads the table in the
-same step (one host read per step on CUDA, as ``torch.amp.GradScaler`` does).
-
-Instrumentation
----------------
-``events``: the current step's log -- ``("ready", name)``, ``("launch", bucket,
-strategy)``, ``("backward_done",)``, ``("synchronize",)``, ``("finish", bucket)``.
-``last_stats`` / ``totals``: bytes sent / received per strategy, strategy per bucket,
-time spent compressing, waiting and decoding (host wall time, cheap).
+``events``: the current step's log (``("ready", name)``, ``("launch", bucket,
+strategy)``, ``("backward_done",)``, ``("synchronize",)``, ``("finish", bucket)``, ...);
+``last_stats`` / ``totals``: :meth:`StepEngine.step_stats`.
 """
 from __future__ import annotations
 
-import inspect
-import logging
 import time
 import warnings
-from collections import defaultdict
 from typing import Dict, List, Optional
 
 import torch
 
 from . import codec
-from .engine import BucketHistory, LayerInput, NonFinite, StepEngine, plan_buckets, \
-    raise_nonfinite
-from .exchange import BucketSpec, cost_model
+from .bucket_plan import plan_buckets
+from .engine import LayerInput, StepEngine
+from .nonfinite import NonFinite
+from .exchange import BucketSpec
 from .exchange.base import BufferPool
-from .compressors.base import Compressor
 from .settings import ExchangeSettings
 from .stats import add_totals, empty_totals
 from .transport import Transport, horovod
-
-log = logging.getLogger("hvdsparse")
 
 _HOROVOD_DELAY_MSG = ("Gradients were computed more than backward_passes_per_step times "
                       "before call to step(). Increase backward_passes_per_step to "
@@ -148,12 +114,10 @@ class LayerScheduler:
         self._reg_order = list(self.params)
         self.step = 0
         self.plan: Optional[List[List[str]]] = None
-        self._saved_history: Optional[dict] = None   # cost figures from a checkpoint
         self.sparse_layers: set = set()
         self._specs: List[BucketSpec] = []
         self._bucket_of: Dict[str, int] = {}
         self._dense_order: List[str] = []
-        self._history: List[BucketHistory] = []
         self._buffers = BufferPool()     # exchange buffers reused step to step
         self._nan_index: List[Optional[torch.Tensor]] = []   # per bucket: first elements
         self._delay = {n: self.backward_passes_per_step for n in self.params}
@@ -178,28 +142,18 @@ class LayerScheduler:
         self.totals: dict = empty_totals()
         self._t_compress = 0.0
         self._hook_handles: Dict[str, object] = {}
-        try:
-            sig = inspect.signature(compressor.after_exchange).parameters
-            self._after_takes_param = "param" in sig
-        except (TypeError, ValueError):
-            self._after_takes_param = False
-        # only a compressor that overrides after_exchange needs the unscaled gradient
-        self._has_after = getattr(type(compressor), "after_exchange", None) is not \
-            Compressor.after_exchange
         # The average's 1/P is applied where the gradient is written into p.grad
         # (torch.mul(g, 1/P, out=p.grad): one pass over the bucket instead of an
         # in-place scale and then a copy; the same product, so the same bits) unless
         # something reads the averaged bucket first: GradScaler's unscale, the
         # local-gradient combination, a compressor's after_exchange
         self._scale_at_write = grad_scaler is None and local is None and \
-            not self._has_after
+            not self.engine.reads_exchanged
         # Non-finite counters: once the plan exists, every layer of the step counts into
         # its slice of one zeroed int32[len(_dense_order)] tensor made at the step's first
         # compress (one allocation per step instead of one per layer), which is then
         # also the row the non-finite allgather sends (no stack): _launch_nonfinite.
-        self._nf_slot: Dict[str, int] = {}          # layer -> index in _dense_order
-        self._nf_step: Optional[torch.Tensor] = None
-        self._nf_given: Dict[str, torch.Tensor] = {}  # layer -> slice handed out this step
+        self._nf = NonFinite(())           # the plan's layers' counters (engine.NonFinite)
         # The bucket path (engine.compress_group): a layer's compression waits for the
         # rest of its bucket, then the bucket is compressed in a fixed number of launches
         self._deferred: Dict[int, List[str]] = {}    # bucket -> layers waiting for it
@@ -366,21 +320,8 @@ class LayerScheduler:
         self._t_compress += time.perf_counter() - t0
 
     def _nonfinite_counter(self, name: str, device) -> Optional[torch.Tensor]:
-        """Layer ``name``'s int32[1] non-finite counter for this step: its slice of the
-        step's zeroed counter tensor (made here at the step's first call), or None
-        (no plan yet, a layer outside the plan, another device): then the callee makes
-        its own and ``_launch_nonfinite`` stacks as before."""
-        j = self._nf_slot.get(name)
-        if j is None or name in self._nf_given:
-            return None
-        buf = self._nf_step
-        if buf is None:
-            buf = self._nf_step = torch.zeros(len(self._dense_order), dtype=torch.int32,
-                                              device=self._device())
-        if buf.device != device:
-            return None
-        view = self._nf_given[name] = buf[j:j + 1]
-        return view
+        """Layer ``name``'s counter slice of the step (None before the plan)."""
+        return self._nf.counter(name, device)
 
     def _densify(self, name: str, p):
         """``sparse_as_dense``: the sparse gradient becomes dense and is compressed like any
@@ -397,14 +338,8 @@ class LayerScheduler:
             return self._compress(name)
         if not p.requires_grad:
             self._frozen.add(name)
-        with torch.no_grad():
-            payload = self.engine.compress_absent(name, p.detach(), self.step)
-            # its count is 0 like the (untouched) slot of the step's counter tensor:
-            # keep the non-finite row unstacked (_launch_nonfinite)
-            zero = self._nonfinite_counter(name, payload.nonfinite.device) \
-                if payload.nonfinite is not None else None
-            if zero is not None:
-                payload.nonfinite = zero
+        payload = self.engine.compress_absent(name, p, self.step,
+                                              self._nonfinite_counter(name, p.device))
         self._payloads[name] = payload
         self._ready_order.append(name)
         self.events.append(("absent", name))
@@ -424,7 +359,8 @@ class LayerScheduler:
         return next(iter(self.params.values())).device if self.params else None
 
     def strategy_for(self, b: int, payloads) -> str:
-        return self.engine.strategy(self._history[b], self._specs[b].numel, payloads)
+        spec = self._specs[b]
+        return self.engine.strategy(self.engine.history(spec.names), spec.numel, payloads)
 
     def _launch(self, b: int):
         spec = self._specs[b]
@@ -477,11 +413,7 @@ class LayerScheduler:
                        for b, names in enumerate(self.plan)]
         self._bucket_of = {n: b for b, names in enumerate(self.plan) for n in names}
         self._dense_order = order
-        self._nf_slot = {n: j for j, n in enumerate(order)}
-        self._nf_step = None
-        self._nf_given.clear()
-        self._history = [BucketHistory() for _ in self.plan]
-        self._restore_history()
+        self._nf = NonFinite(order)
         dev = self._device()
         self._nan_index = [spec.first_elements(dev) for spec in self._specs]
         self._ready_count = [0] * len(self.plan)
@@ -536,10 +468,9 @@ class LayerScheduler:
 
         P = self.world_size
         scale = 1.0 / P if self.average else 1.0
-        buckets, sent, recv = [], defaultdict(int), defaultdict(int)
         totals = []
         try:
-            t_wait, t_dec = self._finish_buckets(scale, totals, buckets, sent, recv)
+            t_wait, t_dec = self._finish_buckets(scale, totals)
         except BaseException:
             if nf_handle is not None:       # leave no handle behind; the first error wins
                 try:
@@ -563,15 +494,9 @@ class LayerScheduler:
                     self._apply(name, view, inv, pending)
         self._finish_sparse(write=not skip)
         self.engine.retire_error_flag(self.step)
-        n_total = sum(s.numel for s in self._specs)
-        self.last_stats = dict(
-            step=self.step, world_size=P, buckets=buckets,
-            strategies=[bk["strategy"] for bk in buckets],
-            bytes_sent=dict(sent), bytes_recv=dict(recv),
-            bytes_sent_total=int(sum(sent.values())), bytes_recv_total=int(sum(recv.values())),
-            dense_allreduce_bytes=int(cost_model.dense_allreduce_bytes(P, n_total)),
-            time_compress_s=self._t_compress, time_wait_s=t_wait, time_decode_s=t_dec,
-            skipped=skip)
+        self.last_stats = self.engine.step_stats(
+            self.step, [(spec, self._inflight[b]) for b, spec in enumerate(self._specs)],
+            compress_s=self._t_compress, wait_s=t_wait, decode_s=t_dec, skipped=skip)
         add_totals(self.totals, self.last_stats)
         # reset for the next step
         self.step += 1
@@ -586,20 +511,19 @@ class LayerScheduler:
         self._ready_count = [0] * len(self._specs)
         self._delay = {n: self.backward_passes_per_step for n in self.params}
         self._t_compress = 0.0
-        self._nf_step = None        # the next step counts into a new tensor
-        self._nf_given.clear()
+        self._nf.reset()
         self._deferred.clear()
         self._batches.clear()
         self._dirty = False
         self._clear_events = True
 
-    def _finish_buckets(self, scale, totals, buckets, sent, recv):
+    def _finish_buckets(self, scale, totals):
         """Every bucket in launch order: wait, decode, average (unless at write),
-        feed back; fills the step's lists, returns (seconds waited, seconds decoding)."""
+        feed back; appends to ``totals``, returns (seconds waited, seconds decoding)."""
         t_wait = t_dec = 0.0
         for b, spec in enumerate(self._specs):
             pend = self._inflight[b]
-            total = self.engine.finish(pend, self._history[b],
+            total = self.engine.finish(pend, self.engine.history(spec.names),
                                        [self._payloads[n] for n in spec.names])
             t0 = time.perf_counter()
             self.events.append(("finish", b))
@@ -609,11 +533,6 @@ class LayerScheduler:
             self._feed_back(b, spec, pend.undelivered)
             t_dec += pend.decode_s + time.perf_counter() - t0
             t_wait += pend.wait_s
-            sent[pend.strategy] += pend.sent_bytes
-            recv[pend.strategy] += pend.recv_bytes
-            buckets.append(dict(id=b, layers=list(spec.names), numel=spec.numel,
-                                strategy=pend.strategy, sent_bytes=pend.sent_bytes,
-                                recv_bytes=pend.recv_bytes, figures=dict(pend.figures)))
         return t_wait, t_dec
 
     def _feed_back(self, b: int, spec: BucketSpec, undelivered: Optional[torch.Tensor]):
@@ -631,43 +550,27 @@ class LayerScheduler:
         """One small allgather of this rank's per-layer non-finite counts."""
         if not self._dense_order:
             return None
-        buf, given = self._nf_step, self._nf_given
-        if buf is not None and all(
-                self._payloads[n].nonfinite is given.get(n) for n in self._dense_order):
-            # every layer counted into its slice of the step's tensor (a layer whose
-            # payload has no counter was handed none: its slot stayed 0): send it as is
-            mine = buf.view(1, -1)
-        else:
-            mine = NonFinite.row([self._payloads[n] for n in self._dense_order],
-                                 self._device())
+        mine = self._nf.row(self._dense_order,
+                            [self._payloads[n] for n in self._dense_order], self._device())
         return self.engine.gather_nonfinite(mine, wait=False)
 
     def _finish_nonfinite(self, handle):
         return self.engine.finish_nonfinite(handle)    # [P, nlayers], same on all ranks
 
     def _apply_nonfinite_policy(self, table, totals) -> bool:
-        """Returns True when the step is skipped."""
+        """Returns True when the step is skipped (``skip``: rolled back on every rank)."""
         if table is None:
             return False
-        if table.device.type == "cpu" or self.nonfinite == "skip":
-            host = table.numpy() if table.device.type == "cpu" else table.cpu().numpy()
-            if not host.any():
+        if self.nonfinite == "skip":
+            if not self.engine.nonfinite_skip(table, self._dense_order, self.step):
                 return False
-            if self.nonfinite == "raise":
-                raise_nonfinite(host.tolist(), self._dense_order, self.step, self.engine.hint)
-            if self.nonfinite == "skip":
-                self.skipped_steps += 1
-                if self.compressor.transactional:
-                    self._rollback()
-                log.warning("hvdsparse: step %d skipped: non-finite gradient in %s",
-                            self.step, sorted({self._dense_order[j] for j in
-                                               range(host.shape[1]) if host[:, j].any()}))
-                return True
-            self._mark_nan(totals, torch.as_tensor(host).sum(0) > 0)
-            return False
-        # CUDA, raise / propagate: mark on the device, decide next step (raise)
-        self._mark_nan(totals, self.engine.nonfinite_flags(table, self._dense_order,
-                                                           self.step))
+            self.skipped_steps += 1
+            if self.compressor.transactional:
+                self._rollback()
+            return True
+        flagged = self.engine.nonfinite_flags(table, self._dense_order, self.step)
+        if flagged is not None:
+            self._mark_nan(totals, flagged)
         return False
 
     def _mark_nan(self, totals, flagged: torch.Tensor):
@@ -724,16 +627,8 @@ class LayerScheduler:
                                            self.compressor, s) / inv
             else:
                 c = g
-            lu = self.local_update
-            if lu is not None and lu.momentum_correction and \
-                    self.compressor.policy.is_dense(name, p.shape):
-                # sent dense: ordinary momentum, its buffer in unscaled units (a buffer
-                # in scaled units would mix scales when the loss scale changes, and
-                # weight decay would be divided by the scale)
-                if inv is None:
-                    c = lu.dense_momentum(name, c, p)
-                else:
-                    c = lu.dense_momentum(name, c * inv, p) / inv
+            m = self.engine.dense_momentum(name, c, p, inv)    # sent dense (DGC)
+            c = c if m is None else m
             with torch.no_grad():
                 if name in self._was_sparse:
                     p.grad = c.to(p.dtype).to_sparse()
@@ -741,33 +636,9 @@ class LayerScheduler:
                     p.grad.copy_(c)
                 else:
                     p.grad = c.to(p.dtype).clone()
-        if inv is not None and self._has_after:
+        if inv is not None and self.engine.reads_exchanged:
             g = g * inv                               # unscaled (Slim-DP: |w| + c |g|)
-        if self._after_takes_param:
-            self.compressor.after_exchange(name, g, self.step, param=p.detach())
-        else:
-            self.compressor.after_exchange(name, g, self.step)
-
-    def history_state(self) -> dict:
-        """The auto cost model's figures per bucket (keyed by the bucket's layer names):
-        part of the compression state, so that a resumed run picks the strategies the
-        uninterrupted run would have picked (they sum in different orders)."""
-        return {"\x1f".join(names): h.state()
-                for names, h in zip(self.plan or [], self._history)}
-
-    def load_history_state(self, saved: dict):
-        """Restore :meth:`history_state` now, or when the plan is built (first step)."""
-        self._saved_history = dict(saved)
-        if self.plan is not None:
-            self._restore_history()
-
-    def _restore_history(self):
-        saved = self._saved_history or {}
-        for names, h in zip(self.plan, self._history):
-            figures = saved.get("\x1f".join(names))
-            if figures is not None:
-                h.load(figures)
-        self._saved_history = None
+        self.engine.after_exchange(name, g, p, self.step)
 
     def plan_order(self) -> List[str]:
         return [n for names in (self.plan or []) for n in names]
@@ -781,8 +652,7 @@ class LayerScheduler:
         self._frozen.clear()
         self._ready_order.clear()
         self._inflight.clear()
-        self._nf_step = None
-        self._nf_given.clear()
+        self._nf.reset()
         self._deferred.clear()
         self._batches.clear()
         self._dirty = False

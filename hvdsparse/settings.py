@@ -32,6 +32,7 @@ compression overhead can be measured without a network (``scripts/bench_overhead
 from __future__ import annotations
 
 import enum
+import inspect
 import os
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -44,6 +45,9 @@ from .version import __version__
 DEFAULT_FUSION_THRESHOLD = 1 << 20     # bytes of encoded payload per bucket
 LOCAL_MODES = ("sum", "partial", "error")
 NONFINITE_POLICIES = ("raise", "skip", "propagate")
+#: the settings fields the local update reads (resolved against the optimizer by a door)
+LOCAL_UPDATE_OPTIONS = ("momentum_correction", "momentum_masking", "clip_grad_norm",
+                        "adam_recipe", "adam_warmup", "adam_refresh", "adam_refresh_start")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, torch.float32: torch.float32,
            "fp16": torch.float16, "float16": torch.float16, torch.float16: torch.float16}
 
@@ -54,8 +58,13 @@ def _is_int(v) -> bool:
 
 @dataclass
 class ExchangeSettings:
-    """How gradients travel; see the module docstring and
-    :func:`hvdsparse.DistributedOptimizer` for each field's meaning."""
+    """Every option of a front door besides the compressor and the objects it is handed
+    (optimizer, scaler, transport): how gradients travel and what the local update does
+    before they are compressed. Both doors take one (``settings=``) or fill one from
+    keyword options (:meth:`from_options`); see the module docstring and
+    :func:`hvdsparse.DistributedOptimizer` for each field's meaning. The local-update
+    fields (:data:`LOCAL_UPDATE_OPTIONS`) are resolved against the optimizer by the
+    door (:func:`hvdsparse.door.resolve_local_update`)."""
 
     exchange: str = "auto"
     fusion_threshold: int = DEFAULT_FUSION_THRESHOLD
@@ -72,6 +81,13 @@ class ExchangeSettings:
     nonfinite: str = "raise"
     sparse_as_dense: bool = False
     compress_at_size_one: bool = False
+    momentum_correction: Optional[bool] = None
+    momentum_masking: bool = False
+    clip_grad_norm: Optional[float] = None
+    adam_recipe: Optional[bool] = None
+    adam_warmup: Optional[int] = None
+    adam_refresh: object = None
+    adam_refresh_start: Optional[int] = None
 
     @classmethod
     def from_args(cls, *, exchange="auto", fusion_threshold=None, average=True,
@@ -79,8 +95,13 @@ class ExchangeSettings:
                   dense_dtype="fp32", split_dense_bits=0, quant_bucket=512, validate=None,
                   alpha_bytes=0.0, local_gradient=None, sync_period=500,
                   nonfinite="raise", sparse_as_dense=False,
-                  compress_at_size_one=None) -> "ExchangeSettings":
-        """Validate user arguments (clear errors naming the argument) and normalise."""
+                  compress_at_size_one=None, momentum_correction=None,
+                  momentum_masking=False, clip_grad_norm=None, adam_recipe=None,
+                  adam_warmup=None, adam_refresh=None,
+                  adam_refresh_start=None) -> "ExchangeSettings":
+        """Validate user arguments (clear errors naming the argument) and normalise.
+        The local-update options are checked here as far as they can be without the
+        optimizer (the rest when a door resolves them)."""
         check_exchange(exchange)
         if fusion_threshold is None:
             env = os.environ.get("HVDSPARSE_FUSION_THRESHOLD")
@@ -125,6 +146,11 @@ class ExchangeSettings:
         if compress_at_size_one not in (True, False):
             raise ValueError(f"compress_at_size_one must be True or False, got "
                              f"{compress_at_size_one!r}")
+        if clip_grad_norm is not None and (not isinstance(clip_grad_norm, (int, float)) or
+                                           isinstance(clip_grad_norm, bool) or
+                                           not clip_grad_norm > 0):
+            raise ValueError(f"clip_grad_norm must be None or a number > 0, got "
+                             f"{clip_grad_norm!r}")
         return cls(exchange=exchange, fusion_threshold=int(fusion_threshold),
                    average=bool(average),
                    gradient_predivide_factor=float(gradient_predivide_factor),
@@ -134,7 +160,34 @@ class ExchangeSettings:
                    alpha_bytes=float(alpha_bytes), local_gradient=local_gradient,
                    sync_period=int(sync_period), nonfinite=nonfinite,
                    sparse_as_dense=bool(sparse_as_dense),
-                   compress_at_size_one=bool(compress_at_size_one))
+                   compress_at_size_one=bool(compress_at_size_one),
+                   momentum_correction=momentum_correction,
+                   momentum_masking=momentum_masking, clip_grad_norm=clip_grad_norm,
+                   adam_recipe=adam_recipe, adam_warmup=adam_warmup,
+                   adam_refresh=adam_refresh, adam_refresh_start=adam_refresh_start)
+
+    @classmethod
+    def from_options(cls, settings: Optional["ExchangeSettings"], options: dict, who: str,
+                     **defaults) -> "ExchangeSettings":
+        """A door's settings: ``settings`` as given, or filled from keyword ``options``
+        (``defaults``: the door's own defaults for options not given). An unknown
+        option, a non-settings ``settings=``, or both ``settings=`` and options raise an
+        error naming them."""
+        known = set(inspect.signature(cls.from_args).parameters)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"{who}: unknown option(s) {', '.join(map(repr, unknown))}; "
+                            f"the options are {', '.join(sorted(known))}")
+        if settings is None:
+            return cls.from_args(**{**defaults, **options})
+        if not isinstance(settings, cls):
+            raise TypeError(f"{who}: settings must be an hvdsparse.ExchangeSettings, got "
+                            f"{type(settings).__name__}")
+        if options:
+            raise ValueError(f"{who}: pass settings= or the options "
+                             f"{', '.join(map(repr, sorted(options)))}, not both "
+                             f"(ExchangeSettings.from_args(...) builds one from options)")
+        return settings
 
     def plain(self) -> dict:
         d = asdict(self)

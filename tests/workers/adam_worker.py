@@ -219,7 +219,7 @@ model, opt = make(torch.optim.AdamW, comp=hvdsparse.TopK(0.05), adam_warmup=2,
 train(opt, model, 3, tag="ck0")
 saved = copy.deepcopy((model.state_dict(), opt.state_dict(), opt.compression_state_dict()))
 train(opt, model, 1, start=3, tag="ck1")
-figures_after_4 = opt.scheduler.history_state()
+figures_after_4 = opt.scheduler.engine.history_state()
 train(opt, model, 2, start=4, tag="ck1")
 model2, opt2 = make(torch.optim.AdamW, comp=hvdsparse.TopK(0.05), adam_warmup=2, seed=11,
                     exchange="auto")
@@ -227,7 +227,7 @@ model2.load_state_dict(saved[0])
 opt2.load_state_dict(saved[1])
 opt2.load_compression_state_dict(saved[2])
 train(opt2, model2, 1, start=3, tag="ck2")
-check(opt2.scheduler.history_state() == figures_after_4 and figures_after_4,
+check(opt2.scheduler.engine.history_state() == figures_after_4 and figures_after_4,
       "resume: the auto cost model's figures differ from the uninterrupted run's")
 train(opt2, model2, 2, start=4, tag="ck2")
 for (n, a), b in zip(model.named_parameters(), model2.parameters()):

@@ -360,9 +360,7 @@ def check_checkpoint():
             train_step(m, o, step)
         ck = copy.deepcopy(dict(model={k: v.clone() for k, v in m.state_dict().items()},
                                 opt=o.state_dict(), hook=s.state_dict()))
-        hist = lambda st: {k: v.history.state()                      # noqa: E731
-                           for k, v in st._layouts.items() if v.history.later}
-        ck_hist = hist(s)
+        ck_hist = ck["hook"]["history"]
         for step in range(3, 7):
             train_step(m, o, step)
         m2, s2, o2 = fresh()
@@ -372,9 +370,10 @@ def check_checkpoint():
         check(s2.step == 3, f"resumed step {s2.step}")
         # exchange="auto": the resumed run holds the cost model's figures of the
         # checkpoint (each layout's last two exchanges), which its next steps read
-        check(ck_hist and s2._saved_history == ck_hist and
+        check(ck_hist and s2.engine.history_state() == ck_hist and
               all(v and v[-1].get("pairs") is not None for v in ck_hist.values()),
-              f"mc={mc} resume: the cost model's figures differ: {s2._saved_history} vs "
+              f"mc={mc} resume: the cost model's figures differ: "
+              f"{s2.engine.history_state()} vs "
               f"{ck_hist}")
         train_step(m2, o2, 3)
         for step in range(4, 7):

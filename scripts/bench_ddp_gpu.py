@@ -90,6 +90,7 @@ from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
+T_START = time.time()      # the budget counts from here (before torch is imported)
 ROOT = Path(__file__).resolve().parents[1]
 
 MODES = ("dense", "powersgd-r1", "topk", "local", "powersgd-r4", "threshold", "adacomp",
@@ -182,12 +183,19 @@ def _gpt(vocab, d, layers, heads, seq):
 
 
 def build(model_name: str, tiny: bool, device, rank: int):
-    """(model, batch inputs, targets, loss function, description). Same weights on every
-    rank (seed 0), data seeded by rank."""
+    """(model, batch inputs, targets, loss function, description, parameter count). Same
+    weights on every rank (seed 0; DDP also broadcasts rank 0's), data seeded by rank."""
+    import torch
+
+    torch.manual_seed(0)
+    with torch.device(device):      # initialised on the device: fast for the big models
+        return _build(model_name, tiny, device, rank)
+
+
+def _build(model_name, tiny, device, rank):
     import torch
     import torch.nn.functional as F
 
-    torch.manual_seed(0)
     if model_name == "resnet50":
         try:
             import torchvision
@@ -204,8 +212,8 @@ def build(model_name: str, tiny: bool, device, rank: int):
             B, HW, C = 32, 224, 1000
         model = model.to(device)
         g = torch.Generator(device="cpu").manual_seed(1000 + rank)
-        x = torch.randn(B, 3, HW, HW, generator=g).to(device)
-        y = torch.randint(0, C, (B,), generator=g).to(device)
+        x = torch.randn(B, 3, HW, HW, generator=g, device="cpu").to(device)
+        y = torch.randint(0, C, (B,), generator=g, device="cpu").to(device)
         loss_fn = F.cross_entropy
         desc += f", batch {B} x 3 x {HW} x {HW}"
     elif model_name == "lm":
@@ -213,7 +221,7 @@ def build(model_name: str, tiny: bool, device, rank: int):
                                            (16384, 768, 12, 12, 256, 8))
         model = _gpt(vocab, d, layers, heads, seq).to(device)
         g = torch.Generator(device="cpu").manual_seed(2000 + rank)
-        tok = torch.randint(0, vocab, (B, seq + 1), generator=g).to(device)
+        tok = torch.randint(0, vocab, (B, seq + 1), generator=g, device="cpu").to(device)
         x, y = tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
 
         def loss_fn(logits, target):
@@ -676,16 +684,14 @@ def write_outputs(out, env, launches, results, t_start, cuda):
 
 def main_parent(args):
     import torch
-    t_start = time.time()
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    t_start = T_START
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device visible", file=sys.stderr)
         return 2
     budget = args.budget
     if budget is None:
         budget = float(os.environ.get("HVDSPARSE_STAGE_BUDGET_S", DEFAULT_BUDGET))
-    end = t_start + budget - 8.0          # margin: tables, JSON, interpreter exit
+    end = t_start + budget - 10.0         # margin: tables, JSON, interpreter exit
     out = Path(args.out)
     logdir = out / "bench_ddp_gpu_logs"
     logdir.mkdir(parents=True, exist_ok=True)
@@ -698,7 +704,8 @@ def main_parent(args):
         if m not in MODELS:
             raise SystemExit(f"--models: unknown model {m!r}; expected some of {MODELS}")
     if args.device == "cuda":
-        transports = ["gloo-1gpu"] + (["nccl"] if torch.cuda.device_count() >= 2 else [])
+        transports = ["gloo-1gpu"] + (["nccl"] if torch.cuda.device_count() >= max(2, args.world)
+                                      else [])
     else:
         transports = ["gloo-cpu"]
     launches = [(t, m) for t in transports for m in models]
@@ -720,8 +727,9 @@ def main_parent(args):
            "budget_s": budget, "tiny": args.tiny, "world": args.world,
            "warmup": args.warmup, "steps": args.steps, "profile_steps": args.profile_steps}
     print(f"bench_ddp_gpu: {env}")
-    if args.device == "cuda" and torch.cuda.device_count() < 2:
-        print("1 GPU visible: the NCCL launch (one rank per GPU) is not run")
+    if args.device == "cuda" and "nccl" not in transports:
+        print(f"{torch.cuda.device_count()} GPU(s) visible: the NCCL launch (one rank per "
+              "GPU) is not run")
     if tv is None and "resnet50" in models:
         print("torchvision not installed: 'resnet50' is a small local ResNet-like model, "
               "NOT ResNet-50")
@@ -783,6 +791,13 @@ def main(argv=None):
     ap.add_argument("--events", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.device is None and not a._worker:
+        import torch
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if a.device == "cpu" and not a.tiny:
+            print("no CUDA device and no --device: running --device cpu --tiny "
+                  "(a check of the plumbing, not a benchmark)")
+            a.tiny = True
     if a.warmup is None:
         a.warmup = 2 if a.tiny else 3
     if a.steps is None:

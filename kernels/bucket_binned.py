@@ -107,7 +107,7 @@ def _d(row, offs, mask, scale_ptr, HAS_SCALE: tl.constexpr, GDT: tl.constexpr):
 
 
 @triton.jit
-def _accumulate_kernel(tab_ptr, blk_ptr, scale_ptr, gmax_ptr, L, W: tl.constexpr,
+def _ada_accumulate_kernel(tab_ptr, blk_ptr, scale_ptr, gmax_ptr, L, W: tl.constexpr,
                        HAS_SCALE: tl.constexpr, GDT: tl.constexpr, ROWS: tl.constexpr,
                        LP: tl.constexpr):
     j, row, lb, bins, bin_ok, cols, offs, mask = _tile(tab_ptr, blk_ptr, L, W, ROWS, LP)
@@ -179,7 +179,7 @@ def _abs_h_thr(row, offs, mask, bins, bin_ok, scale_ptr, gmax_ptr, hm1, tiny,
 
 
 @triton.jit
-def _count_kernel(tab_ptr, blk_ptr, scale_ptr, gmax_ptr, cnt_ptr, sel_ptr, L, hm1, tiny, C,
+def _ada_count_kernel(tab_ptr, blk_ptr, scale_ptr, gmax_ptr, cnt_ptr, sel_ptr, L, hm1, tiny, C,
                   W: tl.constexpr, HAS_SCALE: tl.constexpr, GDT: tl.constexpr,
                   ROWS: tl.constexpr, LP: tl.constexpr):
     j, row, lb, bins, bin_ok, cols, offs, mask = _tile(tab_ptr, blk_ptr, L, W, ROWS, LP)
@@ -193,7 +193,7 @@ def _count_kernel(tab_ptr, blk_ptr, scale_ptr, gmax_ptr, cnt_ptr, sel_ptr, L, hm
 
 
 @triton.jit
-def _pack_kernel(tab_ptr, blk_ptr, scale_ptr, gmax_ptr, cnt_ptr, cum_ptr, s_ptr, rel_ptr,
+def _ada_pack_kernel(tab_ptr, blk_ptr, scale_ptr, gmax_ptr, cnt_ptr, cum_ptr, s_ptr, rel_ptr,
                  words_ptr, count_ptr, L, hm1, tiny, W: tl.constexpr,
                  HAS_SCALE: tl.constexpr, GDT: tl.constexpr, C: tl.constexpr,
                  ROWS: tl.constexpr, LP: tl.constexpr):
@@ -237,7 +237,7 @@ def tile_rows(L, *, block=4096):
 
 def accumulate(tab, blk, grad_scale, gmax, gdt, L, rows):
     has = grad_scale is not None
-    _accumulate_kernel[(blk.numel(),)](
+    _ada_accumulate_kernel[(blk.numel(),)](
         tab, blk, grad_scale.reshape(1) if has else gmax, gmax, int(L), W=W,
         HAS_SCALE=has, GDT=gdt, ROWS=rows, LP=triton.next_power_of_2(int(L)), num_warps=8,
         enable_fp_fusion=False)
@@ -245,7 +245,7 @@ def accumulate(tab, blk, grad_scale, gmax, gdt, L, rows):
 
 def count(tab, blk, grad_scale, gmax, cnt, selected, gdt, L, hm1, c, rows):
     has = grad_scale is not None
-    _count_kernel[(blk.numel(),)](
+    _ada_count_kernel[(blk.numel(),)](
         tab, blk, grad_scale.reshape(1) if has else gmax, gmax, cnt, selected, int(L),
         float(hm1), _TINY, int(c), W=W, HAS_SCALE=has, GDT=gdt, ROWS=rows,
         LP=triton.next_power_of_2(int(L)), num_warps=8, enable_fp_fusion=False)
@@ -254,7 +254,7 @@ def count(tab, blk, grad_scale, gmax, cnt, selected, gdt, L, hm1, c, rows):
 def pack(tab, blk, grad_scale, gmax, cnt, cum, scales, rel, words, counts, gdt, L, hm1, c,
          rows):
     has = grad_scale is not None
-    _pack_kernel[(blk.numel(),)](
+    _ada_pack_kernel[(blk.numel(),)](
         tab, blk, grad_scale.reshape(1) if has else gmax, gmax, cnt, cum, scales, rel,
         words, counts, int(L), float(hm1), _TINY, W=W, HAS_SCALE=has, GDT=gdt, C=int(c),
         ROWS=rows, LP=triton.next_power_of_2(int(L)), num_warps=8, enable_fp_fusion=False)

@@ -121,7 +121,7 @@ def _qsgd_acc(row, gp, offs, mask, scale_ptr, mode, HAS_SCALE: tl.constexpr):
 
 
 @triton.jit
-def _qsgd_kernel(tab_ptr, blk_ptr, scale_ptr, codes_ptr, scales_ptr, cnt_ptr, B,
+def _qsgd_pack_kernel(tab_ptr, blk_ptr, scale_ptr, codes_ptr, scales_ptr, cnt_ptr, B,
                  W: tl.constexpr, HAS_SCALE: tl.constexpr, GDT: tl.constexpr,
                  BITS: tl.constexpr, ROWS: tl.constexpr, BPAD: tl.constexpr,
                  NBYTES: tl.constexpr):
@@ -226,7 +226,7 @@ def qsgd_pack(tab, blk, grad_scale, codes, scales, cnt, gdt, bits, bucket_size, 
     bpad = min(triton.next_power_of_2(B), max_bucket_tile)
     nbytes = min(triton.next_power_of_2(-(-rows * B // per)), max(1, max_phase_b // per))
     has_scale = grad_scale is not None
-    _qsgd_kernel[(blk.numel(),)](
+    _qsgd_pack_kernel[(blk.numel(),)](
         tab, blk, grad_scale.reshape(1) if has_scale else scales, codes, scales, cnt, B,
         W=W, HAS_SCALE=has_scale, GDT=gdt, BITS=bits, ROWS=rows, BPAD=bpad,
         NBYTES=nbytes, num_warps=8, enable_fp_fusion=False)

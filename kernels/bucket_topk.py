@@ -35,6 +35,10 @@ Per bucket and step (``hvdsparse/compressors/topk_bucket.py`` drives them)::
                            |r_j| >= t_j into slots out_j + [0, cap_j) (indices local to the
                            layer), residual zeroed where sent (fp32) or left with the cast
                            error (fp16 / bf16); count[j] = [sent, selected]
+    radix       (ROUTE_FRESH rows: Threshold's refresh steps; 1 zero fill + 4 x 2
+                           launches, before the sample) tau_j = max(the exact k-th largest
+                           |r_j|, TINY) written to C_TIN: 8-bit digits of the fp32 bit
+                           patterns, most significant first, a histogram per pass
     clamp       1 launch   count[j, 0] = min(count[j, 1], cap_j); MODE_GUARD rows
                            (Threshold's overflow guard) set count[j, 1] = lad[j, 0] (the
                            count at tau) and write the next step's
@@ -76,8 +80,10 @@ C_EXACT, C_TGT, C_TIN, C_TOUT = 20, 21, 22, 23
 W = 24
 MODE_MOMENTUM, MODE_NESTEROV, MODE_WD, MODE_GUARD = 1, 2, 4, 8
 #: threshold routes (column C_EXACT): sampled + refined, the exact k-th largest of a
-#: small layer, or given (Threshold / DCT: the reused tau read from C_TIN)
-ROUTE_SAMPLED, ROUTE_EXACT, ROUTE_GIVEN = 0, 1, 2
+#: small layer, given (Threshold / DCT: the reused tau read from C_TIN), or fresh
+#: (Threshold's refresh step: the exact k-th largest |r|, k in C_RK, found by the radix
+#: select and written to C_TIN before the select reads it there)
+ROUTE_SAMPLED, ROUTE_EXACT, ROUTE_GIVEN, ROUTE_FRESH = 0, 1, 2, 3
 #: grad / param dtypes the accumulate kernel reads (``GDT``)
 GDT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 VE_FP32, VE_FP16, VE_BF16 = 0, 1, 2
@@ -253,7 +259,7 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
                    cnt_ptr, tiny, lad_ptr, gam_ptr, W: tl.constexpr, ROUNDS: tl.constexpr,
                    VE: tl.constexpr, J: tl.constexpr, BLOCK: tl.constexpr):
     j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
-    if tl.load(row + _EXACT) == 2:             # ROUTE_GIVEN: Threshold's reused tau
+    if tl.load(row + _EXACT) >= 2:             # GIVEN / FRESH: Threshold's tau
         t = tl.load(_fptr(row, _TIN))
     else:
         t = _row_replay(row, v_ptr, Mmax, counts_ptr, R, j, ROUNDS)
@@ -276,6 +282,59 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
     tl.store(idx_ptr + out, offs.to(tl.int32), mask=w)
     newa = store_float_values(a, val_ptr, out, w, VE)
     tl.store(rp + offs, newa, mask=w)
+
+
+@triton.jit
+def _radix_hist_kernel(tab_ptr, blk_ptr, hist_ptr, st_ptr, nan_ptr, W: tl.constexpr,
+                       PASS: tl.constexpr, BLOCK: tl.constexpr):
+    """ROUTE_FRESH rows, pass ``PASS`` of the radix select: hist[j, d] += #{i : the key
+    of |r_i| matches the digits found so far and has digit d at this pass}."""
+    j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
+    if tl.load(row + _EXACT) == 3:
+        SHIFT: tl.constexpr = 24 - 8 * PASS
+        a = tl.load(_fptr(row, _R) + offs, mask=mask, other=0.0)
+        key = a.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        ok = mask
+        if PASS > 0:
+            ok = ok & ((key >> (SHIFT + 8)) == tl.load(st_ptr + j * 2))
+        else:
+            nn = tl.sum((mask & (key > 0x7F800000)).to(tl.int32), axis=0)
+            tl.atomic_add(nan_ptr + j, nn, mask=nn > 0, sem="relaxed")
+        b = tl.arange(0, 256)
+        h = tl.histogram(tl.where(ok, (key >> SHIFT) & 255, 0), 256)
+        h = h - tl.where(b == 0, BLOCK - tl.sum(ok.to(tl.int32), axis=0), 0)
+        tl.atomic_add(hist_ptr + j * 256 + b.to(tl.int64), h, mask=h > 0, sem="relaxed")
+
+
+@triton.jit
+def _radix_choose_kernel(tab_ptr, hist_ptr, st_ptr, nan_ptr, tiny, W: tl.constexpr,
+                         PASS: tl.constexpr):
+    """ROUTE_FRESH row ``j``: the digit of the k-th largest key at this pass (the
+    largest d with #{digit >= d} >= the rank left), the rank left below it; after the
+    last pass tau = max(fp32 of the key, TINY) (NaN when |r| holds a NaN: torch.topk's
+    order puts NaN first) into C_TIN."""
+    j = tl.program_id(0).to(tl.int64)
+    row = tab_ptr + j * W
+    if tl.load(row + _EXACT) == 3:
+        b = tl.arange(0, 256)
+        h = tl.load(hist_ptr + j * 256 + b.to(tl.int64))
+        if PASS == 0:
+            krem = tl.load(row + _RK).to(tl.int32)
+            prefix = krem * 0
+        else:
+            krem = tl.load(st_ptr + j * 2 + 1)
+            prefix = tl.load(st_ptr + j * 2)
+        ge = tl.sum(h, axis=0) - tl.cumsum(h, 0) + h        # #{digit >= d}
+        d = tl.max(tl.where(ge >= krem, b, -1), axis=0)
+        krem = krem - tl.sum(tl.where(b == d, ge - h, 0), axis=0)
+        prefix = (prefix << 8) | d
+        tl.store(st_ptr + j * 2, prefix)
+        tl.store(st_ptr + j * 2 + 1, krem)
+        if PASS == 3:
+            t = prefix.to(tl.float32, bitcast=True)
+            t = tl.where(tl.load(nan_ptr + j) > 0, float("nan"), t)
+            t = tl.where(t < tiny, tiny, t)
+            tl.store(_fptr(row, _TIN), t)
 
 
 @triton.jit
@@ -318,6 +377,25 @@ def accumulate(tab, blk, grad_scale, gdt, *, block):
     _accumulate_kernel[(blk.numel(),)](
         tab, blk, grad_scale.reshape(1) if has_scale else tab, W=W, HAS_SCALE=has_scale,
         GDT=gdt, BLOCK=block, num_warps=16, enable_fp_fusion=False)
+
+
+def radix_select(tab, blk, L, *, block):
+    """ROUTE_FRESH rows: tau_j = max(the exact k_j-th largest |r_j|, TINY) into each
+    row's C_TIN (``Threshold``'s refresh: ``topk(|acc|, k).values.min().clamp_min(TINY)``,
+    the same value). The fp32 bit patterns of ``|r|`` order like the values (NaN above
+    Inf), so four passes of 8-bit digits, most significant first, each a histogram
+    launch (one 256-bin histogram per program, one atomic add per bin) and a choose
+    launch per row, find the key exactly: 1 + 8 launches per group, whatever L."""
+    dev = tab.device
+    buf = torch.zeros(4 * L * 256 + 3 * L, dtype=torch.int32, device=dev)
+    hist = buf[:4 * L * 256].view(4, L * 256)
+    st = buf[4 * L * 256:4 * L * 256 + 2 * L]
+    nan = buf[4 * L * 256 + 2 * L:]
+    nblk = blk.numel()
+    for p in range(4):
+        _radix_hist_kernel[(nblk,)](tab, blk, hist[p], st, nan, W=W, PASS=p, BLOCK=block,
+                                    num_warps=8)
+        _radix_choose_kernel[(L,)](tab, hist[p], st, nan, _TINY, W=W, PASS=p, num_warps=4)
 
 
 def threshold_and_select(tab, blk, L, smax, mmax, rounds, capacity_total, ve, ladder=None,

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hvdsparse.compressors import QSGD, AdaComp, NoCompression, TopK
+from hvdsparse.compressors import QSGD, AdaComp, NoCompression, Threshold, TopK
 from hvdsparse.compressors import bucket as BK
 from hvdsparse.momentum import LocalUpdate
 
@@ -119,6 +119,12 @@ def _make(kind, dtype, seed, mc):
     elif kind == "adacomp":
         comp = AdaComp(seed=seed % 1000, overrides={"w4": dict(bin_size=300, max_per_bin=3),
                                                     "w2": dict(scale=2.0)})
+    elif kind.startswith("threshold"):
+        # life span 2: refresh steps (the radix select) and reuse steps alternate
+        comp = Threshold(0.97, life_span=2, output_ratio=None, seed=seed % 1000,
+                         overflow_guard=kind != "threshold-noguard",
+                         values="fp16" if dtype == torch.float16 else "fp32",
+                         overrides={"w4": dict(life_span=3)})
     elif kind == "topk":
         comp = TopK(0.05, output_ratio=None, seed=seed % 1000)
     else:
@@ -155,11 +161,12 @@ def _per_layer(comp, lu, params, grads, nfs, step, gs, names):
     return pays
 
 
-def _run(path, kind, dtype, scale, mc, seed, counter=None, steps=3):
+def _run(path, kind, dtype, scale, mc, seed, counter=None, steps=4):
     params, comp, lu = _make(kind, dtype, seed, mc)
     names = [n for n, _ in LAYERS]
     gs = None if scale is None else torch.tensor([scale], dtype=torch.float32, device=DEV)
     hist, kinds, counts = [], {}, []
+    routes = Counter()             # the topk rows' threshold routes (kernels/bucket_topk)
     for step in range(steps):
         grads = _grads(dtype, step, seed)
         comp.begin_step(step)
@@ -185,6 +192,8 @@ def _run(path, kind, dtype, scale, mc, seed, counter=None, steps=3):
                     continue
                 spec, plan = pl
                 kinds[n] = BK.kind_of(plan)
+                if kinds[n] == "topk":
+                    routes[plan["exact"]] += 1
                 it = BK.BucketItem(n, grads[n], params[n].detach(), nfs[n], spec)
                 its, pls = groups.setdefault(BK.group_key(plan, it), ([], []))
                 its.append(it)
@@ -207,6 +216,8 @@ def _run(path, kind, dtype, scale, mc, seed, counter=None, steps=3):
         if counter is not None and step == steps - 1:
             counter.__exit__(None, None, None)
         hist.append(_snapshot(comp, lu, pays, nfs))
+    if path != "layer":
+        counts.append(routes)
     return hist, kinds, counts
 
 
@@ -237,8 +248,15 @@ def _segment(seg):
 
 def _snapshot(comp, lu, pays, nfs):
     st = comp.stats()
-    keys = ("selected", "threshold", "nonfinite", "total_sent", "steps", "density")
+    keys = ("selected", "threshold", "nonfinite", "total_sent", "steps", "density",
+            "refreshed")
+    taus = {}
+    if isinstance(comp, Threshold):
+        taus = {n: (_bits(st["tau"]), st["k"], st["last_refresh"],
+                    [(s, _bits(t)) for s, t in st["history"]])
+                for n, st in comp._layers.items()}
     return dict(
+        taus=taus,
         segs={n: [_segment(s) for s in p.segments] for n, p in pays.items()},
         nfp={n: int(p.nonfinite[0]) for n, p in pays.items()},
         stats={n: tuple(st[n].get(k) for k in keys) for n in pays},
@@ -263,14 +281,15 @@ def _same(a, b, where):
         assert a == b or (a != a and b != b), (where, a, b)
 
 
-EXPECT = {"qsgd": {"w1": "qsgd", "w2": "qsgd", "w4": "qsgd", "b1": "dense",
+EXPECT = {"qsgd": {"w1": "qsgd", "w2": "qsgd", "w4": "qsgd", "conv": "qsgd", "b1": "dense",
                    "bn.weight": "dense", "bn.bias": "dense", "w3": "dense"},
-          "topk": {"w1": "topk", "w2": "topk", "w4": "topk", "b1": "dense",
+          "topk": {"w1": "topk", "w2": "topk", "w4": "topk", "conv": "topk", "b1": "dense",
                    "bn.weight": "dense", "bn.bias": "dense", "w3": "dense"},
           "adacomp": {"w1": "adacomp", "w2": "adacomp", "w4": "adacomp",
                       "conv": "adacomp", "b1": "dense", "bn.weight": "dense",
                       "bn.bias": "dense", "w3": "dense"},
           "none": {n: "dense" for n, _ in LAYERS}}
+EXPECT["threshold"] = EXPECT["threshold-noguard"] = EXPECT["topk"]
 
 
 @pytest.mark.parametrize("kind,dtype,scale,mc", [
@@ -282,6 +301,9 @@ EXPECT = {"qsgd": {"w1": "qsgd", "w2": "qsgd", "w4": "qsgd", "b1": "dense",
     ("adacomp", torch.float32, 0.5, True),
     ("adacomp", torch.bfloat16, 0.25, True),
     ("none", torch.float32, None, False),
+    ("threshold", torch.float32, 0.5, True),
+    ("threshold", torch.float16, None, False),
+    ("threshold-noguard", torch.float32, None, True),
 ])
 def test_bucket_rows_match_per_layer_path(monkeypatch, kind, dtype, scale, mc):
     if DEV.type == "cpu":
@@ -289,7 +311,9 @@ def test_bucket_rows_match_per_layer_path(monkeypatch, kind, dtype, scale, mc):
     _poison(monkeypatch)
     seed = int(torch.randint(0, 2 ** 30, ()).item())
     ref, _, _ = _run("layer", kind, dtype, scale, mc, seed)
-    got, kinds, _ = _run("bucket", kind, dtype, scale, mc, seed)
+    got, kinds, info = _run("bucket", kind, dtype, scale, mc, seed)
+    if kind.startswith("threshold"):      # refresh (3) and reuse (2) steps both taken
+        assert info[-1][3] > 0 and info[-1][2] > 0, info[-1]
     if kind == "qsgd" and mc:
         # momentum correction's velocity cannot fold into QSGD's rows: per layer
         exp = {n: k for n, k in EXPECT[kind].items() if k == "dense"}
@@ -325,9 +349,9 @@ def test_bucket_rows_launch_counts(monkeypatch, kind, capsys):
     with capsys.disabled():
         print(f"\n[{kind}] {len(LAYERS)} layers, per layer: {before[2]} launches "
               f"(aten {before[0]}, triton {before[1]}); bucket path: {after[2]} in "
-              f"{len(groups[-1])} groups {groups[-1]} (aten {after[0]}, triton {after[1]}) + 1 table copy "
+              f"{len(groups[-2])} groups {groups[-2]} (aten {after[0]}, triton {after[1]}) + 1 table copy "
               f"per group on CUDA", file=sys.stderr)
-    g = groups[-1]
+    g = groups[-2]
     assert sum(after[1].values()) == sum(3 if k == "adacomp" else 1 for k, _ in g)
     assert sum(after[0].values()) == sum(2 + m for k, m in g if k == "adacomp")
     assert before[2] >= 2 * len(LAYERS)

@@ -6,8 +6,9 @@ of rows instead of a launch sequence per layer. The interface of
 more kinds of row; a front door (the step engine) calls it without knowing the
 compressor. Each plan carries its ``kind``:
 
-* ``topk``: TopK, and Threshold between its refreshes (:mod:`.topk_bucket`,
-  ``kernels/bucket_topk.py``, or the compiled CPU loops);
+* ``topk``: TopK, and Threshold (:mod:`.topk_bucket`, ``kernels/bucket_topk.py``, or
+  the compiled CPU loops; Threshold's refresh steps, the exact k-th largest ``|acc|``
+  of every refreshing layer by one radix select per group, on the Triton path only);
 * ``dense``: a layer that goes dense by policy, for every compressor
   (``Compressor._policy_dense``: fp32 values ``clean(grad) + pending residual``, the
   residual dropped), and every layer of ``NoCompression``: one launch per group
@@ -15,17 +16,28 @@ compressor. Each plan carries its ``kind``:
   fp32 buffer;
 * ``qsgd``: QSGD's layers (``QSGD._compress``: residual add, per-bucket max,
   Philox stochastic rounding with the layer's own host seed, packing, the residual's
-  ``acc - deq``): one launch per group (``kernels/bucket_dense.py``'s ``qsgd_pack``).
+  ``acc - deq``): one launch per group (``kernels/bucket_dense.py``'s ``qsgd_pack``);
+* ``adacomp``: AdaComp's bins (``AdaComp._compress``'s Triton route: residual add and
+  bin maxima, the layer scale, the per-bin compare / cap / pick, bin-relative packing,
+  sign bits, residue): per group (one bin size, ``max_per_bin``, ``scale``) one zero
+  fill, three launches, one ``cumsum`` and one ``mean`` per layer (torch's reduction:
+  the per-layer scale's bits) (``kernels/bucket_binned.py``); DGC's velocity update
+  folds into the accumulate launch.
 
 Same bits as the per-layer path (payload, residual, non-finite count, statistics):
 tests/test_bucket_compress.py compares them on fresh random data through Triton's
-interpreter. The ``dense`` and ``qsgd`` rows run on the Triton path only
-(``ops.use_triton``); on the CPU those layers stay per layer.
+interpreter. The ``dense``, ``qsgd`` and ``adacomp`` rows run on the Triton
+path only (``ops.use_triton``); on the CPU those layers stay per layer. Still per
+layer: RandomK, Slim-DP, layers a compressor sends dense by size (``_dense_from_acc``:
+TopK's warm-up, AdaComp's not-smaller layouts, ...), AdaComp bins wider than
+``ops.binned_max_bin()``.
 
 A layer with a local update (DGC momentum correction, local clipping) takes a
 ``dense`` / ``qsgd`` row only when :meth:`LocalUpdate.bucket_spec` says it is
 fusable with no velocity to fold in (the per-layer path then hands the compressor the
-cleaned gradient, ``MODE_PRE``); a QSGD layer with momentum correction stays per layer.
+cleaned gradient, ``MODE_PRE``); a QSGD layer with momentum correction stays per layer,
+an AdaComp layer folds the velocity in (its masking stays per layer: ``LocalUpdate.mask``
+on its ordinary payload, as the step engine does for every layer no batch masked).
 
 Host work per group and step: a few host integers per layer (sizes, offsets, the seed
 from the host's step counter) and one host-to-device copy of the table (pinned,
@@ -43,7 +55,7 @@ from .. import ops
 from ..payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
 from . import topk_bucket
 from .base import PURPOSE_QUANT, Compressor
-from .topk_bucket import BucketBatch, BucketItem, MomentumSpec, takes
+from .topk_bucket import BucketBatch, BucketItem, MomentumSpec
 
 __all__ = ["MomentumSpec", "BucketItem", "BucketBatch", "KINDS", "enabled", "takes",
            "plan_layer", "group_key", "compress_bucket", "mask_bucket", "kind_of"]
@@ -75,6 +87,16 @@ def enabled(comp, local_update) -> bool:
         return True
     return _base_compress(comp) and \
         (local_update is None or hasattr(local_update, "bucket_spec"))
+
+
+def takes(grad: torch.Tensor, comp=None) -> bool:
+    """Whether the bucket path can run on ``grad``'s device at all (so a front door lets
+    the layer wait for the rest of its bucket): the Triton path, or the CPU with the
+    compiled loops for a compressor with a CPU bucket route (TopK / Threshold:
+    ``comp.bucket_path``; ``comp`` None: any). Per-layer conditions: :func:`plan_layer`."""
+    if ops.use_triton(grad):
+        return True
+    return topk_bucket.takes(grad) and (comp is None or getattr(comp, "bucket_path", False))
 
 
 def kind_of(plan: dict) -> str:

@@ -9,12 +9,15 @@ Same math, same bits as :class:`~hvdsparse.compressors.topk.TopK`'s per-layer pa
 correction (plain / Nesterov, dampening, weight decay), AMP's inverse loss scale,
 non-finite counting, the sampled threshold estimate with its refinement rounds, the exact
 route of small layers, fp32 / fp16 / bf16 values; and :class:`~hvdsparse.compressors.
-threshold.Threshold`'s between its refreshes (``Threshold._compress``: the reused tau
-given to the select, the overflow guard's next tau written by the clamp launch). A
+threshold.Threshold`'s (``Threshold._compress``: between refreshes the reused tau
+given to the select, the overflow guard's next tau written by the clamp launch; on
+refresh steps, Triton path only, tau = the exact k-th largest ``|acc|`` of every
+refreshing row at once, ``kernels/bucket_topk.py``'s radix select). A
 layer takes this path when
 :func:`layer_plan` says it can; everything else (quantised values, ``exact``,
 ``per_bucket``, no error feedback, a layer that goes dense this step, local clipping, the
-Adam recipe, Threshold's refresh steps and ``record_true_threshold``; on the CPU also
+Adam recipe, Threshold's ``record_true_threshold``; on the CPU also Threshold's refresh
+steps,
 fp16 / bf16 gradients or values, and every layer when the compiled loops are
 unavailable: :func:`hvdsparse.native.available`) stays per layer.
 Both front doors use it: the Horovod scheduler per fusion bucket, the DDP hook per DDP
@@ -43,6 +46,9 @@ __all__ = ["MomentumSpec", "BucketItem", "BucketBatch", "layer_plan", "compress_
 #: elements per program of the streaming kernels
 BLOCK = 4096
 _VE_CODE = {ValueEncoding.FP32: 0, ValueEncoding.FP16: 1, ValueEncoding.BF16: 2}
+#: Threshold's refresh rows (``kernels/bucket_topk.py``'s ROUTE_FRESH: the Triton path
+#: only, the CPU twin has no such route)
+ROUTE_FRESH = 3
 
 
 class MomentumSpec(NamedTuple):
@@ -164,8 +170,10 @@ def _given_plan(comp, name, grad, step, cfg, n, enc) -> Optional[dict]:
     """Threshold (DCT-DP) between refreshes: the layer's reused ``tau`` is the row's given
     threshold (``ROUTE_GIVEN``: no sample, no counting round) and, with the overflow
     guard, the clamp launch writes the next step's ``tau`` into a new tensor. Refresh
-    steps (a ``topk`` of the layer), ``record_true_threshold`` and a ``tau`` on another
-    device stay per layer (``Threshold._compress``)."""
+    steps on the Triton path: ``ROUTE_FRESH``, the radix select writes ``tau = max(k-th
+    largest |acc|, TINY)`` (``topk(|acc|, k).values.min().clamp_min(TINY)``'s value)
+    before the select reads it. Refresh steps on the CPU, ``record_true_threshold`` and
+    a ``tau`` on another device stay per layer (``Threshold._compress``)."""
     if comp.record_true_threshold:
         return None
     d = comp.density(step, cfg["sparsity"])
@@ -174,7 +182,13 @@ def _given_plan(comp, name, grad, step, cfg, n, enc) -> Optional[dict]:
         return None
     st = comp._layers.get(name)
     if comp._refresh_due(st, step, cfg, k):
-        return None                                # a refresh step
+        # a refresh step: tau = the exact k-th largest |acc| (the radix select; the
+        # Triton path only)
+        if not ops.use_triton(grad):
+            return None
+        return dict(n=n, k=k, cap=cap, d=d, enc=enc, rounds=0, target=0.0,
+                    qb=cfg["quant_bucket"], exact=3, s=1, stride=1, off=0, r0=1, m=1, rk=k,
+                    rcap=2 ** 31 - 1, guard=comp.overflow_guard, fresh=True)
     tau = st["tau"]
     if not isinstance(tau, torch.Tensor) or tau.dtype != torch.float32 or \
             tau.numel() != 1 or tau.device != grad.device or not tau.is_contiguous():
@@ -215,6 +229,10 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
     L = len(items)
     dev = items[0].grad.device
     tab = np.zeros((L, K.W), dtype=np.int64)
+    # Threshold's refresh rows: their fresh tau (the radix select writes it), one fp32
+    # buffer; each row's view becomes the layer's tau tensor
+    fresh = any(pl.get("fresh") for pl in plans)
+    tau_new = torch.empty(L, dtype=torch.float32, device=dev) if fresh else None
     out = 0
     blk0 = 0
     mom = []
@@ -245,8 +263,9 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         row[K.C_STRIDE], row[K.C_OFF], row[K.C_S] = pl["stride"], pl["off"], pl["s"]
         row[K.C_R0], row[K.C_MLEN], row[K.C_EXACT] = pl["r0"], pl["m"], pl["exact"]
         row[K.C_TGT] = float_bits(pl["target"])
-        if pl["exact"] == K.ROUTE_GIVEN:
-            row[K.C_TIN] = pl["tau"].data_ptr()
+        if pl["exact"] in (K.ROUTE_GIVEN, ROUTE_FRESH):
+            row[K.C_TIN] = pl["tau"].data_ptr() if pl["exact"] == K.ROUTE_GIVEN else \
+                tau_new[j].data_ptr()
             if pl["guard"]:
                 # the next step's tau: a new tensor (layer state is replaced, never
                 # modified in place: rollback snapshots and the history share tensors)
@@ -263,10 +282,13 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
     blk = _block_table([pl["n"] for pl in plans], dev) if ops.use_triton(items[0].grad) \
         else None
     K.accumulate(table, blk, grad_scale, K.GDT_CODE[items[0].grad.dtype], block=BLOCK)
+    if fresh:
+        K.radix_select(table, blk, L, block=BLOCK)
     enc = plans[0]["enc"]
-    # Threshold's guard rows also select through the overflow ladder (threshold.py)
+    # Threshold's guard rows between refreshes also select through the overflow ladder
+    # (threshold.py)
     ladder = None
-    if any(pl.get("guard") for pl in plans):
+    if any(pl.get("guard") and pl["exact"] == K.ROUTE_GIVEN for pl in plans):
         from .threshold import ladder_factors
         ladder = ladder_factors(dev, comp.ladder)
     idx, vals, cnt, tau = K.threshold_and_select(
@@ -282,8 +304,17 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         payload = LayerPayload(it.name, it.grad.shape, [seg])
         payload.nonfinite = it.nonfinite
         extra = dict(nonfinite=it.nonfinite)
-        if pl["exact"] == K.ROUTE_GIVEN:
-            extra["refreshed"] = False             # as Threshold._compress records it
+        if pl["exact"] == ROUTE_FRESH:         # Threshold._compress's refresh
+            st = comp._layers.get(it.name)
+            if st is None:
+                st = comp._layers[it.name] = dict(tau=None, k=None, last_refresh=None,
+                                                  history=[], true_history=[])
+            st["tau"], st["k"], st["last_refresh"] = tau_new[j], pl["k"], step
+            st["history"].append((step, tau_new[j]))
+            del st["history"][:-comp.max_history]
+        if pl["exact"] in (K.ROUTE_GIVEN, ROUTE_FRESH):
+            # as Threshold._compress records it
+            extra["refreshed"] = pl["exact"] == ROUTE_FRESH
             if pl["guard"]:
                 comp._layers[it.name]["tau"] = pl["tau_out"]
         comp._stats.record(it.name, step, payload, extra=extra,

@@ -49,7 +49,10 @@ Per mode:
   driver-API twins), and in the same steps ``torch.cuda.set_sync_debug_mode("warn")``'s
   warnings per step (a synchronising call made by torch: ``.item()``, ``.cpu()``,
   ``nonzero``...; recorded through ``warnings.catch_warnings(record=True)``, top call
-  sites listed). On CPU the profiler counts top-level ``aten::`` ops instead (a proxy,
+  sites listed; only calls from Python reach it -- a sync inside C++ worker threads,
+  e.g. Gloo's copies of CUDA tensors, is printed to the rank's log and counted only in
+  the profiler column). Launches and host syncs count when they start inside a
+  profiled step. On CPU the profiler counts top-level ``aten::`` ops instead (a proxy,
   not launches) and host syncs are not counted;
 * replicas: SHA-256 of every parameter's bytes on each rank after the last step,
   allgathered; ``identical`` is whether the two digests agree (``local`` trains each rank
@@ -64,8 +67,13 @@ measured steps fit, and tells rank 1 (the decision is broadcast, so the ranks ne
 disagree). A mode that raises is reported with its error; the launch is restarted with
 the modes left if time allows.
 
-Output: a table per launch on stdout, ``OUTDIR/bench_ddp_gpu.json`` (every row, the
-environment, skipped / failed modes) and ``OUTDIR/bench_ddp_gpu.md``; each rank's log in
+``--tiny``: ResNet-like model of 3 stages (widths 16/32/64) on batch 4 x 3 x 16 x 16,
+LM of 2 layers x 64 (vocabulary 512, batch 4 x 32); 2 warm-up, 3 measured, 1 profiled
+step. Without CUDA and without ``--device`` the script runs ``--device cpu --tiny``.
+
+Output: a table per launch on stdout (``x dense``: median step over dense DDP's),
+``OUTDIR/bench_ddp_gpu.json`` (every row, the environment, skipped / failed modes) and
+``OUTDIR/bench_ddp_gpu.md``; each rank's log in
 ``OUTDIR/bench_ddp_gpu_logs/``. Exit status 0 when every mode that ran finished with
 identical replicas (modes skipped for the budget do not fail the run), 1 otherwise.
 
@@ -804,9 +812,11 @@ def main(argv=None):
         a.steps = 3 if a.tiny else 10
     if a.profile_steps is None:
         a.profile_steps = 1 if a.tiny else 2
-    for k in ("warmup", "steps", "profile_steps"):
+    for k in ("steps", "profile_steps"):
         if getattr(a, k) < 1:
             ap.error(f"--{k.replace('_', '-')} must be >= 1")
+    if a.warmup < 2:
+        ap.error("--warmup must be >= 2 (PowerSGD compresses from the third step on)")
     if a.world != 2 and not a._worker:
         print(f"note: --world {a.world} (the benchmark's setting is 2)")
     if a._worker:

@@ -1,7 +1,7 @@
 """Convergence benchmark: each method at its defaults against dense Horovod, same run.
 
-Issue 11's benchmark. Three workloads (``scripts/workloads.py``: ``digits-mlp``,
-``digits-cnn``, ``text-lm``), real ``horovodrun`` (Gloo, localhost), P ranks. ONE launch
+Workloads in ``scripts/workloads.py``: ``digits-mlp``, ``digits-wide``, ``digits-cnn``,
+``text-lm`` and ``text-gpt`` (a GPT-style transformer under AdamW; ``--gpt`` sizes it), real ``horovodrun`` (Gloo, localhost), P ranks. ONE launch
 per (workload, P) trains every (seed, method) sequentially in the same processes: a
 fresh model (initial weights from the seed, identical across methods, broadcast from
 rank 0), a fresh optimizer and a fresh compressor each time. Dense is Horovod's own

@@ -44,7 +44,7 @@ hyper-parameters of ``p``'s param group):
   ``wire="momentum"`` (1-bit Adam as published, measured worse here): the momentum
   travels instead, ``x_i = m_i / D`` with ``m_i = beta1 * m + (1 - beta1) * g_i``, and
   every rank sets ``m <- X * D``, ``p <- p - lr / bc1 * X``. Measured on text-lm (P = 4,
-  900 steps, BENCHMARKS.md 4b) the gradient wire roughly halves the loss gap to dense at
+  900 steps) the gradient wire roughly halves the loss gap to dense at
   the same bytes: with the momentum on the wire, the sparsifier's budget goes to
   re-sending the decaying momentum of recently sent coordinates -- which every rank
   already holds in ``m`` -- instead of new gradient mass.
@@ -77,7 +77,7 @@ hyper-parameters of ``p``'s param group):
   coordinates whose mean dominates. Estimating ``mu^2`` from the ranks' own gradients
   instead, without that bias (the products of consecutive gradients), measured worse
   on text-lm at 900 steps; the window mean's square matched this one on the seed it
-  ran (BENCHMARKS.md 4b, thirteenth session). ``v`` stays an average with weights summing
+  ran. ``v`` stays an average with weights summing
   to ``1 - beta2^(c + W)`` (in expectation), so ``bc2`` follows ``c``.
   The step's own gradient is not lost: it travels with the next step (``c_i``, so also
   without a residual: QSGD). Cost: one dense fp32 step in ``R`` (the statistics instead
@@ -86,14 +86,14 @@ hyper-parameters of ``p``'s param group):
   refresh and the next step). The front doors' default (``adam_refresh=None``) refreshes
   every 50 steps from step ``3 T_w``, for every compressor but AdaComp (off: no gain
   measured, and it costs AdaComp 28% of its byte saving); ``adam_refresh=0`` freezes
-  ``v`` for good. Measured on text-lm (P = 4, BENCHMARKS.md 4b): at 900 steps the
+  ``v`` for good. Measured on text-lm (P = 4): at 900 steps the
   refresh lowers TopK's / Threshold's loss gap to dense Adam by about one point, from
   step ``T_w`` or from ``3 T_w`` alike; refreshes from ``T_w`` cost 300-step runs
   0.6-1.2 points, and from ``3 T_w`` such runs never refresh (bitwise the frozen
   recipe).
 
   ``refresh_from="sample"`` (0/1 Adam's idea on a fixed period, a study variant,
-  measured worse with compression: BENCHMARKS.md 4b): the refresh step travels dense and
+  measured worse with compression): the refresh step travels dense and
   exact as a warm-up step does, and ``v <- beta2^R v + (1 - beta2^R) G^2`` with that one
   step's averaged gradient standing for ``R`` steps; ``m <- beta1 m + (1 - beta1) G``.
 
@@ -179,8 +179,8 @@ __all__ = ["AdamRecipe", "AdamSettings", "DEFAULT_REFRESH", "DEFAULT_WARMUP",
            "REFRESH_START_FACTOR", "adam_setup", "check_adam", "default_refresh", "is_adam"]
 
 #: warm-up steps when the user gives none: ~30% of the 300-330-step runs measured in
-#: docs/bench/adam/ (BENCHMARKS.md 6); on a 900-step run 300 was no better than 100
-#: with the gradient wire (BENCHMARKS.md 4b)
+#: docs/bench/adam/ (``scripts/study_adam.py``); on a 900-step run 300 was no better
+#: than 100 with the gradient wire
 DEFAULT_WARMUP = 100
 
 #: variance refresh period when the user gives none (``adam_refresh=None``; AdaComp:
@@ -188,7 +188,7 @@ DEFAULT_WARMUP = 100
 #: warm-up: on text-lm (P = 4, 900 steps) refreshing every 50 steps from step 3 T_w
 #: takes TopK's loss gap to dense Adam from +2.54% to +1.66% and Threshold's from
 #: +2.37% to +1.34%, and leaves runs of up to 3 T_w steps as they were (refreshes
-#: from T_w cost 300-step runs 0.6-1.2 points; BENCHMARKS.md 4b, fourteenth session)
+#: from T_w cost 300-step runs 0.6-1.2 points)
 DEFAULT_REFRESH = 50
 REFRESH_START_FACTOR = 3
 
@@ -247,12 +247,10 @@ def check_refresh(refresh) -> Optional[int]:
 
 
 def default_refresh(compression) -> Optional[int]:
-    """``adam_refresh=None``: :data:`DEFAULT_REFRESH`, but off (None) for AdaComp. Its
-    loss gap to dense Adam was not the frozen variance's (text-lm, P = 4, 900 steps,
-    AdaComp's former ``scale=2``: +3.14% frozen, +3.11% refreshed from step 3 T_w), and
-    one dense step in 50 costs it 28% of its byte saving (20.4x -> 14.7x fewer bytes;
-    BENCHMARKS.md 4b). With today's ``scale=4`` no gain either: +2.19% refreshed from
-    step 300 against +1.99% frozen."""
+    """``adam_refresh=None``: :data:`DEFAULT_REFRESH`, or None (off) for a compressor whose
+    ``adam_refresh_by_default`` is False (AdaComp: on text-lm, P = 4, 900 steps, the
+    refresh did not lower its loss gap to dense Adam, and one dense step in 50 costs it
+    28% of its byte saving)."""
     if not isinstance(compression, Compressor) or compression.adam_refresh_by_default:
         return DEFAULT_REFRESH
     return None
@@ -368,7 +366,7 @@ class AdamRecipe:
 
     state_key = "adam_recipe"
     #: a refresh rescales the residual by ``D_old / D_new`` (study knob: False keeps the
-    #: residual in the old ``g / D_old`` units; see BENCHMARKS.md 4b)
+    #: residual in the old ``g / D_old`` units)
     rescale_residual = True
     momentum_correction = False      # no DGC velocity (scheduler: no dense momentum)
     zero_fills_absent = True         # a trainable layer without a gradient is zero
@@ -419,7 +417,7 @@ class AdamRecipe:
         #: of its own ``g_i^2``, averaged by the refresh step's dense exchange, and the
         #: window's mean exchanged gradient; the refresh step's gradient travels with
         #: the next step) or ``"sample"`` (the refresh step's averaged gradient ``G`` itself,
-        #: standing for R steps; measured worse, BENCHMARKS.md 4b)
+        #: standing for R steps; measured worse)
         self.refresh_from = refresh_from
         #: name -> the compressor's residual of that layer (rescaled when D changes)
         self._residual = residual or (lambda name: None)

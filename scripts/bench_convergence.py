@@ -418,8 +418,8 @@ def late_bytes(run):
 
 
 #: the evaluations the "last evaluations" column averages: one final evaluation moves by
-#: several pp between neighbouring evaluations on the digits workloads (BENCHMARKS 4b,
-#: sixteenth and seventeenth sessions), so a window judges a method's end state more fairly
+#: several pp between neighbouring evaluations on the digits workloads, so a window
+#: judges a method's end state more fairly
 TAIL_EVALS = 3
 
 

@@ -1,4 +1,4 @@
-"""Study of the Adam / AdamW options of issue 11 item 3, side by side in one run.
+"""Study of the Adam / AdamW options of the Adam recipe, side by side in one run.
 
 Options, each with ``TopK(0.01)`` and ``AdaComp()`` at their defaults, against dense
 Adam (Horovod's own DistributedOptimizer, no compression) in the same launch:

@@ -1,4 +1,4 @@
-"""The convergence workloads of issue 11: data, models and metrics, offline only.
+"""The convergence workloads: data, models and metrics, offline only.
 
 Three workloads, each a :class:`Workload` (one object per process, data loaded once):
 

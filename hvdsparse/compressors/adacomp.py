@@ -21,8 +21,8 @@ Deviations (documented):
 
 * **``scale = 4`` by default** (the paper's compare is ``scale = 2``). The compare
   decides how many elements of a bin travel, and with the messages' fixed capacity
-  (below) the bytes on the wire do not depend on it. Measured (BENCHMARKS.md 4b,
-  fourteenth session; 3 seeds, P = 4): on the char-LSTM with the Adam recipe the loss
+  (below) the bytes on the wire do not depend on it. Measured (3 seeds, P = 4):
+  on the char-LSTM with the Adam recipe the loss
   gap to dense Adam falls from +3.14% to +1.99% at 900 steps and from +2.21% to +0.30%
   at 300, at the same 20.4x fewer bytes; the digits MLP (SGD, momentum correction)
   gains 0.7 pp and the CNN stays within a test image of ``scale = 2``. There ``scale =

@@ -36,7 +36,8 @@ allreduces issued from future callbacks can pair up differently on the two ranks
 
 Per mode:
 
-* warm-up steps (``--warmup``; their wall time, Triton compiles included, is reported);
+* warm-up steps (``--warmup``; their wall time, Triton compiles included, is reported;
+  the last one, timed alone between synchronisations, is the step estimate for the budget);
 * ``--steps`` measured steps: each rank times every step on the host
   (``time.perf_counter``), with ``torch.cuda.synchronize()`` only before the first and
   after the last; reported: the median over steps of the slower rank's step time, and the
@@ -269,7 +270,8 @@ class Worker:
         self.ctl = dist.new_group(backend="gloo") if backend != "gloo" else None
         self.events = open(a.events, "a", buffering=1)
         self.mode_times = {}           # mode -> wall seconds it took
-        self.step_est = None           # seconds per step, the slowest mode so far
+        self.step_est = None           # seconds per measured step, the slowest mode so far
+        self.hvd_est = None            # the same over hvdsparse's modes
 
     def emit(self, **rec):
         rec["rank"] = self.rank
@@ -330,11 +332,14 @@ class Worker:
         # warm-up
         self.sync()
         t0 = time.perf_counter()
-        for _ in range(a.warmup):
+        for _ in range(a.warmup - 1):
             step()
         self.sync()
+        t1 = time.perf_counter()
+        step()                      # the last warm-up step alone: the step time estimate
+        self.sync()
+        per = time.perf_counter() - t1
         warm_s = time.perf_counter() - t0
-        per = warm_s / max(a.warmup, 1)
         # how many measured steps fit (rank 0 decides, both ranks follow)
         if self.rank == 0:
             left = a.deadline - time.time() - 2.0 - (a.profile_steps + 2) * per
@@ -380,7 +385,7 @@ class Worker:
                    mode_wall_s=time.time() - t_mode, **prof)
         if stats is not None:
             rec["hvdsparse_totals"] = _jsonable(stats)   # all steps of the mode
-        return rec, per
+        return rec, window / n
 
     def cleanup(self, state):
         if state is not None and hasattr(state, "remove_hooks"):
@@ -460,9 +465,13 @@ class Worker:
         for mode in a.modes.split(","):
             if self.rank == 0:
                 left = a.deadline - time.time()
-                need = 5.0 if self.step_est is None else \
-                    (a.warmup + min(a.steps, 3) + a.profile_steps + 3) * self.step_est * \
-                    (3.0 if mode in HVDSPARSE_MODES else 1.0) + 2.0
+                hvd = mode in HVDSPARSE_MODES
+                if self.step_est is None:
+                    need = 5.0
+                else:   # an hvdsparse step before one was measured: 3x the slowest so far
+                    est = (self.hvd_est if hvd and self.hvd_est else
+                           self.step_est * (3.0 if hvd else 1.0))
+                    need = (a.warmup + min(a.steps, 3) + a.profile_steps + 3) * est * 1.2 + 3.0
                 go = left > need
                 why = None if go else (f"budget: {left:.0f} s left in this launch, about "
                                        f"{need:.0f} s needed")
@@ -485,6 +494,8 @@ class Worker:
                 self.emit(**rec)
             if per is not None:
                 self.step_est = per if self.step_est is None else max(self.step_est, per)
+                if mode in HVDSPARSE_MODES:
+                    self.hvd_est = max(self.hvd_est or 0.0, per)
         self.dist.barrier(group=self.ctl)
         self.dist.destroy_process_group()
         self.emit(event="done")

@@ -331,12 +331,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             weight decay are applied there instead. ``None`` (default): on for SGD with
             momentum around AdaComp, and TopK / Threshold at densities <= 0.25
             (with ``momentum_masking=True``: <= (1 - momentum) / 2), off otherwise
-            (:func:`hvdsparse.momentum.resolve_momentum_correction`, measured in
-            BENCHMARKS.md 4b and 7); ``True`` / ``False``: as given.
+            (:func:`hvdsparse.momentum.resolve_momentum_correction`, measured by
+            ``scripts/bench_convergence.py``); ``True`` / ``False``: as given.
         momentum_masking: with momentum correction, DGC's momentum-factor masking
-            (``u[sent] = 0`` after each exchange). ``False`` (default, measured:
-            BENCHMARKS.md 4b, eleventh session): the velocity of a sent coordinate is kept, so the
-            ranks' sent velocities add up to the momentum SGD update, only delayed;
+            (``u[sent] = 0`` after each exchange). ``False`` (default, measured better
+            on the digits CNN by ``scripts/bench_convergence.py``): the velocity of a sent
+            coordinate is kept, so the ranks' sent velocities add up to the momentum SGD
+            update, only delayed;
             ``True``: DGC's rule as published (:mod:`hvdsparse.momentum`).
         clip_grad_norm: DGC's local gradient clipping: each layer's local gradient is
             clipped to norm ``clip_grad_norm / sqrt(size)`` before it is accumulated.
@@ -349,7 +350,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         adam_warmup: dense, exact Adam steps before the variance is frozen (per
             parameter, counted by Adam's ``state["step"]``); ``None`` =
             :data:`hvdsparse.adam.DEFAULT_WARMUP`. Not much under ~30% of a short run
-            (measured: BENCHMARKS.md 6).
+            (measured by ``scripts/study_adam.py``).
         adam_refresh: the frozen variance's refresh period ``R``: every ``R``-th step
             from ``adam_refresh_start`` on sends each rank's local average of its
             squared gradient since the last refresh (dense) instead of its gradient,
@@ -360,7 +361,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         adam_refresh_start: the Adam step ``S`` after which the refreshes start (the
             first at step ``S + R``); ``None`` (default): 3 x the warm-up, so runs of up
             to ``3 * adam_warmup`` steps keep the frozen variance (refreshing earlier
-            measured worse on short runs: BENCHMARKS.md 4b); an int ``>= adam_warmup``.
+            measured worse on short runs); an int ``>= adam_warmup``.
     """
     import horovod.torch as hvd
     if op is None:

@@ -93,6 +93,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -543,6 +544,28 @@ def _jsonable(x):
 
 
 # ============================================================================ parent
+LIVE = []      # rank processes of the launch in flight (killed if this process is stopped)
+
+
+def _kill(procs):
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+        if p in LIVE:
+            LIVE.remove(p)
+
+
+def _on_signal(signum, frame):
+    """SIGTERM / SIGINT (e.g. an outer ``timeout``): the ranks run in their own sessions,
+    so they are killed here before exiting."""
+    _kill(list(LIVE))
+    sys.exit(128 + signum)
+
+
 def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -592,6 +615,7 @@ def run_launch(args, model, transport, modes, deadline, logdir, tag):
                        + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                           env=env, start_new_session=True))
+            LIVE.append(procs[-1])
         hard = deadline + SHUTDOWN_S
         killed = False
         failed_rank = None
@@ -608,13 +632,7 @@ def run_launch(args, model, transport, modes, deadline, logdir, tag):
                 killed = any(p.poll() is None for p in procs)
                 break
             time.sleep(0.2)
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
+        _kill(procs)
         for log in logs:
             log.close()
         ev = read_events(evpaths)
@@ -842,8 +860,16 @@ def main(argv=None):
     if a.world != 2 and not a._worker:
         print(f"note: --world {a.world} (the benchmark's setting is 2)")
     if a._worker:
+        # a rank outliving its launch's hard deadline (its parent gone) ends itself
+        def watchdog():
+            time.sleep(max(0.0, a.deadline + SHUTDOWN_S + 5.0 - time.time()))
+            print("bench_ddp_gpu worker: past the launch's deadline, exiting", flush=True)
+            os._exit(4)
+        threading.Thread(target=watchdog, daemon=True).start()
         Worker(a).run()
         return 0
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
     return main_parent(a)
 
 

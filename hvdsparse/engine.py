@@ -8,7 +8,7 @@ engine knows *what* a step does with a bucket, in this order:
 
 1. **compress** (:meth:`StepEngine.compress_group`): every layer of the bucket becomes a
    :class:`~hvdsparse.payload.LayerPayload`. Layers the bucket path takes
-   (``compressors/topk_bucket.py``: a fixed number of launches per bucket) are compressed
+   (``compressors/bucket.py``: a fixed number of launches per bucket) are compressed
    together; the others one by one (:meth:`StepEngine.compress`), with the local update
    (DGC momentum correction / clipping, the Adam recipe) and the loss scale folded in. A
    layer without a gradient contributes an *absent* payload (:meth:`compress_absent`).
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from . import codec
-from .compressors import topk_bucket
+from .compressors import bucket
 from .compressors.base import Compressor, inverse_loss_scale
 from .exchange import BucketSpec, ExchangeContext, HostReadout, cost_model
 from .exchange import launch as launch_exchange
@@ -94,7 +94,7 @@ class StepEngine:
         self.local_update = local_update
         self.grad_scaler = grad_scaler
         self.nonfinite = nonfinite
-        self.bucket_path = topk_bucket.enabled(compressor, local_update)
+        self.bucket_path = bucket.enabled(compressor, local_update)
         try:
             self._after_takes_param = "param" in inspect.signature(
                 compressor.after_exchange).parameters
@@ -233,7 +233,7 @@ class StepEngine:
     def may_bucket(self, grad: torch.Tensor) -> bool:
         """Whether a layer with this gradient may take the bucket path (so its door lets
         it wait for the rest of its bucket; :meth:`compress_group` decides per layer)."""
-        return self.bucket_path and topk_bucket.takes(grad)
+        return self.bucket_path and bucket.takes(grad, self.compressor)
 
     def compress_group(self, layers: Sequence[LayerInput], step: int,
                        batches: Optional[list] = None) -> list:
@@ -241,7 +241,8 @@ class StepEngine:
         (grouped by gradient dtype, value encoding and rounds) in a fixed number of
         launches per group, the others one by one (:meth:`compress`), absent ones by
         :meth:`compress_absent`. ``batches`` collects the bucket path's
-        :class:`~topk_bucket.BucketBatch` es for :meth:`feed_back`'s masking."""
+        :class:`~hvdsparse.compressors.bucket.BucketBatch` es for :meth:`feed_back`'s
+        masking."""
         out: list = [None] * len(layers)
         groups: Dict[tuple, tuple] = {}
         lu, comp = self.local_update, self.compressor
@@ -250,7 +251,7 @@ class StepEngine:
                 if lay.grad is None:
                     out[i] = self.compress_absent(lay.name, lay.param, step, lay.nonfinite)
                     continue
-                planned = topk_bucket.plan_layer(comp, lu, lay.name, lay.grad,
+                planned = bucket.plan_layer(comp, lu, lay.name, lay.grad,
                                                  lay.param.detach(), step) \
                     if self.bucket_path else None
                 if planned is None:
@@ -260,15 +261,15 @@ class StepEngine:
                 mspec, plan = planned
                 nf = lay.nonfinite if lay.nonfinite is not None else \
                     torch.zeros(1, dtype=torch.int32, device=lay.grad.device)
-                item = topk_bucket.BucketItem(lay.name, lay.grad, lay.param.detach(), nf,
+                item = bucket.BucketItem(lay.name, lay.grad, lay.param.detach(), nf,
                                               mspec)
-                items, plans, slots = groups.setdefault(topk_bucket.group_key(plan, item),
+                items, plans, slots = groups.setdefault(bucket.group_key(plan, item),
                                                         ([], [], []))
                 items.append(item)
                 plans.append(plan)
                 slots.append(i)
             for items, plans, slots in groups.values():
-                pays, batch = topk_bucket.compress_bucket(
+                pays, batch = bucket.compress_bucket(
                     comp, items, plans, step, grad_scale=self.grad_scale(items[0].grad.device))
                 if batches is not None:
                     batches.append(batch)
@@ -390,7 +391,7 @@ class StepEngine:
                 if lu is not None and undelivered is None and all(
                         lu.masks_now(n, comp.warmup_density(n, step))
                         for n in batch.momentum_names):
-                    topk_bucket.mask_bucket(batch)
+                    bucket.mask_bucket(batch)
                     masked.update(batch.momentum_names)
             for name, payload, back in zip(names, payloads, views):
                 if back is not None:

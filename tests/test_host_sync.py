@@ -27,7 +27,7 @@ the Python call site that issued it.
   reads in the user's loop are not ours); step 0's settings agreement is allowed.
 
 Documented host reads (not device syncs, read through numpy, so not counted):
-``exchange/base.py: HostReadout.get`` / ``scheduler.py: DeferredRead.get`` read a
+``exchange/base.py: HostReadout.get`` / ``engine.py: check_deferred`` read a
 pinned host copy made with ``non_blocking=True`` after its CUDA event completed;
 ``exchange/base.py: host_list`` reads Horovod's received splits (a CPU tensor). Allowed:
 ``scheduler.py: _build_plan`` at step 0 only (the plan's ``allgather_object``).
@@ -59,8 +59,8 @@ READOUT_SITES = {("hvdsparse/exchange/split.py", "send_pairs_to_owners"),   # ph
                  ("hvdsparse/exchange/split.py", "_start_phase2"),
                  ("hvdsparse/exchange/base.py", "get"),      # DeferredFigures.get
                  # last step's decode error flag / non-finite table, copied to pinned
-                 # memory with an event one step earlier (scheduler docstring)
-                 ("hvdsparse/scheduler.py", "_check_deferred")}
+                 # memory with an event one step earlier (the step engine's docstring)
+                 ("hvdsparse/engine.py", "check_deferred")}
 
 
 def _site_key(site: str):
@@ -278,7 +278,7 @@ DDP_ALLOWED_STEP0 = {("hvdsparse/transport.py", "allgather_object"): "settings a
 DDP_READOUT_SITES = {("hvdsparse/exchange/split.py", "send_pairs_to_owners"),
                      ("hvdsparse/exchange/split.py", "_start_phase2"),
                      ("hvdsparse/exchange/base.py", "get"),
-                     ("hvdsparse/ddp.py", "_check_deferred"),   # error flag / nonfinite table
+                     ("hvdsparse/engine.py", "check_deferred"),  # error flag / nonfinite
                      ("hvdsparse/ddp.py", "_settle")}           # grad_scaler's rollback flag
 
 

@@ -116,7 +116,9 @@ for label, make, exchange, *nan in CASES:
     # the CPU path with the compiled loops (hvdsparse/native), for fp32 values only
     def bucketed(o):
         return [e for e in o.scheduler.events if e[0] == "bucket_path"]
-    check(bool(bucketed(opt_t)) == topk, f"{label}: Triton bucket path {bucketed(opt_t)}")
+    # on the Triton path every compressor here has bucket rows (TopK / Threshold,
+    # AdaComp's bins, QSGD's buckets, the dense-by-policy biases)
+    check(bool(bucketed(opt_t)), f"{label}: Triton bucket path {bucketed(opt_t)}")
     check(bool(bucketed(opt_c)) == (topk and NATIVE and "fp16" not in label),
           f"{label}: CPU bucket path {bucketed(opt_c)}")
     if topk:

@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .table import add_nonfinite, f32, fptr, gptr, program_row, scaled
+
 C_G, C_R, C_N, C_NF, C_MODE, C_NB, C_BIN0, C_SLOT0, C_WORD0, C_BLK0 = range(10)
 C_U, C_P, C_M, C_C, C_WD = range(10, 15)
 W = 15
@@ -65,31 +67,9 @@ _WD = tl.constexpr(C_WD)
 
 
 @triton.jit
-def _f32(row, col: tl.constexpr):
-    """An fp32 stored as its bits in an int64 table cell."""
-    return tl.load(row + col).to(tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _gptr(row, GDT: tl.constexpr, col: tl.constexpr = _G):
-    a = tl.load(row + col)
-    if GDT == 0:
-        p = a.to(tl.pointer_type(tl.float32))
-    elif GDT == 1:
-        p = a.to(tl.pointer_type(tl.float16))
-    else:
-        p = a.to(tl.pointer_type(tl.bfloat16))
-    return p
-
-
-@triton.jit
 def _tile(tab_ptr, blk_ptr, L, W: tl.constexpr, ROWS: tl.constexpr, LP: tl.constexpr):
     """(row index, row pointer, local bins, bins valid, columns, offsets, mask)."""
-    pid = tl.program_id(0)
-    j = tl.load(blk_ptr + pid).to(tl.int64)
-    row = tab_ptr + j * W
-    n = tl.load(row + _N)
-    lb = (pid - tl.load(row + _BLK0)).to(tl.int64)
+    j, row, n, lb = program_row(tab_ptr, blk_ptr, W, _N, _BLK0)
     bins = lb * ROWS + tl.arange(0, ROWS)
     bin_ok = bins < tl.load(row + _NB)
     cols = tl.arange(0, LP)
@@ -100,10 +80,7 @@ def _tile(tab_ptr, blk_ptr, L, W: tl.constexpr, ROWS: tl.constexpr, LP: tl.const
 
 @triton.jit
 def _d(row, offs, mask, scale_ptr, HAS_SCALE: tl.constexpr, GDT: tl.constexpr):
-    d = tl.load(_gptr(row, GDT) + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SCALE:
-        d = d * tl.load(scale_ptr)
-    return d, tl.abs(d) < float("inf")
+    return scaled(gptr(row, _G, GDT), offs, mask, scale_ptr, HAS_SCALE)
 
 
 @triton.jit
@@ -112,22 +89,22 @@ def _ada_accumulate_kernel(tab_ptr, blk_ptr, scale_ptr, gmax_ptr, L, W: tl.const
                        LP: tl.constexpr):
     j, row, lb, bins, bin_ok, cols, offs, mask = _tile(tab_ptr, blk_ptr, L, W, ROWS, LP)
     d, fin = _d(row, offs, mask, scale_ptr, HAS_SCALE, GDT)
-    rp = tl.load(row + _R).to(tl.pointer_type(tl.float32))
+    rp = fptr(row, _R)
     r = tl.load(rp + offs, mask=mask, other=0.0)
     mode = tl.load(row + _MODE)
     bad2 = tl.zeros([ROWS, LP], dtype=tl.int32)
     if (mode & 2) != 0:
         # DGC's momentum correction (LocalUpdate.corrected's roundings), then the
         # compressor's residual add of x
-        m = _f32(row, _M)
+        m = f32(row, _M)
         g = tl.where(fin, d, 0.0)
         if (mode & 8) != 0:
-            w = tl.load(_gptr(row, GDT, _P) + offs, mask=mask, other=0.0).to(tl.float32)
-            g = g + _f32(row, _WD) * w
-        up = tl.load(row + _U).to(tl.pointer_type(tl.float32))
+            w = tl.load(gptr(row, _P, GDT) + offs, mask=mask, other=0.0).to(tl.float32)
+            g = g + f32(row, _WD) * w
+        up = fptr(row, _U)
         u = tl.load(up + offs, mask=mask, other=0.0)
         u = u * m
-        u = u + _f32(row, _C) * g
+        u = u + f32(row, _C) * g
         tl.store(up + offs, u, mask=mask)
         if (mode & 4) != 0:
             x = g + m * u
@@ -147,8 +124,7 @@ def _ada_accumulate_kernel(tab_ptr, blk_ptr, scale_ptr, gmax_ptr, L, W: tl.const
     tl.store(gmax_ptr + tl.load(row + _BIN0) + bins, m.to(tl.float32, bitcast=True),
              mask=bin_ok)
     nbad = tl.sum(tl.sum(((~fin) & mask).to(tl.int32) + bad2, axis=1), axis=0)
-    tl.atomic_add(tl.load(row + _NF).to(tl.pointer_type(tl.int32)), nbad, mask=nbad > 0,
-                  sem="relaxed")
+    add_nonfinite(row, _NF, nbad)
 
 
 @triton.jit
@@ -163,15 +139,15 @@ def _abs_h_thr(row, offs, mask, bins, bin_ok, scale_ptr, gmax_ptr, hm1, tiny,
         if (mode & 4) != 0:
             g = d
             if (mode & 8) != 0:
-                w = tl.load(_gptr(row, GDT, _P) + offs, mask=mask, other=0.0).to(tl.float32)
-                g = g + _f32(row, _WD) * w
-            up = tl.load(row + _U).to(tl.pointer_type(tl.float32))
-            x = g + _f32(row, _M) * tl.load(up + offs, mask=mask, other=0.0)
+                w = tl.load(gptr(row, _P, GDT) + offs, mask=mask, other=0.0).to(tl.float32)
+                g = g + f32(row, _WD) * w
+            up = fptr(row, _U)
+            x = g + f32(row, _M) * tl.load(up + offs, mask=mask, other=0.0)
         else:
-            up = tl.load(row + _U).to(tl.pointer_type(tl.float32))
+            up = fptr(row, _U)
             x = tl.load(up + offs, mask=mask, other=0.0)
         d = tl.where(tl.abs(x) < float("inf"), x, 0.0)
-    rp = tl.load(row + _R).to(tl.pointer_type(tl.float32))
+    rp = fptr(row, _R)
     a = tl.load(rp + offs, mask=mask, other=0.0)
     gm = tl.load(gmax_ptr + tl.load(row + _BIN0) + bins, mask=bin_ok, other=float("inf"))
     thr = tl.where(gm < tiny, tiny, gm)            # clamp_min(TINY); NaN stays NaN
@@ -209,7 +185,7 @@ def _ada_pack_kernel(tab_ptr, blk_ptr, scale_ptr, gmax_ptr, cnt_ptr, cum_ptr, s_
     cnt = tl.load(cnt_ptr + bin0 + bins, mask=bin_ok, other=0)
     start = tl.load(cum_ptr + bin0 + bins, mask=bin_ok, other=0) - cnt - base
     s = tl.load(s_ptr + j)
-    rp = tl.load(row + _R).to(tl.pointer_type(tl.float32))
+    rp = fptr(row, _R)
     slot0 = tl.load(row + _SLOT0)
     word0 = tl.load(row + _WORD0)
     for q in tl.static_range(C):

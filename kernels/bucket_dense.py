@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .table import add_nonfinite, fptr, gptr, program_row, scaled
+
 # columns of the segment table (int64)
 C_G, C_R, C_N, C_NF, C_MODE, C_OUT, C_SOFF, C_BLK0, C_SEED = range(9)
 W = 9
@@ -61,45 +63,19 @@ _SEED = tl.constexpr(C_SEED)
 
 
 @triton.jit
-def _gptr(row, GDT: tl.constexpr):
-    a = tl.load(row + _G)
-    if GDT == 0:
-        p = a.to(tl.pointer_type(tl.float32))
-    elif GDT == 1:
-        p = a.to(tl.pointer_type(tl.float16))
-    else:
-        p = a.to(tl.pointer_type(tl.bfloat16))
-    return p
-
-
-@triton.jit
-def _scaled(gp, offs, mask, scale_ptr, HAS_SCALE: tl.constexpr):
-    """(d, fin) of the elements ``offs``: ``d = fp32(grad) * s``, ``fin = |d| < inf``."""
-    d = tl.load(gp + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SCALE:
-        d = d * tl.load(scale_ptr)
-    return d, tl.abs(d) < float("inf")
-
-
-@triton.jit
 def _dense_copy_kernel(tab_ptr, blk_ptr, scale_ptr, out_ptr, cnt_ptr, W: tl.constexpr,
                        HAS_SCALE: tl.constexpr, GDT: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    j = tl.load(blk_ptr + pid).to(tl.int64)
-    row = tab_ptr + j * W
-    n = tl.load(row + _N)
-    lb = pid - tl.load(row + _BLK0)
+    j, row, n, lb = program_row(tab_ptr, blk_ptr, W, _N, _BLK0)
     offs = lb * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = offs < n
-    d, fin = _scaled(_gptr(row, GDT), offs, mask, scale_ptr, HAS_SCALE)
+    d, fin = scaled(gptr(row, _G, GDT), offs, mask, scale_ptr, HAS_SCALE)
     v = tl.where(fin, d, 0.0)
     if (tl.load(row + _MODE) & 1) != 0:
-        rp = tl.load(row + _R).to(tl.pointer_type(tl.float32))
+        rp = fptr(row, _R)
         v = v + tl.load(rp + offs, mask=mask, other=0.0)
     tl.store(out_ptr + tl.load(row + _OUT) + offs, v, mask=mask)
     nbad = tl.sum(((~fin) & mask).to(tl.int32), axis=0)
-    tl.atomic_add(tl.load(row + _NF).to(tl.pointer_type(tl.int32)), nbad, mask=nbad > 0,
-                  sem="relaxed")
+    add_nonfinite(row, _NF, nbad)
     if lb == 0:
         tl.store(cnt_ptr + j, n.to(tl.int32))
 
@@ -107,9 +83,9 @@ def _dense_copy_kernel(tab_ptr, blk_ptr, scale_ptr, out_ptr, cnt_ptr, W: tl.cons
 @triton.jit
 def _qsgd_acc(row, gp, offs, mask, scale_ptr, mode, HAS_SCALE: tl.constexpr):
     """(acc, non-finite mask) of the elements ``offs`` (module doc)."""
-    d, fin = _scaled(gp, offs, mask, scale_ptr, HAS_SCALE)
+    d, fin = scaled(gp, offs, mask, scale_ptr, HAS_SCALE)
     if (mode & 2) != 0:
-        rp = tl.load(row + _R).to(tl.pointer_type(tl.float32))
+        rp = fptr(row, _R)
         r = tl.load(rp + offs, mask=mask, other=0.0)
         if (mode & 4) != 0:
             a = r + tl.where(fin, d, 0.0)
@@ -129,13 +105,9 @@ def _qsgd_pack_kernel(tab_ptr, blk_ptr, scale_ptr, codes_ptr, scales_ptr, cnt_pt
     HALF: tl.constexpr = 1 << (BITS - 1)
     S: tl.constexpr = HALF - 1
     CH: tl.constexpr = NBYTES * PER
-    pid = tl.program_id(0)
-    j = tl.load(blk_ptr + pid).to(tl.int64)
-    row = tab_ptr + j * W
-    n = tl.load(row + _N)
-    lb = (pid - tl.load(row + _BLK0)).to(tl.int64)
+    j, row, n, lb = program_row(tab_ptr, blk_ptr, W, _N, _BLK0)
     mode = tl.load(row + _MODE)
-    gp = _gptr(row, GDT)
+    gp = gptr(row, _G, GDT)
     seed = tl.load(row + _SEED)
     sp = scales_ptr + tl.load(row + _SOFF)
     nbuckets = (n + B - 1) // B
@@ -157,8 +129,7 @@ def _qsgd_pack_kernel(tab_ptr, blk_ptr, scale_ptr, codes_ptr, scales_ptr, cnt_pt
     m = tl.where(m > 0x7F800000, 0x7FC00000, m)
     tl.store(sp + rows, m.to(tl.float32, bitcast=True), mask=row_ok)
     nbad = tl.sum(bad, axis=0)
-    tl.atomic_add(tl.load(row + _NF).to(tl.pointer_type(tl.int32)), nbad, mask=nbad > 0,
-                  sem="relaxed")
+    add_nonfinite(row, _NF, nbad)
     if lb == 0:
         tl.store(cnt_ptr + j, n.to(tl.int32))
     tl.debug_barrier()
@@ -190,7 +161,7 @@ def _qsgd_pack_kernel(tab_ptr, blk_ptr, scale_ptr, codes_ptr, scales_ptr, cnt_pt
             # the decoder's value: div_rn((code - HALF) * m_b, S)
             qd = (code - HALF).to(tl.float32)
             deq = tl.math.div_rn(qd * sc, tl.full(qd.shape, S, tl.float32))
-            rp = tl.load(row + _R).to(tl.pointer_type(tl.float32))
+            rp = fptr(row, _R)
             tl.store(rp + e, x - deq, mask=emask)
 
 

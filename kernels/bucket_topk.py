@@ -72,6 +72,7 @@ import triton.language as tl
 
 from .refine import replay_rounds
 from .select import reserve_slots, store_float_values
+from .table import f32, fptr, gptr, program_row
 
 # columns of the segment table (int64); fp32 values are stored as their bits
 C_G, C_R, C_U, C_P, C_N, C_MODE, C_M, C_C, C_WD, C_NF = range(10)
@@ -120,37 +121,10 @@ _TOUT = tl.constexpr(C_TOUT)
 
 
 @triton.jit
-def _f32(row, col: tl.constexpr):
-    """An fp32 stored as its bits in an int64 table cell."""
-    return tl.load(row + col).to(tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _fptr(row, col: tl.constexpr):
-    return tl.load(row + col).to(tl.pointer_type(tl.float32))
-
-
-@triton.jit
-def _gptr(row, col: tl.constexpr, GDT: tl.constexpr):
-    a = tl.load(row + col)
-    if GDT == 0:
-        p = a.to(tl.pointer_type(tl.float32))
-    elif GDT == 1:
-        p = a.to(tl.pointer_type(tl.float16))
-    else:
-        p = a.to(tl.pointer_type(tl.bfloat16))
-    return p
-
-
-@triton.jit
 def _where_am_i(tab_ptr, blk_ptr, W: tl.constexpr, BLOCK: tl.constexpr):
-    """(segment row pointer, element offsets, in-segment mask, segment size, local
-    block index) of this program."""
-    pid = tl.program_id(0)
-    j = tl.load(blk_ptr + pid).to(tl.int64)
-    row = tab_ptr + j * W
-    n = tl.load(row + _N)
-    lb = pid - tl.load(row + _BLK0)
+    """(segment row, segment row pointer, element offsets, in-segment mask, local block
+    index) of this program."""
+    j, row, n, lb = program_row(tab_ptr, blk_ptr, W, _N, _BLK0)
     offs = lb * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     return j, row, offs, offs < n, lb
 
@@ -159,8 +133,8 @@ def _where_am_i(tab_ptr, blk_ptr, W: tl.constexpr, BLOCK: tl.constexpr):
 def _accumulate_kernel(tab_ptr, blk_ptr, scale_ptr, W: tl.constexpr,
                        HAS_SCALE: tl.constexpr, GDT: tl.constexpr, BLOCK: tl.constexpr):
     j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
-    gp = _gptr(row, _G, GDT)
-    rp = _fptr(row, _R)
+    gp = gptr(row, _G, GDT)
+    rp = fptr(row, _R)
     d = tl.load(gp + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_SCALE:
         d = d * tl.load(scale_ptr)
@@ -169,16 +143,16 @@ def _accumulate_kernel(tab_ptr, blk_ptr, scale_ptr, W: tl.constexpr,
     r = tl.load(rp + offs, mask=mask, other=0.0)
     mode = tl.load(row + _MODE)
     if (mode & 1) != 0:
-        up = _fptr(row, _U)
-        m = _f32(row, _M)
+        up = fptr(row, _U)
+        m = f32(row, _M)
         g = tl.where(fin, d, 0.0)
         if (mode & 4) != 0:
-            pp = _gptr(row, _P, GDT)
+            pp = gptr(row, _P, GDT)
             w = tl.load(pp + offs, mask=mask, other=0.0).to(tl.float32)
-            g = g + _f32(row, _WD) * w
+            g = g + f32(row, _WD) * w
         u = tl.load(up + offs, mask=mask, other=0.0)
         u = u * m
-        u = u + _f32(row, _C) * g
+        u = u + f32(row, _C) * g
         tl.store(up + offs, u, mask=mask)
         if (mode & 2) != 0:
             x = g + m * u
@@ -202,7 +176,7 @@ def _sample_kernel(tab_ptr, s_ptr, counts_ptr, cnt_ptr, Smax, R, W: tl.constexpr
     row = tab_ptr + j * W
     i = q.to(tl.int64) * SB + tl.arange(0, SB)
     take = i < tl.load(row + _S)
-    rp = _fptr(row, _R)
+    rp = fptr(row, _R)
     a = tl.load(rp + tl.load(row + _OFF) + i * tl.load(row + _STRIDE), mask=take,
                 other=0.0)
     tl.store(s_ptr + j * Smax + i, tl.where(take, tl.abs(a), -1.0), mask=i < Smax)
@@ -220,7 +194,7 @@ def _row_replay(row, v_ptr, Mmax, counts_ptr, R, j, ROUNDS: tl.constexpr):
     capf = tl.load(row + _RCAP).to(tl.float32)
     mf = tl.load(row + _MLEN).to(tl.float32)
     return replay_rounds(v_ptr + j * Mmax, counts_ptr + j * R, tl.load(row + _R0), mf, kf,
-                         capf, _f32(row, _TGT), ROUNDS)
+                         capf, f32(row, _TGT), ROUNDS)
 
 
 @triton.jit
@@ -229,7 +203,7 @@ def _count_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, W: tl.constexpr,
     j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
     if tl.load(row + _EXACT) == 0:
         t = _row_replay(row, v_ptr, Mmax, counts_ptr, R, j, ROUND)
-        rp = _fptr(row, _R)
+        rp = fptr(row, _R)
         ge = (tl.abs(tl.load(rp + offs, mask=mask, other=0.0)) >= t) & mask
         c = tl.sum(ge.to(tl.int32), axis=0)
         tl.atomic_add(counts_ptr + j * R + ROUND, c, mask=c > 0, sem="relaxed")
@@ -247,8 +221,8 @@ def _ladder_kernel(tab_ptr, blk_ptr, lad_ptr, gam_ptr, tiny, W: tl.constexpr,
     """Threshold's overflow ladder: lad[j, q] += #{|r_j| >= max(tau_j, tiny) * gam[q]}."""
     j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
     if _is_ladder_row(row):
-        t = tl.maximum(tl.load(_fptr(row, _TIN)), tiny)
-        a = tl.abs(tl.load(_fptr(row, _R) + offs, mask=mask, other=0.0))
+        t = tl.maximum(tl.load(fptr(row, _TIN)), tiny)
+        a = tl.abs(tl.load(fptr(row, _R) + offs, mask=mask, other=0.0))
         for q in tl.static_range(J):
             c = tl.sum(((a >= t * tl.load(gam_ptr + q)) & mask).to(tl.int32), axis=0)
             tl.atomic_add(lad_ptr + j * J + q, c, mask=c > 0, sem="relaxed")
@@ -260,7 +234,7 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
                    VE: tl.constexpr, J: tl.constexpr, BLOCK: tl.constexpr):
     j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
     if tl.load(row + _EXACT) >= 2:             # GIVEN / FRESH: Threshold's tau
-        t = tl.load(_fptr(row, _TIN))
+        t = tl.load(fptr(row, _TIN))
     else:
         t = _row_replay(row, v_ptr, Mmax, counts_ptr, R, j, ROUNDS)
     t = tl.maximum(t, tiny)
@@ -274,7 +248,7 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
             c = tl.load(lad_ptr + j * J + q).to(tl.int64)
             r = tl.minimum(tl.sum((c > tl.load(row + _CAP)).to(tl.int64), axis=0), J - 1)
             ts = t * tl.load(gam_ptr + r)
-    rp = _fptr(row, _R)
+    rp = fptr(row, _R)
     a = tl.load(rp + offs, mask=mask, other=0.0)
     sel = (tl.abs(a) >= ts) & mask
     slot, w = reserve_slots(sel, cnt_ptr + j * 2 + 1, tl.load(row + _CAP))
@@ -292,7 +266,7 @@ def _radix_hist_kernel(tab_ptr, blk_ptr, hist_ptr, st_ptr, nan_ptr, W: tl.conste
     j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
     if tl.load(row + _EXACT) == 3:
         SHIFT: tl.constexpr = 24 - 8 * PASS
-        a = tl.load(_fptr(row, _R) + offs, mask=mask, other=0.0)
+        a = tl.load(fptr(row, _R) + offs, mask=mask, other=0.0)
         key = a.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         ok = mask
         if PASS > 0:
@@ -334,7 +308,7 @@ def _radix_choose_kernel(tab_ptr, hist_ptr, st_ptr, nan_ptr, tiny, W: tl.constex
             t = prefix.to(tl.float32, bitcast=True)
             t = tl.where(tl.load(nan_ptr + j) > 0, float("nan"), t)
             t = tl.where(t < tiny, tiny, t)
-            tl.store(_fptr(row, _TIN), t)
+            tl.store(fptr(row, _TIN), t)
 
 
 @triton.jit
@@ -355,7 +329,7 @@ def _clamp_kernel(tab_ptr, cnt_ptr, tau_ptr, lad_ptr, W: tl.constexpr, J: tl.con
         t = tl.load(tau_ptr + j)
         ratio = tl.math.div_rn(sel.to(tl.float32), cap.to(tl.float32))
         up = tl.minimum(tl.math.sqrt_rn(ratio), 2.0)
-        tl.store(_fptr(row, _TOUT), tl.where(ratio > 1.0, t * up, t))
+        tl.store(fptr(row, _TOUT), tl.where(ratio > 1.0, t * up, t))
 
 
 @triton.jit
@@ -368,7 +342,7 @@ def _mask_kernel(tab_ptr, idx_ptr, cnt_ptr, W: tl.constexpr, CB: tl.constexpr):
         m = i < c
         pos = tl.load(idx_ptr + tl.load(row + _OUT) + i, mask=m, other=0).to(tl.int64)
         m = m & (pos >= 0) & (pos < tl.load(row + _N))
-        up = _fptr(row, _U)
+        up = fptr(row, _U)
         tl.store(up + pos, tl.zeros([CB], dtype=tl.float32), mask=m)
 
 

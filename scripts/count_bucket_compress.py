@@ -35,18 +35,7 @@ os.environ["HVDSPARSE_FORCE_TRITON"] = "1"
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
-NO_LAUNCH = {"view", "detach", "slice", "t", "expand", "as_strided", "_unsafe_view",
-             "alias", "unsqueeze", "squeeze", "reshape", "select", "permute", "transpose",
-             "split", "chunk", "unbind", "empty", "new_empty", "empty_strided",
-             "empty_like", "lift_fresh", "_reshape_alias", "narrow", "set_",
-             "resolve_conj", "resolve_neg", "view_as", "_local_scalar_dense", "item",
-             "is_nonzero", "size", "stride", "numel", "dim", "is_contiguous",
-             "storage_offset", "sym_size", "sym_stride", "sym_numel",
-             "sym_storage_offset", "_record_function_enter_new",
-             "_record_function_exit", "_pin_memory", "pin_memory", "is_pinned"}
-
+from launchcount import LaunchCounter  # noqa: E402  (scripts/, this file's folder)
 
 def resnet50_shapes(div: int):
     """(name, shape) of ResNet-50 (torchvision v1.5) with widths divided by ``div``."""
@@ -69,32 +58,6 @@ def resnet50_shapes(div: int):
             cin = 4 * m
     out += [("fc.weight", (max(1, 1000 // div), cin)), ("fc.bias", (max(1, 1000 // div),))]
     return out
-
-
-class Count:
-    def __init__(self):
-        import triton.runtime.interpreter as ti
-        self.aten, self.triton, self.active, self.inside = Counter(), Counter(), False, 0
-        outer = self
-        orig = ti.InterpretedFunction.run
-
-        def run(fn_self, *a, **k):
-            if outer.active and not outer.inside:
-                outer.triton[getattr(getattr(fn_self, "fn", None), "__name__", "?")] += 1
-            outer.inside += 1
-            try:
-                return orig(fn_self, *a, **k)
-            finally:
-                outer.inside -= 1
-        ti.InterpretedFunction.run = run
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, a=(), kw=None):
-                name = func.overloadpacket.__name__
-                if outer.active and not outer.inside and name not in NO_LAUNCH:
-                    outer.aten[name] += 1
-                return func(*a, **(kw or {}))
-        self.mode = Mode
 
 
 def make(method, seed):
@@ -135,11 +98,8 @@ def run(method, mc, path, shapes, steps, cnt, seed=0):
         # per-step table): not counted
         nfs = {n: torch.zeros(1, dtype=torch.int32) for n in params}
         if last:
-            cnt.aten.clear()
-            cnt.triton.clear()
-            cnt.active = True
-            m = cnt.mode()
-            m.__enter__()
+            cnt.clear()
+            cnt.__enter__()
         todo, pays = [], {}
         grouped = {}
         for n, p in params.items():
@@ -167,8 +127,7 @@ def run(method, mc, path, shapes, steps, cnt, seed=0):
             if last:
                 groups[key[0]] += 1
         if last:
-            m.__exit__(None, None, None)
-            cnt.active = False
+            cnt.__exit__(None, None, None)
     return dict(aten=sum(cnt.aten.values()), triton=sum(cnt.triton.values()),
                 per_layer_left=len(todo), groups=dict(groups),
                 ops=dict(Counter({f"aten:{k}": v for k, v in cnt.aten.items()}) +
@@ -186,7 +145,7 @@ def main():
     torch.set_num_threads(1)
     shapes = resnet50_shapes(args.div)
     assert len(shapes) == 161, len(shapes)
-    cnt = Count()
+    cnt = LaunchCounter()
     res = {}
     print(f"compress-stage launches per step, ResNet-50 shapes (161 tensors, widths / "
           f"{args.div}), one bucket, forced Triton (interpreter), last of {args.steps} "

@@ -19,7 +19,6 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hvdsparse.compressors import QSGD, AdaComp, NoCompression, Threshold, TopK
 from hvdsparse.compressors import bucket as BK
@@ -33,62 +32,22 @@ LAYERS = [("w1", (37, 50)), ("b1", (50,)), ("w2", (64, 33)), ("bn.weight", (200,
 
 
 # ------------------------------------------------------------------ launch counting
-_NO_LAUNCH = {"view", "detach", "slice", "t", "expand", "as_strided", "_unsafe_view",
-              "alias", "unsqueeze", "squeeze", "reshape", "select", "permute", "transpose",
-              "split", "chunk", "unbind", "empty", "new_empty", "empty_strided",
-              "empty_like", "lift_fresh", "_reshape_alias", "narrow", "set_",
-              "resolve_conj", "resolve_neg", "view_as", "_local_scalar_dense", "item",
-              "is_nonzero", "size", "stride", "numel", "dim", "is_contiguous",
-              "storage_offset", "sym_size", "sym_stride", "sym_numel",
-              "sym_storage_offset", "_record_function_enter_new",
-              "_record_function_exit", "_to_copy", "to", "_pin_memory", "pin_memory",
-              "is_pinned", "copy_"}
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "scripts"))
+from launchcount import COPIES, NO_LAUNCH, LaunchCounter  # noqa: E402
 
 
-class Launches:
+class Launches(LaunchCounter):
     """Counts aten ops that would launch a GPU kernel (views, metadata, allocations and
     host copies excluded: the table's one host-to-device copy is stated separately) and
     Triton launches, outside the interpreter's own emulation of a kernel."""
 
     def __init__(self, monkeypatch):
-        import triton.runtime.interpreter as ti
-        self.aten, self.triton = Counter(), Counter()
-        self.active, self.inside = False, 0
-        outer = self
-        orig = ti.InterpretedFunction.run
-
-        def run(fn_self, *a, **k):
-            if outer.active and not outer.inside:
-                outer.triton[getattr(getattr(fn_self, "fn", None), "__name__", "?")] += 1
-            outer.inside += 1
-            try:
-                return orig(fn_self, *a, **k)
-            finally:
-                outer.inside -= 1
-        monkeypatch.setattr(ti.InterpretedFunction, "run", run)
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, a=(), kw=None):
-                name = func.overloadpacket.__name__
-                if outer.active and not outer.inside and name not in _NO_LAUNCH:
-                    outer.aten[name] += 1
-                return func(*a, **(kw or {}))
-        self.mode = Mode
+        super().__init__(skip=NO_LAUNCH | COPIES, patch=monkeypatch.setattr)
 
     def __enter__(self):
-        self.aten.clear()
-        self.triton.clear()
-        self.active = True
-        self._m = self.mode()
-        self._m.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._m.__exit__(*exc)
-        self.active = False
-
-    def total(self):
-        return sum(self.aten.values()) + sum(self.triton.values())
+        self.clear()
+        return super().__enter__()
 
 
 # ------------------------------------------------------------------ the two paths

@@ -344,7 +344,7 @@ def _adacomp_bucket(comp, items, plans, step, grad_scale):
     reduction: the per-layer path's bits) and one ``cumsum`` per group. DGC's velocity
     update folds into the accumulate launch; masking stays per layer (``LocalUpdate.
     mask`` on the ordinary payloads: the batch lists no momentum rows)."""
-    from .topk_bucket import float_bits
+    from .topk_bucket import momentum_cells
     K = ops.bucket_kernels("binned")
     Lr = len(items)
     dev = items[0].grad.device
@@ -364,16 +364,7 @@ def _adacomp_bucket(comp, items, plans, step, grad_scale):
         mode = K.MODE_PRE if pl["pre"] else 0
         ms = it.momentum
         if ms is not None:
-            mode = K.MODE_MOMENTUM
-            row[K.C_U] = ms.u.data_ptr()
-            row[K.C_M] = float_bits(ms.momentum)
-            row[K.C_C] = float_bits(1.0 - ms.dampening)
-            if ms.nesterov:
-                mode |= K.MODE_NESTEROV
-            if ms.weight_decay:
-                mode |= K.MODE_WD
-                row[K.C_WD] = float_bits(ms.weight_decay)
-                row[K.C_P] = it.param.data_ptr()
+            mode = momentum_cells(row, K, ms, it.param)
         row[K.C_MODE] = mode
         row[K.C_NB] = pl["nb"]
         row[K.C_BIN0], row[K.C_SLOT0], row[K.C_WORD0] = bin0, slot0, word0

@@ -117,6 +117,25 @@ def float_bits(x: float) -> int:
     return int(np.array([x], dtype=np.float32).view(np.int32)[0])
 
 
+def momentum_cells(row, K, ms: MomentumSpec, param: torch.Tensor) -> int:
+    """Writes DGC's velocity cells of one segment-table row (the columns ``C_U``,
+    ``C_M``, ``C_C`` and, with weight decay, ``C_WD`` / ``C_P`` of the kernel module
+    ``K``: velocity address, ``m``, ``1 - dampening``, ``wd``, parameter address; floats
+    as their fp32 bits) and returns the row's mode bits ``MODE_MOMENTUM`` [|
+    ``MODE_NESTEROV``] [| ``MODE_WD``] in ``K``'s numbering."""
+    mode = K.MODE_MOMENTUM
+    row[K.C_U] = ms.u.data_ptr()
+    row[K.C_M] = float_bits(ms.momentum)
+    row[K.C_C] = float_bits(1.0 - ms.dampening)
+    if ms.nesterov:
+        mode |= K.MODE_NESTEROV
+    if ms.weight_decay:
+        mode |= K.MODE_WD
+        row[K.C_WD] = float_bits(ms.weight_decay)
+        row[K.C_P] = param.data_ptr()
+    return mode
+
+
 def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
                momentum: Optional[MomentumSpec] = None) -> Optional[dict]:
     """Host integers of layer ``name`` at ``step`` when the bucket path can compress it
@@ -248,17 +267,7 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         ms = it.momentum
         if ms is not None:
             mom.append(name)
-            mode = K.MODE_MOMENTUM
-            row[K.C_U] = ms.u.data_ptr()
-            row[K.C_M] = float_bits(ms.momentum)
-            row[K.C_C] = float_bits(1.0 - ms.dampening)
-            if ms.nesterov:
-                mode |= K.MODE_NESTEROV
-            if ms.weight_decay:
-                mode |= K.MODE_WD
-                row[K.C_WD] = float_bits(ms.weight_decay)
-                row[K.C_P] = it.param.data_ptr()
-            row[K.C_MODE] = mode
+            row[K.C_MODE] = momentum_cells(row, K, ms, it.param)
         row[K.C_RK], row[K.C_RCAP], row[K.C_CAP] = pl["rk"], pl["rcap"], pl["cap"]
         row[K.C_STRIDE], row[K.C_OFF], row[K.C_S] = pl["stride"], pl["off"], pl["s"]
         row[K.C_R0], row[K.C_MLEN], row[K.C_EXACT] = pl["r0"], pl["m"], pl["exact"]

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .quantize import stochastic_level
 from .table import add_nonfinite, fptr, gptr, program_row, scaled
 
 # columns of the segment table (int64)
@@ -144,15 +145,7 @@ def _qsgd_pack_kernel(tab_ptr, blk_ptr, scale_ptr, codes_ptr, scales_ptr, cnt_pt
         emask = e < e_end
         x, nb = _qsgd_acc(row, gp, e, emask, scale_ptr, mode, HAS_SCALE)
         sc = tl.load(sp + e // B, mask=emask, other=0.0)
-        ax = tl.abs(x)
-        ok = (sc > 0) & (sc < float("inf"))
-        r = tl.math.div_rn(ax * S, tl.where(ok, sc, 1.0))
-        r = tl.where(ok, r, 0.0)
-        fl = tl.floor(r)
-        u = tl.rand(seed, e)
-        q = fl + tl.where(u < (r - fl), 1.0, 0.0)
-        q = tl.minimum(q, S)
-        q = tl.where(x < 0, -q, q)
+        q = stochastic_level(x, sc, seed, e, S)
         code = (q.to(tl.int32) + HALF) & ((1 << BITS) - 1)
         packed = tl.sum(tl.where(emask, code, 0) << (k[None, :] * BITS), axis=1)
         first = e0 + c + byte_i * PER

@@ -36,6 +36,24 @@ import triton.language as tl
 
 
 @triton.jit
+def stochastic_level(x, sc, seed, e, S: tl.constexpr):
+    """The signed level ``q`` in ``[-S, S]`` of the elements ``x`` (counters ``e``) under
+    their buckets' scales ``sc``: ``r = div_rn(|x| * S, sc)``, ``q = min(S, floor(r) +
+    (u < r - floor(r)))`` with ``u = tl.rand(seed, e)``, negated where ``x < 0``."""
+    ax = tl.abs(x)
+    # a scale that is 0, Inf or NaN quantises its whole bucket to q = 0 (it decodes
+    # as 0 or NaN: a non-finite value stays visible, never becomes full scale)
+    ok = (sc > 0) & (sc < float("inf"))
+    r = tl.math.div_rn(ax * S, tl.where(ok, sc, 1.0))
+    r = tl.where(ok, r, 0.0)
+    fl = tl.floor(r)
+    u = tl.rand(seed, e)
+    q = fl + tl.where(u < (r - fl), 1.0, 0.0)
+    q = tl.minimum(q, S)          # r is finite here, so min never meets a NaN
+    return tl.where(x < 0, -q, q)
+
+
+@triton.jit
 def _quantize_pack_kernel(v_ptr, count_ptr, codes_ptr, scales_ptr, n, nbuckets, B, seed,
                           HAS_COUNT: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr,
                           BPAD: tl.constexpr, NBYTES: tl.constexpr):
@@ -74,17 +92,7 @@ def _quantize_pack_kernel(v_ptr, count_ptr, codes_ptr, scales_ptr, n, nbuckets, 
         emask = e < e_end
         x = tl.load(v_ptr + e, mask=emask & (e < nv), other=0.0).to(tl.float32)
         sc = tl.load(scales_ptr + e // B, mask=emask, other=0.0)
-        ax = tl.abs(x)
-        # a scale that is 0, Inf or NaN quantises its whole bucket to q = 0 (it decodes
-        # as 0 or NaN: a non-finite value stays visible, never becomes full scale)
-        ok = (sc > 0) & (sc < float("inf"))
-        r = tl.math.div_rn(ax * S, tl.where(ok, sc, 1.0))
-        r = tl.where(ok, r, 0.0)
-        fl = tl.floor(r)
-        u = tl.rand(seed, e)
-        q = fl + tl.where(u < (r - fl), 1.0, 0.0)
-        q = tl.minimum(q, S)          # r is finite here, so min never meets a NaN
-        q = tl.where(x < 0, -q, q)
+        q = stochastic_level(x, sc, seed, e, S)
         code = tl.where(emask, (q.to(tl.int32) + HALF) & ((1 << BITS) - 1), 0)  # pad: 0
         packed = tl.sum(code << (k[None, :] * BITS), axis=1)
         first = e0 + c + byte_i * PER          # first element of each output byte

@@ -69,6 +69,31 @@ def _binned_count_kernel(acc_ptr, grad_ptr, gscale_ptr, thr_ptr, cnt_ptr, sel_pt
 
 
 @triton.jit
+def pick_one(j, a, avail, cols, rows, row_ok, cnt, start, s, L, acc_ptr, rel_ptr, rel0,
+             words_ptr, word0, ROWS: tl.constexpr, LP: tl.constexpr):
+    """Pick ``j`` of every bin in ``rows`` (``[ROWS, LP]`` tile, bin ``b``'s elements at
+    ``acc[b * L + col]``): the largest still available ``a`` (ties: the lower column)
+    where ``j < cnt[b]``; writes its bin-relative index to ``rel[rel0 + start[b] + j]``,
+    its sign bit into ``words`` (from word ``word0``) and ``acc[e] += -(+-s)``. Returns ``avail`` without it."""
+    v = tl.where(avail, a, -1.0)               # passing |h| >= TINY > 0
+    vmax = tl.max(v, axis=1)
+    cand = (v == vmax[:, None]) & avail
+    imin = tl.min(tl.where(cand, cols[None, :], LP), axis=1)   # ties: lower index
+    has = row_ok & (imin < LP) & (j < cnt)
+    avail = avail & (cols[None, :] != imin[:, None])
+    e = rows * L + imin
+    g = tl.load(acc_ptr + e, mask=has, other=0.0)
+    neg = g < 0
+    q = tl.where(neg, -s, s)
+    tl.store(acc_ptr + e, g + (-q), mask=has)
+    slot = (start + j).to(tl.int64)
+    tl.store(rel_ptr + rel0 + slot, imin.to(rel_ptr.dtype.element_ty), mask=has)
+    bit = tl.full([ROWS], 1, tl.int32) << (slot & 31).to(tl.int32)
+    tl.atomic_or(words_ptr + word0 + (slot >> 5), bit, mask=has & neg, sem="relaxed")
+    return avail
+
+
+@triton.jit
 def _binned_pack_kernel(acc_ptr, grad_ptr, gscale_ptr, thr_ptr, cnt_ptr, cum_ptr, s_ptr,
                         rel_ptr, words_ptr, n, nb, L, hm1, HAS_GSCALE: tl.constexpr,
                         C: tl.constexpr, ROWS: tl.constexpr, LP: tl.constexpr):
@@ -80,21 +105,8 @@ def _binned_pack_kernel(acc_ptr, grad_ptr, gscale_ptr, thr_ptr, cnt_ptr, cum_ptr
     start = tl.load(cum_ptr + rows, mask=row_ok, other=0) - cnt     # exclusive prefix
     s = tl.load(s_ptr)
     for j in tl.static_range(C):
-        v = tl.where(avail, a, -1.0)               # passing |h| >= TINY > 0
-        vmax = tl.max(v, axis=1)
-        cand = (v == vmax[:, None]) & avail
-        imin = tl.min(tl.where(cand, cols[None, :], LP), axis=1)   # ties: lower index
-        has = row_ok & (imin < LP) & (j < cnt)
-        avail = avail & (cols[None, :] != imin[:, None])
-        e = rows * L + imin
-        g = tl.load(acc_ptr + e, mask=has, other=0.0)
-        neg = g < 0
-        q = tl.where(neg, -s, s)
-        tl.store(acc_ptr + e, g + (-q), mask=has)
-        slot = (start + j).to(tl.int64)
-        tl.store(rel_ptr + slot, imin.to(rel_ptr.dtype.element_ty), mask=has)
-        bit = tl.full([ROWS], 1, tl.int32) << (slot & 31).to(tl.int32)
-        tl.atomic_or(words_ptr + (slot >> 5), bit, mask=has & neg, sem="relaxed")
+        avail = pick_one(j, a, avail, cols, rows, row_ok, cnt, start, s, L, acc_ptr, rel_ptr,
+                         0, words_ptr, 0, ROWS, LP)
 
 
 def binned_pack(acc, grad, h_scale, threshold, bin_size, c, scale, *, grad_scale=None,

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .binned import pick_one
 from .table import add_nonfinite, f32, fptr, gptr, program_row, scaled
 
 C_G, C_R, C_N, C_NF, C_MODE, C_NB, C_BIN0, C_SLOT0, C_WORD0, C_BLK0 = range(10)
@@ -189,21 +190,8 @@ def _ada_pack_kernel(tab_ptr, blk_ptr, scale_ptr, gmax_ptr, cnt_ptr, cum_ptr, s_
     slot0 = tl.load(row + _SLOT0)
     word0 = tl.load(row + _WORD0)
     for q in tl.static_range(C):
-        v = tl.where(avail, a, -1.0)
-        vmax = tl.max(v, axis=1)
-        cand = (v == vmax[:, None]) & avail
-        imin = tl.min(tl.where(cand, cols[None, :], LP), axis=1)   # ties: lower index
-        has = bin_ok & (imin < LP) & (q < cnt)
-        avail = avail & (cols[None, :] != imin[:, None])
-        e = bins * L + imin
-        g = tl.load(rp + e, mask=has, other=0.0)
-        neg = g < 0
-        qv = tl.where(neg, -s, s)
-        tl.store(rp + e, g + (-qv), mask=has)
-        slot = (start + q).to(tl.int64)
-        tl.store(rel_ptr + slot0 + slot, imin.to(rel_ptr.dtype.element_ty), mask=has)
-        bit = tl.full([ROWS], 1, tl.int32) << (slot & 31).to(tl.int32)
-        tl.atomic_or(words_ptr + word0 + (slot >> 5), bit, mask=has & neg, sem="relaxed")
+        avail = pick_one(q, a, avail, cols, bins, bin_ok, cnt, start, s, L, rp, rel_ptr,
+                         slot0, words_ptr, word0, ROWS, LP)
 
 
 def tile_rows(L, *, block=4096):

@@ -67,6 +67,8 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from launchcount import LaunchCounter  # noqa: E402
 
 #: label -> (description, constructor expression; ``MIN`` is the scaled min_numel)
 METHODS = {
@@ -184,40 +186,16 @@ def _phase(frame) -> str:
     return "other"
 
 
-class Counting:
-    """Installs the dispatch mode and the Triton launch counter (once per process)."""
+class Counting(LaunchCounter):
+    """Installs the dispatch mode and the Triton launch counter (once per process);
+    counts by phase (:meth:`record`)."""
 
     def __init__(self, where: bool = False):
         import torch
-        import triton.runtime.interpreter as ti
-        from torch.utils._python_dispatch import TorchDispatchMode
 
-        self.active = False
-        self.inside = 0
+        super().__init__(skip=NO_LAUNCH)
         self.where = where
         self.reset()
-        outer = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, a=(), kw=None):
-                name = func.overloadpacket.__name__
-                if outer.active and not outer.inside and name not in NO_LAUNCH:
-                    outer._record("aten", name, sys._getframe(1))
-                return func(*a, **(kw or {}))
-
-        self.mode = Mode
-        orig = ti.InterpretedFunction.run
-
-        def run(fn_self, *a, **k):
-            if outer.active and not outer.inside:
-                kname = getattr(getattr(fn_self, "fn", None), "__name__", "kernel")
-                outer._record("triton", kname, sys._getframe(1))
-            outer.inside += 1
-            try:
-                return orig(fn_self, *a, **k)
-            finally:
-                outer.inside -= 1
-        ti.InterpretedFunction.run = run
         self._torch = torch
 
     def reset(self):
@@ -228,7 +206,7 @@ class Counting:
         self.buckets = 0
         self.strategies = Counter()
 
-    def _record(self, kind, name, frame):
+    def record(self, kind, name, frame):
         ph = _phase(frame)
         (self.triton if kind == "triton" else self.aten)[ph] += 1
         self.names[f"{kind}:{name}"] += 1
@@ -242,16 +220,6 @@ class Counting:
                     break
                 f = f.f_back
             self.sites[f"{kind}:{name} @ {site} [{ph}]"] += 1
-
-    def __enter__(self):
-        self.active = True
-        self._m = self.mode()
-        self._m.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._m.__exit__(*exc)
-        self.active = False
 
     def result(self, steps: int) -> dict:
         per = {}
@@ -292,7 +260,7 @@ def _patch_horovod_counter(cnt: Counting):
 
         def wrapped(*a, _orig=orig, _name=name, **k):
             if cnt.active and not cnt.inside:
-                cnt._record("hvd", _name, sys._getframe(1))
+                cnt.record("hvd", _name, sys._getframe(1))
             return _orig(*a, **k)
         for mod in mods:
             if getattr(mod, name, None) is orig:

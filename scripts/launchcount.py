@@ -10,8 +10,8 @@ with ``HVDSPARSE_FORCE_TRITON=1`` (every dispatch takes the branch a CUDA tensor
 and not the ops the interpreter issues while it emulates a kernel. Subclasses that want
 more than per-name counts override :meth:`LaunchCounter.record`.
 
-Used by ``scripts/count_bucket_compress.py`` and ``tests/test_bucket_compress.py``
-(which puts ``scripts/`` on ``sys.path``).
+Used by ``scripts/count_device_ops.py``, ``scripts/count_bucket_compress.py`` and
+``tests/test_bucket_compress.py`` (which puts ``scripts/`` on ``sys.path``).
 """
 from __future__ import annotations
 

@@ -1580,7 +1580,11 @@ def _read_counts(b2: torch.Tensor, nseg: int, counts_out: torch.Tensor) -> None:
         return
     P = b2.shape[0]
     lo = HEADER_SIZE + _COUNT_OFFSET
-    src = b2[:, lo:lo + RECORD_SIZE * nseg].unflatten(1, (nseg, RECORD_SIZE))[:, :, :4]
+    # the 4 count bytes of each record, as one strided view (the last record's count may
+    # end fewer than RECORD_SIZE bytes before the row does)
+    assert b2.stride(1) == 1 and lo + RECORD_SIZE * (nseg - 1) + 4 <= b2.shape[1]
+    src = b2.as_strided((P, nseg, 4), (b2.stride(0), RECORD_SIZE, 1),
+                        b2.storage_offset() + lo)
     counts_out.view(P, nseg, 1).view(torch.uint8).copy_(src)
 
 

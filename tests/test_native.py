@@ -42,9 +42,15 @@ def test_table_layout_is_the_triton_kernels_layout():
         pytest.skip(f"compiled CPU loops unavailable: {native.why_unavailable()}")
     nat = native.bucket_topk()
     tri = ops._kernels().bucket_topk
-    cols = [c for c in dir(tri) if c.startswith(("C_", "MODE_", "ROUTE_"))] + ["W"]
+    # ROUTE_FRESH (Threshold's refresh rows, an exact radix select) exists on the Triton
+    # path only: the CPU never plans such a row, and its code is no CPU route's
+    triton_only = {"ROUTE_FRESH"}
+    cols = [c for c in dir(tri) if c.startswith(("C_", "MODE_", "ROUTE_"))
+            and c not in triton_only] + ["W"]
     assert len(cols) > 20
     assert {c: getattr(nat, c) for c in cols} == {c: getattr(tri, c) for c in cols}
+    cpu_routes = {getattr(nat, c) for c in dir(nat) if c.startswith("ROUTE_")}
+    assert all(getattr(tri, c) not in cpu_routes for c in triton_only)
 
 
 PLAN = textwrap.dedent("""

@@ -314,20 +314,12 @@ class State:
 
     def _setup_local_update(self, optimizer, momentum_correction, clip_grad_norm,
                             momentum_masking):
-        if optimizer is None:
+        if optimizer is None:       # (momentum_correction without it: resolve_local_update)
             raise ValueError("momentum_correction / clip_grad_norm need optimizer= (the "
                              "torch.optim.SGD that steps the DDP model)")
-        if momentum_correction and not isinstance(optimizer, torch.optim.SGD):
-            raise ValueError(f"momentum_correction=True needs torch.optim.SGD (with "
-                             f"momentum), got {type(optimizer).__name__}")
-        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        missing = [n for n, p in self.params.items() if p.requires_grad and
-                   id(p) not in group_of]
-        if missing:
-            raise ValueError(f"momentum_correction: parameters {missing[:5]} are not "
-                             f"optimised by the given optimizer")
+        owned = self._optimised_by(optimizer, "momentum_correction")
         lu = make_local_update(optimizer, {n: p for n, p in self.params.items()
-                                           if id(p) in group_of}, self.world_size,
+                                           if id(p) in owned}, self.world_size,
                                self.compressor, momentum_correction=momentum_correction,
                                clip_grad_norm=clip_grad_norm, masking=momentum_masking)
         self.local_update = lu
@@ -345,15 +337,21 @@ class State:
             self._opt_hooks = [optimizer.register_step_pre_hook(pre),
                                optimizer.register_step_post_hook(post)]
 
-    def _setup_adam(self, optimizer, adam, clip_grad_norm):
-        """The Adam recipe (:mod:`hvdsparse.adam`): scaled gradient compressed in the hook, the
-        recipe's update applied around the optimizer's ``step()`` (pre/post hooks)."""
+    def _optimised_by(self, optimizer, what: str) -> set:
+        """Ids of ``optimizer``'s parameters; every trainable named parameter must be one
+        (else ``ValueError`` naming ``what`` and the parameters)."""
         owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
         missing = [n for n, p in self.params.items() if p.requires_grad and
                    id(p) not in owned]
         if missing:
-            raise ValueError(f"adam recipe: parameters {missing[:5]} are not optimised by "
-                             f"the given optimizer")
+            raise ValueError(f"{what}: parameters {missing[:5]} are not optimised by the "
+                             f"given optimizer")
+        return owned
+
+    def _setup_adam(self, optimizer, adam, clip_grad_norm):
+        """The Adam recipe (:mod:`hvdsparse.adam`): scaled gradient compressed in the hook, the
+        recipe's update applied around the optimizer's ``step()`` (pre/post hooks)."""
+        self._optimised_by(optimizer, "adam recipe")
         lu = make_local_update(optimizer, self.params, self.world_size, self.compressor,
                                adam=adam, clip_grad_norm=clip_grad_norm)
         self.local_update = lu

@@ -15,6 +15,7 @@ import torch
 
 from hvdsparse import ops
 from hvdsparse import cpu as R
+from hvdsparse import cpu_chunking
 
 
 @pytest.fixture(scope="module")
@@ -329,10 +330,10 @@ def test_select_compact_torch_path_matches_numpy_path(monkeypatch, seed, perbin)
     grad = _randn(n, g, torch.bfloat16)
     L = 37 if perbin else 0
     thr = torch.rand(-(-n // 37), generator=g) * 3 if perbin else torch.tensor(1.7)
-    monkeypatch.setattr(R, "_CHUNK", 1000)  # several chunks
+    monkeypatch.setattr(cpu_chunking, "CHUNK", 1000)  # several chunks
     outs = []
     for use_np in (True, False):
-        monkeypatch.setattr(R, "_USE_NUMPY", use_np)
+        monkeypatch.setattr(cpu_chunking, "USE_NUMPY", use_np)
         a = acc.clone()
         i, v, c = R.select_compact(a, thr, n // 50, bin_size=L, grad=grad, h_scale=2.0)
         outs.append((a, i, v, c))
@@ -615,8 +616,8 @@ def test_reference_threaded_ranges_match_naive(monkeypatch, seed, ve, cap_frac):
     the element-by-element loops, with the capacity cut falling inside either range."""
     if (os.cpu_count() or 1) < 2:
         pytest.skip("needs 2 CPUs for more than one range")
-    monkeypatch.setattr(R, "_CHUNK", 256)
-    monkeypatch.setattr(R, "_CHUNK_PAR_MIN", 512)
+    monkeypatch.setattr(cpu_chunking, "CHUNK", 256)
+    monkeypatch.setattr(cpu_chunking, "CHUNK_PAR_MIN", 512)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -8,8 +8,8 @@ Rules (README, "Dependency rules"):
   as surely as a module-level one: it only moves the failure to the first call);
 * the floor imports nothing of hvdsparse above it: ``kernels/``, ``oracle.py``,
   ``payload.py`` and ``native/`` nothing at all (``kernels/`` only its own modules),
-  ``philox.py`` only ``native/``, ``cpu.py`` only ``philox.py``, ``native/`` and
-  ``payload.py``;
+  ``philox.py`` only ``native/``, ``cpu.py`` and its ``cpu_*.py`` parts only ``philox.py``,
+  ``native/``, ``payload.py`` and each other;
 * ``compressors/`` never import ``exchange/``, a front door (``optimizer``,
   ``scheduler``, ``ddp``, ``engine``), ``native/`` or ``kernels/`` (compiled loops and
   kernels are reached through ``ops``);
@@ -38,6 +38,11 @@ FLOOR_ALLOWED = {
     "hvdsparse.philox": ("hvdsparse.native",),
     "hvdsparse.cpu": ("hvdsparse.philox", "hvdsparse.native", "hvdsparse.payload"),
 }
+#: cpu.py gathers the CPU path from its parts, each on the floor with it
+CPU_PARTS = ("hvdsparse.cpu_checks", "hvdsparse.cpu_chunking", "hvdsparse.cpu_residual",
+             "hvdsparse.cpu_select", "hvdsparse.cpu_quantize", "hvdsparse.cpu_decode")
+for _m in ("hvdsparse.cpu",) + CPU_PARTS:
+    FLOOR_ALLOWED[_m] = FLOOR_ALLOWED["hvdsparse.cpu"] + CPU_PARTS
 FRONT_DOORS = ("hvdsparse.optimizer", "hvdsparse.scheduler", "hvdsparse.ddp",
                "hvdsparse.engine")
 FORBIDDEN = {

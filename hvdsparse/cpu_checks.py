@@ -9,6 +9,8 @@ imports nothing of hvdsparse but :mod:`hvdsparse.philox`.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .philox import check_pos_int

@@ -17,6 +17,7 @@ import threading
 
 import numpy as np
 
+
 #: elements per chunk of the CPU path (1 MiB of fp32: stays in L2/L3; the per-op
 #: dispatch overhead of smaller chunks costs more than the cache misses it saves)
 CHUNK = 1 << 18

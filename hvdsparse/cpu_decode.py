@@ -18,6 +18,7 @@ from .cpu_checks import check_bits, check_scatter_args
 from .cpu_quantize import dequantize_unpack, unpack_bits
 from .philox import check_pos_int
 
+
 def _check_counts(counts, cap: int) -> None:
     """Every row's count (host ints) in [0, cap], else ValueError naming the first bad
     row; the compiled decodes check all rows before anything is written."""

@@ -23,6 +23,7 @@ from .cpu_checks import FLOAT_INPUT_DTYPES, check_1d, check_bits, scalar_tensor
 from .philox import (check_pos_int, check_seed, philox_parallel, philox_scratch,
                      PHILOX_CHUNK, PHILOX_PAR_MIN, philox_uniform, uniform_block)
 
+
 def pack_bits(codes_u8: torch.Tensor, bits: int) -> torch.Tensor:
     """The project's one bit packer: ``bits``-wide codes (``bits`` in {1, 2, 4, 8}, values
     < 2**bits, any integer/bool dtype, any device) -> uint8[ceil(n*bits/8)], element j at

@@ -20,6 +20,7 @@ from . import cpu_chunking
 from .cpu_checks import check_clean_args, check_residual_args, check_zero_slots_args
 from .philox import par_ranges, par_run
 
+
 def clean_grad(grad: torch.Tensor, *, grad_scale: Optional[torch.Tensor] = None,
                nonfinite: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``d = fp32(grad) * grad_scale``; returns ``where(isfinite(d), d, +0.0)`` (a new fp32

@@ -25,6 +25,7 @@ from .cpu_quantize import pack_bits
 from .payload import to_wire_float
 from .philox import par_ranges, par_run
 
+
 #: elements per chunk of :func:`count_abs_ge` (256 KiB of fp32: the |x| chunk and its
 #: mask stay in L2)
 _COUNT_CHUNK = 1 << 16

@@ -713,6 +713,13 @@ class _Narrowing:
         # the counts at each wire width (uint8 / uint16 as int16 bits / int32)
         self.wide = {w: (self.counts if w == 4 else e(nbt, _BIN_COUNT_DTYPE[w]))
                      for w in set(self.widths)}
+        # the Triton path: one launch (kernels/bucket_narrow.py) over this member table
+        self.tab = up(np.array([[self.slot_off[j], caps[j], self.bin_off[j],
+                                 plan.segs[s].nbins, plan.segs[s].bin_size, self.widths[j],
+                                 plan.segs[s].numel]
+                                for j, s in enumerate(members)], np.int64).reshape(-1, 7),
+                      torch.int64)
+        self.start = e(nbt, torch.int32)
 
     def run(self, segs, wheres, device):
         """``[(s, pieces)]`` for the member segments ``segs`` (in member order)."""
@@ -727,6 +734,12 @@ class _Narrowing:
         idx = _joined(idx, T, self.idx)
         vals = _joined(vals, T, self.vals)
         cnt = _joined(cnts, len(cnts), self.cnt)
+        if ops.use_triton(idx):
+            wide = self.wide
+            ops.bucket_kernels("narrow").narrow(
+                self.tab, idx, vals, cnt, self.rel, self.pvals, self.counts,
+                wide.get(2, self.rel), wide.get(1, self.used.view(torch.uint8)), self.start)
+            return self._sections(self.pvals)
         torch.index_select(cnt, 0, self.member, out=self.cslot)
         torch.lt(self.local, self.cslot, out=self.used)
         torch.add(self.base, idx, out=self.keys)
@@ -747,6 +760,9 @@ class _Narrowing:
                 t.copy_(self.counts)
         self.rel.copy_(skeys)                     # the low 16 bits: position in the bin
         pvals = vals if perm is None else torch.index_select(vals, 0, perm, out=self.pvals)
+        return self._sections(pvals)
+
+    def _sections(self, pvals):
         out = []
         for j, s in enumerate(self.members):
             a, b = int(self.slot_off[j]), int(self.slot_off[j + 1])

@@ -20,8 +20,10 @@ bucket ``B`` holds the bucket's parameters' local gradients end to end (in
 feedback and seeds are exactly those of the Horovod path, then launches the bucket's
 exchange (``allgather``, ``split``, ``dense``, or ``auto`` by the cost model) on the
 torch transport. The exchange returns the rank-order sum ``S`` of every rank's decoded
-payloads; the hook's future yields ``S / P`` (``average=True``) in ``B``'s layout and
-dtype, which DDP writes into ``p.grad``.
+payloads; the hook writes ``S / P`` (``average=True``) into ``B`` itself (one copy per
+bucket) and its future yields ``B``: DDP then finds the result already in place
+(``gradient_as_bucket_view=True``: ``p.grad`` *is* ``B``'s view) instead of copying it
+back parameter by parameter.
 
 Ordering and overlap: ``torch.distributed`` matches collectives by issue order, so every
 collective is issued from a hook call (same order on every rank) and none from a
@@ -518,10 +520,10 @@ class State:
             for total in results:
                 total.div_(inv)
         for it, total in zip(items, results):
-            if it.buffer.dtype == total.dtype:
-                it.future.set_result(total)
-            else:
-                it.future.set_result(it.buffer.copy_(total))
+            # the result goes back in DDP's own bucket buffer: a result that aliases the
+            # bucket is not copied again, parameter by parameter, by DDP's reducer (one
+            # copy per bucket here instead of one per parameter there)
+            it.future.set_result(it.buffer.copy_(total))
         if not self._txn_open or flagged is None:   # no scaler, or no layer compared
             self._close_txn(commit=True)
         elif flagged.device.type == "cpu":

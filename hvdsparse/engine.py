@@ -424,6 +424,27 @@ class StepEngine:
             return lu.dense_momentum(name, g, param)
         return lu.dense_momentum(name, g * inv, param) / inv
 
+    def dense_momentum_bucket(self, names: Sequence[str], gs: Sequence[torch.Tensor],
+                              params: Sequence[torch.Tensor],
+                              inv: Optional[torch.Tensor] = None) -> None:
+        """:meth:`dense_momentum` for a bucket's layers, in place: each layer sent dense
+        by policy with DGC momentum has its ``gs[i]`` (fp32 views of the exchanged
+        average) replaced by the corrected gradient; the other layers are left alone.
+        The same bits as the per-layer form, in a few multi-tensor ops per bucket."""
+        lu = self.local_update
+        if lu is None or not lu.momentum_correction:
+            return
+        pol = self.compressor.policy
+        sel = [i for i, (n, p) in enumerate(zip(names, params)) if pol.is_dense(n, p.shape)]
+        if not sel:
+            return
+        ns, views, ps = [names[i] for i in sel], [gs[i] for i in sel], [params[i] for i in sel]
+        if inv is not None:              # the buffers are in unscaled units
+            torch._foreach_mul_(views, inv)
+        lu.dense_momentum_many(ns, views, ps)
+        if inv is not None:
+            torch._foreach_div_(views, inv)
+
     # ------------------------------------------------------------------ non-finite
     def gather_nonfinite(self, row: torch.Tensor, *, wait: bool = True):
         """Every rank's [1, nlayers] row -> the [P, nlayers] table (rank order); with

@@ -490,8 +490,11 @@ class LayerScheduler:
                 if inv is not None:   # back to the scaled units GradScaler expects
                     total.div_(inv)
                 pending = scale if scale != 1.0 and self._scale_at_write else None
-                for name, view in zip(spec.names, spec.views(total)):
-                    self._apply(name, view, inv, pending)
+                if self.local is not None:   # combines each layer with its own gradient
+                    for name, view in zip(spec.names, spec.views(total)):
+                        self._apply(name, view, inv, pending)
+                else:
+                    self._apply_bucket(spec, total, inv, pending)
         self._finish_sparse(write=not skip)
         self.engine.retire_error_flag(self.step)
         self.last_stats = self.engine.step_stats(
@@ -589,6 +592,38 @@ class LayerScheduler:
             if write and p.requires_grad:
                 p.grad = out.coalesce()
         self._sparse_handles.clear()
+
+    def _apply_bucket(self, spec: BucketSpec, total: torch.Tensor,
+                      inv: Optional[torch.Tensor], scale: Optional[float]):
+        """:meth:`_apply` for a whole bucket without the local-gradient combination, in a
+        fixed number of device ops per bucket: the average's pending ``1/P`` on the flat
+        sum, ``after_exchange`` (reads the average), DGC's dense-layer momentum in place
+        (:meth:`StepEngine.dense_momentum_bucket`), then one multi-tensor copy into the
+        ``p.grad`` s (cast to their dtype). The same bits as :meth:`_apply`."""
+        if scale is not None:
+            total.mul_(scale)
+        names = spec.names
+        params = [self.params[n] for n in names]
+        views = [v.view(p.shape) for v, p in zip(spec.views(total), params)]
+        if self.engine.reads_exchanged:
+            for n, g, p in zip(names, views, params):
+                self.engine.after_exchange(n, g if inv is None else g * inv, p, self.step)
+        live = [i for i, n in enumerate(names) if n not in self._frozen]
+        self.engine.dense_momentum_bucket([names[i] for i in live], [views[i] for i in live],
+                                          [params[i] for i in live], inv)
+        dst, src = [], []
+        with torch.no_grad():
+            for i in live:
+                p, g, grad = params[i], views[i], params[i].grad
+                if names[i] in self._was_sparse:
+                    p.grad = g.to(p.dtype).to_sparse()
+                elif grad is not None and grad.shape == p.shape and not grad.is_sparse:
+                    dst.append(grad)
+                    src.append(g)
+                else:
+                    p.grad = g.to(p.dtype).clone()
+            if dst:
+                torch._foreach_copy_(dst, src)
 
     def _apply(self, name: str, g_flat: torch.Tensor, inv: Optional[torch.Tensor] = None,
                scale: Optional[float] = None):

@@ -318,7 +318,8 @@ def _worker(args):
         model = resnet50(args.div)
         params = list(model.parameters())
         assert len(params) == 161, len(params)
-        base = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        base = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9,
+                              foreach=True)      # the CUDA default: multi-tensor ops
         opt, net = base, model
         if label == "dense":             # the framework's own dense allreduce, no hvdsparse
             if door == "ddp":

@@ -12,7 +12,11 @@ Method specs: ``NAME[+mc][:key=value,...]`` with NAME one of :data:`COMPRESSORS`
 (each at its defaults; ``key=value`` overrides a constructor argument, e.g.
 ``slimdp:core_period=50``) and ``+mc`` = ``momentum_correction=True`` (SGD only). A
 plain NAME passes ``momentum_correction=False`` explicitly, so a row's meaning does not
-depend on the library's default.
+depend on the library's default. ``opt.KEY=value`` passes a keyword of
+``hvdsparse.DistributedOptimizer`` (``opt.adam_refresh=0``); ``recipe.KEY=value`` sets an
+attribute of the Adam recipe after construction (study knobs: ``recipe.wire='momentum'``;
+``recipe.wire_by={'lstm': 'gradient', '*': 'momentum'}`` picks the wire per layer kind of
+``workloads.layer_kind``, see :func:`mixed_wire`).
 
 Reported per method (mean +- sd over seeds): final held-out quality (accuracy, or loss
 for the LM), its difference to dense (paired by seed; also over the mean of each run's
@@ -238,6 +242,57 @@ class AdamTrace:
             self.acc = {}
 
 
+def mixed_wire(recipe, wire_of):
+    """Study variant of the Adam recipe (``recipe.wire_by={kind: wire, ...}`` in a method
+    spec): the wire chosen per layer kind (``wire_of(name)`` -> ``"gradient"`` or
+    ``"momentum"``) instead of one for the whole model. A momentum-wire layer never
+    refreshes its variance (``v`` frozen after the warm-up, bias correction ``1 -
+    beta2^T_w``); a gradient-wire layer follows the recipe's refresh schedule. With every
+    layer on one wire this is the recipe itself (the momentum wire with the refresh off,
+    or the gradient wire with the recipe's refresh)."""
+    from hvdsparse.adam import AdamRecipe
+
+    class MixedWire(type(recipe)):
+        _cur = None
+
+        @property
+        def wire(self):
+            return wire_of(self._cur) if self._cur is not None else "gradient"
+
+        @wire.setter
+        def wire(self, value):          # the constructor's single wire: superseded
+            pass
+
+        def _mom(self, name):
+            return name is not None and wire_of(name) == "momentum"
+
+        def refreshing(self, name):
+            return False if self._mom(name) else AdamRecipe.refreshing(self, name)
+
+        def _local(self):
+            return False if self._mom(self._cur) else AdamRecipe._local(self)
+
+        def _v_count(self, s):
+            return self.warmup if self._mom(self._cur) else AdamRecipe._v_count(self, s)
+
+        def corrected(self, name, *a, **k):
+            self._cur = name
+            try:
+                return AdamRecipe.corrected(self, name, *a, **k)
+            finally:
+                self._cur = None
+
+        def _update(self, name, *a, **k):
+            self._cur = name
+            try:
+                return AdamRecipe._update(self, name, *a, **k)
+            finally:
+                self._cur = None
+
+    recipe.__class__ = MixedWire
+    return recipe
+
+
 def worker(args):
     import torch
     import horovod.torch as hvd
@@ -279,7 +334,11 @@ def worker(args):
                 okw = dict(named_parameters=named, compression=comp, **extra_okw)
                 opt = hvdsparse.DistributedOptimizer(base, **okw)
                 for k, v in recipe_attrs.items():       # study knobs (Adam recipe)
-                    setattr(opt._local_update, k, v)
+                    if k == "wire_by":       # {layer kind: wire, "*": the others' wire}
+                        mixed_wire(opt._local_update, lambda n, v=v, m=model: v.get(
+                            layer_kind(m, n), v.get("*", "gradient")))
+                    else:
+                        setattr(opt._local_update, k, v)
             evals = []
             tracer = None
             if args.trace and comp is not None:

@@ -52,19 +52,29 @@ them; payload tensors never alias a scratch buffer.
 """
 from __future__ import annotations
 
-import fnmatch
 import math
 import weakref
-import zlib
 from typing import Optional
 
 import torch
 
 from .. import ops
-from ..payload import (FLOAT_BYTES, FLOAT_DTYPES, QUANT_BITS, VALUE_ENCODING_NAMES,
-                       IndexEncoding, LayerPayload, Segment, ValueEncoding, to_wire_float)
+from ..payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
 from ..stats import StatsCollector
+from .checkpoint import CompressorState
+from .encoding import ValueEncoder
+from .gradients import check_grad_scale, clean_grad, residual_add
+from .layer_settings import LayerSettings
 from .policy import LayerPolicy
+from .seeds import mix_seed, name_hash
+from .transactions import StepTransactions, snapshot_state
+# re-exported: the compressors import these from here
+from .binned import binned_rel, binned_topc, ceil_div  # noqa: F401
+from .encoding import check_values, pack_signs  # noqa: F401
+from .gradients import inverse_loss_scale  # noqa: F401
+from .seeds import (PURPOSE_CORE, PURPOSE_EXPLORE, PURPOSE_INDICES,  # noqa: F401
+                    PURPOSE_QUANT, PURPOSE_SAMPLE, uniform)
+
 
 __all__ = ["Compressor", "mix_seed", "TINY", "check_values", "pack_signs"]
 
@@ -72,210 +82,9 @@ __all__ = ["Compressor", "mix_seed", "TINY", "check_values", "pack_signs"]
 #: selected (an all-zero layer sends nothing).
 TINY = float(torch.finfo(torch.float32).tiny)
 
-_MASK64 = (1 << 64) - 1
-
-#: purpose codes mixed into seeds
-PURPOSE_QUANT = 1
-PURPOSE_SAMPLE = 2
-PURPOSE_INDICES = 3
-PURPOSE_EXPLORE = 4
-PURPOSE_CORE = 5
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    z = x
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def mix_seed(*parts: int) -> int:
-    """Hash integers into a 31-bit non-negative seed (splitmix64 chain); stable across
-    processes and platforms (unlike Python's ``hash``)."""
-    h = 0x243F6A8885A308D3
-    for p in parts:
-        h = _splitmix64(h ^ (int(p) & _MASK64))
-    return h & 0x7FFFFFFF
-
-
-def uniform(seed: int, n: int, device) -> torch.Tensor:
-    """fp32[n] uniforms in [0, 1) determined by ``seed``: on CUDA
-    ``ops.philox_uniform`` (one Triton Philox kernel, no host sync); on CPU torch's own
-    generator seeded with ``seed`` (``ops``' bit-exact torch Philox reference costs
-    ~10x more). Ranks that must agree (shared seeds) therefore need the same device
-    type, which data-parallel ranks have."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type == "cpu":
-        g = torch.Generator()
-        g.manual_seed(seed)
-        return torch.rand(n, generator=g, dtype=torch.float32)
-    return ops.philox_uniform(seed, n, device=device)
-
-
-def name_hash(name: str) -> int:
-    return zlib.crc32(name.encode("utf-8"))
-
-
-def check_values(values) -> ValueEncoding:
-    """Parse the ``values=`` argument (fp32, fp16, bf16, int8, int4, int2)."""
-    if isinstance(values, ValueEncoding) and values != ValueEncoding.SIGN1:
-        return values
-    if isinstance(values, str) and values.lower() in VALUE_ENCODING_NAMES:
-        return VALUE_ENCODING_NAMES[values.lower()]
-    raise ValueError(f"values must be one of {sorted(VALUE_ENCODING_NAMES)}, got {values!r}")
-
-
-def value_name(enc: ValueEncoding) -> str:
-    for k, v in VALUE_ENCODING_NAMES.items():
-        if v == enc:
-            return k
-    return ValueEncoding(enc).name.lower()
-
-
-def pack_signs(negative: torch.Tensor) -> torch.Tensor:
-    """bool[n] -> uint8[ceil(n/8)], bit j%8 of byte j//8 set when element j is negative
-    (the project's one bit packer, ``ops.pack_bits``, at 1 bit)."""
-    return ops.pack_bits(negative.to(torch.uint8), 1)
-
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-
-
-def binned_topc(a: torch.Tensor, bin_size: int, c: int, thr):
-    """Up to ``c`` largest entries of every bin of ``bin_size`` consecutive elements of
-    ``a`` (non-negative magnitudes, 1-D) that are ``>= thr`` (a scalar or an [nbins, 1]
-    tensor), laid out for the bin-relative wire format (BIN_U8 / BIN_U16).
-
-    Returns ``(gidx, rel, vmask, count, bin_counts, padded)``: ``nbins * c`` slots with the
-    valid ones first, in bin order (largest first within a bin); ``gidx`` the absolute
-    int64 index (0 in unused slots), ``rel`` the index within its bin (0 in unused slots), cast to the
-    wire dtype (uint8 for bins <= 256, else int16 holding the uint16 bits), ``vmask`` the
-    valid slots, ``count`` int32[1], ``bin_counts`` int32[nbins], and ``padded`` = ``a``
-    zero-padded to whole bins, viewed [nbins, bin_size]. All on the device, no host sync.
-    """
-    n = a.numel()
-    nb = ceil_div(n, bin_size)
-    pad = nb * bin_size - n
-    if pad:
-        a = torch.cat([a, a.new_zeros(pad)])
-    padded = a.view(nb, bin_size)
-    tv, ti = torch.topk(padded, c, dim=1, sorted=True)
-    valid = tv >= thr                                    # [nb, c]
-    bin_counts = valid.sum(dim=1, dtype=torch.int32)
-    fvalid = valid.reshape(-1)
-    order = torch.sort((~fvalid).to(torch.int8), stable=True).indices
-    base = (torch.arange(nb, device=a.device) * bin_size).unsqueeze(1)
-    gidx = (ti + base).reshape(-1)[order]
-    rel = ti.reshape(-1)[order]
-    vmask = fvalid[order]
-    count = fvalid.sum(dtype=torch.int32).reshape(1)
-    gidx = torch.where(vmask, gidx, torch.zeros_like(gidx))
-    rel = torch.where(vmask, rel, torch.zeros_like(rel))   # padding slots: 0 on the wire
-    return gidx, binned_rel(rel, bin_size), vmask, count, bin_counts, padded
-
-
-def binned_rel(rel: torch.Tensor, bin_size: int) -> torch.Tensor:
-    """int64 bin-relative indices in the wire dtype: uint8 for bins <= 256, else int16
-    holding the uint16 bits."""
-    if bin_size <= 256:
-        return rel.to(torch.uint8)
-    return torch.where(rel >= 32768, rel - 65536, rel).to(torch.int16)
-
-def _deep_clone(x):
-    """Copy of a nest of dicts / lists / tuples whose tensors are detached clones, so a
-    state dict never aliases live compressor state (and vice versa)."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().clone()
-    if isinstance(x, dict):
-        return {k: _deep_clone(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_deep_clone(v) for v in x]
-    if isinstance(x, tuple):
-        return tuple(_deep_clone(v) for v in x)
-    return x
-
-_MISSING = object()
-
-
-def _plain(x):
-    """Plain data for configs: value encodings by name ("int4"), containers rebuilt, so
-    a config compares across ranks and loads with ``torch.load(weights_only=True)``."""
-    if isinstance(x, ValueEncoding):
-        return value_name(x)
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_plain(v) for v in x)
-    return x
-
-
-def _snap_state(x):
-    """Snapshot of a layer's algorithm state for :meth:`Compressor.rollback`: containers
-    are copied, tensors are shared. Valid because compressors never modify a layer-state
-    tensor in place -- they replace it (``st["tau"] = torch.where(...)``) -- so sharing
-    costs nothing and stays exact (a core of beta*n indices is not copied every step)."""
-    if isinstance(x, dict):
-        return {k: _snap_state(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_snap_state(v) for v in x]
-    if isinstance(x, tuple):
-        return tuple(_snap_state(v) for v in x)
-    return x
-
-
-def inverse_loss_scale(grad_scaler, device) -> Optional[torch.Tensor]:
-    """``1 / scale`` of a ``torch.amp.GradScaler`` as the ``grad_scale`` that
-    ``compress`` takes (fp32, on ``device``; a power of two, so multiplying by it is
-    exact), or None: no scaler, a disabled one, or one whose scale ``scale()`` has not
-    created yet. Device ops only (no host read). Both front doors call it once per
-    step."""
-    if grad_scaler is None or not grad_scaler.is_enabled():
-        return None
-    scale = getattr(grad_scaler, "_scale", None)
-    if scale is None:
-        return None
-    return torch.reciprocal(scale.float()).to(device)
-
-
-def _check_grad_scale(name, grad_scale, device):
-    """``grad_scale``: None or a 1-element fp32 tensor on the gradient's device (checked
-    from metadata only: no host sync)."""
-    if grad_scale is None:
-        return None
-    if not isinstance(grad_scale, torch.Tensor) or grad_scale.dtype != torch.float32 \
-            or grad_scale.numel() != 1:
-        got = (f"{grad_scale.dtype} of shape {tuple(grad_scale.shape)}"
-               if isinstance(grad_scale, torch.Tensor) else repr(grad_scale))
-        raise TypeError(f"layer {name!r}: grad_scale must be None or a 1-element float32 "
-                        f"tensor (1 / GradScaler scale), got {got}")
-    if grad_scale.device != device:
-        raise ValueError(f"layer {name!r}: grad_scale is on {grad_scale.device} but the "
-                         f"gradient is on {device}")
-    return grad_scale.reshape(1)
-
-
-def clean_grad(flat: torch.Tensor, grad_scale, nonfinite: Optional[torch.Tensor],
-               count: bool = True) -> torch.Tensor:
-    """``d = fp32(g) * grad_scale``, then ``where(isfinite(d), d, 0)`` (a new fp32
-    tensor) and, with ``count``, ``nonfinite[0] += #non-finite(d)`` -- the same rule as
-    ``ops.residual_add_binmax`` (``ops.clean_grad``: one launch on the Triton path, torch
-    ops elsewhere, no host sync), for the paths whose gradient does not go through that
-    kernel."""
-    return ops.clean_grad(flat.reshape(-1), grad_scale=grad_scale,
-                          nonfinite=nonfinite if count else None)
-
-
-def residual_add(flat: torch.Tensor, residual: torch.Tensor, bin_size: int, grad_scale,
-                 nonfinite: Optional[torch.Tensor]) -> torch.Tensor:
-    """``residual += d`` with ``d = fp32(g) * grad_scale`` where ``d`` is finite,
-    ``nonfinite[0] += #non-finite(d)``; returns the per-bin max of ``|residual|``
-    (``ops.residual_add_binmax``: one fused pass, no host sync on the Triton path)."""
-    return ops.residual_add_binmax(flat, residual, bin_size, grad_scale=grad_scale,
-                                   nonfinite=nonfinite)
 
 
 class _Call:
@@ -288,7 +97,7 @@ class _Call:
         self.momentum = momentum
 
 
-class Compressor:
+class Compressor(LayerSettings, StepTransactions, CompressorState, ValueEncoder):
     """Base class. Subclasses implement :meth:`_compress` and list their per-layer
     settings (constructor arguments an override may change) in ``_settings``, and the
     other constructor arguments that change behaviour in ``_extra_args`` (both end up in
@@ -328,22 +137,7 @@ class Compressor:
 
     Transactions (``transactional=True``)
     -------------------------------------
-    ``begin_step(step)`` opens a step. The first time ``compress`` or ``after_exchange``
-    touches a layer inside the step, the layer's residual (copied into a reused buffer)
-    and its algorithm state (thresholds, Slim-DP core, histories; containers copied,
-    tensors shared -- they are replaced, never modified in place) are snapshotted.
-    ``commit()`` keeps everything; ``rollback()`` puts every touched layer back exactly
-    as it was at ``begin_step`` (bitwise residual, same state objects; a residual or
-    state created during the step is removed; a residual flushed by a policy-dense
-    step comes back), so the next step behaves as if the skipped step had never run.
-    Not rolled back: ``stats()`` (the skipped step's bytes did travel) and anything
-    keyed by the step number (the caller decides whether the skipped step's number is
-    used again). ``compress``/``after_exchange`` while ``transactional`` is set but no
-    step is open, ``begin_step`` while one is open, and ``commit``/``rollback`` with
-    none open raise ``RuntimeError``. With ``transactional=False`` (default)
-    ``begin_step``/``commit``/``rollback`` are no-ops and nothing is copied (except
-    that ``begin_step`` folds the last step's counts into ``stats()``, device ops only:
-    :meth:`hvdsparse.stats.StatsCollector.fold`).
+    A step can be undone: :class:`~hvdsparse.compressors.transactions.StepTransactions`.
     """
 
     _settings: tuple = ()
@@ -363,7 +157,7 @@ class Compressor:
         self._layers: dict = {}        # per-layer algorithm state (subclass-defined)
         self._stats = StatsCollector()
         self._cfg_cache: dict = {}
-        #: set by the scheduler when it may need :meth:`rollback` (see class docstring)
+        #: set by the scheduler when it may need :meth:`rollback` (:mod:`.transactions`)
         self.transactional = False
         self._txn: Optional[dict] = None
         self._txn_step: Optional[int] = None
@@ -371,69 +165,6 @@ class Compressor:
         self._scratch: dict = {}
         self._call = _Call()
         self._absent = False
-
-    # ------------------------------------------------------------------ settings
-    def _base_cfg(self) -> dict:
-        return {k: getattr(self, k) for k in self._settings}
-
-    def _validate_cfg(self, cfg: dict, where: str = "") -> dict:
-        """Validate (and normalise) a settings dict; raise ValueError naming the argument
-        (prefixed by ``where`` for overrides)."""
-        return cfg
-
-    def _validate_overrides(self):
-        base = self._base_cfg()
-        for pat, ov in self.policy.overrides.items():
-            merged = dict(base)
-            merged.update({k: v for k, v in ov.items() if k in self._settings})
-            self._validate_cfg(merged, where=f"overrides[{pat!r}]: ")
-
-    def _all_cfgs(self) -> list:
-        """The base settings and every override's merged settings."""
-        base = self._base_cfg()
-        out = [base]
-        for pat, ov in self.policy.overrides.items():
-            merged = dict(base)
-            merged.update({k: v for k, v in ov.items() if k in self._settings})
-            out.append(self._validate_cfg(merged, where=f"overrides[{pat!r}]: "))
-        return out
-
-    def layer_cfg(self, name: str) -> dict:
-        cfg = self._cfg_cache.get(name)
-        if cfg is None:
-            cfg = self._base_cfg()
-            ov = self.policy.match(name)
-            cfg.update({k: v for k, v in ov.items() if k in self._settings})
-            cfg = self._validate_cfg(cfg, where=f"layer {name!r}: ")
-            self._cfg_cache[name] = cfg
-        return cfg
-
-    def register_layers(self, named_shapes) -> None:
-        """Called once by the front door with every optimised ``(name, shape)`` in the
-        optimizer's order (the same on every rank): :meth:`check_names`, then the
-        compressor's own per-layer derivations (``_register_layers``)."""
-        named_shapes = [(str(n), tuple(int(d) for d in s)) for n, s in named_shapes]
-        self.check_names([n for n, _ in named_shapes])
-        self._register_layers(named_shapes)
-
-    def _register_layers(self, named_shapes) -> None:
-        """Subclass hook of :meth:`register_layers` (default: nothing)."""
-
-    def check_names(self, names) -> None:
-        """Raise ``ValueError`` when an ``overrides`` pattern matches none of ``names``
-        (the model's parameter names), naming the pattern and a few parameter names --
-        e.g. a pattern written without the ``module.`` prefix that DDP-style wrappers
-        add. Call once with every parameter name the compressor will see."""
-        names = [str(n) for n in names]
-        for pat in self.policy.overrides:
-            if any(fnmatch.fnmatchcase(n, pat) for n in names):
-                continue
-            hint = ""
-            if any(fnmatch.fnmatchcase(n, "*" + pat) for n in names):
-                hint = " (it matches with a prefix: add e.g. 'module.' or a leading '*')"
-            few = ", ".join(repr(n) for n in names[:5]) + (", ..." if len(names) > 5 else "")
-            raise ValueError(f"{type(self).__name__}: overrides pattern {pat!r} matches no "
-                             f"parameter name{hint}; parameter names are {few or '(none)'}")
 
     # ------------------------------------------------------------------ binding
     def bind(self, rank: int, world_size: int, *, broadcast=None, owner=None):
@@ -526,71 +257,6 @@ class Compressor:
         w = getattr(self, "warmup", None)
         return 0 if w is None else int(w.T)
 
-    # ------------------------------------------------------------------ transactions
-    def begin_step(self, step: int):
-        """Open step ``step`` (before its first ``compress``); see the class docstring."""
-        self._stats.fold()      # last step's counts into the statistics (device ops)
-        if not self.transactional:
-            return
-        if self._txn is not None:
-            raise RuntimeError(f"{type(self).__name__}.begin_step({step}): step "
-                               f"{self._txn_step} is still open (call commit() or "
-                               f"rollback() first)")
-        self._txn = {}
-        self._txn_step = step
-
-    def commit(self):
-        """The step's update was applied: keep the compressor state as it is."""
-        if not self.transactional:
-            return
-        if self._txn is None:
-            raise RuntimeError(f"{type(self).__name__}.commit() without begin_step()")
-        self._txn = None
-        self._txn_step = None
-
-    def rollback(self):
-        """The step was skipped: every layer touched since ``begin_step`` gets back its
-        residual and algorithm state (see the class docstring)."""
-        if not self.transactional:
-            return
-        if self._txn is None:
-            raise RuntimeError(f"{type(self).__name__}.rollback() without begin_step()")
-        for name, (rsnap, ssnap) in self._txn.items():
-            if rsnap is None:
-                self._residuals.pop(name, None)
-            else:
-                r, buf = rsnap
-                r.copy_(buf)
-                self._residuals[name] = r
-            if ssnap is _MISSING:
-                self._layers.pop(name, None)
-            else:
-                self._layers[name] = ssnap
-        self._txn = None
-        self._txn_step = None
-
-    def _touch(self, name: str):
-        """Snapshot layer ``name`` before its first change in the open step."""
-        if self._absent or not self.transactional:
-            return
-        txn = self._txn
-        if txn is None:
-            raise RuntimeError(f"{type(self).__name__}: transactional=True but layer "
-                               f"{name!r} is compressed outside begin_step()/commit()")
-        if name in txn:
-            return
-        r = self._residuals.get(name)
-        rsnap = None
-        if r is not None:
-            buf = self._snap_bufs.get(name)
-            if buf is None or buf.numel() != r.numel() or buf.device != r.device:
-                buf = torch.empty_like(r)
-                self._snap_bufs[name] = buf
-            buf.copy_(r)
-            rsnap = (r, buf)
-        st = self._layers.get(name, _MISSING)
-        txn[name] = (rsnap, _MISSING if st is _MISSING else _snap_state(st))
-
     # ------------------------------------------------------------------ public API
     def compress(self, name: str, grad: torch.Tensor, step: int,
                  param: Optional[torch.Tensor] = None,
@@ -610,7 +276,7 @@ class Compressor:
         if momentum is not None and not self.fuses_momentum(name, grad, param):
             raise ValueError(f"layer {name!r}: {type(self).__name__} cannot fold the "
                              f"velocity update here (fuses_momentum is False)")
-        grad_scale = _check_grad_scale(name, grad_scale, grad.device)
+        grad_scale = check_grad_scale(name, grad_scale, grad.device)
         if nonfinite is not None and (not isinstance(nonfinite, torch.Tensor) or
                                       nonfinite.dtype != torch.int32 or
                                       nonfinite.numel() != 1 or
@@ -654,7 +320,7 @@ class Compressor:
         # run the ordinary path on a zero gradient against scratch state: a zero
         # residual and a copy of the layer's state, both dropped afterwards
         self._residuals = {}
-        self._layers = {} if st is None else {name: _snap_state(st)}
+        self._layers = {} if st is None else {name: snapshot_state(st)}
         self._absent = True
         try:
             zero = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
@@ -748,42 +414,6 @@ class Compressor:
         """The fp32 residual of a layer (None before its first compressed step)."""
         return self._residuals.get(name)
 
-    # ------------------------------------------------------------------ state
-    def config(self) -> dict:
-        """Everything that determines what this compressor sends: type, every
-        constructor argument (per-layer settings, policy with its overrides, warm-up,
-        seed, other behaviour switches). Ranks must agree on it."""
-        w = getattr(self, "warmup", None)
-        return _plain(dict(type=type(self).__name__, settings=self._base_cfg(),
-                           policy=self.policy.config(), seed=self.seed,
-                           warmup=None if w is None else w.config(),
-                           args={k: getattr(self, k) for k in self._extra_args}))
-
-    def state_dict(self) -> dict:
-        """Everything needed to continue identically: residuals, per-layer algorithm
-        state (thresholds, cores, step counters), seed, statistics. Tensors are cloned."""
-        return dict(type=type(self).__name__, version=1, config=self.config(),
-                    rank=self.rank, world_size=self.world_size,
-                    residuals={k: _deep_clone(v) for k, v in self._residuals.items()},
-                    layers=_deep_clone(self._layers), stats=_deep_clone(self._stats.state_dict()))
-
-    def load_state_dict(self, sd: dict):
-        if not isinstance(sd, dict) or "type" not in sd:
-            raise ValueError("state_dict: not a compressor state dict")
-        if sd["type"] != type(self).__name__:
-            raise ValueError(f"state_dict: saved by {sd['type']}, cannot load into "
-                             f"{type(self).__name__}")
-        mine = self.config()
-        saved = _plain(sd["config"])
-        if saved["settings"] != mine["settings"] or saved["seed"] != mine["seed"]:
-            raise ValueError(f"state_dict: settings differ (saved {sd['config']}, "
-                             f"this compressor {mine})")
-
-        self._residuals = {k: _deep_clone(v).float() for k, v in sd["residuals"].items()}
-        self._layers = _deep_clone(sd["layers"])
-        self._stats.load_state_dict(_deep_clone(sd.get("stats", {})))
-        self._txn = {} if self._txn is not None else None
-
     # ------------------------------------------------------------------ helpers
     def _compress(self, name, flat, shape, step, cfg, param):
         raise NotImplementedError
@@ -837,10 +467,6 @@ class Compressor:
         fp32 (not counted again: ``_acc`` counts)."""
         return clean_grad(flat, self._call.grad_scale, None, count=False)
 
-    @staticmethod
-    def _count(n: int, device) -> torch.Tensor:
-        return torch.full((1,), n, dtype=torch.int32, device=device)
-
     def _policy_dense(self, name, flat, shape) -> LayerPayload:
         """fp32 dense, no error feedback (a pending residual, if any, is flushed);
         non-finite elements travel as 0 and are counted."""
@@ -854,82 +480,9 @@ class Compressor:
                       count=self._count(flat.numel(), flat.device), values=vals)
         return LayerPayload(name, shape, [seg])
 
-    def _encode(self, vals: torch.Tensor, enc: ValueEncoding, seed: int, quant_bucket: int,
-                count: Optional[torch.Tensor] = None, want_deq: bool = True):
-        """Encode fp32 ``vals`` -> (values tensor, scales or None, dequantised fp32;
-        None with ``want_deq=False``: nothing to put back into a residual)."""
-        if enc in FLOAT_DTYPES:
-            if enc == ValueEncoding.FP32:
-                return vals, None, vals
-            v = to_wire_float(vals, enc)       # saturated: fp16 has no room above 65504
-            return v, None, (v.float() if want_deq else None)
-        bits = QUANT_BITS[enc]
-        codes, scales = ops.quantize_pack(vals, bits, quant_bucket, seed, count=count)
-        if not want_deq:
-            return codes, scales, None
-        deq = ops.dequantize_unpack(codes, scales, bits, quant_bucket, vals.numel())
-        return codes, scales, deq
-
-    def _dense_from_acc(self, name, acc, shape, enc, seed, quant_bucket,
-                        error_feedback=True) -> LayerPayload:
-        """All of ``acc`` as one DENSE segment in encoding ``enc``; with error feedback
-        the residual (``acc`` itself) becomes ``acc - deq`` (0 for fp32)."""
-        n = acc.numel()
-        # fp32 travels as a copy (acc is zeroed below, or is a scratch buffer); the
-        # other encodings only read acc into fresh tensors
-        vals = acc.clone() if enc == ValueEncoding.FP32 else acc
-        values, scales, deq = self._encode(vals, enc, seed, quant_bucket,
-                                           want_deq=error_feedback)
-        if error_feedback:
-            if enc == ValueEncoding.FP32:
-                acc.zero_()
-            else:
-                acc.sub_(deq)
-        seg = Segment(numel=n, capacity=n, index_encoding=IndexEncoding.DENSE,
-                      value_encoding=enc, count=self._count(n, acc.device), values=values,
-                      scales=scales, quant_bucket=quant_bucket)
-        return LayerPayload(name, shape, [seg])
-
-    def _take(self, acc, idx, valid, count, enc, seed, quant_bucket, error_feedback=True):
-        """Gather ``acc[idx]`` for the valid slots (a prefix of length ``count``),
-        encode, and with error feedback set ``acc[i] -= deq`` on the valid slots.
-
-        ``idx`` int64[cap] (padding slots must hold an in-range index, e.g. 0);
-        ``valid`` bool[cap] or None (all valid). Returns (values, scales, idx_int32).
-        """
-        v = acc[idx]
-        if valid is not None:
-            v = torch.where(valid, v, torch.zeros((), dtype=v.dtype, device=v.device))
-        values, scales, deq = self._encode(v, enc, seed, quant_bucket,
-                                           count=count if valid is not None else None,
-                                           want_deq=error_feedback)
-        if error_feedback:
-            delta = -deq
-            if valid is not None:
-                delta = torch.where(valid, delta, torch.zeros((), dtype=delta.dtype,
-                                                              device=delta.device))
-            # unique valid indices; padding slots add 0.0 (no change)
-            acc.index_add_(0, idx, delta)
-        return values, scales
-
-    @staticmethod
-    def _sparse_is_worth_it(numel: int, capacity: int, enc: ValueEncoding,
-                            index_bytes: float = 4.0) -> bool:
-        """True when ``capacity`` index/value pairs are smaller than the dense layer in
-        the same value encoding (quantisation scales are ignored on both sides)."""
-        if enc in FLOAT_BYTES:
-            vb = FLOAT_BYTES[enc]
-        else:
-            vb = QUANT_BITS[enc] / 8.0
-        return capacity * (index_bytes + vb) < numel * vb
-
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self._base_cfg().items())
         return f"{type(self).__name__}({args})"
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def k_of(density: float, n: int) -> int:

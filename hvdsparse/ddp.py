@@ -507,12 +507,13 @@ class State:
             total.mul_(scale)
             self.engine.feed_back(it.names, it.payloads, it.layout.spec, pend.undelivered,
                                   it.batches, self.step)
-            for name, p, view in zip(it.names, it.params, it.layout.spec.views(total)):
-                g = view.view(p.shape)
+            gs = [v.view(p.shape) for v, p in zip(it.layout.spec.views(total), it.params)]
+            for name, p, g in zip(it.names, it.params, gs):
                 self.engine.after_exchange(name, g, p, self.step)
-                m = self.engine.dense_momentum(name, g, p)
-                if m is not None:                       # sent dense (DGC)
-                    view.copy_(m.reshape(-1))
+            moms = self.engine.dense_momentum_bucket(it.names, gs, it.params)
+            sent_dense = [(g, m) for g, m in zip(gs, moms) if m is not None]   # DGC
+            if sent_dense:
+                torch._foreach_copy_([g for g, _ in sent_dense], [m for _, m in sent_dense])
             results.append(total)
         flagged = self._nonfinite(items, results)
         inv = self.engine.grad_scale(items[0].buffer.device) if items else None
@@ -530,7 +531,7 @@ class State:
             self._close_txn(commit=not flagged.numpy().any())   # host memory: no sync
         else:                                     # CUDA: decided when the next step opens
             self._txn_readout = HostReadout(flagged.any().view(1))
-        self.engine.retire_error_flag(self.step)
+        self.engine.send_reads(self.step)
         self.last_stats = self.engine.step_stats(
             self.step, [(it.layout.spec, it.pend) for it in items],
             compress_s=self._t_compress, wait_s=sum(it.pend.wait_s for it in items),

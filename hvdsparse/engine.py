@@ -49,9 +49,9 @@ import torch
 from . import codec
 from .compressors import bucket
 from .compressors.base import Compressor, inverse_loss_scale
-from .exchange import BucketSpec, ExchangeContext, HostReadout, cost_model
+from .exchange import BucketSpec, ExchangeContext, cost_model
 from .exchange import launch as launch_exchange
-from .exchange.base import TaggedFigures, bucket_capacity
+from .exchange.base import ReadoutBatch, TaggedFigures, bucket_capacity
 from .exchange.split import pair_dtype
 from .bucket_plan import BucketHistory, saved_figures
 from .nonfinite import raise_nonfinite
@@ -106,6 +106,7 @@ class StepEngine:
         self._inv: Optional[torch.Tensor] = None
         self._error_flag: Optional[torch.Tensor] = None
         self._pending_reads: List[tuple] = []
+        self._readouts = ReadoutBatch()   # the step's device reads, one copy per step
         self._histories: Dict[tuple, BucketHistory] = {}
         self._saved_histories: Dict[tuple, list] = {}
         self.hint = ""                   # appended to the non-finite error (door's advice)
@@ -332,7 +333,7 @@ class StepEngine:
             self.settings, device=device, rank=self.rank, world_size=self.world_size,
             prefix=self.prefix, step=step, error_flag_for=self._flag_for,
             want_figures=self.settings.exchange == "auto", buffers=buffers,
-            transport=self.transport)
+            transport=self.transport, readouts=self._readouts)
 
     def launch(self, strategy: str, spec: BucketSpec, payloads, device, step: int,
                buffers):
@@ -426,24 +427,30 @@ class StepEngine:
 
     def dense_momentum_bucket(self, names: Sequence[str], gs: Sequence[torch.Tensor],
                               params: Sequence[torch.Tensor],
-                              inv: Optional[torch.Tensor] = None) -> None:
-        """:meth:`dense_momentum` for a bucket's layers, in place: each layer sent dense
-        by policy with DGC momentum has its ``gs[i]`` (fp32 views of the exchanged
-        average) replaced by the corrected gradient; the other layers are left alone.
-        The same bits as the per-layer form, in a few multi-tensor ops per bucket."""
+                              inv: Optional[torch.Tensor] = None) -> list:
+        """:meth:`dense_momentum` for a bucket's layers: ``out[i]`` is the corrected
+        gradient of a layer sent dense by policy with DGC momentum (in ``gs[i]``'s
+        units; read it, never write into it: it may be the velocity itself), None for
+        the other layers. ``gs``: fp32 views of the exchanged average (in the loss
+        scale's units when ``inv`` = 1 / scale is given; left as they are). The same bits
+        as the per-layer form, in a few multi-tensor ops per bucket."""
+        out: list = [None] * len(names)
         lu = self.local_update
         if lu is None or not lu.momentum_correction:
-            return
+            return out
         pol = self.compressor.policy
         sel = [i for i, (n, p) in enumerate(zip(names, params)) if pol.is_dense(n, p.shape)]
         if not sel:
-            return
-        ns, views, ps = [names[i] for i in sel], [gs[i] for i in sel], [params[i] for i in sel]
+            return out
+        views = [gs[i] for i in sel]
         if inv is not None:              # the buffers are in unscaled units
-            torch._foreach_mul_(views, inv)
-        lu.dense_momentum_many(ns, views, ps)
+            views = torch._foreach_mul(views, inv)
+        res = lu.dense_momentum_many([names[i] for i in sel], views, [params[i] for i in sel])
         if inv is not None:
-            torch._foreach_div_(views, inv)
+            res = [None if r is None else r / inv for r in res]
+        for i, r in zip(sel, res):
+            out[i] = r
+        return out
 
     # ------------------------------------------------------------------ non-finite
     def gather_nonfinite(self, row: torch.Tensor, *, wait: bool = True):
@@ -485,14 +492,19 @@ class StepEngine:
     def defer_read(self, kind: str, step: int, values: torch.Tensor, names=None) -> None:
         """Copy device ``values`` to pinned host memory now; act on them at the next
         :meth:`check_deferred` (when reading no longer stalls the stream)."""
-        self._pending_reads.append((kind, step, tuple(values.shape), HostReadout(values),
-                                    names))
+        self._pending_reads.append((kind, step, tuple(values.shape),
+                                    self._readouts.add(values), names))
 
-    def retire_error_flag(self, step: int) -> None:
-        """This step's decode flag (unvalidated path) is read at the next step."""
+    def send_reads(self, step: int) -> None:
+        """End of the step's device work: the decode flag (unvalidated path) joins the
+        step's reads, and all of them -- the flag, the non-finite table, every bucket's
+        cost-model figures -- leave for pinned host memory in one copy
+        (:class:`~hvdsparse.exchange.base.ReadoutBatch`), read at the next step or
+        later."""
         if self._error_flag is not None:
             self.defer_read("error", step, self._error_flag)
             self._error_flag = None
+        self._readouts.flush()
 
     def check_deferred(self) -> None:
         """Act on earlier steps' device flags: a decode error raises ``RuntimeError``,

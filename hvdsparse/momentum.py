@@ -65,7 +65,7 @@ optimizer's non-finite policy sees them as usual.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -378,38 +378,40 @@ class LocalUpdate:
         return d + h.momentum * buf if h.nesterov else buf
 
     def dense_momentum_many(self, names: Sequence[str], Gs: Sequence[torch.Tensor],
-                            params: Sequence[torch.Tensor]) -> None:
-        """:meth:`dense_momentum` for several layers, in place: each fp32 ``Gs[i]``
-        becomes layer ``names[i]``'s momentum-corrected gradient. Each product and sum
-        is rounded once, in the per-layer form's order (``buf * m``, then ``+ (1 - d) *
-        G``; ``G + wd * p``; ``G + m * buf``), so the bits are the same; the work is a
-        few multi-tensor ops per hyper-parameter set instead of three to five ops per
-        layer. A layer's first step (no buffer yet) takes the per-layer form."""
+                            params: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+        """:meth:`dense_momentum` for several layers: ``out[i]`` is layer ``names[i]``'s
+        momentum-corrected gradient (its velocity buffer itself without Nesterov: copy
+        it, never write into it), or None for a layer without momentum (``Gs[i]`` is its
+        gradient as it is). Each product and sum is rounded once, in the per-layer
+        form's order (``buf * m``, then ``+ (1 - d) * G``; ``G + wd * p``; ``G + m *
+        buf``), so the bits are the same; the work is a few multi-tensor ops per
+        hyper-parameter set instead of three to five ops per layer. A layer's first step
+        (no buffer yet) takes the per-layer form."""
+        out: List[Optional[torch.Tensor]] = [None] * len(names)
         sets: Dict[tuple, list] = {}
-        for n, G, p in zip(names, Gs, params):
+        for i, (n, G, p) in enumerate(zip(names, Gs, params)):
             h = _Group(self._groups.of(self.params[n]))
             if not self.momentum_correction or h.momentum == 0.0:
                 continue
             if self.buf.get(n) is None or G.dtype != torch.float32:
-                G.copy_(self.dense_momentum(n, G, p))
+                out[i] = self.dense_momentum(n, G, p)
                 continue
             key = (h.momentum, h.dampening, h.nesterov, h.weight_decay)
-            sets.setdefault(key, []).append((n, G, p))
+            sets.setdefault(key, []).append(i)
         for (m, damp, nesterov, wd), rows in sets.items():
-            for n, _, _ in rows:
-                self._touch(self.buf, n)
-            Gl = [G for _, G, _ in rows]
-            d = Gl
+            for i in rows:
+                self._touch(self.buf, names[i])
+            d = [Gs[i] for i in rows]
             if wd:
-                d = torch._foreach_add(Gl, torch._foreach_mul(
-                    [p.detach().float() for _, _, p in rows], wd))
-            bufs = [self.buf[n] for n, _, _ in rows]
+                d = torch._foreach_add(d, torch._foreach_mul(
+                    [params[i].detach().float() for i in rows], wd))
+            bufs = [self.buf[names[i]] for i in rows]
             torch._foreach_mul_(bufs, m)
             torch._foreach_add_(bufs, d if damp == 0.0 else torch._foreach_mul(d, 1.0 - damp))
-            if nesterov:
-                torch._foreach_copy_(Gl, torch._foreach_add(d, torch._foreach_mul(bufs, m)))
-            else:
-                torch._foreach_copy_(Gl, bufs)
+            res = torch._foreach_add(d, torch._foreach_mul(bufs, m)) if nesterov else bufs
+            for i, r in zip(rows, res):
+                out[i] = r
+        return out
 
     # ----------------------------------------------------------------- the wrapped step
     def neutralised(self):

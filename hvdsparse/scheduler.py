@@ -496,7 +496,7 @@ class LayerScheduler:
                 else:
                     self._apply_bucket(spec, total, inv, pending)
         self._finish_sparse(write=not skip)
-        self.engine.retire_error_flag(self.step)
+        self.engine.send_reads(self.step)
         self.last_stats = self.engine.step_stats(
             self.step, [(spec, self._inflight[b]) for b, spec in enumerate(self._specs)],
             compress_s=self._t_compress, wait_s=t_wait, decode_s=t_dec, skipped=skip)
@@ -597,7 +597,7 @@ class LayerScheduler:
                       inv: Optional[torch.Tensor], scale: Optional[float]):
         """:meth:`_apply` for a whole bucket without the local-gradient combination, in a
         fixed number of device ops per bucket: the average's pending ``1/P`` on the flat
-        sum, ``after_exchange`` (reads the average), DGC's dense-layer momentum in place
+        sum, ``after_exchange`` (reads the average), DGC's dense-layer momentum
         (:meth:`StepEngine.dense_momentum_bucket`), then one multi-tensor copy into the
         ``p.grad`` s (cast to their dtype). The same bits as :meth:`_apply`."""
         if scale is not None:
@@ -609,12 +609,12 @@ class LayerScheduler:
             for n, g, p in zip(names, views, params):
                 self.engine.after_exchange(n, g if inv is None else g * inv, p, self.step)
         live = [i for i, n in enumerate(names) if n not in self._frozen]
-        self.engine.dense_momentum_bucket([names[i] for i in live], [views[i] for i in live],
-                                          [params[i] for i in live], inv)
+        moms = self.engine.dense_momentum_bucket(
+            [names[i] for i in live], [views[i] for i in live], [params[i] for i in live], inv)
         dst, src = [], []
         with torch.no_grad():
-            for i in live:
-                p, g, grad = params[i], views[i], params[i].grad
+            for i, m in zip(live, moms):
+                p, g, grad = params[i], views[i] if m is None else m, params[i].grad
                 if names[i] in self._was_sparse:
                     p.grad = g.to(p.dtype).to_sparse()
                 elif grad is not None and grad.shape == p.shape and not grad.is_sparse:

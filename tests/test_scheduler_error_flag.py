@@ -59,7 +59,7 @@ def test_bad_index_is_flagged_and_raised_next_step(monkeypatch, bad):
 
     # end of step 0: the flag is handed to a DeferredRead (pinned copy + event on
     # CUDA) and read at the next step's synchronize() without stalling the stream
-    sched.engine.retire_error_flag(sched.step)
+    sched.engine.send_reads(sched.step)
     sched.step += 1
     if bad:
         with pytest.raises(RuntimeError, match="step 0 carried an index outside its layer"):

@@ -24,7 +24,7 @@ import importlib
 
 from . import cost_model
 from .base import (BucketSpec, BufferPool, DeferredFigures, ExchangeContext, HostReadout,
-                   Pending)
+                   Pending, ReadoutBatch)
 
 #: strategy name -> its module (``exchange/<name>.py``); the names and their tie order
 #: are :data:`cost_model.STRATEGIES`
@@ -53,4 +53,4 @@ def launch(strategy: str, spec: BucketSpec, payloads, ctx: ExchangeContext) -> P
 
 __all__ = ["STRATEGIES", "EXCHANGE_NAMES", "check_exchange", "launch", "BucketSpec",
            "ExchangeContext", "Pending", "cost_model", "BufferPool", "DeferredFigures",
-           "HostReadout"]
+           "HostReadout", "ReadoutBatch"]

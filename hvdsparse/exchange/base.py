@@ -23,7 +23,8 @@ With ``validate=False`` (the CUDA default) no strategy reads a device value with
 blocking call (``.item()``, ``.tolist()``, ``nonzero``, a H2D copy of a Python list);
 ``validate=True`` checks received messages on the host, by design. Figures that the host needs *later* (the
 cost model's pair counts) are computed on the device and handed to a
-:class:`HostReadout`: one non-blocking copy into pinned host memory plus a CUDA event.
+:class:`HostReadout`: one non-blocking copy into pinned host memory plus a CUDA event
+(unvalidated, all of a step's at once: :class:`ReadoutBatch`).
 The host reads them once the event has completed; :class:`DeferredFigures` wraps this
 for the cost model. The exceptions are ``split`` and ``balanced``, whose variable-size alltoalls need
 host integers (see :mod:`.split`, :mod:`.balanced`: one read per bucket for balanced): it reads them through the same readouts and waits on
@@ -125,11 +126,14 @@ class ExchangeContext:
     # transport (torch.distributed) matches collectives by issue order, so strategies
     # then issue them only at launch() / finish(), never from a timing-dependent poll.
     transport: Optional[Any] = None
+    # The step's device reads for the host (ReadoutBatch), flushed by the caller at the
+    # step's end; None = one HostReadout per bucket.
+    readouts: Optional["ReadoutBatch"] = None
 
     @classmethod
     def from_settings(cls, settings, *, device, rank: int, world_size: int, prefix: str,
                       step: int, error_flag_for, want_figures: bool, buffers=None,
-                      transport=None) -> "ExchangeContext":
+                      transport=None, readouts=None) -> "ExchangeContext":
         """The context both front doors build from their :class:`ExchangeSettings`:
         ``validate=None`` means host validation on CPU, the device flag on CUDA;
         ``error_flag_for(device)`` supplies that flag when it is needed."""
@@ -141,7 +145,7 @@ class ExchangeContext:
                    gradient_predivide_factor=settings.gradient_predivide_factor,
                    split_dense_bits=settings.split_dense_bits,
                    quant_bucket=settings.quant_bucket, want_figures=want_figures,
-                   buffers=buffers, transport=transport)
+                   buffers=buffers, transport=transport, readouts=readouts)
 
     def name(self, bucket_id: int, strategy: str, phase: str = "") -> str:
         n = f"{self.prefix}.b{bucket_id}.{strategy}"
@@ -208,12 +212,20 @@ class Pending:
 
     def _defer_figures(self, values: torch.Tensor,
                        convert: Callable[[List[int]], Dict[str, float]]) -> None:
-        """Hand device integers ``values`` (1-D int64) to a :class:`DeferredFigures`;
-        on CPU also fill ``self.figures`` now."""
-        d = DeferredFigures(HostReadout(values), convert)
+        """Hand device integers ``values`` (1-D) to a :class:`DeferredFigures`; on CPU
+        also fill ``self.figures`` (now, or at the step's readout flush). Unvalidated
+        (the device path), they join the step's :class:`ReadoutBatch`
+        (``ctx.readouts``) when there is one."""
+        batch = self.ctx.readouts if not self.ctx.validate else None
+        cpu = values.device.type == "cpu"
+        if batch is not None:
+            d = DeferredFigures(batch.add(values, on_flush=(
+                lambda: self.figures.update(d.get())) if cpu else None), convert)
+        else:
+            d = DeferredFigures(HostReadout(values), convert)
+            if cpu:
+                self.figures.update(d.get())
         self.deferred_figures = d
-        if values.device.type == "cpu":
-            self.figures.update(d.get())
 
 
 class HostReadout:
@@ -227,11 +239,12 @@ class HostReadout:
     CPU: the copy completes at once; ``ready()`` is always True.
     """
 
-    __slots__ = ("device", "_host", "_event")
+    __slots__ = ("device", "_host", "_event", "_values")
 
     def __init__(self, values: torch.Tensor):
         values = values.detach().reshape(-1)
         self.device = values.device
+        self._values = None
         if values.device.type == "cuda":
             self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             self._host.copy_(values, non_blocking=True)
@@ -246,9 +259,78 @@ class HostReadout:
 
     def get(self) -> List:
         """The values as Python numbers (waits on the event if not yet complete)."""
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host.numpy().tolist()
+        if self._values is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._values = self._host.numpy().tolist()
+        return self._values
+
+
+class ReadoutBatch:
+    """Device integers the host needs later, gathered over one step and copied to the
+    host together: :meth:`add` registers a tensor and returns its :class:`BatchedRead`;
+    :meth:`flush` (once per step, at its end) concatenates every registered tensor on
+    the device and hands the result to one :class:`HostReadout` -- two device ops per
+    step (the concatenation, the copy) instead of one copy per bucket and flag. The
+    values are cast to int64 when the registered dtypes differ.
+
+    Callbacks given to :meth:`add` run right after the flush when the data lives in
+    host memory (the copy has completed then), so CPU callers can fill their figures in
+    the same step."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self):
+        self._items: list = []
+
+    def add(self, values: torch.Tensor, on_flush: Optional[Callable[[], None]] = None
+            ) -> "BatchedRead":
+        r = BatchedRead(self)
+        self._items.append((values.detach().reshape(-1), r, on_flush))
+        return r
+
+    def flush(self) -> None:
+        items, self._items = self._items, []
+        if not items:
+            return
+        vals = [v for v, _, _ in items]
+        if len({v.dtype for v in vals}) > 1:
+            vals = [v.to(torch.int64) for v in vals]
+        readout = HostReadout(vals[0] if len(vals) == 1 else torch.cat(vals))
+        off = 0
+        for v, r, _ in items:
+            r._bind(readout, off, v.numel())
+            off += v.numel()
+        if readout.device.type == "cpu":
+            for _, _, cb in items:
+                if cb is not None:
+                    cb()
+
+
+class BatchedRead:
+    """One registered tensor of a :class:`ReadoutBatch`: ``ready()`` / ``get()`` as
+    :class:`HostReadout`, for its slice of the batch's copy. Read before its batch was
+    flushed (a step that ended early, by an exception), it flushes the batch itself."""
+
+    __slots__ = ("_batch", "_readout", "_off", "_n")
+
+    def __init__(self, batch: ReadoutBatch):
+        self._batch, self._readout, self._off, self._n = batch, None, 0, 0
+
+    def _bind(self, readout: HostReadout, off: int, n: int) -> None:
+        self._readout, self._off, self._n = readout, off, n
+
+    @property
+    def device(self):
+        return None if self._readout is None else self._readout.device
+
+    def ready(self) -> bool:
+        return self._readout is not None and self._readout.ready()
+
+    def get(self) -> List:
+        if self._readout is None:
+            self._batch.flush()
+        return self._readout.get()[self._off:self._off + self._n]
 
 
 def host_list(t: torch.Tensor) -> List[int]:

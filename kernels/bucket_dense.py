@@ -181,7 +181,7 @@ def _gcd(a, b):
 
 
 def qsgd_pack(tab, blk, grad_scale, codes, scales, cnt, gdt, bits, bucket_size, rows, *,
-              max_bucket_tile=4096, max_phase_b=4096):
+              max_bucket_tile=4096, max_phase_b=1024):
     """QSGD segments: ``codes`` uint8 (segment j at byte ``tab[j, OUT]``), ``scales``
     fp32 (segment j at ``tab[j, SOFF]``), ``cnt`` int32[L] (module doc)."""
     B = int(bucket_size)

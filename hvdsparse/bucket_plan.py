@@ -1,13 +1,17 @@
 """Buckets across steps: the plan that groups layers into buckets (the same on every
-rank) and each bucket's history of cost-model figures, which ``auto`` reads two steps
-late so that choosing a strategy never waits on the device.
+rank), agreed at the first step (:func:`agree_plan`), and each bucket's history of
+cost-model figures, which ``auto`` reads two steps late so that choosing a strategy
+never waits on the device.
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import List
+from typing import Dict, List, NamedTuple
 
-__all__ = ["plan_buckets", "BucketHistory", "saved_figures"]
+from . import codec
+
+__all__ = ["plan_buckets", "agree_plan", "AgreedPlan", "steady_size", "BucketHistory",
+           "saved_figures"]
 
 
 def plan_buckets(order, sizes, fusion_threshold: int) -> List[List[str]]:
@@ -24,6 +28,56 @@ def plan_buckets(order, sizes, fusion_threshold: int) -> List[List[str]]:
     if cur:
         buckets.append(cur)
     return buckets
+
+
+class AgreedPlan(NamedTuple):
+    """The first step's outcome, the same on every rank: ``sparse``, the layers sparse
+    on some rank (sparse everywhere from now on); ``order``, rank 0's ready order of the
+    dense layers; ``plan``, the buckets (:func:`plan_buckets` over ``order``);
+    ``numels``, rank 0's parameter sizes."""
+    sparse: set
+    order: List[str]
+    plan: List[List[str]]
+    numels: Dict[str, int]
+
+
+def steady_size(engine, name: str, param, step: int) -> int:
+    """Encoded bytes of layer ``name``'s payload once warm-up is over (from step
+    ``max(compressor.steady_state_step(), step)``: the plan is made for the steady
+    state, not for a dense warm-up step), from its absent payload's layout."""
+    payload = engine.compress_absent(
+        name, param.detach(), max(int(engine.compressor.steady_state_step()), step))
+    return codec.encoded_nbytes([payload])
+
+
+def agree_plan(engine, params, ready: List[str], sparse, fingerprint: dict, step: int,
+               fusion_threshold: int) -> AgreedPlan:
+    """First step of the Horovod door: every rank's settings ``fingerprint``, parameter
+    sizes (``params``: name -> parameter), dense ready order ``ready``, steady-state
+    payload sizes (:func:`steady_size`) and ``sparse`` layers are allgathered and
+    compared with rank 0's (``engine.agree``: the same ``ValueError`` on every rank);
+    the plan is rank 0's order without the layers sparse on any rank, closed greedily at
+    ``fusion_threshold`` encoded bytes."""
+    mine = dict(order=list(ready), sizes={n: steady_size(engine, n, params[n], step)
+                                          for n in ready},
+                numels={n: int(params[n].numel()) for n in params},
+                sparse=sorted(sparse), fingerprint=fingerprint)
+
+    def sizes_differ(everyone):
+        ref, sparse = everyone[0], set().union(*(set(d["sparse"]) for d in everyone))
+        return [f"parameter {n!r}: encoded payload is {d['sizes'][n]} bytes on rank "
+                f"{r} but {ref['sizes'][n]} on rank 0 (compressor settings differ "
+                f"across ranks?)"
+                for r, d in enumerate(everyone) if set(d["numels"]) == set(ref["numels"])
+                for n in ref["order"]
+                if n not in sparse and n in d["sizes"] and d["sizes"][n] != ref["sizes"][n]]
+    everyone = engine.agree(mine, "plan", sizes_differ)
+    ref = everyone[0]
+    union = set().union(*(set(d["sparse"]) for d in everyone))
+    order = [n for n in ref["order"] if n not in union]
+    sizes = {n: ref["sizes"][n] for n in order}
+    return AgreedPlan(union, order, plan_buckets(order, sizes, fusion_threshold),
+                      ref["numels"])
 
 
 class _Resolved:

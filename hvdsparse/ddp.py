@@ -129,25 +129,16 @@ from typing import Dict, List, Optional
 import torch
 
 from .bucket_plan import BucketHistory
-from .door import (bind_compressor, check_compressor, local_fingerprint, make_local_update,
-                   resolve_local_update)
+from .ddp_setup import check_state_args, ddp_local_update
+from .door import bind_compressor, local_fingerprint, resolve_local_update
 from .engine import LayerInput, StepEngine
 from .nonfinite import NonFinite
 from .exchange import BucketSpec, BufferPool, HostReadout
 from .stats import add_totals, empty_totals
-from .settings import DEFAULT_FUSION_THRESHOLD, ExchangeSettings, fingerprint
+from .settings import ExchangeSettings, fingerprint
 from .transport import Transport, TorchDistTransport
 
 __all__ = ["State", "hook"]
-
-_UNSUPPORTED = {
-    "backward_passes_per_step": "use DDP's no_sync() to accumulate gradients locally",
-    "local_gradient": "local-gradient modes need the optimizer step, which a comm hook "
-                      "does not control",
-    "sync_period": "local-gradient modes are not supported by the DDP hook",
-    "fusion_threshold": "DDP's bucket_cap_mb forms the buckets",
-}
-
 
 class _Layout:
     """Per bucket layout (keyed by its parameter names): the spec and the cost model's
@@ -160,10 +151,11 @@ class _Layout:
         self.history = history
         self._first = None             # spec.first_elements(), for NaN marking
 
-    def mark_nan(self, flat: torch.Tensor, flags: torch.Tensor) -> None:
-        if self._first is None or self._first.device != flat.device:
-            self._first = self.spec.first_elements(flat.device)
-        self.spec.mark_nan(flat, flags, self._first)
+    def first(self, device) -> torch.Tensor:
+        """``spec.first_elements`` on ``device`` (made once)."""
+        if self._first is None or self._first.device != device:
+            self._first = self.spec.first_elements(device)
+        return self._first
 
 
 class _InFlight:
@@ -213,43 +205,8 @@ class State:
                  settings: Optional[ExchangeSettings] = None,
                  transport: Optional[Transport] = None, optimizer=None, grad_scaler=None,
                  **options):
-        if compression is None:
-            raise TypeError("compression must be an hvdsparse compressor instance "
-                            "(hvdsparse.TopK(0.01), ...)")
-        compression = check_compressor(compression)
-        for k in options:
-            if k in _UNSUPPORTED:
-                raise ValueError(f"hvdsparse.ddp.State: {k}= is not supported: "
-                                 f"{_UNSUPPORTED[k]}")
-        settings = ExchangeSettings.from_options(settings, options, "hvdsparse.ddp.State",
-                                                 fusion_threshold=DEFAULT_FUSION_THRESHOLD)
-        for k in ("backward_passes_per_step", "local_gradient"):
-            if getattr(settings, k) != getattr(ExchangeSettings(), k):
-                raise ValueError(f"hvdsparse.ddp.State: {k}= is not supported: "
-                                 f"{_UNSUPPORTED[k]}")
-        if settings.nonfinite == "skip":
-            raise ValueError("hvdsparse.ddp.State: nonfinite='skip' is not supported (a "
-                             "comm hook cannot cancel the optimizer step); pass "
-                             "grad_scaler= (torch.amp.GradScaler skips overflow steps on "
-                             "every rank) or nonfinite='propagate'")
-        if grad_scaler is not None and not (hasattr(grad_scaler, "is_enabled") and
-                                            hasattr(grad_scaler, "get_scale")):
-            raise TypeError(f"hvdsparse.ddp.State: grad_scaler must be a "
-                            f"torch.amp.GradScaler, got {type(grad_scaler).__name__}")
-        if named_parameters is None:
-            raise ValueError("hvdsparse.ddp.State needs named_parameters "
-                             "(model.named_parameters()): DDP hands the hook tensors, "
-                             "not names")
-        named = list(named_parameters)
-        if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
-            raise ValueError("named_parameters should be a sequence of (name, parameter) "
-                             "tuples, usually model.named_parameters()")
-        seen, dups = set(), set()
-        for n, _ in named:
-            (dups if n in seen else seen).add(n)
-        if dups:
-            raise ValueError(f"parameter names in named_parameters must be unique; "
-                             f"duplicates: {', '.join(sorted(dups))}")
+        compression, settings, named = check_state_args(
+            compression, named_parameters, settings, options, grad_scaler)
         self.compressor = compression
         self.settings = settings
         self.process_group = process_group
@@ -282,21 +239,11 @@ class State:
         register = getattr(compression, "register_layers", None)
         if callable(register):
             register([(n, p.shape) for n, p in self.params.items()])
-        self.local_update = None
         # the rule without optimizer= resolves to off: it needs an SGD
         momentum_correction, adam = resolve_local_update(optimizer, compression, settings)
-        clip_grad_norm = settings.clip_grad_norm
-        if adam is not None:
-            self._setup_adam(optimizer, adam, clip_grad_norm)
-        elif momentum_correction or clip_grad_norm is not None:
-            self._setup_local_update(optimizer, momentum_correction, clip_grad_norm,
-                                     settings.momentum_masking)
-        elif optimizer is not None and not isinstance(optimizer, torch.optim.SGD):
-            # an SGD optimizer is read by the momentum-correction default even when that
-            # leaves it off; anything else here is an optimizer= that does nothing
-            raise ValueError("optimizer= is only used with momentum_correction (SGD), "
-                             "clip_grad_norm=... or the Adam recipe (torch.optim.Adam / "
-                             f"AdamW), got {type(optimizer).__name__} with none of them on")
+        self.local_update, self._opt_hooks = ddp_local_update(
+            optimizer, self.params, self.world_size, compression, settings,
+            momentum_correction=momentum_correction, adam=adam)
         transactional = grad_scaler is not None
         compression.transactional = transactional
         if self.local_update is not None:
@@ -313,55 +260,6 @@ class State:
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     lambda _p, _n=n: self._used.add(_n)))
-
-    def _setup_local_update(self, optimizer, momentum_correction, clip_grad_norm,
-                            momentum_masking):
-        if optimizer is None:       # (momentum_correction without it: resolve_local_update)
-            raise ValueError("momentum_correction / clip_grad_norm need optimizer= (the "
-                             "torch.optim.SGD that steps the DDP model)")
-        owned = self._optimised_by(optimizer, "momentum_correction")
-        lu = make_local_update(optimizer, {n: p for n, p in self.params.items()
-                                           if id(p) in owned}, self.world_size,
-                               self.compressor, momentum_correction=momentum_correction,
-                               clip_grad_norm=clip_grad_norm, masking=momentum_masking)
-        self.local_update = lu
-        if self.world_size > 1 and momentum_correction:
-            ctx = {}
-
-            def pre(_opt, _args, _kw):     # momentum / wd were applied in the hook
-                ctx["n"] = lu.neutralised()
-                ctx["n"].__enter__()
-
-            def post(_opt, _args, _kw):
-                n = ctx.pop("n", None)
-                if n is not None:
-                    n.__exit__(None, None, None)
-            self._opt_hooks = [optimizer.register_step_pre_hook(pre),
-                               optimizer.register_step_post_hook(post)]
-
-    def _optimised_by(self, optimizer, what: str) -> set:
-        """Ids of ``optimizer``'s parameters; every trainable named parameter must be one
-        (else ``ValueError`` naming ``what`` and the parameters)."""
-        owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        missing = [n for n, p in self.params.items() if p.requires_grad and
-                   id(p) not in owned]
-        if missing:
-            raise ValueError(f"{what}: parameters {missing[:5]} are not optimised by the "
-                             f"given optimizer")
-        return owned
-
-    def _setup_adam(self, optimizer, adam, clip_grad_norm):
-        """The Adam recipe (:mod:`hvdsparse.adam`): scaled gradient compressed in the hook, the
-        recipe's update applied around the optimizer's ``step()`` (pre/post hooks)."""
-        self._optimised_by(optimizer, "adam recipe")
-        lu = make_local_update(optimizer, self.params, self.world_size, self.compressor,
-                               adam=adam, clip_grad_norm=clip_grad_norm)
-        self.local_update = lu
-        if self.world_size > 1:
-            self._opt_hooks = [
-                optimizer.register_step_pre_hook(lambda _o, _a, _k: lu.enter()),
-                optimizer.register_step_post_hook(lambda _o, _a, _k: lu.exit(True)),
-                optimizer.register_load_state_dict_post_hook(lambda _o: lu.forget())]
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
@@ -551,15 +449,12 @@ class State:
         names = [n for it in items for n in it.names]
         if not names:
             return None
-        table = self.engine.gather_nonfinite(self._nf.row(
+        table = self.engine.nonfinite.gather(self._nf.row(
             names, [pl for it in items for pl in it.payloads], items[0].buffer.device))
         self._nf.reset()
-        flagged = self.engine.nonfinite_flags(table, names, self.step)
-        if flagged is not None:
-            j = 0
-            for it, total in zip(items, results):
-                it.layout.mark_nan(total, flagged[j:j + len(it.names)])
-                j += len(it.names)
+        self.engine.nonfinite.propagate(
+            table, names, self.step, ((it.layout.spec, total, it.layout.first(total.device))
+                                      for it, total in zip(items, results)))
         return table.sum(0) > 0
 
     # ------------------------------------------------------------------ transactions

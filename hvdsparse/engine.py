@@ -20,8 +20,9 @@ engine knows *what* a step does with a bucket, in this order:
    (:meth:`StepEngine.finish`): the rank-order sum of every rank's decoded payloads.
 4. **feed back** (:meth:`StepEngine.feed_back`): what the exchange sent but did not
    deliver returns to the residuals; DGC's momentum-factor masking.
-5. **non-finite policy** (:mod:`hvdsparse.nonfinite`): one per-layer count table, the
-   same on every rank; ``raise`` / ``skip`` / ``propagate``.
+5. **non-finite policy** (``StepEngine.nonfinite``, a
+   :class:`~hvdsparse.nonfinite.NonFinitePolicy`): one per-layer count table, the same
+   on every rank; ``raise`` / ``skip`` / ``propagate``.
 6. **commit or roll back** (:meth:`StepEngine.commit` / :meth:`StepEngine.rollback`) the
    compressor's and the local update's step.
 
@@ -33,13 +34,12 @@ Host synchronisation: none in steps 1-4 (host integers only; the cost model's fi
 are those of two steps back, whose copy completed before the previous step's
 collectives could). Device flags the host must act on (the unvalidated decode's error
 flag, the non-finite table under ``raise``) are copied to pinned memory and read at the
-next step (:meth:`StepEngine.check_deferred`), never waited for in the step that made
-them.
+next step (:class:`DeferredReads`, ``StepEngine.reads``), never waited for in the step
+that made them.
 """
 from __future__ import annotations
 
 import inspect
-import logging
 from collections import defaultdict
 from typing import Dict, List, NamedTuple, Optional, Sequence
 
@@ -54,12 +54,10 @@ from .exchange import launch as launch_exchange
 from .exchange.base import ReadoutBatch, TaggedFigures, bucket_capacity
 from .exchange.split import pair_dtype
 from .bucket_plan import BucketHistory, saved_figures
-from .nonfinite import raise_nonfinite
+from .nonfinite import NonFinitePolicy, raise_nonfinite
 from .settings import ExchangeSettings, differences
 
-log = logging.getLogger("hvdsparse")
-
-__all__ = ["StepEngine", "LayerInput"]
+__all__ = ["StepEngine", "LayerInput", "DeferredReads"]
 
 
 class LayerInput(NamedTuple):
@@ -93,7 +91,11 @@ class StepEngine:
         self.prefix = prefix
         self.local_update = local_update
         self.grad_scaler = grad_scaler
-        self.nonfinite = nonfinite
+        #: device values read one step late; ``reads.hint``: the door's advice appended
+        #: to the non-finite error
+        self.reads = DeferredReads()
+        #: the non-finite policy in force (:class:`hvdsparse.nonfinite.NonFinitePolicy`)
+        self.nonfinite = NonFinitePolicy(nonfinite, transport, prefix, self.reads)
         self.bucket_path = bucket.enabled(compressor, local_update)
         try:
             self._after_takes_param = "param" in inspect.signature(
@@ -104,12 +106,8 @@ class StepEngine:
         self.reads_exchanged = getattr(type(compressor), "after_exchange", None) is not \
             Compressor.after_exchange
         self._inv: Optional[torch.Tensor] = None
-        self._error_flag: Optional[torch.Tensor] = None
-        self._pending_reads: List[tuple] = []
-        self._readouts = ReadoutBatch()   # the step's device reads, one copy per step
         self._histories: Dict[tuple, BucketHistory] = {}
         self._saved_histories: Dict[tuple, list] = {}
-        self.hint = ""                   # appended to the non-finite error (door's advice)
 
     # ------------------------------------------------------------------ per step
     def begin_step(self, step: int) -> None:
@@ -323,17 +321,12 @@ class StepEngine:
             prev_capacity=prev.get("capacity"))
         return cost_model.choose(figs, alpha_bytes=st.alpha_bytes)
 
-    def _flag_for(self, device) -> torch.Tensor:
-        if self._error_flag is None:
-            self._error_flag = torch.zeros(1, dtype=torch.int32, device=device)
-        return self._error_flag
-
     def context(self, device, step: int, buffers) -> ExchangeContext:
         return ExchangeContext.from_settings(
             self.settings, device=device, rank=self.rank, world_size=self.world_size,
-            prefix=self.prefix, step=step, error_flag_for=self._flag_for,
+            prefix=self.prefix, step=step, error_flag_for=self.reads.flag_for,
             want_figures=self.settings.exchange == "auto", buffers=buffers,
-            transport=self.transport, readouts=self._readouts)
+            transport=self.transport, readouts=self.reads.readouts)
 
     def launch(self, strategy: str, spec: BucketSpec, payloads, device, step: int,
                buffers):
@@ -452,48 +445,43 @@ class StepEngine:
             out[i] = r
         return out
 
-    # ------------------------------------------------------------------ non-finite
-    def gather_nonfinite(self, row: torch.Tensor, *, wait: bool = True):
-        """Every rank's [1, nlayers] row -> the [P, nlayers] table (rank order); with
-        ``wait=False`` the handle (:meth:`finish_nonfinite`)."""
-        h = self.transport.allgather_async(row, name=f"{self.prefix}.nonfinite")
-        return self.transport.synchronize(h) if wait else h
-
-    def finish_nonfinite(self, handle):
-        return None if handle is None else self.transport.synchronize(handle)
-
-    def nonfinite_flags(self, table: torch.Tensor, names: Sequence[str], step: int,
-                        ) -> Optional[torch.Tensor]:
-        """Apply ``raise`` / ``propagate`` to the [P, nlayers] ``table``. CPU: ``raise``
-        raises now; CUDA: the table is read at the next step without a stall, and
-        meanwhile (as under ``propagate``) the flagged layers are marked. Returns the
-        per-layer "non-finite on some rank" vector the caller marks NaN into its buckets,
-        or None when nothing is to be marked."""
-        if self.nonfinite == "raise":
-            if table.device.type == "cpu":
-                raise_nonfinite(table.numpy().tolist(), names, step, self.hint)
-            else:
-                self.defer_read("nonfinite", step, table, list(names))
-        if self.nonfinite == "propagate" or table.device.type != "cpu":
-            return table.sum(0) > 0
-        return None
-
-    def nonfinite_skip(self, table: torch.Tensor, names: Sequence[str], step: int) -> bool:
-        """``nonfinite="skip"``: whether this step is skipped on every rank (a host read
-        of the table in the same step, as ``torch.amp.GradScaler`` reads its flag)."""
-        host = table.cpu().numpy()
-        if not host.any():
-            return False
-        log.warning("hvdsparse: step %d skipped: non-finite gradient in %s", step,
-                    sorted({names[j] for j in range(host.shape[1]) if host[:, j].any()}))
-        return True
-
     # ------------------------------------------------------------------ deferred reads
+    def send_reads(self, step: int) -> None:
+        """End of the step's device work: :meth:`DeferredReads.send_reads`."""
+        self.reads.send_reads(step)
+
+    def check_deferred(self) -> None:
+        """Act on earlier steps' device flags: :meth:`DeferredReads.check_deferred`."""
+        self.reads.check_deferred()
+
+
+class DeferredReads:
+    """Device values the host must act on, read one step late so that reading never
+    stalls the stream: the unvalidated decode's error flag (:meth:`flag_for`) and the
+    non-finite table under ``raise``. They join the step's
+    :class:`~hvdsparse.exchange.base.ReadoutBatch` (with every bucket's cost-model
+    figures), which leaves for pinned host memory in one copy at the step's end
+    (:meth:`send_reads`); :meth:`check_deferred` reads them at the next step.
+
+    ``hint``: the door's advice, appended to the non-finite error."""
+
+    def __init__(self):
+        self.readouts = ReadoutBatch()   # the step's device reads, one copy per step
+        self.hint = ""
+        self._error_flag: Optional[torch.Tensor] = None
+        self._pending_reads: List[tuple] = []
+
+    def flag_for(self, device) -> torch.Tensor:
+        """The step's decode error flag (int32[1] on ``device``, made on first use)."""
+        if self._error_flag is None:
+            self._error_flag = torch.zeros(1, dtype=torch.int32, device=device)
+        return self._error_flag
+
     def defer_read(self, kind: str, step: int, values: torch.Tensor, names=None) -> None:
         """Copy device ``values`` to pinned host memory now; act on them at the next
         :meth:`check_deferred` (when reading no longer stalls the stream)."""
         self._pending_reads.append((kind, step, tuple(values.shape),
-                                    self._readouts.add(values), names))
+                                    self.readouts.add(values), names))
 
     def send_reads(self, step: int) -> None:
         """End of the step's device work: the decode flag (unvalidated path) joins the
@@ -504,7 +492,7 @@ class StepEngine:
         if self._error_flag is not None:
             self.defer_read("error", step, self._error_flag)
             self._error_flag = None
-        self._readouts.flush()
+        self.readouts.flush()
 
     def check_deferred(self) -> None:
         """Act on earlier steps' device flags: a decode error raises ``RuntimeError``,

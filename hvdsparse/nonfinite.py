@@ -5,11 +5,14 @@ so every rank sees the same table and applies ``raise`` / ``skip`` / ``propagate
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+import logging
+from typing import Dict, Iterable, Optional, Sequence
 
 import torch
 
-__all__ = ["NonFinite", "raise_nonfinite"]
+log = logging.getLogger("hvdsparse")
+
+__all__ = ["NonFinite", "NonFinitePolicy", "raise_nonfinite"]
 
 
 def raise_nonfinite(table, names: Sequence[str], step: int, hint: str = "") -> None:
@@ -81,3 +84,76 @@ class NonFinite:
         """The next step counts into a new tensor."""
         self._buf = None
         self._given.clear()
+
+
+class NonFinitePolicy:
+    """The policy in force applied to the step's [P, nlayers] table, the same on every
+    rank, for both doors.
+
+    ``policy``: ``"raise"`` / ``"skip"`` / ``"propagate"``; ``transport``: the door's
+    transport (the table's allgather); ``prefix``: the collectives' name prefix;
+    ``reads``: the engine's deferred reads (on CUDA ``raise`` reads the table at the next
+    step, without a stall), whose ``hint`` (the door's advice) ends the error message.
+
+    ``raise``: ``FloatingPointError`` naming layers and ranks on every rank (CPU: now;
+    CUDA: one step late, with the flagged layers marked meanwhile as under
+    ``propagate``). ``propagate``: element 0 of every layer that held a non-finite value
+    on some rank becomes NaN in the exchanged gradient on every rank (device ops), as a
+    dense allreduce of a NaN would. ``skip``: the step is skipped on every rank (a host
+    read of the table in the same step, as ``torch.amp.GradScaler`` reads its flag)."""
+
+    def __init__(self, policy: str, transport, prefix: str, reads):
+        self.policy = policy
+        self.transport = transport
+        self.prefix = prefix
+        self.reads = reads
+
+    def gather(self, row: torch.Tensor, *, wait: bool = True):
+        """Every rank's [1, nlayers] row -> the [P, nlayers] table (rank order); with
+        ``wait=False`` the handle (:meth:`finish`)."""
+        h = self.transport.allgather_async(row, name=f"{self.prefix}.nonfinite")
+        return self.transport.synchronize(h) if wait else h
+
+    def finish(self, handle):
+        return None if handle is None else self.transport.synchronize(handle)
+
+    def flags(self, table: torch.Tensor, names: Sequence[str], step: int,
+              ) -> Optional[torch.Tensor]:
+        """Apply ``raise`` / ``propagate`` to ``table``. CPU: ``raise`` raises now; CUDA:
+        the table is read at the next step without a stall, and meanwhile (as under
+        ``propagate``) the flagged layers are marked. Returns the per-layer "non-finite
+        on some rank" vector to mark NaN into the buckets, or None when nothing is to be
+        marked."""
+        if self.policy == "raise":
+            if table.device.type == "cpu":
+                raise_nonfinite(table.numpy().tolist(), names, step, self.reads.hint)
+            else:
+                self.reads.defer_read("nonfinite", step, table, list(names))
+        if self.policy == "propagate" or table.device.type != "cpu":
+            return table.sum(0) > 0
+        return None
+
+    def propagate(self, table: torch.Tensor, names: Sequence[str], step: int,
+                  buckets: Iterable[tuple]) -> None:
+        """:meth:`flags`, then NaN into element 0 of every flagged layer: ``buckets``
+        yields ``(spec, total, first)`` per bucket, in ``names`` order (``spec``: its
+        :class:`~hvdsparse.exchange.BucketSpec`, ``total``: its flat exchanged gradient,
+        ``first``: ``spec.first_elements`` on ``total``'s device); drawn only when some
+        layer is to be marked."""
+        flagged = self.flags(table, names, step)
+        if flagged is None:
+            return
+        j = 0
+        for spec, total, first in buckets:
+            spec.mark_nan(total, flagged[j:j + len(spec.names)], first)
+            j += len(spec.names)
+
+    def skip(self, table: torch.Tensor, names: Sequence[str], step: int) -> bool:
+        """``skip``: whether this step is skipped on every rank (a host read of the table
+        in the same step)."""
+        host = table.cpu().numpy()
+        if not host.any():
+            return False
+        log.warning("hvdsparse: step %d skipped: non-finite gradient in %s", step,
+                    sorted({names[j] for j in range(host.shape[1]) if host[:, j].any()}))
+        return True

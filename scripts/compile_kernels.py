@@ -4,10 +4,14 @@ What it does (the engine of ``tests/test_compile_offline.py``):
 
 1. Replaces every ``@triton.jit`` launch kernel in ``hvdsparse.kernels`` with a
    recorder, sets ``HVDSPARSE_FORCE_TRITON=1`` and drives the public API with CPU
-   tensors (compressors' ``compress`` on a 25M-element layer, ``codec.accumulate`` with
-   ``validate=False``, DCT-MP's row threshold) and ``hvdsparse.ops`` with meta tensors
-   for layers of more than 2**31 elements. Every launch is recorded with its grid,
-   arguments and options; nothing runs.
+   tensors (compressors' ``compress`` on a 25M-element layer; the bucket path of
+   ``compressors/bucket.py`` for TopK / Threshold / policy-dense / QSGD / AdaComp rows;
+   ``codec.encode`` of narrowed TopK payloads; ``codec.accumulate`` with
+   ``validate=False``, per segment and table-driven; DCT-MP's row threshold) and
+   ``hvdsparse.ops`` with meta tensors for layers of more than 2**31 elements. Every
+   launch is recorded with its grid, arguments and options; nothing runs, so a
+   scenario never reads a kernel's output on the host (messages to decode are zeros of
+   the right length, or made on the CPU path).
 2. Binds each recorded launch exactly as a real launch would (Triton's own binder,
    ``create_function_from_signature`` + ``JITFunction._pack_args``: argument types,
    16-byte alignment / divisibility specialisation, constexprs, options such as
@@ -23,10 +27,11 @@ What it does (the engine of ``tests/test_compile_offline.py``):
    report; sm_90 only, compile errors only).
 4. Inspects the result and writes a JSON report: compile errors, registers, spill bytes,
    grid sizes, 128-bit global loads (``ld.global.v4``) in the PTX, atomic semantics
-   (every ``atom``/``red`` relaxed, no ``fence``), FMA instructions where a product
+   (every global ``atom``/``red`` says ``.relaxed``, a shared one is relaxed or has no
+   ``.sem``, which PTX reads as relaxed; no ``fence``), FMA instructions where a product
    feeds a sum (``fma.rn.f32`` must not appear in the no-contraction kernels), fp32
    divisions that are not IEEE-rounded (``div.full`` / ``div.approx`` / ``rcp.approx``
-   must not appear there either), and the
+   must not appear there either, nor in the kernels that state ``div_rn``), and the
    integer width of every tensor pointer offset in the Triton IR (``tt.addptr`` with
    ``i32`` offsets would overflow past 2**31 bytes/elements).
 
@@ -69,7 +74,10 @@ if REPO not in sys.path:
 from hvdsparse import ops  # noqa: E402
 
 K = ops.kernels_package()
-#: (submodule, kernel attribute) of every launch kernel
+#: (submodule, kernel attribute) of every launch kernel (a ``@triton.jit`` function that
+#: Python code in ``kernels/`` launches as ``kernel[grid](...)``; the ``bucket_*``
+#: submodules are imported through ``ops.bucket_kernels``). A literal: the test reads it
+#: with ``ast`` and checks it against a scan of ``kernels/*.py``.
 KERNELS = [("residual", "_residual_tile_kernel"), ("residual", "_residual_flat_kernel"),
            ("select", "_select_compact_kernel"), ("quantize", "_quantize_pack_kernel"),
            ("quantize", "_unpack_kernel"), ("quantize", "_philox_uniform_kernel"),
@@ -80,21 +88,40 @@ KERNELS = [("residual", "_residual_tile_kernel"), ("residual", "_residual_flat_k
            ("bucket_topk", "_accumulate_kernel"), ("bucket_topk", "_sample_kernel"),
            ("bucket_topk", "_count_kernel"), ("bucket_topk", "_select_kernel"),
            ("bucket_topk", "_clamp_kernel"), ("bucket_topk", "_mask_kernel"),
-           ("bucket_topk", "_ladder_kernel")]
+           ("bucket_topk", "_ladder_kernel"), ("bucket_topk", "_radix_hist_kernel"),
+           ("bucket_topk", "_radix_choose_kernel"),
+           ("bucket_dense", "_dense_copy_kernel"), ("bucket_dense", "_qsgd_pack_kernel"),
+           ("bucket_binned", "_ada_accumulate_kernel"),
+           ("bucket_binned", "_ada_count_kernel"), ("bucket_binned", "_ada_pack_kernel"),
+           ("bucket_decode", "_check_kernel"), ("bucket_decode", "_scatter_kernel"),
+           ("bucket_narrow", "_narrow_kernel")]
 #: kernels that stream over a whole layer: grid >= 1000 programs at 25M elements, and
 #: 128-bit loads of aligned fp32 inputs
 STREAMING = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
              "_refine_count_kernel", "_clean_kernel", "_binned_count_kernel",
              "_binned_pack_kernel",
              "_quantize_pack_kernel", "_unpack_kernel", "_philox_uniform_kernel"}
+#: table-driven (bucket) kernels whose programs tile the bucket's layers: a launch in a
+#: scenario whose bucket holds a 25M-element layer has >= 1000 programs (they take no
+#: ``n``; the scenario's name ends in ``@25M``)
+TABLE_STREAMING = {"_accumulate_kernel", "_count_kernel", "_select_kernel",
+                   "_ladder_kernel", "_radix_hist_kernel", "_dense_copy_kernel",
+                   "_qsgd_pack_kernel", "_ada_accumulate_kernel", "_ada_count_kernel",
+                   "_ada_pack_kernel"}
 VECTOR_LOADS = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
                 "_refine_count_kernel", "_clean_kernel",
                 "_quantize_pack_kernel"}
-#: kernels where a product feeds a sum and the math says two roundings
+#: kernels where a product feeds a sum and the math says two roundings (their modules
+#: say ``enable_fp_fusion=False``): no fma.rn.f32, and no approximate fp32 division
 NO_FMA = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
           "_refine_count_kernel", "_refine_final_kernel", "_binned_count_kernel",
           "_binned_pack_kernel", "_accumulate_kernel", "_count_kernel", "_select_kernel",
-          "_ladder_kernel"}
+          "_ladder_kernel", "_clamp_kernel", "_dense_copy_kernel", "_qsgd_pack_kernel",
+          "_ada_accumulate_kernel", "_ada_count_kernel", "_ada_pack_kernel"}
+#: kernels whose modules state a correctly rounded fp32 division (``div_rn``) without
+#: turning contraction off: no approximate fp32 division
+EXACT_DIV = {"_quantize_pack_kernel", "_unpack_kernel", "_scatter_row_kernel",
+             "_scatter_kernel"}
 BIG = 25_000_000
 
 RECORDS: list = []
@@ -121,6 +148,8 @@ class Recorder:
 
 def install_recorders():
     for mod, attr in KERNELS:
+        if mod.startswith("bucket_"):
+            ops.bucket_kernels(mod[len("bucket_"):])   # imports the submodule once
         m = getattr(K, mod)
         fn = getattr(m, attr)
         setattr(m, attr, Recorder(attr, fn))
@@ -259,6 +288,123 @@ def drive(full: bool, errors: list):
         TB.compress_bucket(c, [TB.BucketItem("big", g, p, torch.zeros(1, dtype=torch.int32),
                                              spec)], [pl], 1)
     run("bucket-Threshold-mc@25M", bucket_threshold)
+
+    def reached(*kernels):
+        """The scenario launched these kernels (a library change that routes around
+        them fails here, not silently)."""
+        got = {r["kernel"] for r in RECORDS if r["scenario"] == _SCENARIO[0]}
+        miss = sorted(set(kernels) - got)
+        if miss:
+            raise AssertionError(f"not launched: {miss} (launched: {sorted(got)})")
+
+    # the bucket path for every compressor (compressors/bucket.py: plan_layer, group_key,
+    # compress_bucket, mask_bucket, as the step engine calls them); outputs are never read
+    def bucket_groups(comp, layers, expect, step=0, dtype=torch.float32, grad_scale=None,
+                      pending=()):
+        from hvdsparse.compressors import bucket as BK
+        groups = {}
+        for name, shp in layers:
+            g, p = torch.zeros(shp, dtype=dtype), torch.zeros(shp, dtype=dtype)
+            if name in pending:        # a residual left by take_back, flushed by the send
+                comp.take_back(name, torch.ones(g.numel()))
+            got = BK.plan_layer(comp, None, name, g, p, step)
+            if got is None:
+                raise AssertionError(f"layer {name} {shp}: not taken by the bucket path")
+            spec, plan = got
+            it = BK.BucketItem(name, g, p, torch.zeros(1, dtype=torch.int32), spec)
+            its, pls = groups.setdefault(BK.group_key(plan, it), ([], []))
+            its.append(it)
+            pls.append(plan)
+        for its, pls in groups.values():
+            _, batch = BK.compress_bucket(comp, its, pls, step, grad_scale=grad_scale)
+            BK.mask_bucket(batch)
+        reached(*expect)
+
+    big2 = (5000, BIG // 5000)
+    # policy-dense rows (1-D layers): AMP's scale, a pending residual
+    run("bucket-dense-fp32@25M", lambda: bucket_groups(
+        hvdsparse.TopK(0.01), [("bias", (BIG,)), ("b", (300,))], ["_dense_copy_kernel"],
+        grad_scale=torch.ones(1), pending=("b",)))
+    run("bucket-dense-bf16@odd25M", lambda: bucket_groups(
+        hvdsparse.QSGD(4), [("bias", (BIG - 1,))], ["_dense_copy_kernel"],
+        dtype=torch.bfloat16))
+    # QSGD rows: one group per (bits, bucket size); rows with and without error feedback
+    qsgd = [("QSGD-4", lambda: hvdsparse.QSGD(4, overrides={"s": dict(error_feedback=True)}))]
+    if full:
+        qsgd += [("QSGD-8-b100-ef", lambda: hvdsparse.QSGD(8, bucket_size=100,
+                                                           error_feedback=True)),
+                 ("QSGD-2-b1024", lambda: hvdsparse.QSGD(2, bucket_size=1024))]
+    for name, make in qsgd:
+        run(f"bucket-{name}@25M", lambda make=make: bucket_groups(
+            make(), [("w", big2), ("s", (37, 50))], ["_qsgd_pack_kernel"],
+            grad_scale=torch.ones(1)))
+    # AdaComp rows: bins of 500 (int16 bin-relative slots) and of 50 (uint8, a conv)
+    ada = ["_ada_accumulate_kernel", "_ada_count_kernel", "_ada_pack_kernel"]
+    run("bucket-AdaComp@25M", lambda: bucket_groups(
+        hvdsparse.AdaComp(), [("w", big2), ("s", (37, 50))], ada))
+    run("bucket-AdaComp-conv@25M", lambda: bucket_groups(
+        hvdsparse.AdaComp(), [("conv", (5000, 125, 40, 1))], ada))
+    if full:
+        run("bucket-AdaComp-bf16-scaled@25M", lambda: bucket_groups(
+            hvdsparse.AdaComp(), [("w", big2)], ada, dtype=torch.bfloat16,
+            grad_scale=torch.ones(1)))
+    # Threshold's refresh step on the bucket path (ROUTE_FRESH: the radix select)
+    run("bucket-Threshold-fresh@25M", lambda: bucket_groups(
+        hvdsparse.Threshold(0.99, output_ratio=None), [("big", big2), ("mid", (350, 200))],
+        ["_radix_hist_kernel", "_radix_choose_kernel", "_select_kernel"]))
+
+    def cpu_payloads(makers):
+        """Real payloads made on the CPU path from ``[(make compressor, name, shape)]``
+        (random gradients; zeros for the policy-dense 25M-element layer: only its layout
+        matters, and random numbers cost seconds there)."""
+        g = torch.Generator().manual_seed(2)
+        os.environ["HVDSPARSE_FORCE_TRITON"] = "0"
+        try:
+            return [make().compress(name, torch.randn(shp, generator=g) if len(shp) > 1
+                                    else torch.zeros(shp), 0)
+                    for make, name, shp in makers]
+        finally:
+            os.environ["HVDSPARSE_FORCE_TRITON"] = "1"
+
+    # the encoder's index narrowing (INT32 -> BIN_U16, kernels/bucket_narrow.py; one
+    # program per segment, whatever the size): bin counts 4 bytes wide (two 65536-element
+    # bins) and 2 bytes wide (one bin of < 65536)
+    for values in (["fp32", "bf16", "fp16"] if full else ["fp32", "bf16"]):
+        def f(values=values):
+            pay = cpu_payloads([(lambda: hvdsparse.TopK(0.01, values=values), "big",
+                                 (300, 400)),
+                                (lambda: hvdsparse.TopK(0.01, values=values), "mid",
+                                 (300, 200))])
+            if not all(s.narrow_indices for p in pay for s in p.segments):
+                raise AssertionError("TopK's segments are not marked for narrowing")
+            codec.encode(pay)
+            reached("_narrow_kernel")
+        run(f"encode-narrow-{values}", f)
+
+    # the table-driven bucket decode (codec.accumulate, validate=False, the outputs slices
+    # of one flat tensor): DENSE (a 25M-element policy-dense layer: one program per 1024
+    # slots; QSGD codes), BIN_U16 (narrowed TopK, fp32 and bf16 values), BIN_U8 / BIN_U16
+    # with sign bits (AdaComp), IMPLICIT (RandomK). The messages are zeros of the right
+    # length: nothing reads them.
+    def accumulate_bucket(P=2):
+        pay = cpu_payloads([
+            (lambda: hvdsparse.TopK(0.01), "w", (300, 400)),
+            (lambda: hvdsparse.TopK(0.01), "bias", (BIG,)),
+            (lambda: hvdsparse.TopK(0.01, values="bf16"), "mid", (300, 200)),
+            (lambda: hvdsparse.QSGD(4), "q", (700, 40)),
+            (lambda: hvdsparse.AdaComp(), "a", (700, 40)),
+            (lambda: hvdsparse.AdaComp(), "conv", (64, 32, 3, 3)),
+            (lambda: hvdsparse.RandomK(0.01), "r", (700, 40))])
+        bufs = torch.zeros(P, codec.encoded_nbytes(pay), dtype=torch.uint8)
+        base = torch.zeros(sum(p.numel for p in pay))
+        outs, o = [], 0
+        for p in pay:
+            outs.append(base[o:o + p.numel])
+            o += p.numel
+        codec.accumulate(bufs, pay, outs, validate=False,
+                         error_flag=torch.zeros(1, dtype=torch.int32))
+        reached("_check_kernel", "_scatter_kernel")
+    run("accumulate-bucket@25M", accumulate_bucket)
     # DCT-MP row threshold
     for d in ((256, 4096) if full else (256,)):
         run(f"rowthreshold-d{d}",
@@ -371,13 +517,24 @@ def _ptxas_report(ptx: str, cc: int, fmad: bool, cache_dir: str):
     return regs, st, ld
 
 
+_SEMS = (".relaxed", ".acquire", ".release", ".acq_rel", ".sc", ".mmio")
+
+
+def _relaxed(atom: str) -> bool:
+    """An ``atom`` / ``red`` instruction is relaxed: it says ``.relaxed``, or it is a
+    shared-memory one with no ``.sem`` qualifier (PTX: an absent ``.sem`` means
+    ``.relaxed``; Triton's block-local ``tl.histogram`` lowers to ``atom.shared.add``
+    without one). A global atomic must say ``.relaxed`` (Triton's default is acq_rel)."""
+    return ".relaxed" in atom or (".shared" in atom and not any(q in atom for q in _SEMS))
+
+
 def _inspect(ptx: str, ttir: str) -> dict:
     atoms = re.findall(r"\b((?:atom|red)\.[\w.]+)", ptx)
     return dict(
         v4_loads=len(re.findall(r"\bld\.global(?:\.[\w]+)*\.v4\.", ptx)),
         scalar_loads=len(re.findall(r"\bld\.global(?:\.(?!v[24])[\w]+)*\s", ptx)),
         atomics=sorted(set(atoms)),
-        nonrelaxed_atomics=sorted({a for a in atoms if ".relaxed" not in a}),
+        nonrelaxed_atomics=sorted({a for a in atoms if not _relaxed(a)}),
         fences=sorted(set(re.findall(r"\b(fence\.[\w.]+|membar\.[\w.]+)", ptx))),
         fma_f32=len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
         # fp32 division that is not IEEE round-to-nearest (Triton's plain ``/`` may
@@ -392,7 +549,10 @@ def _inspect(ptx: str, ttir: str) -> dict:
 def _controls() -> dict:
     """Positive controls of the PTX inspection: a kernel with a plain fp32 ``/`` must be
     reported as approximate division (Triton lowers it to ``div.full.f32``), the same
-    with ``tl.math.div_rn`` must not. Proves the check can fail."""
+    with ``tl.math.div_rn`` must not; an atomic add with Triton's default semantics
+    (acq_rel) must be reported as not relaxed, one with ``sem="relaxed"`` and a
+    ``tl.histogram`` (shared-memory atomics without a ``.sem``) must not. Proves the
+    checks can fail."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -406,11 +566,29 @@ def _controls() -> dict:
     def rn_div(x_ptr, y_ptr, o_ptr):
         tl.store(o_ptr, tl.math.div_rn(tl.load(x_ptr), tl.load(y_ptr)))
 
+    @triton.jit
+    def acq_rel_atomic(x_ptr, y_ptr, o_ptr):
+        tl.atomic_add(o_ptr, tl.load(x_ptr))
+
+    @triton.jit
+    def relaxed_atomic(x_ptr, y_ptr, o_ptr):
+        tl.atomic_add(o_ptr, tl.load(x_ptr), sem="relaxed")
+
+    @triton.jit
+    def histogram(x_ptr, y_ptr, o_ptr):
+        b = tl.arange(0, 256)
+        h = tl.histogram((tl.load(x_ptr + b).to(tl.int32, bitcast=True) >> 3) & 255, 256)
+        tl.atomic_add(o_ptr + b, h.to(tl.float32), sem="relaxed")
+
     sig = {"x_ptr": "*fp32", "y_ptr": "*fp32", "o_ptr": "*fp32"}
     out = {}
     for fn in (plain_div, rn_div):
         k = triton.compile(ASTSource(fn, sig, {}), target=GPUTarget("cuda", 80, 32))
         out[fn.__name__] = _inspect(k.asm["ptx"], k.asm["ttir"])["approx_div_f32"]
+    for fn in (acq_rel_atomic, relaxed_atomic, histogram):
+        k = triton.compile(ASTSource(fn, sig, {}), target=GPUTarget("cuda", 90, 32))
+        got = _inspect(k.asm["ptx"], k.asm["ttir"])
+        out[fn.__name__] = dict(atomics=got["atomics"], nonrelaxed=got["nonrelaxed_atomics"])
     return out
 
 
@@ -497,7 +675,9 @@ def compile_all(full: bool, ccs=(80, 90)) -> dict:
                 errors=errors, launches=launches, specializations=out, forced=forced,
                 controls=_controls(),
                 streaming=sorted(STREAMING), vector_loads=sorted(VECTOR_LOADS),
-                no_fma=sorted(NO_FMA), big=BIG)
+                no_fma=sorted(NO_FMA), exact_div=sorted(EXACT_DIV),
+                table_streaming=sorted(TABLE_STREAMING), kernels=[k for _, k in KERNELS],
+                big=BIG)
 
 
 def main():

@@ -95,7 +95,7 @@ NO_LAUNCH = {"view", "detach", "slice", "t", "expand", "as_strided", "_unsafe_vi
              "sym_storage_offset", "storage_offset", "_has_compatible_shallow_copy_type",
              "_is_any_true", "item", "view_as_real", "view_as_complex"}
 _ENCODE_FUNCS = {"encode", "new_message", "_narrow_message", "_joined", "run",
-                 "_segment_pieces", "_count_bytes", "_as_bytes", "_narrow_bin_counts"}
+                 "segment_pieces", "count_bytes", "_as_bytes", "_narrow_bin_counts"}
 _FEEDBACK_CODEC = {"payload_to_dense", "sent_positions", "_own_segments"}
 
 
@@ -164,14 +164,14 @@ def _phase(frame) -> str:
     for fn, name in hv:
         low = name.lower()
         if "feed_back" in low or "feedback" in low or (
-                fn.endswith("codec.py") and name in _FEEDBACK_CODEC):
+                "/hvdsparse/codec" in fn and name in _FEEDBACK_CODEC):
             return "feedback"
     for fn, name in hv:
         if "/kernels/" in fn or fn.endswith("/ops.py"):
             continue                      # kernel wrappers: the caller decides
         if fn.endswith("transport.py"):
             return "exchange"
-        if fn.endswith("codec.py"):
+        if "/hvdsparse/codec" in fn:
             return "encode" if name in _ENCODE_FUNCS else "decode"
         if "/exchange/" in fn:
             if name == "launch":

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvdsparse import codec
+from hvdsparse import codec, codec_accumulate, codec_format
 from hvdsparse.payload import IndexEncoding as IE
 from hvdsparse.payload import LayerPayload, ValueEncoding as VE
 from tests.workers.allgather_worker import (ALL_VE, assert_close, dense_reference,
@@ -78,7 +78,7 @@ def _rank_payloads(rng, layout):
 
 def _corrupt(rng, rows, template, kind):
     """Damage one row of ``rows`` (uint8 [P, n]) in place; returns a description."""
-    plan = codec._plan(template)
+    plan = codec_format.layout_plan(template)
     P, n = rows.shape
     r = int(rng.integers(P))
     segs = plan.segs
@@ -137,16 +137,16 @@ def _corrupt(rng, rows, template, kind):
 
 def _run(monkeypatch, rows, template, poison, bucket: bool, own_flag: bool = False):
     calls = []
-    orig = codec._bucket_accumulate
+    orig = codec_accumulate._bucket_accumulate
     with monkeypatch.context() as m:
         if bucket:
             def spy(*a):
                 out = orig(*a)
                 calls.append(out is not None)
                 return out
-            m.setattr(codec, "_bucket_accumulate", spy)
+            m.setattr(codec_accumulate, "_bucket_accumulate", spy)
         else:
-            m.setattr(codec, "_bucket_accumulate", lambda *a: None)
+            m.setattr(codec_accumulate, "_bucket_accumulate", lambda *a: None)
         flat = poison.clone()
         outs, pos = [], 0
         for p in template:
@@ -242,7 +242,7 @@ def test_bucket_decode_launches_and_table_cache(monkeypatch):
     orig_table = codec.ops.bucket_decode_table
     monkeypatch.setattr(codec.ops, "bucket_decode_table",
                         lambda segs: built.append(1) or orig_table(segs))
-    codec._BUCKET_META.clear()
+    codec_accumulate._BUCKET_META.clear()
     for _ in range(2):
         flat = torch.zeros(sum(p.numel for p in template))
         outs, pos = [], 0

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hvdsparse import codec
+from hvdsparse import codec, codec_format, codec_slots
 from hvdsparse.codec import CodecError, accumulate, decode, encode, encoded_nbytes
 from hvdsparse.payload import (QUANT_BITS, IndexEncoding, LayerPayload, Segment,
                                ValueEncoding, bin_count_width)
@@ -306,7 +306,7 @@ def _patch(buf, offset, fmt, value):
 
 
 def _offsets(payloads):
-    segs, _, _ = codec._layout(payloads)
+    segs, _, _ = codec_format._layout(payloads)
     return segs
 
 
@@ -522,7 +522,7 @@ import os, struct, sys
 import numpy as np, torch
 from tests.workers.allgather_worker import (ALL_IE, ALL_VE, assert_close, dense_reference,
                                             fill_payloads, random_layout)
-from hvdsparse import codec, ops
+from hvdsparse import codec, codec_format, ops
 seed = int(sys.argv[1])
 assert ops.use_triton(torch.zeros(1))
 pairs = [(i, v) for i in ALL_IE for v in ALL_VE]
@@ -542,7 +542,7 @@ for li, lp in enumerate(template):
     assert_close(codec.payload_to_dense(lp), dense_reference(layout, [ranks[0][1]])[li],
                  f"triton payload_to_dense layer {li}")
 # corrupt: INT32 index out of range in rank 1 -> flag 1; count > capacity -> flag 2
-segs, _, _ = codec._layout(template)
+segs, _, _ = codec_format._layout(template)
 s = next(k for k, sl in enumerate(segs) if sl.ienc == codec.IndexEncoding.INT32 and sl.capacity)
 bad = bufs.clone()
 struct_bytes = torch.tensor(list(struct.pack("<i", 10 ** 6)), dtype=torch.uint8)
@@ -698,7 +698,7 @@ def test_wire_defect_regressions():
 
 
 def test_uncached_temporaries_decode_alike(monkeypatch):
-    """Above codec._CACHE_ELEMS the slot / index temporaries are allocated per call
+    """Above codec_slots._CACHE_ELEMS the slot / index temporaries are allocated per call
     instead of cached: same sums either way (all encodings, both paths)."""
     seed = fresh_seed()
     layout = random_layout(np.random.default_rng(seed), pairs=[(i, VE.FP32) for i in ALL_IE],
@@ -707,8 +707,8 @@ def test_uncached_temporaries_decode_alike(monkeypatch):
     rows = torch.stack([encode(p) for p, _ in ranks])
     template = ranks[0][0]
     sums = {}
-    for limit in (codec._CACHE_ELEMS, 4):
-        monkeypatch.setattr(codec, "_CACHE_ELEMS", limit)
+    for limit in (codec_slots._CACHE_ELEMS, 4):
+        monkeypatch.setattr(codec_slots, "_CACHE_ELEMS", limit)
         for validate in (True, False):
             outs = [torch.zeros(p.numel) for p in template]
             flag = torch.zeros(1, dtype=torch.int32)

@@ -337,13 +337,13 @@ def test_adacomp_compiled_loop_gives_the_numpy_bits():
 
 
 def test_bin_slot_indices_follow_the_codec_rule(monkeypatch):
-    """native.bin_slot_indices against codec._slot_indices's torch rule (the compiled
+    """native.bin_slot_indices against codec_slots.slot_indices's torch rule (the compiled
     loops switched off for the reference), on fresh rows: uint8 and uint16 bin-relative
     indices, well-formed bin counts and malformed ones (negative, past the capacity,
     relative indices >= the bin size, indices past the layer)."""
     import types
     import torch
-    from hvdsparse import codec, native
+    from hvdsparse import codec, codec_slots, native
     from hvdsparse.payload import IndexEncoding
     if not native.available():
         pytest.skip(f"compiled CPU loops unavailable: {native.why_unavailable()}")
@@ -366,11 +366,11 @@ def test_bin_slot_indices_follow_the_codec_rule(monkeypatch):
             wide = torch.zeros((P, C + 8), dtype=dt)
             wide[:, :C] = relw
             sl = types.SimpleNamespace(capacity=C, numel=N, ienc=ienc, bin_size=B, nbins=nb)
-            got, _ = codec._slot_indices(sl, wide[:, :C], bc, None, P, torch.device("cpu"))
+            got, _ = codec_slots.slot_indices(sl, wide[:, :C], bc, None, P, torch.device("cpu"))
             with monkeypatch.context() as m:
                 m.setattr(codec.native, "available", lambda: False)
-                want, _ = codec._slot_indices(sl, wide[:, :C], bc, None, P,
-                                              torch.device("cpu"))
+                want, _ = codec_slots.slot_indices(sl, wide[:, :C], bc, None, P,
+                                                   torch.device("cpu"))
             assert got.dtype == want.dtype == torch.int32
             assert torch.equal(got, want), (B, malformed)
 

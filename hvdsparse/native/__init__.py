@@ -463,7 +463,7 @@ def adacomp_select(grad: torch.Tensor, residual: torch.Tensor, bin_size: int, c:
 
 def bin_slot_indices(rel: torch.Tensor, bin_counts: torch.Tensor, bin_size: int,
                      numel: int) -> torch.Tensor:
-    """Layer indices int32 [P, C] of bin-relative slots (``codec._slot_indices``'s rule
+    """Layer indices int32 [P, C] of bin-relative slots (``codec_slots.slot_indices``'s rule
     for BIN_U8 / BIN_U16 segments, bit for bit): ``rel`` uint8 or int16 (uint16 bits)
     [P, C] and ``bin_counts`` int32 [P, nb], CPU, unit column stride."""
     lib = _lib()

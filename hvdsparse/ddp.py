@@ -443,7 +443,7 @@ class State:
 
     def _nonfinite(self, items, results) -> Optional[torch.Tensor]:
         """The step's non-finite table (:class:`NonFinite`, same on every rank) under the
-        policy (:meth:`StepEngine.nonfinite_flags`): the flagged layers' element 0
+        policy (:meth:`NonFinitePolicy.propagate`): the flagged layers' element 0
         becomes NaN in ``results`` on every rank (device ops). Returns the per-layer
         "flagged on some rank" vector (None with no layers)."""
         names = [n for it in items for n in it.names]

@@ -78,8 +78,9 @@ def count_bytes(seg: Segment, where: str, device) -> torch.Tensor:
     return c.contiguous().view(torch.uint8)
 
 
-def segment_pieces(seg: Segment, sl: SegLayout, where: str, device):
-    """Byte views of the four sections (None for empty), validated against layout."""
+def segment_pieces(seg: Segment, sl: SegLayout, where: str, device, bin_counts=None):
+    """Byte views of the four sections (None for empty), validated against layout;
+    ``bin_counts``: the counts' wire bytes when the caller narrowed them already."""
     il, bl, vl, sll = sl.lengths
     pieces = [None, None, None, None]
     if il:
@@ -95,7 +96,9 @@ def segment_pieces(seg: Segment, sl: SegLayout, where: str, device):
         else:  # BITMASK
             pieces[0] = _as_bytes(seg.indices, where, "indices (bitmask)", (torch.uint8,),
                                   il, device)
-    if bl:
+    if bl and bin_counts is not None:
+        pieces[1] = bin_counts
+    elif bl:
         bc = _as_bytes(seg.bin_counts, where, "bin_counts", (torch.int32,), sl.nbins, device)
         pieces[1] = _narrow_bin_counts(bc.view(torch.int32), sl.bin_size).view(torch.uint8)
     if vl:
@@ -228,6 +231,14 @@ def _joined(ts, n, buf):
     """``ts`` (1-D tensors of one dtype, ``n`` elements in all) as one tensor: a view when
     they lie in order in one storage, evenly spaced (a bucket's slices of one buffer, or
     its ``count`` rows), so nothing is copied; else concatenated into ``buf``."""
+    v = _joined_view(ts, n)
+    if v is not None:
+        return v
+    return torch.cat(ts, out=buf) if ts else buf
+
+
+def _joined_view(ts, n):
+    """:func:`_joined`'s view, or None when ``ts`` do not lie in order in one storage."""
     t0 = ts[0] if ts else None
     if t0 is not None and all(t.dim() == 1 and t.dtype == t0.dtype for t in ts) and \
             all(t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr()
@@ -241,7 +252,34 @@ def _joined(ts, n, buf):
             pos = offs[0]
             if all(o == p for o, p in zip(offs, np.cumsum([pos] + [t.numel() for t in ts]))):
                 return t0.as_strided((n,), (1,), offs[0])
-    return torch.cat(ts, out=buf) if ts else buf
+    return None
+
+
+def _narrow_all_bin_counts(plan: LayoutPlan, flat_segs, device) -> dict:
+    """``{segment ordinal: its bin counts in their wire dtype, as bytes}`` for the
+    segments whose counts travel narrower than int32 (``bin_count_width``): the counts
+    of one width that lie in order in one buffer (a bucket's) are cast in one op, the
+    others one segment at a time."""
+    groups: dict = {}
+    for s, ((li, p, seg), sl) in enumerate(zip(flat_segs, plan.segs)):
+        if sl.narrowed or not sl.lengths[1] or bin_count_width(sl.bin_size) == 4:
+            continue
+        where = f"layer {li} ({p.name!r}) segment {s}"
+        bc = _as_bytes(seg.bin_counts, where, "bin_counts", (torch.int32,), sl.nbins,
+                       device).view(torch.int32)
+        groups.setdefault(bin_count_width(sl.bin_size), []).append((s, bc))
+    out = {}
+    for w, members in groups.items():
+        dt = BIN_COUNT_DTYPE[w]
+        run = _joined_view([bc for _, bc in members], sum(bc.numel() for _, bc in members))
+        if run is None:
+            out.update((s, bc.to(dt).view(torch.uint8)) for s, bc in members)
+            continue
+        wide, pos = run.to(dt), 0
+        for s, bc in members:
+            out[s] = wide[pos:pos + bc.numel()].view(torch.uint8)
+            pos += bc.numel()
+    return out
 
 
 _NARROWINGS = LRU(256)      # (layout signature, device, value dtype) -> _Narrowing
@@ -326,10 +364,12 @@ def encode(payloads: Sequence[LayerPayload], out: Optional[torch.Tensor] = None
         pos = rec + 4
     pieces.append(img[pos:data_start])
     narrowed = _narrow_message(plan, flat_segs, device) if plan.narrowed else {}
+    counts = _narrow_all_bin_counts(plan, flat_segs, device)
     for s, (li, p, seg) in enumerate(flat_segs):
         where = f"layer {li} ({p.name!r}) segment {s}"
         sl = segs[s]
-        secs = narrowed[s] if sl.narrowed else segment_pieces(seg, sl, where, device)
+        secs = narrowed[s] if sl.narrowed else segment_pieces(seg, sl, where, device,
+                                                              counts.get(s))
         for piece, ln in zip(secs, sl.lengths):
             if piece is not None:
                 pieces.append(piece)

@@ -41,13 +41,15 @@ hyper-parameters of ``p``'s param group):
   ``D`` is frozen, so the update is linear in ``X``: momentum SGD on the preconditioned
   gradient, with the momentum applied *after* the exchange on the synchronised ``X``.
 
-  ``wire="momentum"`` (1-bit Adam as published, measured worse here): the momentum
+  ``wire="momentum"`` (1-bit Adam as published; no variance refresh): the momentum
   travels instead, ``x_i = m_i / D`` with ``m_i = beta1 * m + (1 - beta1) * g_i``, and
-  every rank sets ``m <- X * D``, ``p <- p - lr / bc1 * X``. Measured on text-lm (P = 4,
-  900 steps) the gradient wire roughly halves the loss gap to dense at
-  the same bytes: with the momentum on the wire, the sparsifier's budget goes to
-  re-sending the decaying momentum of recently sent coordinates -- which every rank
-  already holds in ``m`` -- instead of new gradient mass.
+  every rank sets ``m <- X * D``, ``p <- p - lr / bc1 * X``. Which wire is better depends
+  on the model (3 seeds each, TopK(0.01), BENCHMARKS "Transformer LM under AdamW"): on
+  the char-LSTM text-lm (P = 4, 900 steps) the gradient wire ends +1.9% above dense
+  against +4.0% for the momentum wire -- the momentum wire spends the sparsifier's
+  budget re-sending the decaying momentum of recently sent coordinates, which every
+  rank already holds in ``m``; on the GPT-style text-gpt (P = 2, 1000 steps) the
+  momentum wire ends +17.7% against +39.8%. The default stays ``"gradient"``.
 
 * **variance refresh** (``refresh=R``, ``R >= 2``, from step ``S = refresh_start >=
   T_w``; the front doors' defaults: :data:`DEFAULT_REFRESH`, ``S =``

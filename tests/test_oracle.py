@@ -591,3 +591,74 @@ def test_binned_pack(K, seed, L, c):
         assert _bits_equal(a, w_acc), ctx
         over += w_sel > w_cnt
     assert over >= 1 or L == c                        # over-full bins were exercised
+
+
+# ------------------------------------------------------------- index narrowing
+def test_bucket_narrow(seed):
+    """kernels/bucket_narrow.py against a plain oracle, on several members at once: each
+    member's bin counts are the histogram of its used indices' bins (``idx // B``), in
+    its wire width too; its used slots come out grouped by ascending bin with ``rel =
+    idx - bin * B`` and their own values (inside a bin in any order: compared as sets);
+    padding slots keep their values with ``rel = 0``; an index outside ``[0, N)`` is
+    neither counted nor placed. The counts are read through a stride (the bucket path's
+    ``[sent, selected]`` rows). Outputs are poisoned first."""
+    import numpy as np
+    nar = ops.bucket_kernels("narrow")
+    g = torch.Generator().manual_seed(seed)
+    L = int(torch.randint(1, 7, (1,), generator=g))
+    rows, idx, vals, used = [], [], [], []
+    s0 = b0 = 0
+    for j in range(L):
+        N = _n(g, 1, 300_000) if j % 2 else _n(g, 1, 70_000)
+        B = min(N, 65536) if j % 3 else max(1, min(N, int(torch.randint(1, 300, (1,), generator=g))))
+        nb = -(-N // B)
+        w = 1 if B <= 255 else 2 if B <= 65535 else 4
+        cap = int(torch.randint(1, min(N, 3000) + 1, (1,), generator=g))
+        c = int(torch.randint(0, cap + 1, (1,), generator=g))
+        i = torch.randperm(N, generator=g)[:cap].to(torch.int32)
+        if c and j == L - 1:                                 # one bad index
+            i[int(torch.randint(0, c, (1,), generator=g))] = N if j % 2 else -1
+        rows.append([s0, cap, b0, nb, B, w, N])
+        idx.append(i)
+        vals.append(torch.randn(cap, generator=g))
+        used.append(c)
+        s0, b0 = s0 + cap, b0 + nb
+    tab = torch.tensor(rows, dtype=torch.int64)
+    I, V = torch.cat(idx), torch.cat(vals)
+    cnt2 = torch.zeros(L, 2, dtype=torch.int32)
+    cnt2[:, 0] = torch.tensor(used, dtype=torch.int32)
+    cnt2[:, 1] = -5                                          # the other column: never read
+    out = dict(rel=torch.full((s0,), -7, dtype=torch.int16),
+               pv=torch.full((s0,), float("nan")),
+               c32=torch.full((b0,), -3, dtype=torch.int32),
+               c16=torch.full((b0,), -3, dtype=torch.int16),
+               c8=torch.full((b0,), 0xEE, dtype=torch.uint8),
+               start=torch.full((b0,), -3, dtype=torch.int32))
+    d = {k: _dev(v) for k, v in out.items()}
+    cd = _dev(cnt2)
+    nar.narrow(_dev(tab), _dev(I), _dev(V), cd[:, 0], d["rel"], d["pv"], d["c32"], d["c16"],
+               d["c8"], d["start"])
+    got = {k: v.cpu() for k, v in d.items()}
+    for j, (s, cap, b, nb, B, w, N) in enumerate(rows):
+        c = used[j]
+        ii = idx[j][:c].to(torch.int64)
+        ok = (ii >= 0) & (ii < N)
+        hist = torch.bincount(ii[ok] // B, minlength=nb).to(torch.int32)
+        assert torch.equal(got["c32"][b:b + nb], hist), (j, seed)
+        if w == 2:
+            assert torch.equal(got["c16"][b:b + nb], hist.to(torch.int16)), (j, seed)
+        if w == 1:
+            assert torch.equal(got["c8"][b:b + nb], hist.to(torch.uint8)), (j, seed)
+        k = int(ok.sum())
+        rel = got["rel"][s:s + k].to(torch.int64) & 0xFFFF
+        bins = torch.repeat_interleave(torch.arange(nb), hist.to(torch.int64))
+        assert bool((rel < B).all()), (j, seed)
+        placed = sorted(zip((bins * B + rel).tolist(),
+                            got["pv"][s:s + k].view(torch.int32).tolist()))
+        want = sorted(zip(ii[ok].tolist(), vals[j][:c][ok].view(torch.int32).tolist()))
+        assert placed == want, (j, seed)
+        pad = slice(s + c, s + cap)
+        assert torch.equal(got["rel"][pad], torch.zeros(cap - c, dtype=torch.int16)), (j, seed)
+        assert torch.equal(got["pv"][pad].view(torch.int32),
+                           vals[j][c:].view(torch.int32)), (j, seed)
+    assert np.array_equal(cnt2[:, 1].numpy(), np.full(L, -5))

@@ -262,16 +262,22 @@ class AdamSettings(NamedTuple):
     warmup: int
     refresh: Optional[int]            # None: v frozen for good after the warm-up
     refresh_start: Optional[int]
+    wire: str = "gradient"            # what travels after the warm-up (module docstring)
 
 
 def adam_setup(optimizer, compression, adam_recipe, adam_warmup, *, local_gradient=None,
                momentum_correction=False, adam_refresh=None,
-               adam_refresh_start=None) -> Optional[AdamSettings]:
+               adam_refresh_start=None, adam_wire=None) -> Optional[AdamSettings]:
     """Validate the ``adam_recipe`` / ``adam_warmup`` / ``adam_refresh`` /
-    ``adam_refresh_start`` arguments of a front door; return the resolved
-    :class:`AdamSettings` when the recipe is on, None when it is off.
+    ``adam_refresh_start`` / ``adam_wire`` arguments of a front door; return the
+    resolved :class:`AdamSettings` when the recipe is on, None when it is off.
     ``adam_recipe=None`` (auto): on for ``torch.optim.Adam`` / ``AdamW`` with a compressor
-    that compresses."""
+    that compresses. ``adam_wire``: ``None`` / ``"gradient"`` (default) or
+    ``"momentum"`` (1-bit Adam's wire, module docstring; it has no variance refresh, so
+    ``adam_refresh`` must then be None or 0)."""
+    if adam_wire not in (None, "gradient", "momentum"):
+        raise ValueError(f"adam_wire must be None (default: 'gradient'), 'gradient' or "
+                         f"'momentum', got {adam_wire!r}")
     if adam_recipe not in (None, True, False):
         raise ValueError(f"adam_recipe must be None (auto), True or False, got "
                          f"{adam_recipe!r}")
@@ -282,7 +288,7 @@ def adam_setup(optimizer, compression, adam_recipe, adam_warmup, *, local_gradie
         on = adam_recipe
     if not on:
         for arg, val in (("adam_refresh", adam_refresh), ("adam_warmup", adam_warmup),
-                         ("adam_refresh_start", adam_refresh_start)):
+                         ("adam_refresh_start", adam_refresh_start), ("adam_wire", adam_wire)):
             if val is not None:
                 raise ValueError(f"{arg}={val!r} is given but the Adam recipe is off "
                                  f"(adam_recipe={adam_recipe!r}, optimizer "
@@ -290,6 +296,14 @@ def adam_setup(optimizer, compression, adam_recipe, adam_warmup, *, local_gradie
                                  f"{type(compression).__name__})")
         return None
     warmup = check_warmup(adam_warmup)
+    wire = adam_wire or "gradient"
+    if wire == "momentum":
+        if adam_refresh not in (None, 0, False) or adam_refresh_start is not None:
+            raise ValueError(f"adam_wire='momentum' has no variance refresh: adam_refresh "
+                             f"must be None or 0 and adam_refresh_start None (got "
+                             f"adam_refresh={adam_refresh!r}, adam_refresh_start="
+                             f"{adam_refresh_start!r})")
+        adam_refresh = 0
     refresh, start = resolve_refresh(adam_refresh, adam_refresh_start, warmup, compression)
     check_adam(optimizer)
     if local_gradient is not None:
@@ -301,7 +315,7 @@ def adam_setup(optimizer, compression, adam_recipe, adam_warmup, *, local_gradie
         raise ValueError("momentum_correction is DGC's for torch.optim.SGD; with Adam / "
                          "AdamW the Adam recipe applies the momentum after the exchange "
                          "(adam_recipe)")
-    return AdamSettings(warmup, refresh, start)
+    return AdamSettings(warmup, refresh, start, wire)
 
 
 class AdamRecipe(VarianceRefresh, RecipeCheckpoint):

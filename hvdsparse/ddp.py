@@ -188,7 +188,8 @@ class State:
             applied in the hook and set to 0 for the duration of its ``step()``
             (optimizer step pre/post hooks; ``param_groups`` and checkpoints keep the
             user's values).
-        adam_recipe, adam_warmup, adam_refresh, adam_refresh_start: the Adam / AdamW recipe
+        adam_recipe, adam_warmup, adam_refresh, adam_refresh_start, adam_wire: the Adam /
+            AdamW recipe
             (:mod:`hvdsparse.adam`), as
             for :func:`hvdsparse.DistributedOptimizer`: on by default when
             ``optimizer=`` is a ``torch.optim.Adam`` / ``AdamW`` (the hook cannot see

@@ -70,15 +70,17 @@ def resolve_local_update(optimizer, compressor, settings: ExchangeSettings):
             raise ValueError("momentum_correction cannot be combined with local_gradient")
     if optimizer is None:
         if st.adam_recipe or any(getattr(st, k) is not None for k in
-                                 ("adam_warmup", "adam_refresh", "adam_refresh_start")):
+                                 ("adam_warmup", "adam_refresh", "adam_refresh_start",
+                                  "adam_wire")):
             raise ValueError("adam_recipe / adam_warmup / adam_refresh / adam_refresh_start "
-                             "need optimizer= (the torch.optim.Adam / AdamW that steps the "
-                             "model)")
+                             "/ adam_wire need optimizer= (the torch.optim.Adam / AdamW "
+                             "that steps the model)")
         return mc, None
     return mc, adam_setup(optimizer, compressor, st.adam_recipe, st.adam_warmup,
                           local_gradient=st.local_gradient, momentum_correction=mc,
                           adam_refresh=st.adam_refresh,
-                          adam_refresh_start=st.adam_refresh_start)
+                          adam_refresh_start=st.adam_refresh_start,
+                          adam_wire=st.adam_wire)
 
 
 def local_fingerprint(momentum_correction: bool, adam, settings: ExchangeSettings) -> dict:
@@ -87,7 +89,8 @@ def local_fingerprint(momentum_correction: bool, adam, settings: ExchangeSetting
                 momentum_masking=bool(settings.momentum_masking),
                 clip_grad_norm=settings.clip_grad_norm,
                 adam_warmup=adam and adam.warmup, adam_refresh=adam and adam.refresh,
-                adam_refresh_start=adam and adam.refresh_start)
+                adam_refresh_start=adam and adam.refresh_start,
+                adam_wire=adam and adam.wire)
 
 
 def make_local_update(optimizer, params: Dict[str, torch.Tensor], world_size: int,
@@ -104,6 +107,7 @@ def make_local_update(optimizer, params: Dict[str, torch.Tensor], world_size: in
         return AdamRecipe(optimizer, params, world_size,
                           lambda n: not pol.is_dense(n, shapes[n]), warmup=adam.warmup,
                           refresh=adam.refresh, refresh_start=adam.refresh_start,
+                          wire=adam.wire,
                           clip_grad_norm=clip_grad_norm, residual=compressor.residual)
     if momentum_correction or clip_grad_norm is not None:
         from .momentum import LocalUpdate

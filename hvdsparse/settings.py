@@ -47,7 +47,8 @@ LOCAL_MODES = ("sum", "partial", "error")
 NONFINITE_POLICIES = ("raise", "skip", "propagate")
 #: the settings fields the local update reads (resolved against the optimizer by a door)
 LOCAL_UPDATE_OPTIONS = ("momentum_correction", "momentum_masking", "clip_grad_norm",
-                        "adam_recipe", "adam_warmup", "adam_refresh", "adam_refresh_start")
+                        "adam_recipe", "adam_warmup", "adam_refresh", "adam_refresh_start",
+                        "adam_wire")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, torch.float32: torch.float32,
            "fp16": torch.float16, "float16": torch.float16, torch.float16: torch.float16}
 
@@ -88,6 +89,7 @@ class ExchangeSettings:
     adam_warmup: Optional[int] = None
     adam_refresh: object = None
     adam_refresh_start: Optional[int] = None
+    adam_wire: Optional[str] = None
 
     @classmethod
     def from_args(cls, *, exchange="auto", fusion_threshold=None, average=True,
@@ -98,7 +100,7 @@ class ExchangeSettings:
                   compress_at_size_one=None, momentum_correction=None,
                   momentum_masking=False, clip_grad_norm=None, adam_recipe=None,
                   adam_warmup=None, adam_refresh=None,
-                  adam_refresh_start=None) -> "ExchangeSettings":
+                  adam_refresh_start=None, adam_wire=None) -> "ExchangeSettings":
         """Validate user arguments (clear errors naming the argument) and normalise.
         The local-update options are checked here as far as they can be without the
         optimizer (the rest when a door resolves them)."""
@@ -164,7 +166,8 @@ class ExchangeSettings:
                    momentum_correction=momentum_correction,
                    momentum_masking=momentum_masking, clip_grad_norm=clip_grad_norm,
                    adam_recipe=adam_recipe, adam_warmup=adam_warmup,
-                   adam_refresh=adam_refresh, adam_refresh_start=adam_refresh_start)
+                   adam_refresh=adam_refresh, adam_refresh_start=adam_refresh_start,
+                   adam_wire=adam_wire)
 
     @classmethod
     def from_options(cls, settings: Optional["ExchangeSettings"], options: dict, who: str,

@@ -508,15 +508,21 @@ def test_setup_checks():
     p = nn.Parameter(torch.randn(4, 4))
     adam = torch.optim.Adam([p])
     topk = hvdsparse.TopK(0.01)
-    assert adam_setup(adam, topk, None, None) == (DEFAULT_WARMUP, DEFAULT_REFRESH,
-                                                  REFRESH_START_FACTOR * DEFAULT_WARMUP)
-    assert adam_setup(torch.optim.AdamW([p]), topk, None, 7) == (7, DEFAULT_REFRESH, 21)
-    assert adam_setup(adam, topk, None, 7, adam_refresh=0) == (7, None, None)
-    assert adam_setup(adam, topk, None, 7, adam_refresh=False) == (7, None, None)
-    assert adam_setup(adam, topk, None, 7, adam_refresh=4, adam_refresh_start=7) == (7, 4, 7)
+    assert adam_setup(adam, topk, None, None)[:3] == (DEFAULT_WARMUP, DEFAULT_REFRESH,
+                                                      REFRESH_START_FACTOR * DEFAULT_WARMUP)
+    assert adam_setup(torch.optim.AdamW([p]), topk, None, 7)[:3] == (7, DEFAULT_REFRESH, 21)
+    assert adam_setup(adam, topk, None, 7, adam_refresh=0)[:3] == (7, None, None)
+    assert adam_setup(adam, topk, None, 7, adam_refresh=False)[:3] == (7, None, None)
+    assert adam_setup(adam, topk, None, 7, adam_refresh=4, adam_refresh_start=7)[:3] == (7, 4, 7)
+    assert adam_setup(adam, topk, None, 7).wire == "gradient"
+    assert adam_setup(adam, topk, None, 7, adam_wire="gradient") == (7, DEFAULT_REFRESH, 21,
+                                                                     "gradient")
+    for r in (None, 0):          # the momentum wire: the variance frozen for good
+        assert adam_setup(adam, topk, None, 7, adam_wire="momentum", adam_refresh=r) == \
+            (7, None, None, "momentum")
     ada = hvdsparse.AdaComp()               # off by default for AdaComp; on when asked
-    assert adam_setup(adam, ada, None, None) == (DEFAULT_WARMUP, None, None)
-    assert adam_setup(adam, ada, None, 7, adam_refresh=50) == (7, 50, 21)
+    assert adam_setup(adam, ada, None, None)[:3] == (DEFAULT_WARMUP, None, None)
+    assert adam_setup(adam, ada, None, 7, adam_refresh=50)[:3] == (7, 50, 21)
     with pytest.raises(ValueError, match="adam_refresh_start=30 .*AdaComp"):
         adam_setup(adam, ada, None, 7, adam_refresh_start=30)
     assert adam_setup(adam, topk, False, None) is None
@@ -544,12 +550,16 @@ def test_setup_checks():
         (dict(adam_refresh_start=99), "adam_refresh_start .*adam_warmup \\(100\\)"),
         (dict(adam_refresh_start=150.0), "adam_refresh_start"),
         (dict(adam_refresh=0, adam_refresh_start=300), "adam_refresh_start=300"),
+        (dict(adam_wire="sign"), "adam_wire must be"),
+        (dict(adam_wire="momentum", adam_refresh=50), "adam_wire='momentum' has no"),
+        (dict(adam_wire="momentum", adam_refresh_start=300), "adam_wire='momentum' has no"),
+        (dict(adam_recipe=False, adam_wire="momentum"), "adam_wire='momentum' is given .*off"),
     ]
     for kw, words in bad:
         args = dict(optimizer=adam, compression=topk, adam_recipe=None, adam_warmup=None)
         args.update(kw)
         extra = {k: args.pop(k) for k in ("local_gradient", "momentum_correction",
-                                          "adam_refresh", "adam_refresh_start")
+                                          "adam_refresh", "adam_refresh_start", "adam_wire")
                  if k in args}
         with pytest.raises(ValueError, match=words):
             adam_setup(args["optimizer"], args["compression"], args["adam_recipe"],
@@ -631,11 +641,17 @@ def test_ddp_state_wiring():
                optimizer=torch.optim.AdamW(net.parameters()))
     assert isinstance(st.local_update, AdamRecipe) and st.local_update.warmup == DEFAULT_WARMUP
     assert st.fingerprint["adam_warmup"] == DEFAULT_WARMUP
+    assert st.local_update.wire == "gradient" and st.fingerprint["adam_wire"] == "gradient"
+    st = State(hvdsparse.TopK(0.1), net.named_parameters(), transport=One(),
+               optimizer=torch.optim.AdamW(net.parameters()), adam_wire="momentum")
+    assert st.local_update.wire == "momentum" and st.local_update.refresh is None
+    assert st.fingerprint["adam_wire"] == "momentum"
     st = State(hvdsparse.TopK(0.1), net.named_parameters(), transport=One())
     assert st.local_update is None and st.fingerprint["adam_warmup"] is None
     for kw, words in ((dict(optimizer=torch.optim.Adam(net.parameters(), amsgrad=True)),
                        "amsgrad"),
                       (dict(adam_warmup=10), "need optimizer"),
+                      (dict(adam_wire="momentum"), "need optimizer"),
                       (dict(optimizer=torch.optim.Adam(net.parameters()), adam_recipe=False),
                        "optimizer= is only used"),
                       (dict(optimizer=torch.optim.Adam(net.parameters()),

@@ -96,6 +96,9 @@ class StepEngine:
         self.reads = DeferredReads()
         #: the non-finite policy in force (:class:`hvdsparse.nonfinite.NonFinitePolicy`)
         self.nonfinite = NonFinitePolicy(nonfinite, transport, prefix, self.reads)
+        #: whether exchanges record their figures for the cost model (``auto`` reads
+        #: them; a benchmark may ask for them under a fixed exchange)
+        self.record_figures = settings.exchange == "auto"
         self.bucket_path = bucket.enabled(compressor, local_update)
         try:
             self._after_takes_param = "param" in inspect.signature(
@@ -310,8 +313,16 @@ class StepEngine:
         st = self.settings
         if st.exchange != "auto":
             return st.exchange
+        return cost_model.choose(self.figures(history, numel, payloads),
+                                 alpha_bytes=st.alpha_bytes)
+
+    def figures(self, history: BucketHistory, numel: int, payloads
+                ) -> "cost_model.BucketFigures":
+        """What ``auto`` decides from: the bucket's sizes and its figures from two steps
+        back (``cost_model.costs`` of it: every strategy's predicted bytes)."""
+        st = self.settings
         prev = history.figures()
-        figs = cost_model.BucketFigures(
+        return cost_model.BucketFigures(
             world_size=self.world_size, numel=numel,
             wire_nbytes=codec.encoded_nbytes(payloads), capacity=bucket_capacity(payloads),
             sparse_value_bytes=torch.finfo(pair_dtype(payloads)).bits // 8,
@@ -319,13 +330,12 @@ class StepEngine:
             split_dense_bits=st.split_dense_bits, quant_bucket=st.quant_bucket,
             prev_pairs=prev.get("pairs"), prev_reduced=prev.get("reduced"),
             prev_capacity=prev.get("capacity"))
-        return cost_model.choose(figs, alpha_bytes=st.alpha_bytes)
 
     def context(self, device, step: int, buffers) -> ExchangeContext:
         return ExchangeContext.from_settings(
             self.settings, device=device, rank=self.rank, world_size=self.world_size,
             prefix=self.prefix, step=step, error_flag_for=self.reads.flag_for,
-            want_figures=self.settings.exchange == "auto", buffers=buffers,
+            want_figures=self.record_figures, buffers=buffers,
             transport=self.transport, readouts=self.reads.readouts)
 
     def launch(self, strategy: str, spec: BucketSpec, payloads, device, step: int,

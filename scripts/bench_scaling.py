@@ -87,17 +87,17 @@ def worker(args):
             torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
             named_parameters=model.named_parameters(),
             compression=hvdsparse.TopK(args.ratio), exchange=exchange)
-        sched = opt.scheduler
+        sched, eng = opt.scheduler, opt.scheduler.engine
         pred = {}
-        orig_ctx, orig_for = sched._ctx, sched.strategy_for
-
-        def ctx_all(want_figures, _o=orig_ctx):   # every exchange reports its figures
-            return _o(True)
+        orig_for = sched.strategy_for
+        eng.record_figures = True          # every exchange reports its figures
 
         def strategy_for(b, payloads, _o=orig_for):
-            pred[b] = cost_model.costs(sched.figures(b, payloads), sched.settings.alpha_bytes)
+            spec = sched._specs[b]
+            pred[b] = cost_model.costs(eng.figures(eng.history(spec.names), spec.numel,
+                                                   payloads), sched.settings.alpha_bytes)
             return _o(b, payloads)
-        sched._ctx, sched.strategy_for = ctx_all, strategy_for
+        sched.strategy_for = strategy_for
         g = torch.Generator().manual_seed(args.seed * 7919 + R)
         steps = []
         for step in range(args.steps):

@@ -255,27 +255,37 @@ def _joined_view(ts, n):
     return None
 
 
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether 1-D ``b`` starts where 1-D ``a`` ends, in the same storage (both dense)."""
+    return a.dtype == b.dtype and (a.numel() <= 1 or a.stride(0) == 1) and \
+        (b.numel() <= 1 or b.stride(0) == 1) and \
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and \
+        b.storage_offset() == a.storage_offset() + a.numel()
+
+
 def _narrow_all_bin_counts(plan: LayoutPlan, flat_segs, device) -> dict:
     """``{segment ordinal: its bin counts in their wire dtype, as bytes}`` for the
-    segments whose counts travel narrower than int32 (``bin_count_width``): the counts
-    of one width that lie in order in one buffer (a bucket's) are cast in one op, the
-    others one segment at a time."""
-    groups: dict = {}
+    segments whose counts travel narrower than int32 (``bin_count_width``): each run of
+    counts of one width that lie end to end in one buffer (a bucket group's) is cast in
+    one op."""
+    runs: list = []               # [width, [(s, bc), ...]] in message order
     for s, ((li, p, seg), sl) in enumerate(zip(flat_segs, plan.segs)):
         if sl.narrowed or not sl.lengths[1] or bin_count_width(sl.bin_size) == 4:
             continue
         where = f"layer {li} ({p.name!r}) segment {s}"
         bc = _as_bytes(seg.bin_counts, where, "bin_counts", (torch.int32,), sl.nbins,
                        device).view(torch.int32)
-        groups.setdefault(bin_count_width(sl.bin_size), []).append((s, bc))
+        w = bin_count_width(sl.bin_size)
+        if runs and runs[-1][0] == w and _follows(runs[-1][1][-1][1], bc):
+            runs[-1][1].append((s, bc))
+        else:
+            runs.append([w, [(s, bc)]])
     out = {}
-    for w, members in groups.items():
-        dt = BIN_COUNT_DTYPE[w]
-        run = _joined_view([bc for _, bc in members], sum(bc.numel() for _, bc in members))
-        if run is None:
-            out.update((s, bc.to(dt).view(torch.uint8)) for s, bc in members)
-            continue
-        wide, pos = run.to(dt), 0
+    for w, members in runs:
+        first = members[0][1]
+        n = sum(bc.numel() for _, bc in members)
+        run = first.as_strided((n,), (1,), first.storage_offset())
+        wide, pos = run.to(BIN_COUNT_DTYPE[w]), 0
         for s, bc in members:
             out[s] = wide[pos:pos + bc.numel()].view(torch.uint8)
             pos += bc.numel()

@@ -26,7 +26,8 @@ from .codec_decode import DecodedSegment, decode
 from .codec_encode import encode, new_message
 from .codec_format import (ERR_BIN_COUNTS, ERR_BITMASK, ERR_COUNT, ERR_HEADER, ERR_INDEX,
                            ERROR_CODES, HEADER_SIZE, MAGIC, RECORD_SIZE, VERSION, CodecError,
-                           describe_error, encoded_nbytes, layout_signature)
+                           describe_error, encoded_nbytes, layout_signature,
+                           segment_layouts, widen_bin_counts)
 from .codec_slots import cached_arange, payload_to_dense, sent_positions
 from .payload import IndexEncoding, bin_count_width
 

@@ -366,7 +366,7 @@ def _wire_params(seg: Segment):
     return numel, cap, int(wienc), venc, (wbs if narrowed else bs), qb, narrowed
 
 
-def _layout(payloads: Sequence[LayerPayload]):
+def segment_layouts(payloads: Sequence[LayerPayload]):
     """(list[SegLayout], data_start, total_nbytes) from host-known fields only."""
     plan = layout_plan(payloads)
     return list(plan.segs), plan.data_start, plan.total

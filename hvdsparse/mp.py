@@ -419,7 +419,7 @@ class _Layout:
         seg = Segment(numel=numel, capacity=cap, index_encoding=ie, value_encoding=ve,
                       count=None, values=None, bin_size=bin_size)
         shape = torch.Size((numel,))
-        (sl,), _, total = _codec()._layout([LayerPayload("split", shape, [seg])])
+        (sl,), _, total = _codec().segment_layouts([LayerPayload("split", shape, [seg])])
         self.lengths = tuple(sl.lengths[:3])       # indices, bin_counts, values
         self.offsets, self.nbytes = tuple(sl.offsets[:3]), total
 
@@ -437,7 +437,7 @@ class _Layout:
                        count=torch.full((1,), self.cap, dtype=torch.int32, device=buf.device),
                        values=sec(vo, vl, FLOAT_DTYPES[self.ve]),
                        indices=sec(io, il, _INDEX_DTYPE[self.ie]) if il else None,
-                       bin_counts=_codec()._widen_bin_counts(buf[bo:bo + bl], self.bin_size)
+                       bin_counts=_codec().widen_bin_counts(buf[bo:bo + bl], self.bin_size)
                        if bl else None,
                        bin_size=self.bin_size)
 

@@ -27,17 +27,20 @@ SMALL = dict(div=16, image=16, batch=2, warmup=2, steps=1)
 _CACHE: dict = {}
 
 
-def small_counts(door: str) -> dict:
-    """Counts of every compressor through ``door`` (one launch of the job, cached)."""
-    if door not in _CACHE:
-        _CACHE[door] = cdo.run_door(door, list(cdo.METHODS), np=2, **SMALL)
-        print(cdo.table({door: _CACHE[door]}, list(cdo.METHODS)))
-    return _CACHE[door]
+def small_counts(door: str, methods=None) -> dict:
+    """Counts of ``methods`` (default: every compressor) through ``door`` (one launch of
+    the job, cached)."""
+    methods = list(cdo.METHODS) if methods is None else list(methods)
+    key = (door, tuple(methods))
+    if key not in _CACHE:
+        _CACHE[key] = cdo.run_door(door, methods, np=2, **SMALL)
+        print(cdo.table({door: _CACHE[key]}, methods))
+    return _CACHE[key]
 
 
-def over_bound(door: str, method: str):
-    """``(added, bound, buckets)`` of one pair."""
-    r = small_counts(door)["results"][method]
+def over_bound(door: str, method: str, methods=None):
+    """``(added, bound, buckets)`` of one pair (counted with ``methods``)."""
+    r = small_counts(door, methods)["results"][method]
     return r["added"], cdo.bound(r["buckets"]), r["buckets"]
 
 

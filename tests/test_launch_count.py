@@ -1,7 +1,7 @@
 """Launch counting of the CUDA path without a GPU (``scripts/count_device_ops.py``):
 both front doors at world size 2 (DDP hook under torchrun, ``DistributedOptimizer``
 under horovodrun, Gloo), ``validate=False``, forced Triton through the interpreter,
-every compressor, on ResNet-50's 161 parameter shapes at narrow widths.
+the compressors on the bucket path, on ResNet-50's 161 parameter shapes at narrow widths.
 
 Checks that the counting itself holds up (every compressor exchanged at least one
 bucket, phases add up to the total, the model's own work is present in every run,
@@ -29,17 +29,21 @@ cdo = lbc.cdo
 #: (door, compressor) pairs whose counted step meets the bound (see module doc)
 MEETS_BOUND: set = {("ddp", "topk"), ("ddp", "threshold"), ("ddp", "qsgd4"),
                     ("horovod", "qsgd4")}
+#: the compressors counted here: those on the bucket path. RandomK and Slim-DP compress
+#: per layer (far above the bound, and the slowest to count through the interpreter);
+#: ``scripts/launch_bound_check.py`` counts every compressor.
+METHODS = ("topk", "threshold", "adacomp", "qsgd4")
 
 
 @pytest.mark.parametrize("door", ["ddp", "horovod"])
 def test_counts_are_consistent(door):
     if door == "horovod":
         pytest.importorskip("horovod.torch")
-    res = lbc.small_counts(door)
+    res = lbc.small_counts(door, METHODS)
     assert res["world"] == 2
     plain = res["results"]["none"]
     assert plain["total"] > 0 and set(plain["phases"]) == {"model"}
-    for m in cdo.METHODS:
+    for m in METHODS:
         r = res["results"][m]
         assert r["buckets"] >= 1, f"{door} / {m}: no exchange in the counted step"
         assert sum(p["total"] for p in r["phases"].values()) == pytest.approx(r["total"])
@@ -50,6 +54,6 @@ def test_counts_are_consistent(door):
         assert r["phases"].get("exchange", {}).get("total", 0) >= r["buckets"], \
             f"{door} / {m}: fewer collectives than buckets"
         if (door, m) in MEETS_BOUND:
-            added, limit, nb = lbc.over_bound(door, m)
+            added, limit, nb = lbc.over_bound(door, m, METHODS)
             assert added <= limit, (f"{door} / {m}: {added:.0f} launches per step beyond "
                                     f"the model's own, bound {limit:.0f} ({nb:g} buckets)")

@@ -306,7 +306,7 @@ def _patch(buf, offset, fmt, value):
 
 
 def _offsets(payloads):
-    segs, _, _ = codec_format._layout(payloads)
+    segs, _, _ = codec_format.segment_layouts(payloads)
     return segs
 
 
@@ -542,7 +542,7 @@ for li, lp in enumerate(template):
     assert_close(codec.payload_to_dense(lp), dense_reference(layout, [ranks[0][1]])[li],
                  f"triton payload_to_dense layer {li}")
 # corrupt: INT32 index out of range in rank 1 -> flag 1; count > capacity -> flag 2
-segs, _, _ = codec_format._layout(template)
+segs, _, _ = codec_format.segment_layouts(template)
 s = next(k for k, sl in enumerate(segs) if sl.ienc == codec.IndexEncoding.INT32 and sl.capacity)
 bad = bufs.clone()
 struct_bytes = torch.tensor(list(struct.pack("<i", 10 ** 6)), dtype=torch.uint8)

@@ -231,14 +231,6 @@ def _joined(ts, n, buf):
     """``ts`` (1-D tensors of one dtype, ``n`` elements in all) as one tensor: a view when
     they lie in order in one storage, evenly spaced (a bucket's slices of one buffer, or
     its ``count`` rows), so nothing is copied; else concatenated into ``buf``."""
-    v = _joined_view(ts, n)
-    if v is not None:
-        return v
-    return torch.cat(ts, out=buf) if ts else buf
-
-
-def _joined_view(ts, n):
-    """:func:`_joined`'s view, or None when ``ts`` do not lie in order in one storage."""
     t0 = ts[0] if ts else None
     if t0 is not None and all(t.dim() == 1 and t.dtype == t0.dtype for t in ts) and \
             all(t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr()
@@ -252,7 +244,7 @@ def _joined_view(ts, n):
             pos = offs[0]
             if all(o == p for o, p in zip(offs, np.cumsum([pos] + [t.numel() for t in ts]))):
                 return t0.as_strided((n,), (1,), offs[0])
-    return None
+    return torch.cat(ts, out=buf) if ts else buf
 
 
 def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -268,24 +260,24 @@ def _narrow_all_bin_counts(plan: LayoutPlan, flat_segs, device) -> dict:
     segments whose counts travel narrower than int32 (``bin_count_width``): each run of
     counts of one width that lie end to end in one buffer (a bucket group's) is cast in
     one op."""
-    runs: list = []               # [width, [(s, bc), ...]] in message order
+    runs: list = []               # [width, bin size, [(s, bc), ...]] in message order
     for s, ((li, p, seg), sl) in enumerate(zip(flat_segs, plan.segs)):
-        if sl.narrowed or not sl.lengths[1] or bin_count_width(sl.bin_size) == 4:
+        w = bin_count_width(sl.bin_size)
+        if sl.narrowed or not sl.lengths[1] or w == 4:
             continue
         where = f"layer {li} ({p.name!r}) segment {s}"
         bc = _as_bytes(seg.bin_counts, where, "bin_counts", (torch.int32,), sl.nbins,
                        device).view(torch.int32)
-        w = bin_count_width(sl.bin_size)
-        if runs and runs[-1][0] == w and _follows(runs[-1][1][-1][1], bc):
-            runs[-1][1].append((s, bc))
+        if runs and runs[-1][0] == w and _follows(runs[-1][2][-1][1], bc):
+            runs[-1][2].append((s, bc))
         else:
-            runs.append([w, [(s, bc)]])
+            runs.append([w, sl.bin_size, [(s, bc)]])
     out = {}
-    for w, members in runs:
+    for _, bin_size, members in runs:
         first = members[0][1]
         n = sum(bc.numel() for _, bc in members)
         run = first.as_strided((n,), (1,), first.storage_offset())
-        wide, pos = run.to(BIN_COUNT_DTYPE[w]), 0
+        wide, pos = _narrow_bin_counts(run, bin_size), 0
         for s, bc in members:
             out[s] = wide[pos:pos + bc.numel()].view(torch.uint8)
             pos += bc.numel()

@@ -413,30 +413,17 @@ class StepEngine:
         else:
             self.compressor.after_exchange(name, g, step)
 
-    def dense_momentum(self, name: str, g: torch.Tensor, param: torch.Tensor,
-                       inv: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """DGC momentum correction for a layer sent dense by policy: ordinary momentum on
-        the exchanged average ``g`` (returned), its buffer in unscaled units (``g`` in
-        GradScaler's scaled units when ``inv`` = 1 / scale is given: a buffer in scaled
-        units would mix scales when the scale changes, and weight decay would be divided
-        by it). None when the layer has no such momentum."""
-        lu = self.local_update
-        if lu is None or not lu.momentum_correction or \
-                not self.compressor.policy.is_dense(name, param.shape):
-            return None
-        if inv is None:
-            return lu.dense_momentum(name, g, param)
-        return lu.dense_momentum(name, g * inv, param) / inv
-
     def dense_momentum_bucket(self, names: Sequence[str], gs: Sequence[torch.Tensor],
                               params: Sequence[torch.Tensor],
                               inv: Optional[torch.Tensor] = None) -> list:
-        """:meth:`dense_momentum` for a bucket's layers: ``out[i]`` is the corrected
-        gradient of a layer sent dense by policy with DGC momentum (in ``gs[i]``'s
-        units; read it, never write into it: it may be the velocity itself), None for
-        the other layers. ``gs``: fp32 views of the exchanged average (in the loss
-        scale's units when ``inv`` = 1 / scale is given; left as they are). The same bits
-        as the per-layer form, in a few multi-tensor ops per bucket."""
+        """DGC momentum correction for the layers sent dense by policy: ordinary momentum
+        on the exchanged average. ``out[i]`` is layer ``names[i]``'s corrected gradient
+        (in ``gs[i]``'s units; read it, never write into it: it may be the velocity
+        itself), None for a layer without such momentum. ``gs``: the exchanged averages
+        (left as they are), in GradScaler's scaled units when ``inv`` = 1 / scale is
+        given; the velocity buffers stay in unscaled units (a buffer in scaled units
+        would mix scales when the scale changes, and weight decay would be divided by
+        it). A few multi-tensor ops per call (:meth:`LocalUpdate.dense_momentum_many`)."""
         out: list = [None] * len(names)
         lu = self.local_update
         if lu is None or not lu.momentum_correction:

@@ -3,15 +3,11 @@ gradients.
 
 Contract of :meth:`GradWriter.write` (one call per step, after the non-finite policy let
 the step through): bucket ``b``'s flat exchanged gradient ``total`` (the rank-order sum,
-already averaged unless ``scale_at_write``) goes, layer by layer in the bucket's order,
-into ``p.grad``:
+already averaged) goes, layer by layer in the bucket's order, into ``p.grad``:
 
 * in GradScaler's scaled units: ``total / inv`` with ``inv`` = 1 / loss scale (exact, a
   power of two); the local-gradient combination, DGC's dense-layer momentum and
   ``after_exchange`` work in unscaled units, like the residuals;
-* averaged: when ``scale_at_write`` the average's ``1/P`` is applied here
-  (``torch.mul(g, 1/P, out=p.grad)`` or one multiply of the flat sum: the same product
-  as an in-place scale then a copy, so the same bits);
 * a frozen parameter (``requires_grad=False``) keeps its ``p.grad``; a layer densified
   by ``sparse_as_dense`` gets a sparse ``p.grad`` back; a ``p.grad`` of the right shape
   is written in place (one multi-tensor copy per bucket without the local-gradient
@@ -44,7 +40,7 @@ class GradWriter:
     ``sparse_handles``; across steps: ``sparse_layers``."""
 
     def __init__(self, params: Dict[str, torch.Tensor], engine, transport, settings, *,
-                 prefix: str, world_size: int, local=None, grad_scaler=None):
+                 prefix: str, world_size: int, local=None):
         self.params = params
         self.engine = engine
         self.transport = transport
@@ -56,13 +52,6 @@ class GradWriter:
         self.was_sparse: set = set()
         self.sparse_layers: set = set()
         self.sparse_handles: Dict[str, object] = {}
-        # The average's 1/P is applied where the gradient is written into p.grad
-        # (torch.mul(g, 1/P, out=p.grad): one pass over the bucket instead of an
-        # in-place scale and then a copy; the same product, so the same bits) unless
-        # something reads the averaged bucket first: GradScaler's unscale, the
-        # local-gradient combination, a compressor's after_exchange
-        self.scale_at_write = grad_scaler is None and local is None and \
-            not engine.reads_exchanged
 
     # ------------------------------------------------------------------ sparse
     def densify(self, name: str, p) -> None:
@@ -94,30 +83,26 @@ class GradWriter:
         self.sparse_handles.clear()
 
     # ------------------------------------------------------------------ dense buckets
-    def write(self, specs, totals, payloads, scale: float, step: int) -> None:
+    def write(self, specs, totals, payloads, step: int) -> None:
         """Every bucket's ``total`` into its layers' ``p.grad`` (the module docstring);
-        ``payloads``: this step's payloads by name; ``scale``: the average's ``1/P``
-        (1.0: none)."""
+        ``payloads``: this step's payloads by name."""
         for spec, total in zip(specs, totals):
             inv = self.engine.grad_scale(total.device)
             if inv is not None:   # back to the scaled units GradScaler expects
                 total.div_(inv)
-            pending = scale if scale != 1.0 and self.scale_at_write else None
             if self.local is not None:   # combines each layer with its own gradient
                 for name, view in zip(spec.names, spec.views(total)):
-                    self.apply(name, view, payloads[name], step, inv, pending)
+                    self.apply(name, view, payloads[name], step, inv)
             else:
-                self.apply_bucket(spec, total, step, inv, pending)
+                self.apply_bucket(spec, total, step, inv)
 
     def apply_bucket(self, spec: BucketSpec, total: torch.Tensor, step: int,
-                     inv: Optional[torch.Tensor], scale: Optional[float]) -> None:
+                     inv: Optional[torch.Tensor]) -> None:
         """:meth:`apply` for a whole bucket without the local-gradient combination, in a
-        fixed number of device ops per bucket: the average's pending ``1/P`` on the flat
-        sum, ``after_exchange`` (reads the average), DGC's dense-layer momentum
-        (:meth:`StepEngine.dense_momentum_bucket`), then one multi-tensor copy into the
-        ``p.grad`` s (cast to their dtype). The same bits as :meth:`apply`."""
-        if scale is not None:
-            total.mul_(scale)
+        fixed number of device ops per bucket: ``after_exchange`` (reads the average),
+        DGC's dense-layer momentum (:meth:`StepEngine.dense_momentum_bucket`), then one
+        multi-tensor copy into the ``p.grad`` s (cast to their dtype). The same bits as
+        :meth:`apply`."""
         names = spec.names
         params = [self.params[n] for n in names]
         views = [v.view(p.shape) for v, p in zip(spec.views(total), params)]
@@ -142,32 +127,16 @@ class GradWriter:
                 torch._foreach_copy_(dst, src)
 
     def apply(self, name: str, g_flat: torch.Tensor, payload, step: int,
-              inv: Optional[torch.Tensor] = None, scale: Optional[float] = None) -> None:
+              inv: Optional[torch.Tensor] = None) -> None:
         """Write the exchanged gradient ``g_flat`` (in GradScaler's scaled units when
         ``inv`` = 1 / scale is given) into ``p.grad``. The local-gradient combination
         (with the layer's own ``payload``), dense-layer momentum (DGC) and
         ``after_exchange`` (Slim-DP's core choice) work in unscaled units, like the
-        residuals and payloads: ``x * inv`` and ``x / inv`` are exact (a power of two).
-        ``scale``: the average's 1/P when the bucket is still the sum
-        (``scale_at_write``), applied here."""
+        residuals and payloads: ``x * inv`` and ``x / inv`` are exact (a power of two)."""
         p = self.params[name]
         g = g_flat.view(p.shape)
         engine = self.engine
-        written = False
-        if scale is not None:
-            grad = p.grad
-            lu = engine.local_update
-            if name not in self.frozen and name not in self.was_sparse and \
-                    grad is not None and not grad.is_sparse and grad.shape == p.shape and \
-                    grad.dtype == torch.float32 and not (
-                        lu is not None and lu.momentum_correction and
-                        engine.compressor.policy.is_dense(name, p.shape)):
-                with torch.no_grad():
-                    torch.mul(g, scale, out=grad)       # average and write in one pass
-                g, written = grad, True
-            else:
-                g = g * scale
-        if name not in self.frozen and not written:
+        if name not in self.frozen:
             if self.local is not None and p.grad is not None:
                 s = 1.0 / self.world_size if self.settings.average else 1.0
                 if inv is None:
@@ -179,7 +148,7 @@ class GradWriter:
                                            engine.compressor, s) / inv
             else:
                 c = g
-            m = engine.dense_momentum(name, c, p, inv)    # sent dense (DGC)
+            m = engine.dense_momentum_bucket([name], [c], [p], inv)[0]  # sent dense (DGC)
             c = c if m is None else m
             with torch.no_grad():
                 if name in self.was_sparse:

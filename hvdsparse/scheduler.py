@@ -148,11 +148,9 @@ class LayerScheduler:
         # bucket), counting non-finite elements into one row per step
         self.intake = LayerIntake(self.params, self.engine, self.events)
         self._payloads = self.intake.payloads          # the step's payloads by name
-        # writes p.grad (the average's 1/P applied there when nothing reads it first);
-        # the sparse gradients' allreduces
+        # writes p.grad; the sparse gradients' allreduces
         self.grads = GradWriter(self.params, self.engine, self.transport, settings,
-                                prefix=prefix, world_size=self.world_size, local=local,
-                                grad_scaler=grad_scaler)
+                                prefix=prefix, world_size=self.world_size, local=local)
 
     # settings read in the hot path
     @property
@@ -373,7 +371,7 @@ class LayerScheduler:
         t_wait += time.perf_counter() - t0
         skip = self._apply_nonfinite_policy(table, totals)
         if not skip:
-            self.grads.write(self._specs, totals, self._payloads, scale, self.step)
+            self.grads.write(self._specs, totals, self._payloads, self.step)
         self.grads.finish_sparse(write=not skip)
         self.engine.send_reads(self.step)
         self.last_stats = self.engine.step_stats(
@@ -391,8 +389,7 @@ class LayerScheduler:
         self._clear_events = True
 
     def _finish_buckets(self, scale, totals):
-        """Every bucket in launch order: wait, decode, average (unless at write),
-        feed back; appends to ``totals``, returns (seconds waited, seconds decoding)."""
+        """Every bucket in launch order: wait, decode, average, feed back; appends to ``totals``, returns (seconds waited, seconds decoding)."""
         t_wait = t_dec = 0.0
         for b, spec in enumerate(self._specs):
             pend = self._inflight[b]
@@ -400,7 +397,7 @@ class LayerScheduler:
                                        [self._payloads[n] for n in spec.names])
             t0 = time.perf_counter()
             self.events.append(("finish", b))
-            if scale != 1.0 and not self.grads.scale_at_write:
+            if scale != 1.0:
                 total.mul_(scale)  # x * 1.0 == x bit for bit: no pass at P = 1 / Sum
             totals.append(total)
             self._feed_back(b, spec, pend.undelivered)

@@ -96,7 +96,7 @@ NO_LAUNCH = {"view", "detach", "slice", "t", "expand", "as_strided", "_unsafe_vi
              "_is_any_true", "item", "view_as_real", "view_as_complex"}
 _ENCODE_FUNCS = {"encode", "new_message", "_narrow_message", "_joined", "run",
                  "segment_pieces", "count_bytes", "_as_bytes", "_narrow_bin_counts",
-                 "_narrow_all_bin_counts", "_joined_view", "_sections"}
+                 "_narrow_all_bin_counts", "_sections"}
 _FEEDBACK_CODEC = {"payload_to_dense", "sent_positions", "_own_segments"}
 
 

@@ -320,10 +320,6 @@ class BatchedRead:
     def _bind(self, readout: HostReadout, off: int, n: int) -> None:
         self._readout, self._off, self._n = readout, off, n
 
-    @property
-    def device(self):
-        return None if self._readout is None else self._readout.device
-
     def ready(self) -> bool:
         return self._readout is not None and self._readout.ready()
 

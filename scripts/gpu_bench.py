@@ -12,6 +12,8 @@
    TopK, AdaComp and QSGD: the loss must fall, the device error flag stay 0, and the
    CUDA decode of each step's message must equal the CPU decode (validate=True) bit
    for bit. No Horovod is imported.
+4. A CUDA-graph probe (``graph_rows``): one bucket's compress + encode + decode timed
+   eager and as one captured graph's replay, per compressor, or the capture's error.
 
 Writes ``gpu_bench.json`` and ``gpu_bench.md`` into ``--out``.
 """
@@ -182,6 +184,82 @@ def train_rows(dev, steps=60):
     return rows
 
 
+# One DDP-sized bucket of ResNet-50's layer-3/4 shapes (~6.4M elements, ~25 MB fp32).
+PROBE_SHAPES = [(1024, 256, 1, 1), (1024,), (256, 1024, 1, 1), (256,), (256, 256, 3, 3),
+                (256,), (512, 1024, 1, 1), (512,), (512, 512, 3, 3), (512,),
+                (2048, 512, 1, 1), (2048,), (2048, 1024, 1, 1), (2048,)]
+
+
+def graph_rows(dev, probe_step=5):
+    """CUDA-graph probe of one bucket's device work: the step engine's
+    ``compress_group`` (residual add, selection, packing) + ``codec.encode`` +
+    ``codec.accumulate(validate=False)`` of the encoded message into dense outputs, on
+    ``PROBE_SHAPES``, timed eager and, if ``torch.cuda.graph`` captures it, as one graph
+    replay. The captured step number is frozen into the graph (a steady-state step: no
+    refresh), so the replay is a measure of what capturing would save, not a training
+    path. A capture that fails reports its error (what blocks capture today)."""
+    import hvdsparse
+    from hvdsparse import codec
+    from hvdsparse.engine import LayerInput, StepEngine
+    from hvdsparse.settings import ExchangeSettings
+    rows = []
+    for name, make in (("TopK(0.01)", lambda: hvdsparse.TopK(0.01)),
+                       ("Threshold(0.99)", lambda: hvdsparse.Threshold(0.99)),
+                       ("QSGD(4)", lambda: hvdsparse.QSGD(4)),
+                       ("AdaComp()", lambda: hvdsparse.AdaComp())):
+        row = dict(compressor=name, layers=len(PROBE_SHAPES),
+                   numel=sum(int(torch.Size(s).numel()) for s in PROBE_SHAPES))
+        try:
+            eng = StepEngine(make(), ExchangeSettings(), None, rank=0, world_size=1,
+                             prefix="probe")
+            torch.manual_seed(0)
+            params = [torch.randn(s, device=dev) for s in PROBE_SHAPES]
+            grads = [torch.randn(s, device=dev) for s in PROBE_SHAPES]
+            outs = [torch.empty(p.numel(), device=dev) for p in params]
+            flag = torch.zeros(1, dtype=torch.int32, device=dev)
+
+            def region(step):
+                layers = [LayerInput(f"l{i}", g, p) for i, (g, p) in
+                          enumerate(zip(grads, params))]
+                pays = eng.compress_group(layers, step)
+                buf = codec.encode(pays)
+                for o in outs:
+                    o.zero_()
+                codec.accumulate(buf.unsqueeze(0), pays, outs, validate=False,
+                                 error_flag=flag)
+            for s in range(probe_step):
+                region(s)
+            torch.cuda.synchronize()
+            row["eager_ms"] = round(bench(lambda: region(probe_step), warmup=3, rep=50), 4)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    region(probe_step)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    region(probe_step)
+            except Exception as e:
+                row["capture_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                torch.cuda.synchronize()
+                rows.append(row)
+                print(row, flush=True)
+                continue
+            graph.replay()
+            torch.cuda.synchronize()
+            row["replay_ms"] = round(bench(graph.replay, warmup=3, rep=50), 4)
+            row["replay_over_eager"] = round(row["replay_ms"] / row["eager_ms"], 3)
+            row["outputs_finite"] = bool(all(torch.isfinite(o).all() for o in outs))
+            row["error_flag"] = int(flag.item())
+        except Exception as e:  # the probe must not stop the report
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def _to_cpu(payload):
     import copy
     p = copy.copy(payload)
@@ -208,7 +286,8 @@ def main():
     import triton
     rep = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
                triton=triton.__version__)
-    for key, f in (("kernels", kernel_rows), ("topk", topk_rows), ("training", train_rows)):
+    for key, f in (("kernels", kernel_rows), ("topk", topk_rows), ("training", train_rows),
+                   ("graph", graph_rows)):
         try:
             rep[key] = f(dev)
         except Exception as e:  # keep the other sections
@@ -231,7 +310,12 @@ def main():
     for r in rep.get("training", []):
         md.append(f"| {r['compressor']} | {r['steps']} | {r['loss_first']} | {r['loss_last']} "
                   f"| {r['error_flag']} | {r['gpu_vs_cpu_decode_mismatches']} |")
-    for k in ("kernels_error", "topk_error", "training_error"):
+    md += ["", "| CUDA-graph probe (one bucket) | eager ms | replay ms | replay / eager | "
+           "capture error |", "|---|---|---|---|---|"]
+    for r in rep.get("graph", []):
+        md.append(f"| {r['compressor']} | {r.get('eager_ms')} | {r.get('replay_ms')} | "
+                  f"{r.get('replay_over_eager')} | {r.get('capture_error', r.get('error', ''))} |")
+    for k in ("kernels_error", "topk_error", "training_error", "graph_error"):
         if k in rep:
             md.append(f"\n{k}: {rep[k]}")
     with open(os.path.join(a.out, "gpu_bench.md"), "w") as f:

@@ -218,8 +218,12 @@ class Threshold(TopK):
         """The overflow guard: raise tau for the next steps when more than ``cap`` passed
         it (device scalar ops only; see the module docstring). The sqrt goes through
         float64: correctly rounded on every device (torch's fp32 CPU sqrt is not, in ~14%
-        of inputs), so the bucket path's kernels (sqrt_rn / sqrtf) give the same bits."""
-        ratio = selected.to(torch.float32) / float(cap)
+        of inputs), so the bucket path's kernels (div_rn, sqrt_rn / sqrtf) give the same
+        bits."""
+        num = selected.to(torch.float32)
+        # tensor / tensor: IEEE division on every device (CUDA divides a tensor by a
+        # Python scalar as a multiply by its reciprocal, which can differ in the last bit)
+        ratio = num / torch.full_like(num, float(cap))
         up = ratio.double().sqrt().float().clamp_max(2.0)
         return torch.where(ratio > 1.0, tau * up, tau)
 

@@ -309,11 +309,15 @@ class StepEngine:
     def strategy(self, history: BucketHistory, numel: int, payloads) -> str:
         """The exchange for a bucket of ``numel`` elements carrying ``payloads``: the
         fixed one, or ``auto``'s choice from rank-independent figures (sizes, and the
-        bucket's figures from two steps back)."""
+        bucket's figures from two steps back); on a CUDA device only among the
+        strategies the host can size without reading the device
+        (``cost_model.auto_strategies``)."""
         st = self.settings
         if st.exchange != "auto":
             return st.exchange
-        return cost_model.choose(self.figures(history, numel, payloads),
+        device = next((s.count.device for p in payloads for s in p.segments), None)
+        allowed = cost_model.auto_strategies(device.type if device is not None else "cpu")
+        return cost_model.choose(self.figures(history, numel, payloads), allowed=allowed,
                                  alpha_bytes=st.alpha_bytes)
 
     def figures(self, history: BucketHistory, numel: int, payloads

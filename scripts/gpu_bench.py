@@ -197,16 +197,20 @@ def graph_rows(dev, probe_step=5):
     ``PROBE_SHAPES``, timed eager and, if ``torch.cuda.graph`` captures it, as one graph
     replay. The captured step number is frozen into the graph (a steady-state step: no
     refresh), so the replay is a measure of what capturing would save, not a training
-    path. A capture that fails reports its error (what blocks capture today)."""
+    path. A capture that fails reports its error (what blocks capture today).
+    ``host_ms``: host wall time of each phase of the eager region (the device queue not
+    waited for), and for some compressors a ``cProfile`` of 20 eager regions (the
+    Python functions that cost the host most)."""
     import hvdsparse
     from hvdsparse import codec
     from hvdsparse.engine import LayerInput, StepEngine
     from hvdsparse.settings import ExchangeSettings
     rows = []
-    for name, make in (("TopK(0.01)", lambda: hvdsparse.TopK(0.01)),
-                       ("Threshold(0.99)", lambda: hvdsparse.Threshold(0.99)),
-                       ("QSGD(4)", lambda: hvdsparse.QSGD(4)),
-                       ("AdaComp()", lambda: hvdsparse.AdaComp())):
+    for name, make, profile_host in (("TopK(0.01)", lambda: hvdsparse.TopK(0.01), True),
+                                     ("Threshold(0.99)", lambda: hvdsparse.Threshold(0.99),
+                                      False),
+                                     ("QSGD(4)", lambda: hvdsparse.QSGD(4), True),
+                                     ("AdaComp()", lambda: hvdsparse.AdaComp(), True)):
         row = dict(compressor=name, layers=len(PROBE_SHAPES),
                    numel=sum(int(torch.Size(s).numel()) for s in PROBE_SHAPES))
         try:
@@ -218,19 +222,49 @@ def graph_rows(dev, probe_step=5):
             outs = [torch.empty(p.numel(), device=dev) for p in params]
             flag = torch.zeros(1, dtype=torch.int32, device=dev)
 
-            def region(step):
+            phase_s = {"compress": 0.0, "encode": 0.0, "decode": 0.0}
+
+            def region(step, timed=False):
+                t0 = time.perf_counter()
                 layers = [LayerInput(f"l{i}", g, p) for i, (g, p) in
                           enumerate(zip(grads, params))]
                 pays = eng.compress_group(layers, step)
+                t1 = time.perf_counter()
                 buf = codec.encode(pays)
+                t2 = time.perf_counter()
                 for o in outs:
                     o.zero_()
                 codec.accumulate(buf.unsqueeze(0), pays, outs, validate=False,
                                  error_flag=flag)
+                if timed:
+                    t3 = time.perf_counter()
+                    phase_s["compress"] += t1 - t0
+                    phase_s["encode"] += t2 - t1
+                    phase_s["decode"] += t3 - t2
             for s in range(probe_step):
                 region(s)
             torch.cuda.synchronize()
             row["eager_ms"] = round(bench(lambda: region(probe_step), warmup=3, rep=50), 4)
+            # host time per phase (the device queue is not waited for: host cost only)
+            reps = 20
+            for _ in range(reps):
+                region(probe_step, timed=True)
+            torch.cuda.synchronize()
+            row["host_ms"] = {k: round(v * 1e3 / reps, 3) for k, v in phase_s.items()}
+            if profile_host:
+                import cProfile
+                import io
+                import pstats
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(reps):
+                    region(probe_step)
+                prof.disable()
+                torch.cuda.synchronize()
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+                row["host_profile"] = text.getvalue()[-6000:]
+                print(row["host_profile"], flush=True)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -310,10 +344,13 @@ def main():
     for r in rep.get("training", []):
         md.append(f"| {r['compressor']} | {r['steps']} | {r['loss_first']} | {r['loss_last']} "
                   f"| {r['error_flag']} | {r['gpu_vs_cpu_decode_mismatches']} |")
-    md += ["", "| CUDA-graph probe (one bucket) | eager ms | replay ms | replay / eager | "
-           "capture error |", "|---|---|---|---|---|"]
+    md += ["", "| CUDA-graph probe (one bucket) | eager ms | host ms compress / encode / "
+           "decode | replay ms | replay / eager | capture error |",
+           "|---|---|---|---|---|---|"]
     for r in rep.get("graph", []):
-        md.append(f"| {r['compressor']} | {r.get('eager_ms')} | {r.get('replay_ms')} | "
+        h = r.get("host_ms") or {}
+        md.append(f"| {r['compressor']} | {r.get('eager_ms')} | {h.get('compress')} / "
+                  f"{h.get('encode')} / {h.get('decode')} | {r.get('replay_ms')} | "
                   f"{r.get('replay_over_eager')} | {r.get('capture_error', r.get('error', ''))} |")
     for k in ("kernels_error", "topk_error", "training_error", "graph_error"):
         if k in rep:

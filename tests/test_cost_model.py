@@ -8,7 +8,8 @@ import torch
 import pytest
 
 from hvdsparse.exchange import check_exchange
-from hvdsparse.exchange.cost_model import (EXACT_STRATEGIES, BucketFigures, costs,
+from hvdsparse.exchange.cost_model import (EXACT_STRATEGIES, HOST_SIZED, STRATEGIES,
+                                           BucketFigures, auto_strategies, costs,
                                            dense_allreduce_bytes, sparcml_delta,
                                            split_dense_value_bytes)
 from hvdsparse.exchange.cost_model import choose as _choose
@@ -132,6 +133,21 @@ def test_history_moves_split(P):
     assert c["split"] == pytest.approx((P - 1) / P * (8 * k + 8 * k + P * 16))
     assert choose(f) == ("allgather" if P == 2 else "split"), c
     assert choose(base) == ("allgather" if P <= 64 else "split")
+
+
+@pytest.mark.parametrize("P", [3, 16, 256])
+def test_cuda_buckets_choose_among_host_sized_strategies(P):
+    """On a CUDA device auto never takes a strategy whose alltoall is sized by device
+    counts (one blocking read per bucket), even where split or balanced wins on bytes;
+    elsewhere it still does."""
+    assert auto_strategies("cuda") == HOST_SIZED == ("allgather", "dense")
+    assert auto_strategies("cpu") == STRATEGIES
+    k = 10_000
+    f = fig(P, 0.01, prev_reduced=k, prev_pairs=k)
+    assert _choose(f, auto_strategies("cpu")) in ("split", "balanced")
+    c = costs(f)
+    want = "allgather" if c["allgather"] <= c["dense"] else "dense"
+    assert _choose(f, auto_strategies("cuda")) == want
 
 
 @pytest.mark.parametrize("P", [3, 4, 16, 256])

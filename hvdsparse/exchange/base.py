@@ -260,7 +260,9 @@ class HostReadout:
     def get(self) -> List:
         """The values as Python numbers (waits on the event if not yet complete)."""
         if self._values is None:
-            if self._event is not None:
+            # a completed event is only polled: cudaEventSynchronize is called (and
+            # blocks) only when the copy is still in flight
+            if self._event is not None and not self._event.query():
                 self._event.synchronize()
             self._values = self._host.numpy().tolist()
         return self._values

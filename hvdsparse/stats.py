@@ -97,6 +97,30 @@ def segment_nbytes(seg: Segment) -> int:
     return vbytes + ibytes + segment_fixed_bytes(seg)
 
 
+#: (segment layout key) -> (slot bytes, fixed bytes, wire bytes, index name, value name)
+_FIGURES: Dict[tuple, tuple] = {}
+
+
+def segment_figures(seg: Segment) -> tuple:
+    """``(segment_slot_bytes, segment_fixed_bytes, segment_nbytes, index encoding name,
+    value encoding name)`` of ``seg``, cached by the fields they are computed from (a
+    per-layer host cost every step otherwise)."""
+    key = (int(seg.numel), int(seg.capacity), int(seg.index_encoding),
+           int(seg.value_encoding), int(seg.bin_size or 0),
+           bool(getattr(seg, "narrow_indices", False)),
+           None if seg.scales is None else int(seg.scales.numel()),
+           None if seg.bin_counts is None else int(seg.bin_counts.numel()))
+    got = _FIGURES.get(key)
+    if got is None:
+        if len(_FIGURES) > 65536:
+            _FIGURES.clear()
+        got = _FIGURES[key] = (segment_slot_bytes(seg), segment_fixed_bytes(seg),
+                               segment_nbytes(seg),
+                               IndexEncoding(seg.index_encoding).name,
+                               ValueEncoding(seg.value_encoding).name)
+    return got
+
+
 def payload_nbytes(payload: LayerPayload) -> int:
     """Wire bytes of all segments of one layer's payload."""
     return sum(segment_nbytes(s) for s in payload.segments)
@@ -176,13 +200,14 @@ class LayerStats:
         copied yet, not yet in the running sums), ``key`` = (segment position, slot
         bytes)."""
         segs = payload.segments
-        pbytes = sum(segment_nbytes(s) for s in segs)
+        figs = [segment_figures(s) for s in segs]
+        pbytes = sum(f[2] for f in figs)
         dbytes = 4 * self.numel
         counts = []
         fixed = 0
-        for i, s in enumerate(segs):
-            counts.append(((i, segment_slot_bytes(s)), s.count.reshape(-1)[:1]))
-            fixed += segment_fixed_bytes(s)
+        for i, (s, f) in enumerate(zip(segs, figs)):
+            counts.append(((i, f[0]), s.count.reshape(-1)[:1]))
+            fixed += f[1]
         self.steps += 1
         self.total_payload_bytes += pbytes
         self.total_dense_bytes += dbytes
@@ -193,8 +218,8 @@ class LayerStats:
                          segments=len(segs), selected=selected,
                          payload_bytes=pbytes, dense_bytes=dbytes,
                          threshold=threshold, density=density,
-                         index_encodings=[IndexEncoding(s.index_encoding).name for s in segs],
-                         value_encodings=[ValueEncoding(s.value_encoding).name for s in segs])
+                         index_encodings=[f[3] for f in figs],
+                         value_encodings=[f[4] for f in figs])
         if extra:
             self.last.update(extra)
         return counts

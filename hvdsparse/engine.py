@@ -46,7 +46,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from . import codec
+from . import codec, ops
 from .compressors import bucket
 from .compressors.base import Compressor, inverse_loss_scale
 from .exchange import BucketSpec, ExchangeContext, cost_model
@@ -309,14 +309,14 @@ class StepEngine:
     def strategy(self, history: BucketHistory, numel: int, payloads) -> str:
         """The exchange for a bucket of ``numel`` elements carrying ``payloads``: the
         fixed one, or ``auto``'s choice from rank-independent figures (sizes, and the
-        bucket's figures from two steps back); on a CUDA device only among the
-        strategies the host can size without reading the device
+        bucket's figures from two steps back); on the device (CUDA / Triton) code path
+        only among the strategies the host can size without reading the device
         (``cost_model.auto_strategies``)."""
         st = self.settings
         if st.exchange != "auto":
             return st.exchange
-        device = next((s.count.device for p in payloads for s in p.segments), None)
-        allowed = cost_model.auto_strategies(device.type if device is not None else "cpu")
+        count = next((s.count for p in payloads for s in p.segments), None)
+        allowed = cost_model.auto_strategies(count is not None and ops.use_triton(count))
         return cost_model.choose(self.figures(history, numel, payloads), allowed=allowed,
                                  alpha_bytes=st.alpha_bytes)
 

@@ -140,14 +140,14 @@ def test_cuda_buckets_choose_among_host_sized_strategies(P):
     """On a CUDA device auto never takes a strategy whose alltoall is sized by device
     counts (one blocking read per bucket), even where split or balanced wins on bytes;
     elsewhere it still does."""
-    assert auto_strategies("cuda") == HOST_SIZED == ("allgather", "dense")
-    assert auto_strategies("cpu") == STRATEGIES
+    assert auto_strategies(True) == HOST_SIZED == ("allgather", "dense")
+    assert auto_strategies(False) == STRATEGIES
     k = 10_000
     f = fig(P, 0.01, prev_reduced=k, prev_pairs=k)
-    assert _choose(f, auto_strategies("cpu")) in ("split", "balanced")
+    assert _choose(f, auto_strategies(False)) in ("split", "balanced")
     c = costs(f)
     want = "allgather" if c["allgather"] <= c["dense"] else "dense"
-    assert _choose(f, auto_strategies("cuda")) == want
+    assert _choose(f, auto_strategies(True)) == want
 
 
 @pytest.mark.parametrize("P", [3, 4, 16, 256])

@@ -57,14 +57,14 @@ only below ``SPLIT_MARGIN`` (0.75) times allgather's bytes (its passes over the 
 bucket are not priced), and the lossy ``balanced`` only when it costs less than
 ``LOSSY_MARGIN`` (0.4) times the cheapest exact strategy.
 
-On a CUDA device ``auto`` chooses among ``HOST_SIZED`` (allgather, dense) only
-(:func:`auto_strategies`): split and balanced size their alltoall from per-owner pair
-counts that are device values, so each of their buckets costs one blocking
-device-to-host read, which stalls the hook until the device has run everything queued
-before it (the rest of backward included). Measured on one H200 (DDP, 2 ranks on one GPU
-over Gloo, GPT-2-small-like LM): Threshold 99% with split in two thirds of its buckets
-took 205 ms a step, TopK 1% all-allgather 106 ms. A user who names ``split`` or
-``balanced`` still gets it.
+On the device (CUDA / Triton) code path ``auto`` chooses among ``HOST_SIZED``
+(allgather, dense) only (:func:`auto_strategies`): split and balanced size their
+alltoall from per-owner pair counts that are device values, so each of their buckets
+costs one blocking device-to-host read, which stalls the hook until the device has run
+everything queued before it (the rest of backward included). Measured on one H200 (DDP,
+2 ranks on one GPU over Gloo, GPT-2-small-like LM): Threshold 99% with split in two
+thirds of its buckets took 205 ms a step, TopK 1% all-allgather 106 ms. A user who names
+``split`` or ``balanced`` still gets it.
 
 Consequences (unit-tested in tests/test_cost_model.py): with fp32 pairs (c+v = 8) and
 fp32 dense ranges (q = 4), split costs more than allgather while the union stays
@@ -199,11 +199,11 @@ def costs(f: BucketFigures, alpha_bytes: float = 0.0) -> Dict[str, float]:
     return out
 
 
-def auto_strategies(device_type: str) -> Tuple[str, ...]:
-    """What ``auto`` chooses among for a bucket on a device of type ``device_type``
-    (``torch.device.type``): ``HOST_SIZED`` on ``"cuda"`` (see the module docstring),
-    every strategy elsewhere."""
-    return HOST_SIZED if device_type == "cuda" else STRATEGIES
+def auto_strategies(device_path: bool) -> Tuple[str, ...]:
+    """What ``auto`` chooses among for a bucket: ``HOST_SIZED`` when its tensors take the
+    device (CUDA / Triton) code path (see the module docstring; the forced-Triton CPU
+    path emulates it), every strategy on the CPU path."""
+    return HOST_SIZED if device_path else STRATEGIES
 
 
 def choose(f: BucketFigures, allowed: Tuple[str, ...] = STRATEGIES,

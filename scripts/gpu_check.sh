@@ -23,7 +23,10 @@
 #           path
 #   bench   scripts/gpu_bench.py: every kernel against a device copy of the same bytes
 #           at 1M and 25M elements, TopK compress of a 25M layer, a few training steps
-#           at world size 1 (CUDA decode == CPU decode bit for bit)
+#           at world size 1 (CUDA decode == CPU decode bit for bit), a CUDA-graph probe
+#           of one bucket (eager vs one replay, host time per phase)
+#   sweep   scripts/gpu_sweep.py: select_compact / quantize_pack launch parameters at 25M
+#           elements against a device copy (outputs checked against the default's)
 #   ddp     scripts/bench_ddp_gpu.py if the file exists (skipped, not failed, if not)
 # Budgets (seconds) can be changed with HVDSPARSE_GPU_CHECK_<STAGE>_S (e.g.
 # HVDSPARSE_GPU_CHECK_ORACLE_S=200). Triton's cache (~/.triton/cache unless
@@ -117,6 +120,8 @@ stage bucket "$(budget bucket 60)" env HVDSPARSE_TEST_DEVICE="$DEVICE" \
   "$PY" -m pytest -v -p no:cacheprovider --durations=5 tests/test_bucket_topk.py
 
 stage bench "$(budget bench 75)" "$PY" scripts/gpu_bench.py --out "$OUT"
+
+stage sweep "$(budget sweep 40)" "$PY" scripts/gpu_sweep.py --out "$OUT"
 
 # ----------------------------------------------------------------------------- DDP
 # DDP hook at world size 2 on one GPU (ResNet-50, a GPT-2-small-like LM; dense DDP,

@@ -306,6 +306,45 @@ def binned_select(acc, grad, h_scale, threshold, bin_size, c, grad_scale=None):
                               grad_scale=grad_scale)
 
 
+def segment_means(x: torch.Tensor, table: torch.Tensor, width: int, c_start: int,
+                  c_len: int, rows: int, out: torch.Tensor) -> torch.Tensor:
+    """Triton only: ``out[j]`` = the mean of ``x[start_j : start_j + len_j]`` for ``j <
+    rows``, ``(start_j, len_j)`` = ``table[j, c_start]``, ``table[j, c_len]`` (an int64
+    ``[>= rows, width]`` device table), in ``kernels/segment_mean.py``'s fixed order: a
+    segment has the same bits alone or among others. One launch."""
+    if not use_triton(x):
+        raise RuntimeError("ops.segment_means is the Triton path")
+    if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous():
+        raise ValueError("segment_means: x must be a contiguous 1-D fp32 tensor")
+    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != width or \
+            table.shape[0] < rows or not table.is_contiguous():
+        raise ValueError(f"segment_means: table must be a contiguous int64 [>= {rows}, "
+                         f"{width}] tensor, got {table.dtype} {tuple(table.shape)}")
+    if out.dtype != torch.float32 or out.numel() < rows or not out.is_contiguous():
+        raise ValueError(f"segment_means: out must be a contiguous fp32 tensor of at least "
+                         f"{rows} elements")
+    return _kernels().segment_mean.segment_means(x, table, int(width), int(c_start),
+                                                 int(c_len), int(rows), out)
+
+
+_WHOLE: dict = {}
+
+
+def segment_mean(x: torch.Tensor) -> torch.Tensor:
+    """Triton only: the mean of all of ``x`` (1-D fp32) as one segment of
+    :func:`segment_means` (a 0-d tensor): the bits a bucket's row of the same elements
+    gets. The one-row table is cached per length and device."""
+    n = x.numel()
+    key = (n, str(x.device))
+    tab = _WHOLE.get(key)
+    if tab is None:
+        if len(_WHOLE) > 4096:
+            _WHOLE.clear()
+        tab = _WHOLE[key] = torch.tensor([[0, n]], dtype=torch.int64, device=x.device)
+    out = torch.empty(1, dtype=torch.float32, device=x.device)
+    return segment_means(x.reshape(-1), tab, 2, 0, 1, 1, out).reshape(())
+
+
 def binned_pack(acc, grad, h_scale, threshold, bin_size, c, scale, grad_scale=None):
     """Triton only (``use_triton(acc)``, bins of at most ``kernels/binned.py``'s
     ``MAX_BIN`` elements): AdaComp's selection (:func:`hvdsparse.cpu.binned_select`'s

@@ -16,8 +16,9 @@ from .clean import clean_grad
 from .masking import zero_slots
 from .binned import binned_pack
 from . import bucket_topk
+from . import segment_mean
 
 __all__ = ["residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
            "sign_unpack", "philox_uniform", "scatter_add_decode", "rowthreshold",
            "refine_topk_threshold", "clean_grad", "zero_slots",
-           "binned_pack", "bucket_topk"]
+           "binned_pack", "bucket_topk", "segment_mean"]

@@ -1,7 +1,7 @@
 """AdaComp over a whole bucket: the layers of a group (one bin size ``L``, one
 ``max_per_bin`` ``C``, one ``scale``) as rows of one int64 table ``tab[L_rows, W]``
 (one host-to-device copy per group and step), bit for bit the per-layer Triton path
-(``AdaComp._compress``: ``ops.residual_add_binmax``, ``gmax.mean()``,
+(``AdaComp._compress``: ``ops.residual_add_binmax``, ``ops.segment_mean(gmax)``,
 ``ops.binned_pack`` = ``kernels/binned.py``). Every layer's bins are numbered within
 the bucket (``BIN0_j + b``); a cached int32 ``blk[nprograms]`` maps each program to its
 row, and program ``p`` owns ``ROWS`` whole bins of that row as a ``[ROWS, next_pow2(L)]``
@@ -20,8 +20,9 @@ Per group and step (``hvdsparse/compressors/bucket.py`` drives them)::
                              back from the updated velocity)
                            nonfinite_j += #not fin;  gmax[BIN0_j + b] = max |G| over
                            bin b (integer max of the bit patterns; NaN canonical)
-    mean        L_rows torch ops   scale_j = gmax[bins of j].mean() (torch's own
-                           reduction, the per-layer path's bits), into scales[j]
+    mean        1 launch   scale_j = the mean of gmax[bins of j]
+                           (kernels/segment_mean.py, the per-layer path's bits), into
+                           scales[j]
     count       1 launch   h = G + d' * (scale - 1), d' = fin ? d : 0 (or x);
                            thr = gmax < TINY ? TINY : gmax (NaN stays NaN);
                            cnt[bin] = min(#{|h| >= thr}, C); selected_j += #{|h| >= thr}

@@ -94,7 +94,7 @@ KERNELS = [("residual", "_residual_tile_kernel"), ("residual", "_residual_flat_k
            ("bucket_binned", "_ada_accumulate_kernel"),
            ("bucket_binned", "_ada_count_kernel"), ("bucket_binned", "_ada_pack_kernel"),
            ("bucket_decode", "_check_kernel"), ("bucket_decode", "_scatter_kernel"),
-           ("bucket_narrow", "_narrow_kernel")]
+           ("bucket_narrow", "_narrow_kernel"), ("segment_mean", "_segment_mean_kernel")]
 #: kernels that stream over a whole layer: grid >= 1000 programs at 25M elements, and
 #: 128-bit loads of aligned fp32 inputs
 STREAMING = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",

@@ -28,7 +28,7 @@ cdo = lbc.cdo
 
 #: (door, compressor) pairs whose counted step meets the bound (see module doc)
 MEETS_BOUND: set = {("ddp", "topk"), ("ddp", "threshold"), ("ddp", "qsgd4"),
-                    ("horovod", "qsgd4")}
+                    ("horovod", "topk"), ("horovod", "threshold"), ("horovod", "qsgd4")}
 #: the compressors counted here: those on the bucket path. RandomK and Slim-DP compress
 #: per layer (far above the bound, and the slowest to count through the interpreter);
 #: ``scripts/launch_bound_check.py`` counts every compressor.

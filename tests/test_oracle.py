@@ -593,6 +593,56 @@ def test_binned_pack(K, seed, L, c):
     assert over >= 1 or L == c                        # over-full bins were exercised
 
 
+# ------------------------------------------------------------- segment means
+def test_segment_means(seed, monkeypatch):
+    """kernels/segment_mean.py (AdaComp's per-layer scale): integer-valued segments
+    (every partial sum exact in fp32) give the exact sum divided once, correctly rounded
+    (the oracle: fp32(float64(S) / len), exact for integer S and len below 2**24); normal
+    ones are within 1e-5 of the float64 mean; every segment has the same bits computed
+    alone (``ops.segment_mean``: the per-layer path) as among the others (the bucket
+    path); a NaN reaches its own segment only. The table is read through a row width
+    and column offsets; the output is poisoned first."""
+    BLOCK = ops._kernels().segment_mean.BLOCK
+    monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")     # ops' Triton path on CPU tensors
+    g = torch.Generator().manual_seed(seed)
+    L = int(torch.randint(2, 9, (1,), generator=g))
+    choices = [1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 7]
+    lens = [choices[j] if j < len(choices) and j % 2 == 0 else _n(g, 1, 5000)
+            for j in range(L)]
+    starts = [sum(lens[:j]) + 3 * j for j in range(L)]          # gaps between segments
+    total = starts[-1] + lens[-1] + 5
+    for kind in ("int", "normal"):
+        if kind == "int":
+            x = torch.randint(0, 1000, (total,), generator=g).to(torch.float32)
+        else:
+            x = torch.randn(total, generator=g) * 10
+            nan_j = int(torch.randint(0, L, (1,), generator=g))
+            x[starts[nan_j] + int(torch.randint(0, lens[nan_j], (1,), generator=g))] = \
+                float("nan")
+        tab = torch.full((L, 5), -1, dtype=torch.int64)
+        tab[:, 3] = torch.tensor(starts)
+        tab[:, 1] = torch.tensor(lens)
+        xd = _dev(x)
+        out = _dev(torch.full((L + 2,), float("nan")))
+        ops.segment_means(xd, _dev(tab), 5, 3, 1, L, out)
+        got = out.cpu()
+        assert got[L:].isnan().all(), "wrote past the rows"
+        for j in range(L):
+            seg = x[starts[j]:starts[j] + lens[j]]
+            ctx = (kind, j, lens[j], f"seed={seed}")
+            alone = ops.segment_mean(_dev(seg))
+            assert _bits_equal(alone.reshape(1), got[j:j + 1]), ctx
+            if kind == "int":
+                want = torch.tensor(float(seg.double().sum()) / lens[j],
+                                    dtype=torch.float64).float()
+                assert _bits_equal(got[j], want), ctx
+            elif j == nan_j:
+                assert got[j].isnan(), ctx
+            else:
+                want = seg.double().mean()
+                assert abs(float(got[j]) - float(want)) <= 1e-5 * (1 + abs(float(want))), ctx
+
+
 # ------------------------------------------------------------- index narrowing
 def test_bucket_narrow(seed):
     """kernels/bucket_narrow.py against a plain oracle, on several members at once: each

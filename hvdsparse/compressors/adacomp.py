@@ -159,9 +159,11 @@ class AdaComp(Compressor):
             return self._pack(name, shape, n, cap, L, ienc, G, scale, gidx,
                               binned_rel(rel, L), vmask, count, bin_counts, selected)
         G, gmax = self._acc(name, flat, L, True)             # G = residue + dW, in place
-        scale = gmax.mean()                                  # one scale per layer
         thr = gmax.clamp_min(TINY).unsqueeze(1)
         if ops.use_triton(G) and L <= ops.binned_max_bin():
+            # one scale per layer, the mean of its bin maxima, in the order of
+            # kernels/segment_mean.py: the bucket path's bits for the same layer
+            scale = ops.segment_mean(gmax)
             # two launches: per-bin counts, then pick + pack + residue (kernels/binned.py)
             rel, signs, count, bin_counts, selected = ops.binned_pack(
                 G, flat.reshape(-1), cfg["scale"], thr.reshape(-1), L, c, scale,
@@ -172,6 +174,7 @@ class AdaComp(Compressor):
                           bin_counts=bin_counts, bin_size=L)
             return LayerPayload(name, shape, [seg]), dict(selected=selected,
                                                           threshold=scale)
+        scale = gmax.mean()                                  # one scale per layer
         if ops.has_cpu_path(G):
             # CPU: H, |H|, the compare and the per-bin cap in one chunked numpy pass
             # plus a sort of the passing elements (no per-bin topk over the layer)

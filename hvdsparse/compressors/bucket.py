@@ -340,8 +340,8 @@ def _qsgd_bucket(comp, items, plans, step, grad_scale):
 # ------------------------------------------------------------------ AdaComp rows
 def _adacomp_bucket(comp, items, plans, step, grad_scale):
     """``AdaComp._compress``'s Triton route for a group (one bin size, ``max_per_bin``
-    and ``scale``): ``kernels/bucket_binned.py`` plus one ``mean`` per layer (torch's
-    reduction: the per-layer path's bits) and one ``cumsum`` per group. DGC's velocity
+    and ``scale``): ``kernels/bucket_binned.py``, one ``ops.segment_means`` launch (every
+    layer's scale, the per-layer path's bits) and one ``cumsum`` per group. DGC's velocity
     update folds into the accumulate launch; masking stays per layer (``LocalUpdate.
     mask`` on the ordinary payloads: the batch lists no momentum rows)."""
     from .topk_bucket import momentum_cells
@@ -389,9 +389,9 @@ def _adacomp_bucket(comp, items, plans, step, grad_scale):
     counts = _empty(Lr, torch.int32, dev)
     gdt = _GDT[items[0].grad.dtype]
     K.accumulate(table, blk, grad_scale, gmax, gdt, Lb, rows)
-    for j, pl in enumerate(plans):          # one scale per layer: the mean of its maxima
-        b0 = int(tab[j, K.C_BIN0])
-        torch.mean(gmax[b0:b0 + pl["nb"]], 0, out=scales[j])
+    # one scale per layer, the mean of its bin maxima: every row in one launch, each
+    # with the per-layer path's bits (ops.segment_mean)
+    ops.segment_means(gmax, table, K.W, K.C_BIN0, K.C_NB, Lr, scales)
     K.count(table, blk, grad_scale, gmax, cnt, selected, gdt, Lb, hm1, c, rows)
     cum = torch.cumsum(cnt, 0, dtype=torch.int32)
     K.pack(table, blk, grad_scale, gmax, cnt, cum, scales, rel, words, counts, gdt, Lb,

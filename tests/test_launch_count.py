@@ -27,8 +27,8 @@ _spec.loader.exec_module(lbc)
 cdo = lbc.cdo
 
 #: (door, compressor) pairs whose counted step meets the bound (see module doc)
-MEETS_BOUND: set = {("ddp", "topk"), ("ddp", "threshold"), ("ddp", "qsgd4"),
-                    ("horovod", "topk"), ("horovod", "threshold"), ("horovod", "qsgd4")}
+MEETS_BOUND: set = {(door, m) for door in ("ddp", "horovod")
+                    for m in ("topk", "threshold", "adacomp", "qsgd4")}
 #: the compressors counted here: those on the bucket path. RandomK and Slim-DP compress
 #: per layer (far above the bound, and the slowest to count through the interpreter);
 #: ``scripts/launch_bound_check.py`` counts every compressor.

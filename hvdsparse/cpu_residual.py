@@ -204,3 +204,27 @@ def _residual_add(grad, residual, L, out, grad_scale, nonfinite, want_binmax: bo
     if nonfinite is not None and bad[0]:
         nonfinite.view(-1)[0] += bad[0]
     return out
+
+
+#: the lanes of ``kernels/segment_mean.py``'s order (the kernels package is not imported
+#: on the CPU path; ``tests/test_oracle.py`` checks the two agree)
+SEGMENT_MEAN_LANES = 1024
+
+
+def segment_mean(x: torch.Tensor) -> torch.Tensor:
+    """The mean of a 1-D fp32 CPU tensor in ``kernels/segment_mean.py``'s order (a 0-d
+    tensor): lanes ``a[i]`` add ``x[i], x[L + i], ...`` in turn (past the end: +0), then
+    ``a'[i] = a[2i] + a[2i + 1]`` until one is left, then one correctly rounded
+    division by ``n``: the Triton path's bits."""
+    n = x.numel()
+    L = SEGMENT_MEAN_LANES
+    chunks = -(-n // L)
+    padded = torch.zeros(chunks * L, dtype=torch.float32)
+    padded[:n] = x.reshape(-1)
+    rows = padded.view(chunks, L)
+    acc = torch.zeros(L, dtype=torch.float32)
+    for r in range(chunks):
+        acc = acc + rows[r]
+    while acc.numel() > 1:
+        acc = acc[0::2] + acc[1::2]
+    return (acc / torch.tensor([float(n)], dtype=torch.float32)).reshape(())

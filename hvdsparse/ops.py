@@ -310,8 +310,9 @@ def segment_means(x: torch.Tensor, table: torch.Tensor, width: int, c_start: int
                   c_len: int, rows: int, out: torch.Tensor) -> torch.Tensor:
     """Triton only: ``out[j]`` = the mean of ``x[start_j : start_j + len_j]`` for ``j <
     rows``, ``(start_j, len_j)`` = ``table[j, c_start]``, ``table[j, c_len]`` (an int64
-    ``[>= rows, width]`` device table), in ``kernels/segment_mean.py``'s fixed order: a
-    segment has the same bits alone or among others. One launch."""
+    ``[>= rows, width]`` device table), in ``kernels/segment_mean.py``'s fixed order (the
+    same bits alone or among others, and as :func:`segment_mean` on the CPU). One
+    launch."""
     if not use_triton(x):
         raise RuntimeError("ops.segment_means is the Triton path")
     if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous():
@@ -331,16 +332,24 @@ _WHOLE: dict = {}
 
 
 def segment_mean(x: torch.Tensor) -> torch.Tensor:
-    """Triton only: the mean of all of ``x`` (1-D fp32) as one segment of
-    :func:`segment_means` (a 0-d tensor): the bits a bucket's row of the same elements
-    gets. The one-row table is cached per length and device."""
+    """The mean of all of ``x`` (1-D fp32) in :func:`segment_means`' order (a 0-d
+    tensor): the same bits on the CPU path (``cpu_residual.segment_mean``) and on the
+    Triton path (one row of :func:`segment_means`, as a bucket's row of the same
+    elements). The Triton path's one-row table is cached per length and device (copied
+    without a stream synchronisation)."""
+    if not use_triton(x):
+        from .cpu_residual import segment_mean as cpu_segment_mean
+        return cpu_segment_mean(x)
     n = x.numel()
     key = (n, str(x.device))
     tab = _WHOLE.get(key)
     if tab is None:
         if len(_WHOLE) > 4096:
             _WHOLE.clear()
-        tab = _WHOLE[key] = torch.tensor([[0, n]], dtype=torch.int64, device=x.device)
+        host = torch.tensor([[0, n]], dtype=torch.int64)
+        # pinned + non_blocking: no stream synchronisation even on first use
+        tab = _WHOLE[key] = host.pin_memory().to(x.device, non_blocking=True) \
+            if x.is_cuda else host.to(x.device)
     out = torch.empty(1, dtype=torch.float32, device=x.device)
     return segment_means(x.reshape(-1), tab, 2, 0, 1, 1, out).reshape(())
 

@@ -137,6 +137,27 @@ def binned_pack(acc: torch.Tensor, grad: torch.Tensor, h_scale: float,
     return out, rel, neg, slot, bin_counts, selected
 
 
+#: lanes of the segment-mean order (kernels/segment_mean.py's BLOCK)
+SEGMENT_MEAN_LANES = 1024
+
+
+def segment_mean(x: torch.Tensor) -> torch.Tensor:
+    """0-d fp32: the mean of fp32 ``x`` with its sum in this order, one fp32 addition at
+    a time: lane ``i < 1024`` adds ``x[i], x[1024 + i], x[2048 + i], ...`` in turn
+    (starting from +0), then the lanes are summed pairwise, ``a'[i] = a[2i] + a[2i+1]``,
+    until one is left; the sum is divided by ``n`` once (correctly rounded)."""
+    vals = [float(v) for v in x.reshape(-1).to(torch.float32)]
+    f32 = lambda v: float(torch.tensor(v, dtype=torch.float32))   # noqa: E731
+    lanes = [0.0] * SEGMENT_MEAN_LANES
+    for k, v in enumerate(vals):
+        i = k % SEGMENT_MEAN_LANES
+        lanes[i] = f32(lanes[i] + v)
+    while len(lanes) > 1:
+        lanes = [f32(lanes[2 * i] + lanes[2 * i + 1]) for i in range(len(lanes) // 2)]
+    return (torch.tensor([lanes[0]], dtype=torch.float32)
+            / torch.tensor([float(len(vals))], dtype=torch.float32)).reshape(())
+
+
 def _bin_absmax(x: torch.Tensor, L: int) -> torch.Tensor:
     """``max |x[b*L:(b+1)*L]|`` per bin (last bin partial): zero-padded to whole bins
     (0 never exceeds an absolute value), then ``torch.amax`` per row (NaN propagates)."""

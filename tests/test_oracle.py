@@ -595,15 +595,17 @@ def test_binned_pack(K, seed, L, c):
 
 # ------------------------------------------------------------- segment means
 def test_segment_means(seed, monkeypatch):
-    """kernels/segment_mean.py (AdaComp's per-layer scale): integer-valued segments
-    (every partial sum exact in fp32) give the exact sum divided once, correctly rounded
-    (the oracle: fp32(float64(S) / len), exact for integer S and len below 2**24); normal
-    ones are within 1e-5 of the float64 mean; every segment has the same bits computed
-    alone (``ops.segment_mean``: the per-layer path) as among the others (the bucket
-    path); a NaN reaches its own segment only. The table is read through a row width
-    and column offsets; the output is poisoned first."""
+    """kernels/segment_mean.py (AdaComp's per-layer scale) and the CPU path
+    (``cpu_residual.segment_mean``) against the plain oracle (``oracle.segment_mean``),
+    bit for bit: each segment's sum in one defined order, then one correctly rounded
+    division. Segments of 1, BLOCK - 1, BLOCK, BLOCK + 1 and odd lengths, integer and
+    normal values, a NaN that reaches its own segment only; every segment computed
+    among the others (the bucket path) and alone (``ops.segment_mean``: the per-layer
+    path). The table is read through a row width and column offsets; the output is
+    poisoned first."""
+    from hvdsparse import cpu_residual
     BLOCK = ops._kernels().segment_mean.BLOCK
-    monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")     # ops' Triton path on CPU tensors
+    assert cpu_residual.SEGMENT_MEAN_LANES == BLOCK == oracle.SEGMENT_MEAN_LANES
     g = torch.Generator().manual_seed(seed)
     L = int(torch.randint(2, 9, (1,), generator=g))
     choices = [1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 7]
@@ -622,25 +624,29 @@ def test_segment_means(seed, monkeypatch):
         tab = torch.full((L, 5), -1, dtype=torch.int64)
         tab[:, 3] = torch.tensor(starts)
         tab[:, 1] = torch.tensor(lens)
-        xd = _dev(x)
         out = _dev(torch.full((L + 2,), float("nan")))
-        ops.segment_means(xd, _dev(tab), 5, 3, 1, L, out)
+        ops._kernels().segment_mean.segment_means(_dev(x), _dev(tab), 5, 3, 1, L, out)
         got = out.cpu()
         assert got[L:].isnan().all(), "wrote past the rows"
         for j in range(L):
-            seg = x[starts[j]:starts[j] + lens[j]]
+            seg = x[starts[j]:starts[j] + lens[j]].clone()
             ctx = (kind, j, lens[j], f"seed={seed}")
+            want = oracle.segment_mean(seg)
+            assert _bits_equal(got[j], want), ctx
+            assert _bits_equal(cpu_residual.segment_mean(seg), want), ctx
+            monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")
             alone = ops.segment_mean(_dev(seg))
-            assert _bits_equal(alone.reshape(1), got[j:j + 1]), ctx
-            if kind == "int":
-                want = torch.tensor(float(seg.double().sum()) / lens[j],
-                                    dtype=torch.float64).float()
-                assert _bits_equal(got[j], want), ctx
+            monkeypatch.delenv("HVDSPARSE_FORCE_TRITON")
+            assert _bits_equal(alone, want), ctx
+            if kind == "int":      # every partial sum exact: the correctly rounded mean
+                exact = torch.tensor(float(seg.double().sum()) / lens[j],
+                                     dtype=torch.float64).float()
+                assert _bits_equal(want, exact), ctx
             elif j == nan_j:
-                assert got[j].isnan(), ctx
+                assert want.isnan(), ctx
             else:
-                want = seg.double().mean()
-                assert abs(float(got[j]) - float(want)) <= 1e-5 * (1 + abs(float(want))), ctx
+                ref = float(seg.double().mean())
+                assert abs(float(want) - ref) <= 1e-5 * (1 + abs(ref)), ctx
 
 
 # ------------------------------------------------------------- index narrowing

@@ -10,7 +10,9 @@ convolution weights and 500 for everything else, as in the paper; last bin parti
     gmax_b = max_{i in bin b} |G_i|
     send i  iff  |H_i| >= gmax_b            (local max compare)
     Q(G_i) = sign(G_i) * s,   s = mean_b gmax_b   (one scale per layer: the mean of the
-                                                   bin maxima over all bins)
+                                                   bin maxima over all bins, summed in
+                                                   kernels/segment_mean.py's order on
+                                                   every path)
     residue_i = G_i - Q(G_i) if sent else G_i
 
 Wire form: one segment, values SIGN1 (1 bit per slot, 1 = negative, ``G_i == 0``
@@ -155,14 +157,14 @@ class AdaComp(Compressor):
                 flat, G, L, c, cfg["scale"], self._call.grad_scale, self._call.nonfinite,
                 momentum=self._call.momentum,
                 param=None if param is None else param.detach().reshape(-1))
-            scale = gmax.mean()
+            scale = ops.segment_mean(gmax)
             return self._pack(name, shape, n, cap, L, ienc, G, scale, gidx,
                               binned_rel(rel, L), vmask, count, bin_counts, selected)
         G, gmax = self._acc(name, flat, L, True)             # G = residue + dW, in place
         thr = gmax.clamp_min(TINY).unsqueeze(1)
         if ops.use_triton(G) and L <= ops.binned_max_bin():
             # one scale per layer, the mean of its bin maxima, in the order of
-            # kernels/segment_mean.py: the bucket path's bits for the same layer
+            # kernels/segment_mean.py (on every path: the bucket path's bits too)
             scale = ops.segment_mean(gmax)
             # two launches: per-bin counts, then pick + pack + residue (kernels/binned.py)
             rel, signs, count, bin_counts, selected = ops.binned_pack(
@@ -174,7 +176,7 @@ class AdaComp(Compressor):
                           bin_counts=bin_counts, bin_size=L)
             return LayerPayload(name, shape, [seg]), dict(selected=selected,
                                                           threshold=scale)
-        scale = gmax.mean()                                  # one scale per layer
+        scale = ops.segment_mean(gmax)                       # one scale per layer
         if ops.has_cpu_path(G):
             # CPU: H, |H|, the compare and the per-bin cap in one chunked numpy pass
             # plus a sort of the passing elements (no per-bin topk over the layer)

@@ -16,10 +16,10 @@
   per-bucket: min(kb, nnz) per bucket, same order rule; Threshold: exactly the first
   ``cap`` indices with ``|acc| >= tau``, tau replayed (k-th largest at step 0, overflow
   guard); AdaComp: per-bin ``|H| >= max|G|``, ``min(c, #passing)`` largest ``|H|``,
-  values ``sign(G) * mean bin max``, residual ``G - Q(G)`` bitwise; Slim-DP: dense push
-  at step 0 and before re-selection, core + explorer sizes, disjoint, core = top of
-  ``|w| + c|g|`` of the push step and identical on all ranks; RandomK: k distinct
-  entries; quantised values: scale = max |v| per bucket, ``|deq - v| <= scale / s``,
+  values ``sign(G) * mean bin max`` (``oracle.segment_mean``'s summation order),
+  residual ``G - Q(G)`` bitwise; Slim-DP: dense push at step 0 and before re-selection,
+  core + explorer sizes, disjoint, core = top of ``|w| + c|g|`` of the push step and
+  identical on all ranks; RandomK: k distinct entries; quantised values: scale = max |v| per bucket, ``|deq - v| <= scale / s``,
   sign kept); (c) ``p.grad == (sum over ranks in rank order of sent_r) / P``, bitwise
   for allgather buckets (``sum * fp32(1/P)`` accepted too), within the fp32 reordering
   bound ``2 (P-1) u sum|sent_r| / P + 2 u |G|`` for split / dense; parameters bitwise

@@ -512,7 +512,9 @@ def check_layer(case, kind, cfg, name, step, grad, rb, ra, pl, replay, policy_de
         lo = torch.where(mp, Hp, torch.full_like(Hp, float("inf"))).min(1).values
         hi = torch.where(selp & ~mp, Hp, torch.full_like(Hp, -1.0)).max(1).values
         case.check(bool((lo >= hi).all()), f"{where}: AdaComp left a larger |H| unsent")
-        s = gmax.mean()
+        # the mean in its documented summation order (the plain oracle's loops)
+        from hvdsparse import oracle
+        s = oracle.segment_mean(gmax)
         q = torch.where(G[idx0] < 0, -s, s)
         case.check(torch.equal(val0, q), f"{where}: AdaComp values != sign(G) * mean bin max "
                    f"({float(s)}), max diff {maxdiff(val0, q)}")

@@ -21,8 +21,9 @@
   core + explorer sizes, disjoint, core = top of ``|w| + c|g|`` of the push step and
   identical on all ranks; RandomK: k distinct entries; quantised values: scale = max
   |v| per bucket, ``|deq - v| <= scale / s``, sign kept); (c) ``p.grad == (sum over
-  ranks in rank order of sent_r) / P``, bitwise for allgather buckets (``sum * fp32(1/P)`` accepted too), within the fp32 reordering
-  bound ``2 (P-1) u sum|sent_r| / P + 2 u |G|`` for split / dense; parameters bitwise
+  ranks in rank order of sent_r) / P``, bitwise for allgather buckets (``sum *
+  fp32(1/P)`` accepted too), within the fp32 reordering bound ``2 (P-1) u sum|sent_r| /
+  P + 2 u |G|`` for split / dense; parameters bitwise
   identical on all ranks before every update and at the end. ``balanced`` (Ok-Topk):
   per owner region, exactly ``min(c, nnz)`` entries of the rank sum delivered, the
   largest ``|sum|``, values within the same bound; the truncation's feedback: a sent

@@ -49,7 +49,8 @@ from .cpu_checks import (FLOAT_INPUT_DTYPES, QUANT_BITS_ALLOWED,  # noqa: F401
 from .cpu_decode import dense_add_decode, scatter_add_decode  # noqa: F401
 from .cpu_quantize import (dequantize_unpack, pack_bits, quantize_pack,  # noqa: F401
                            sign_unpack, unpack_bits)
-from .cpu_residual import clean_grad, residual_add, residual_add_binmax, zero_slots  # noqa: F401
+from .cpu_residual import (clean_grad, residual_add, residual_add_binmax,  # noqa: F401
+                           segment_mean, zero_slots)
 from .cpu_select import (binned_select, count_abs_ge, select_compact,  # noqa: F401
                          select_if_in_range)
 from .philox import (check_pos_int, check_seed, par_ranges, par_run,  # noqa: F401

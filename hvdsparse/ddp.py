@@ -189,9 +189,8 @@ class State:
             (optimizer step pre/post hooks; ``param_groups`` and checkpoints keep the
             user's values).
         adam_recipe, adam_warmup, adam_refresh, adam_refresh_start, adam_wire: the Adam /
-            AdamW recipe
-            (:mod:`hvdsparse.adam`), as
-            for :func:`hvdsparse.DistributedOptimizer`: on by default when
+            AdamW recipe (:mod:`hvdsparse.adam`), as for
+            :func:`hvdsparse.DistributedOptimizer`: on by default when
             ``optimizer=`` is a ``torch.optim.Adam`` / ``AdamW`` (the hook cannot see
             the optimizer otherwise: without ``optimizer=`` it is off); the scaled
             gradient is compressed in the hook after the dense warm-up, and the recipe's update

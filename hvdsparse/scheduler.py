@@ -389,7 +389,8 @@ class LayerScheduler:
         self._clear_events = True
 
     def _finish_buckets(self, scale, totals):
-        """Every bucket in launch order: wait, decode, average, feed back; appends to ``totals``, returns (seconds waited, seconds decoding)."""
+        """Every bucket in launch order: wait, decode, average, feed back; appends to
+        ``totals``, returns (seconds waited, seconds decoding)."""
         t_wait = t_dec = 0.0
         for b, spec in enumerate(self._specs):
             pend = self._inflight[b]

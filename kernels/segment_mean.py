@@ -21,7 +21,7 @@ import triton.language as tl
 
 #: lanes of the accumulator (part of the result's definition: the CPU path uses it)
 BLOCK = 1024
-LOG2_BLOCK = 10
+LOG2_BLOCK = BLOCK.bit_length() - 1
 
 
 @triton.jit

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import hvdsparse
 from hvdsparse import codec
+from hvdsparse.adam_settings import UPDATE_WARMUP
 from hvdsparse.adam import (AdamRecipe, DEFAULT_REFRESH, DEFAULT_WARMUP, REFRESH_START_FACTOR,
                             adam_setup)
 from tests.workers.adam_replay import AdamReplay, adacomp, topk_exact
@@ -483,7 +484,45 @@ def test_warmup_is_exact_adam(seed):
             assert torch.equal(a, b), f"warm-up step {step}: {n} differs from torch Adam"
 
 
-@pytest.mark.parametrize("wire", ["gradient", "momentum"])
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_update_wire_uncompressed_is_adam(seed, kind):
+    """At P = 1 with nothing dropped (TopK(1.0): the residual stays 0), the update wire's
+    step ``w -= lr * u`` is torch's Adam / AdamW step on the same gradients, to
+    rounding; a skipped step (``neutralised`` left by an exception) changes nothing."""
+    torch.manual_seed(seed)
+    model, ref = Net(), Net()
+    ref.load_state_dict(model.state_dict())
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+    opt = cls(model.parameters(), lr=1e-2, weight_decay=1e-2)
+    ropt = cls(ref.parameters(), lr=1e-2, weight_decay=1e-2)
+    sim = SimRanks(model, opt, lambda: hvdsparse.TopK(1.0), 1, warmup=1, wire="update")
+    for step in range(8):
+        everyone = grads(model, 1, step, seed)
+        if step == 4:                       # an aborted step: Adam's state stays as it was
+            before = {n: {k: v.clone() for k, v in opt.state[p].items()}
+                      for n, p in model.named_parameters()}
+            rc = sim.recipe
+            for n, p in sim.named.items():
+                rc.corrected(n, everyone[0][n], p, sim.comps[0].policy.is_dense(n, p.shape),
+                             None)
+            with pytest.raises(RuntimeError):
+                with rc.neutralised():
+                    raise RuntimeError("skipped")
+            for n, p in model.named_parameters():
+                for k, v in before[n].items():
+                    assert torch.equal(opt.state[p][k], v), f"aborted step changed {n} {k}"
+        sim.step(everyone)
+        for n, p in ref.named_parameters():
+            p.grad = everyone[0][n].clone()
+        ropt.step()
+        for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), \
+                f"{kind} step {step}: {n} differs from torch's by {(a - b).abs().max():.3g}"
+    with pytest.raises(ValueError, match="wire='update' .*no refresh"):
+        AdamRecipe(opt, sim.named, 1, lambda n: True, warmup=1, wire="update", refresh=2)
+
+
+@pytest.mark.parametrize("wire", ["gradient", "momentum", "update"])
 def test_unused_layer_is_a_zero_gradient(seed, wire):
     """A trainable layer without a gradient on a rank is a zero g_i: it sends x_i = 0 on
     the gradient wire, m_i / D = beta1 * m / D on the momentum wire."""
@@ -500,6 +539,10 @@ def test_unused_layer_is_a_zero_gradient(seed, wire):
     D = torch.clamp(s, min=float(0.1 * s.mean())) + 1e-8
     if wire == "gradient":
         assert torch.equal(x, torch.zeros_like(x))
+    elif wire == "update":                  # this rank's Adam step with g = 0
+        m1, v1 = 0.9 * m, 0.999 * v
+        u = m1 / (v1.sqrt() / math.sqrt(1 - 0.999 ** 2) + 1e-8) / (1 - 0.9 ** 2)
+        assert torch.allclose(x, u, rtol=1e-6, atol=0)
     else:
         assert torch.allclose(x, m * 0.9 / D, rtol=1e-6, atol=0)
 
@@ -520,6 +563,11 @@ def test_setup_checks():
     for r in (None, 0):          # the momentum wire: the variance frozen for good
         assert adam_setup(adam, topk, None, 7, adam_wire="momentum", adam_refresh=r) == \
             (7, None, None, "momentum")
+    # the update wire: every rank's variance live, no refresh; one dense warm-up step
+    assert adam_setup(adam, topk, None, None, adam_wire="update") == \
+        (UPDATE_WARMUP, None, None, "update")
+    assert adam_setup(adam, topk, None, 5, adam_wire="update", adam_refresh=0) == \
+        (5, None, None, "update")
     ada = hvdsparse.AdaComp()               # off by default for AdaComp; on when asked
     assert adam_setup(adam, ada, None, None)[:3] == (DEFAULT_WARMUP, None, None)
     assert adam_setup(adam, ada, None, 7, adam_refresh=50)[:3] == (7, 50, 21)
@@ -554,6 +602,8 @@ def test_setup_checks():
         (dict(adam_wire="momentum", adam_refresh=50), "adam_wire='momentum' has no"),
         (dict(adam_wire="momentum", adam_refresh_start=300), "adam_wire='momentum' has no"),
         (dict(adam_recipe=False, adam_wire="momentum"), "adam_wire='momentum' is given .*off"),
+        (dict(adam_wire="update", adam_refresh=50), "adam_wire='update' has no"),
+        (dict(adam_wire="update", adam_warmup=0), "adam_warmup"),
     ]
     for kw, words in bad:
         args = dict(optimizer=adam, compression=topk, adam_recipe=None, adam_warmup=None)

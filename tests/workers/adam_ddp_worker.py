@@ -1,8 +1,8 @@
 """The Adam recipe in hvdsparse's DDP communication hook under real torchrun (run at P=2):
 ``State(..., optimizer=adam)`` turns it on by default. Against an independent plain-torch
 replay of the recipe (tests/workers/adam_replay.py) from every rank's raw local gradient,
-for Adam with L2 decay + TopK(0.05, exact) and AdamW + AdaComp with adam_refresh=2 (the
-local variance refresh);
+for Adam with L2 decay + TopK(0.05, exact), AdamW + AdaComp with adam_refresh=2 (the
+local variance refresh) and AdamW + TopK(0.05, exact) with adam_wire="update";
 parameters bitwise
 identical across ranks; a checkpoint (model, optimizer, hook state) resumes bitwise
 identically. Prints ``HVDSPARSE-OK rank=<r>``.
@@ -46,7 +46,7 @@ def batch(step):
     return torch.randn(12, 24, generator=g), torch.randint(0, 5, (12,), generator=g)
 
 
-def build(cls, comp, wd, seed=4, refresh=None):
+def build(cls, comp, wd, seed=4, refresh=None, wire=None):
     torch.manual_seed(seed)
     net = Net()
     model = DDP(net, bucket_cap_mb=0.01)
@@ -54,7 +54,8 @@ def build(cls, comp, wd, seed=4, refresh=None):
     # the refresh windows start right after the 2-step warm-up (adam_refresh_start=2)
     state = hvdsparse.ddp.State(comp, net.named_parameters(), optimizer=opt, adam_warmup=2,
                                 adam_refresh=refresh,
-                                adam_refresh_start=None if refresh is None else 2)
+                                adam_refresh_start=None if refresh is None else 2,
+                                adam_wire=wire)
     model.register_comm_hook(state, hvdsparse.ddp.hook)
     return net, model, opt, state
 
@@ -83,17 +84,19 @@ def step_once(net, model, opt, step, replay=None):
     check(all(torch.equal(out[0], o) for o in out), f"step {step}: replicas differ")
 
 
-for cls, comp, sel, dw, wd, R_ in ((torch.optim.Adam, hvdsparse.TopK(0.05, exact=True),
-                                    "topk", False, 1e-2, None),
-                                   (torch.optim.AdamW, hvdsparse.AdaComp(), adacomp(), True,
-                                    1e-2, 2)):
-    net, model, opt, state = build(cls, comp, wd, refresh=R_)
+for cls, comp, sel, dw, wd, R_, wire in (
+        (torch.optim.Adam, hvdsparse.TopK(0.05, exact=True), "topk", False, 1e-2, None,
+         "gradient"),
+        (torch.optim.AdamW, hvdsparse.AdaComp(), adacomp(), True, 1e-2, 2, "gradient"),
+        (torch.optim.AdamW, hvdsparse.TopK(0.05, exact=True), "topk", False, 1e-2, None,
+         "update")):
+    net, model, opt, state = build(cls, comp, wd, refresh=R_, wire=wire)
     if sel == "topk":
         sel = topk_exact(0.05, output=out_layer(net))
     check(type(state.local_update).__name__ == "AdamRecipe", "recipe not on by default")
     rep = AdamReplay(dict(net.named_parameters()), P, lr=3e-3, betas=(0.9, 0.99), eps=1e-8,
                      wd=wd, decoupled=cls is torch.optim.AdamW, warmup=2, select=sel,
-                     needs_dw=dw, refresh=R_, refresh_from="local")
+                     needs_dw=dw, refresh=R_, refresh_from="local", wire=wire)
     for step in range(6):
         step_once(net, model, opt, step, rep)
 

@@ -17,6 +17,11 @@ Per layer with ``t`` its Adam step count before this step:
 * after, ``wire="gradient"``: the same with ``x_r = (g_r [+ wd w]) / D`` (or ``g_r``
   without ``precondition``), and then ``m = b1 m + (1 - b1) X D`` (or ``... + (1 - b1) X``),
   ``w -= lr / (1 - b1^t) * m / D``: the momentum is applied after the exchange.
+* after, ``wire="update"``: every rank ``r`` keeps its own ``m_r``, ``v_r`` (the
+  warm-up's ``m``, ``v`` at its end): ``g = g_r [+ wd w]``, ``m_r = b1 m_r + (1 - b1) g``,
+  ``v_r = b2 v_r + (1 - b2) g^2``, ``t += 1``, ``u_r = m_r / (sqrt(v_r) / sqrt(1 - b2^t)
+  + eps) / (1 - b1^t)``, ``acc = e_r + u_r``, ``sent = select(acc)``, ``e_r = acc - sent``;
+  ``X = (sum_r sent_r) / P``; (AdamW: ``w *= 1 - lr wd``) ``w -= lr * X``.
 * ``refresh=R`` (``refresh_start=S``, ``T_w`` when None): the steps whose count
   ``k = t + 1`` is ``S + R``, ``S + 2R``, ... are refreshes; ``W`` = ``k`` minus the
   step of the last refresh (``T_w`` before the first), the steps it stands for. The
@@ -116,6 +121,34 @@ class AdamReplay:
         self.c = [{n: torch.zeros_like(w) for n, w in self.W.items()} for _ in range(P)]
         self.B = {n: torch.zeros_like(w) for n, w in self.W.items()}
         self.last = {n: warmup for n in self.W}     # step of the last refresh (or T_w)
+        self.mr = [{} for _ in range(P)]           # wire="update": every rank's own m, v
+        self.vr = [{} for _ in range(P)]
+
+    def _own_steps(self, n, W, everyone):
+        """``wire="update"``: rank r's moments start from the warm-up's shared ones and
+        then follow its own gradient; it sends its own bias-corrected Adam step ``u_r``
+        with error feedback; ``w -= lr * X``."""
+        P, lr, wd, b1, b2, eps = self.P, self.lr, self.wd, self.b1, self.b2, self.eps
+        t = self.t[n] + 1
+        X = torch.zeros_like(W)
+        for r in range(P):
+            g = everyone[r][n].float()
+            if wd and not self.decoupled:
+                g = g + wd * W
+            m = self.mr[r].get(n, self.m[n])
+            v = self.vr[r].get(n, self.v[n])
+            self.mr[r][n] = m = b1 * m + (1 - b1) * g
+            self.vr[r][n] = v = b2 * v + (1 - b2) * g * g
+            u = m / (v.sqrt() / math.sqrt(1 - b2 ** t) + eps) / (1 - b1 ** t)
+            acc = self.e[r][n] + u
+            sent = self.select(acc, u) if self.needs_dw else self.select(acc, name=n)
+            self.e[r][n] = acc - sent
+            X = X + sent
+        X = X * (1.0 / P)
+        if self.decoupled:
+            W = W * (1 - lr * wd)
+        self.t[n] = t
+        self.W[n] = W - lr * X
 
     def _D(self, n, count):
         s = self.v[n].sqrt() / math.sqrt(1 - self.b2 ** count)
@@ -187,6 +220,9 @@ class AdamReplay:
                 if self.precondition:
                     for r in range(P):
                         self.e[r][n] = self.e[r][n] * (D / D_new)
+                continue
+            if self.wire == "update":
+                self._own_steps(n, W, everyone)
                 continue
             X = torch.zeros_like(W)
             for r in range(P):

@@ -98,11 +98,11 @@ def make(cls=torch.optim.Adam, comp=None, seed=3, **kw):
 
 
 def replay_for(model, select, *, warmup, wd=0.0, decoupled=False, needs_dw=False,
-               refresh=None, refresh_start=None):
+               refresh=None, refresh_start=None, wire="gradient"):
     return AdamReplay(dict(model.named_parameters()), P, lr=3e-3, betas=(0.9, 0.99),
                       eps=1e-8, wd=wd, decoupled=decoupled, warmup=warmup, select=select,
                       needs_dw=needs_dw, refresh=refresh, refresh_from="local",
-                      refresh_start=refresh_start)
+                      refresh_start=refresh_start, wire=wire)
 
 
 # 1. TopK(1.0): warm-up longer than the run = Horovod's dense Adam
@@ -144,6 +144,26 @@ model, opt = make(torch.optim.AdamW, comp=hvdsparse.AdaComp(), adam_warmup=2,
                   weight_decay=1e-2)
 train(opt, model, 6, replay=replay_for(model, adacomp(), warmup=2, wd=1e-2, decoupled=True,
                                        needs_dw=True), tag="adacomp")
+
+# 2c. adam_wire="update": every rank's own moments, its own Adam step sent with error
+# feedback; Adam L2 + a rank-0-only layer + a skipped NaN step (Adam's state untouched by
+# it), and AdaComp + AdamW at the default warm-up (one dense step)
+model, opt = make(comp=hvdsparse.TopK(0.05, exact=True), adam_warmup=2, weight_decay=1e-2,
+                  nonfinite="skip", adam_wire="update")
+rep = replay_for(model, topk_exact(0.05, output=out_layer(model)), warmup=2, wd=1e-2,
+                 wire="update")
+train(opt, model, 7, side=True, nan_at=4, replay=rep, tag="update")
+check(opt.scheduler.skipped_steps == 1, "update: the NaN step was not skipped")
+st = opt.state[model.fc1.weight]
+check(int(st["step"]) == 6, "update: Adam step count after a skip")
+check(torch.allclose(st["exp_avg"], rep.mr[R]["fc1.weight"], rtol=1e-5, atol=1e-7) and
+      torch.allclose(st["exp_avg_sq"], rep.vr[R]["fc1.weight"], rtol=1e-5, atol=1e-10),
+      "update: Adam's state is not this rank's own m / v")
+model, opt = make(torch.optim.AdamW, comp=hvdsparse.AdaComp(), weight_decay=1e-2,
+                  adam_wire="update")
+check(opt._local_update.warmup == 1, "update: the default warm-up is not one step")
+train(opt, model, 5, replay=replay_for(model, adacomp(), warmup=1, wd=1e-2, decoupled=True,
+                                       needs_dw=True, wire="update"), tag="update-w")
 
 # 2a. adam_refresh=2, adam_refresh_start=2: every 2nd step after the warm-up sends the
 # ranks' local averages of g_i^2 dense and refreshes v from them (a dense exchange between

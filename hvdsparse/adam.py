@@ -43,13 +43,26 @@ hyper-parameters of ``p``'s param group):
 
   ``wire="momentum"`` (1-bit Adam as published; no variance refresh): the momentum
   travels instead, ``x_i = m_i / D`` with ``m_i = beta1 * m + (1 - beta1) * g_i``, and
-  every rank sets ``m <- X * D``, ``p <- p - lr / bc1 * X``. Which wire is better depends
-  on the model (3 seeds each, TopK(0.01), BENCHMARKS "Transformer LM under AdamW"): on
-  the char-LSTM text-lm (P = 4, 900 steps) the gradient wire ends +1.9% above dense
-  against +4.0% for the momentum wire -- the momentum wire spends the sparsifier's
-  budget re-sending the decaying momentum of recently sent coordinates, which every
-  rank already holds in ``m``; on the GPT-style text-gpt (P = 2, 1000 steps) the
-  momentum wire ends +17.7% against +39.8%. The default stays ``"gradient"``.
+  every rank sets ``m <- X * D``, ``p <- p - lr / bc1 * X``.
+
+  ``wire="update"`` (no frozen variance, no refresh; warm-up :data:`UPDATE_WARMUP` = 1
+  step, which creates Adam's state from the averaged gradient): every rank keeps Adam's
+  moments of its *own* gradient and sends its own bias-corrected Adam step
+
+      m_i <- beta1 * m_i + (1 - beta1) * g_i,   v_i <- beta2 * v_i + (1 - beta2) * g_i^2
+      x_i  = u_i = m_i / (sqrt(v_i) / sqrt(1 - beta2^(s+1)) + eps) / (1 - beta1^(s+1))
+
+  (``m_i``, ``v_i`` = this rank's ``state["exp_avg"]`` / ``["exp_avg_sq"]``: they differ
+  across ranks, as the residuals do; the parameters do not), and every rank applies
+  ``p <- p * (1 - lr * wd)`` (AdamW), ``p <- p - lr * X`` with ``X = (1/P) sum_i
+  C(r_i + u_i)``. Nothing is frozen, so the preconditioner follows the run (a GPT's
+  ``sqrt(v)`` moves 0.6-2.5x between steps 100 and 1000 as attention forms, which a
+  frozen ``v`` cannot follow); error feedback is exact in step units. The cost: ``v_i``
+  sees one rank's gradient noise rather than the average's (``1/P`` of it), which damps
+  the steps of noise-dominated coordinates.
+
+  Which wire is better depends on the model; measured (3 seeds, BENCHMARKS "Transformer
+  LM under AdamW") ... RESULTS
 
 * **variance refresh** (``refresh=R``, ``R >= 2``, from step ``S = refresh_start >=
   T_w``; the front doors' defaults: :data:`DEFAULT_REFRESH`, ``S =``
@@ -135,14 +148,14 @@ import torch
 from .adam_checkpoint import RecipeCheckpoint
 from .adam_refresh import VarianceRefresh, host_value
 from .adam_settings import (AdamSettings, DEFAULT_REFRESH, DEFAULT_WARMUP,
-                            REFRESH_START_FACTOR, adam_setup, check_adam, check_refresh,
-                            check_refresh_start, check_warmup, default_refresh, is_adam,
-                            WIRES)
+                            REFRESH_START_FACTOR, UPDATE_WARMUP, WIRES, adam_setup,
+                            check_adam, check_refresh, check_refresh_start, check_warmup,
+                            default_refresh, is_adam)
 from .payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
 from .momentum import clean_local_gradient
 from .param_groups import GroupLookup
 
-__all__ = ["AdamRecipe", "AdamSettings", "DEFAULT_REFRESH", "DEFAULT_WARMUP",
+__all__ = ["AdamRecipe", "AdamSettings", "DEFAULT_REFRESH", "DEFAULT_WARMUP", "UPDATE_WARMUP",
            "REFRESH_START_FACTOR", "adam_setup", "check_adam", "default_refresh", "is_adam"]
 
 

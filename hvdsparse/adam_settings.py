@@ -4,15 +4,16 @@ and :func:`adam_setup`, which resolves them into :class:`AdamSettings`. What the
 mean: :mod:`hvdsparse.adam`."""
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import re
+from typing import Iterable, NamedTuple, Optional
 
 import torch
 
 from .compressors.base import Compressor
 
 __all__ = ["AdamSettings", "DEFAULT_REFRESH", "DEFAULT_WARMUP", "REFRESH_START_FACTOR",
-           "UPDATE_WARMUP", "WIRES", "adam_setup", "check_adam", "check_refresh", "check_refresh_start",
-           "check_warmup", "default_refresh", "is_adam", "resolve_refresh"]
+           "RECURRENT_WEIGHT", "UPDATE_WARMUP", "WIRES", "adam_setup", "check_adam", "check_refresh", "check_refresh_start",
+           "check_warmup", "default_refresh", "default_wire", "is_adam", "resolve_refresh"]
 
 #: warm-up steps when the user gives none: ~30% of the 300-330-step runs measured in
 #: docs/bench/adam/ (``scripts/study_adam.py``); on a 900-step run 300 was no better
@@ -26,6 +27,21 @@ UPDATE_WARMUP = 1
 
 #: the values of ``adam_wire`` (:mod:`hvdsparse.adam`)
 WIRES = ("gradient", "momentum", "update")
+
+#: a recurrent layer's hidden-to-hidden weight as torch names it (nn.RNN / LSTM / GRU:
+#: ``weight_hh_l0``, ``weight_hh_l1_reverse``; the cells: ``weight_hh``)
+RECURRENT_WEIGHT = re.compile(r"(^|\.)weight_hh(_l\d+(_reverse)?)?$")
+
+
+def default_wire(param_names: Iterable[str] = ()) -> str:
+    """``adam_wire=None``: ``"gradient"`` for a model with a recurrent layer (a name
+    :data:`RECURRENT_WEIGHT` matches), else ``"update"``. Measured with each compressor's
+    defaults, 3 seeds (BENCHMARKS "Transformer LM under AdamW"): on the GPT-style
+    text-gpt the update wire ends within a few percent of dense AdamW (or below it)
+    where the gradient wire ends +40% above; on the char-LSTM text-lm the gradient wire
+    keeps the smaller gap (the update wire's per-rank variance, which sees one rank's
+    gradient noise, costs the LSTM even uncompressed)."""
+    return "gradient" if any(RECURRENT_WEIGHT.search(n) for n in param_names) else "update"
 
 #: variance refresh period when the user gives none (``adam_refresh=None``; AdaComp:
 #: off, :func:`default_refresh`), and the start of the first window, in units of the
@@ -147,17 +163,19 @@ class AdamSettings(NamedTuple):
 
 def adam_setup(optimizer, compression, adam_recipe, adam_warmup, *, local_gradient=None,
                momentum_correction=False, adam_refresh=None,
-               adam_refresh_start=None, adam_wire=None) -> Optional[AdamSettings]:
+               adam_refresh_start=None, adam_wire=None,
+               param_names: Iterable[str] = ()) -> Optional[AdamSettings]:
     """Validate the ``adam_recipe`` / ``adam_warmup`` / ``adam_refresh`` /
     ``adam_refresh_start`` / ``adam_wire`` arguments of a front door; return the
     resolved :class:`AdamSettings` when the recipe is on, None when it is off.
     ``adam_recipe=None`` (auto): on for ``torch.optim.Adam`` / ``AdamW`` with a compressor
-    that compresses. ``adam_wire`` (module docstring): ``None`` / ``"gradient"``
-    (default), ``"momentum"`` (1-bit Adam's wire) or ``"update"`` (every rank's own Adam
-    step; its warm-up defaults to :data:`UPDATE_WARMUP`); the last two have no variance
+    that compresses. ``adam_wire`` (module docstring): ``"gradient"``, ``"momentum"``
+    (1-bit Adam's wire) or ``"update"`` (every rank's own Adam step; its warm-up
+    defaults to :data:`UPDATE_WARMUP`); ``None``: :func:`default_wire` of
+    ``param_names`` (the optimised parameters' names). The last two have no variance
     refresh, so ``adam_refresh`` must then be None or 0."""
     if adam_wire is not None and adam_wire not in WIRES:
-        raise ValueError(f"adam_wire must be None (default: 'gradient') or one of "
+        raise ValueError(f"adam_wire must be None (default: by the model) or one of "
                          f"{', '.join(map(repr, WIRES))}, got {adam_wire!r}")
     if adam_recipe not in (None, True, False):
         raise ValueError(f"adam_recipe must be None (auto), True or False, got "
@@ -176,7 +194,7 @@ def adam_setup(optimizer, compression, adam_recipe, adam_warmup, *, local_gradie
                                  f"{type(optimizer).__name__}, compression "
                                  f"{type(compression).__name__})")
         return None
-    wire = adam_wire or "gradient"
+    wire = adam_wire or default_wire(param_names)
     warmup = check_warmup(adam_warmup, UPDATE_WARMUP if wire == "update" else DEFAULT_WARMUP)
     if wire != "gradient":
         if adam_refresh not in (None, 0, False) or adam_refresh_start is not None:

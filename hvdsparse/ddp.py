@@ -192,10 +192,10 @@ class State:
             AdamW recipe (:mod:`hvdsparse.adam`), as for
             :func:`hvdsparse.DistributedOptimizer`: on by default when
             ``optimizer=`` is a ``torch.optim.Adam`` / ``AdamW`` (the hook cannot see
-            the optimizer otherwise: without ``optimizer=`` it is off); the scaled
-            gradient is compressed in the hook after the dense warm-up, and the recipe's update
-            replaces Adam's for those parameters around the optimizer's ``step()``
-            (step pre/post hooks).
+            the optimizer otherwise: without ``optimizer=`` it is off); after the
+            dense warm-up the wire's quantity (by default every rank's own Adam step)
+            is compressed in the hook, and the recipe's update replaces Adam's for
+            those parameters around the optimizer's ``step()`` (step pre/post hooks).
         grad_scaler: the ``torch.amp.GradScaler`` of the training loop (see "Mixed
             precision" in the module docstring): residuals in unscaled units, overflow
             steps propagated to every rank (``scaler.step`` skips them) and rolled back.
@@ -240,7 +240,8 @@ class State:
         if callable(register):
             register([(n, p.shape) for n, p in self.params.items()])
         # the rule without optimizer= resolves to off: it needs an SGD
-        momentum_correction, adam = resolve_local_update(optimizer, compression, settings)
+        momentum_correction, adam = resolve_local_update(optimizer, compression, settings,
+                                                         list(self.params))
         self.local_update, self._opt_hooks = ddp_local_update(
             optimizer, self.params, self.world_size, compression, settings,
             momentum_correction=momentum_correction, adam=adam)

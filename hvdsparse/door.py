@@ -48,11 +48,13 @@ def bind_compressor(compressor, transport, prefix: str, owner) -> None:
     compressor.bind(transport.rank(), transport.size(), **kw)
 
 
-def resolve_local_update(optimizer, compressor, settings: ExchangeSettings):
+def resolve_local_update(optimizer, compressor, settings: ExchangeSettings,
+                         param_names=()):
     """``(momentum_correction, adam)``: the settings' local-update options resolved
     against ``optimizer`` (None: a door that was given none) -- DGC's momentum
     correction on or off (:func:`hvdsparse.momentum.resolve_momentum_correction`'s
-    rule), the Adam recipe's resolved :class:`hvdsparse.adam.AdamSettings` or None.
+    rule), the Adam recipe's resolved :class:`hvdsparse.adam.AdamSettings` or None
+    (``param_names``: the optimised parameters' names, which choose the default wire).
     Combinations that cannot work raise ``ValueError`` naming the options."""
     from .adam import adam_setup
     from .momentum import resolve_momentum_correction     # also checks momentum_masking
@@ -80,7 +82,7 @@ def resolve_local_update(optimizer, compressor, settings: ExchangeSettings):
                           local_gradient=st.local_gradient, momentum_correction=mc,
                           adam_refresh=st.adam_refresh,
                           adam_refresh_start=st.adam_refresh_start,
-                          adam_wire=st.adam_wire)
+                          adam_wire=st.adam_wire, param_names=param_names)
 
 
 def local_fingerprint(momentum_correction: bool, adam, settings: ExchangeSettings) -> dict:

@@ -347,26 +347,32 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             compressor compresses (not ``NoCompression``); ``True``: on (Adam / AdamW
             only); ``False``: off (the gradient is compressed and Adam applied to the
             exchanged average, as before).
-        adam_warmup: dense, exact Adam steps before the variance is frozen (per
-            parameter, counted by Adam's ``state["step"]``); ``None`` =
-            :data:`hvdsparse.adam.DEFAULT_WARMUP`. Not much under ~30% of a short run
-            (measured by ``scripts/study_adam.py``).
+        adam_warmup: dense, exact Adam steps before the compressed phase (per
+            parameter, counted by Adam's ``state["step"]``); ``None``: 1 on the update
+            wire (:data:`hvdsparse.adam.UPDATE_WARMUP`: the step that creates Adam's
+            state), :data:`hvdsparse.adam.DEFAULT_WARMUP` on the gradient and momentum
+            wires, whose variance is frozen after it (not much under ~30% of a short
+            run there: ``scripts/study_adam.py``).
         adam_refresh: the frozen variance's refresh period ``R``: every ``R``-th step
             from ``adam_refresh_start`` on sends each rank's local average of its
             squared gradient since the last refresh (dense) instead of its gradient,
             which goes out with the next step, and the variance advances by those steps
             (:mod:`hvdsparse.adam`; costs one dense step in ``R``). ``None`` (default):
-            :data:`hvdsparse.adam.DEFAULT_REFRESH` (50); ``0`` / ``False``: the
-            variance stays frozen after the warm-up; an int ``>= 2``.
+            :data:`hvdsparse.adam.DEFAULT_REFRESH` (50) on the gradient wire, none on
+            the others; ``0`` / ``False``: the variance stays frozen after the
+            warm-up; an int ``>= 2`` (gradient wire only).
         adam_refresh_start: the Adam step ``S`` after which the refreshes start (the
             first at step ``S + R``); ``None`` (default): 3 x the warm-up, so runs of up
             to ``3 * adam_warmup`` steps keep the frozen variance (refreshing earlier
             measured worse on short runs); an int ``>= adam_warmup``.
-        adam_wire: what travels after the warm-up: ``"gradient"`` (default: ``g_i / D``,
-            with the variance refresh) or ``"momentum"`` (1-bit Adam's ``m_i / D``, the
-            variance frozen for good). Measured with TopK(0.01), 3 seeds (BENCHMARKS
-            "Transformer LM under AdamW"): on a GPT-style LM the momentum wire halves
-            the loss gap to dense at fewer bytes; on a char-LSTM it doubles it.
+        adam_wire: what travels after the warm-up: ``"update"`` (every rank's own Adam
+            step from its own moments; nothing frozen, no refresh), ``"gradient"``
+            (``g_i / D`` with ``v`` frozen and refreshed) or ``"momentum"`` (1-bit
+            Adam's ``m_i / D``, ``v`` frozen for good). ``None`` (default): the
+            gradient wire for a model with a recurrent layer (a parameter named
+            ``...weight_hh...``, as torch's RNN / LSTM / GRU name theirs), else the
+            update wire (:func:`hvdsparse.adam_settings.default_wire`; measured in
+            BENCHMARKS "Transformer LM under AdamW").
     """
     import horovod.torch as hvd
     if op is None:
@@ -410,7 +416,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
                                  f"settings=")
             merged[k] = mine
     settings = dataclasses.replace(settings, **merged)
-    momentum_correction, adam = resolve_local_update(optimizer, compression, settings)
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+    momentum_correction, adam = resolve_local_update(
+        optimizer, compression, settings,
+        [t[0] for t in named_parameters or () if isinstance(t, tuple) and t])
 
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))

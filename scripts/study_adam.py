@@ -196,7 +196,8 @@ def worker(args):
             comp_name, recipe, warm = spec
             comp = {"topk": lambda: hvdsparse.TopK(0.01), "adacomp": hvdsparse.AdaComp,
                     "all": lambda: hvdsparse.TopK(1.0)}[comp_name]()
-            kw = dict(adam_warmup=warm) if recipe else dict(adam_recipe=False)
+            kw = dict(adam_warmup=warm, adam_wire="gradient") if recipe else \
+                dict(adam_recipe=False)
             opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                            compression=comp, **kw)
             if recipe == "raw":     # 1-bit Adam as published: m_i compressed, no floor

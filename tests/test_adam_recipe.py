@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import hvdsparse
 from hvdsparse import codec
-from hvdsparse.adam_settings import UPDATE_WARMUP
+from hvdsparse.adam_settings import UPDATE_WARMUP, default_wire
 from hvdsparse.adam import (AdamRecipe, DEFAULT_REFRESH, DEFAULT_WARMUP, REFRESH_START_FACTOR,
                             adam_setup)
 from tests.workers.adam_replay import AdamReplay, adacomp, topk_exact
@@ -551,13 +551,24 @@ def test_setup_checks():
     p = nn.Parameter(torch.randn(4, 4))
     adam = torch.optim.Adam([p])
     topk = hvdsparse.TopK(0.01)
-    assert adam_setup(adam, topk, None, None)[:3] == (DEFAULT_WARMUP, DEFAULT_REFRESH,
-                                                      REFRESH_START_FACTOR * DEFAULT_WARMUP)
-    assert adam_setup(torch.optim.AdamW([p]), topk, None, 7)[:3] == (7, DEFAULT_REFRESH, 21)
-    assert adam_setup(adam, topk, None, 7, adam_refresh=0)[:3] == (7, None, None)
-    assert adam_setup(adam, topk, None, 7, adam_refresh=False)[:3] == (7, None, None)
-    assert adam_setup(adam, topk, None, 7, adam_refresh=4, adam_refresh_start=7)[:3] == (7, 4, 7)
-    assert adam_setup(adam, topk, None, 7).wire == "gradient"
+    # the default wire follows the model: the gradient wire with a recurrent layer
+    rnn = dict(param_names=["emb.weight", "lstm.weight_ih_l0", "lstm.weight_hh_l0"])
+    assert adam_setup(adam, topk, None, None, **rnn) == \
+        (DEFAULT_WARMUP, DEFAULT_REFRESH, REFRESH_START_FACTOR * DEFAULT_WARMUP, "gradient")
+    assert adam_setup(adam, topk, None, None, param_names=["fc.weight", "attn.qkv.weight"]) \
+        == (UPDATE_WARMUP, None, None, "update")
+    assert adam_setup(adam, topk, None, None) == (UPDATE_WARMUP, None, None, "update")
+    for names, wire in ((["rnn.weight_hh_l1_reverse"], "gradient"), (["cell.weight_hh"], "gradient"),
+                        (["weight_hh_l0"], "gradient"), (["my_weight_hh_l0"], "update"),
+                        (["head.weight", "gru.weight_hh_l0x"], "update"), ([], "update")):
+        assert default_wire(names) == wire, names
+    assert adam_setup(torch.optim.AdamW([p]), topk, None, 7, **rnn)[:3] == \
+        (7, DEFAULT_REFRESH, 21)
+    assert adam_setup(adam, topk, None, 7, adam_refresh=0, **rnn)[:3] == (7, None, None)
+    assert adam_setup(adam, topk, None, 7, adam_refresh=False, **rnn)[:3] == (7, None, None)
+    assert adam_setup(adam, topk, None, 7, adam_refresh=4, adam_refresh_start=7, **rnn)[:3] \
+        == (7, 4, 7)
+    assert adam_setup(adam, topk, None, 7, **rnn).wire == "gradient"
     assert adam_setup(adam, topk, None, 7, adam_wire="gradient") == (7, DEFAULT_REFRESH, 21,
                                                                      "gradient")
     for r in (None, 0):          # the momentum wire: the variance frozen for good
@@ -569,10 +580,10 @@ def test_setup_checks():
     assert adam_setup(adam, topk, None, 5, adam_wire="update", adam_refresh=0) == \
         (5, None, None, "update")
     ada = hvdsparse.AdaComp()               # off by default for AdaComp; on when asked
-    assert adam_setup(adam, ada, None, None)[:3] == (DEFAULT_WARMUP, None, None)
-    assert adam_setup(adam, ada, None, 7, adam_refresh=50)[:3] == (7, 50, 21)
+    assert adam_setup(adam, ada, None, None, **rnn)[:3] == (DEFAULT_WARMUP, None, None)
+    assert adam_setup(adam, ada, None, 7, adam_refresh=50, **rnn)[:3] == (7, 50, 21)
     with pytest.raises(ValueError, match="adam_refresh_start=30 .*AdaComp"):
-        adam_setup(adam, ada, None, 7, adam_refresh_start=30)
+        adam_setup(adam, ada, None, 7, adam_refresh_start=30, **rnn)
     assert adam_setup(adam, topk, False, None) is None
     assert adam_setup(adam, hvdsparse.NoCompression(), None, None) is None
     assert adam_setup(torch.optim.SGD([p], lr=0.1), topk, None, None) is None
@@ -613,7 +624,7 @@ def test_setup_checks():
                  if k in args}
         with pytest.raises(ValueError, match=words):
             adam_setup(args["optimizer"], args["compression"], args["adam_recipe"],
-                       args["adam_warmup"], **extra)
+                       args["adam_warmup"], **extra, **rnn)
 
 
 def test_local_refresh_checks():
@@ -689,9 +700,14 @@ def test_ddp_state_wiring():
     net = Net()
     st = State(hvdsparse.TopK(0.1), net.named_parameters(), transport=One(),
                optimizer=torch.optim.AdamW(net.parameters()))
-    assert isinstance(st.local_update, AdamRecipe) and st.local_update.warmup == DEFAULT_WARMUP
-    assert st.fingerprint["adam_warmup"] == DEFAULT_WARMUP
+    assert isinstance(st.local_update, AdamRecipe) and st.local_update.warmup == UPDATE_WARMUP
+    assert st.fingerprint["adam_warmup"] == UPDATE_WARMUP
+    assert st.local_update.wire == "update" and st.fingerprint["adam_wire"] == "update"
+    rnn = nn.GRU(4, 8)                       # a recurrent layer: the gradient wire
+    st = State(hvdsparse.TopK(0.1), rnn.named_parameters(), transport=One(),
+               optimizer=torch.optim.AdamW(rnn.parameters()))
     assert st.local_update.wire == "gradient" and st.fingerprint["adam_wire"] == "gradient"
+    assert st.local_update.warmup == DEFAULT_WARMUP and st.local_update.refresh == DEFAULT_REFRESH
     st = State(hvdsparse.TopK(0.1), net.named_parameters(), transport=One(),
                optimizer=torch.optim.AdamW(net.parameters()), adam_wire="momentum")
     assert st.local_update.wire == "momentum" and st.local_update.refresh is None

@@ -94,21 +94,27 @@ for cls, comp, sel, dw, wd, R_, wire in (
     if sel == "topk":
         sel = topk_exact(0.05, output=out_layer(net))
     check(type(state.local_update).__name__ == "AdamRecipe", "recipe not on by default")
+    check(state.local_update.wire == wire, f"wire {state.local_update.wire!r}, asked {wire!r}")
     rep = AdamReplay(dict(net.named_parameters()), P, lr=3e-3, betas=(0.9, 0.99), eps=1e-8,
                      wd=wd, decoupled=cls is torch.optim.AdamW, warmup=2, select=sel,
                      needs_dw=dw, refresh=R_, refresh_from="local", wire=wire)
     for step in range(6):
         step_once(net, model, opt, step, rep)
 
+# the default wire of a model without recurrent layers: the update wire
+check(build(torch.optim.AdamW, hvdsparse.TopK(0.05), 0.0)[3].local_update.wire == "update",
+      "the DDP door's default wire is not the update wire")
+
 # checkpoint / resume (with refreshes at steps 3 and 5: the resumed run starts on one)
-net, model, opt, state = build(torch.optim.AdamW, hvdsparse.TopK(0.05), 0.0, refresh=2)
+net, model, opt, state = build(torch.optim.AdamW, hvdsparse.TopK(0.05), 0.0, refresh=2,
+                               wire="gradient")
 for step in range(3):
     step_once(net, model, opt, step)
 saved = copy.deepcopy((net.state_dict(), opt.state_dict(), state.state_dict()))
 for step in range(3, 6):
     step_once(net, model, opt, step)
 net2, model2, opt2, state2 = build(torch.optim.AdamW, hvdsparse.TopK(0.05), 0.0, seed=9,
-                                   refresh=2)
+                                   refresh=2, wire="gradient")
 net2.load_state_dict(saved[0])
 opt2.load_state_dict(saved[1])
 state2.load_state_dict(saved[2])

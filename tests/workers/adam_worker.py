@@ -13,11 +13,17 @@ Checks, each at every step:
 * adam_refresh=2 (every 2nd step after the warm-up sends each rank's local average of
   g_i^2 dense and defers its gradient to the next step): equals the replay; so does
   adam_refresh=3 with the default start (3 x the warm-up: a long first window);
+* adam_wire="update" (every rank's own moments and Adam step), with Adam L2, a rank-0-only
+  layer and a skipped NaN step, and with AdaComp + AdamW at the default wire of a model
+  without recurrent layers: equals the replay;
 * GradScaler: an overflow step on rank 1 is skipped by the scaler everywhere and rolled
   back; the run equals the replay without that step;
-* checkpoint: optimizer.state_dict() + compression_state_dict() saved mid-run and loaded
-  into a fresh model / optimizer continue bitwise identically;
-* the front door's argument checks.
+* checkpoint (the default, update wire: every rank saves and loads its own moments):
+  optimizer.state_dict() + compression_state_dict() saved mid-run and loaded into a
+  fresh model / optimizer continue bitwise identically;
+* the front door's defaults (update wire; gradient wire for a model with an LSTM) and
+  argument checks.
+The cases that check the gradient wire's own features name adam_wire="gradient".
 Prints ``HVDSPARSE-OK rank=<r>``.
 """
 import copy
@@ -125,12 +131,12 @@ for step in range(4):
               f"{(a - b).abs().max().item():.3g}")
 
 # ... and with warm-up 2: the frozen-variance recipe on the uncompressed momentum
-model, opt = make(comp=hvdsparse.TopK(1.0), adam_warmup=2)
+model, opt = make(comp=hvdsparse.TopK(1.0), adam_warmup=2, adam_wire="gradient")
 train(opt, model, 4, replay=replay_for(model, topk_exact(1.0), warmup=2), tag="all")
 
 # 2. TopK(0.05) + Adam L2 + a rank-0-only layer + a skipped NaN step; AdaComp + AdamW
 model, opt = make(comp=hvdsparse.TopK(0.05, exact=True), adam_warmup=3, weight_decay=1e-2,
-                  nonfinite="skip")
+                  nonfinite="skip", adam_wire="gradient")
 rep = replay_for(model, topk_exact(0.05, output=out_layer(model)), warmup=3, wd=1e-2)
 train(opt, model, 8, side=True, nan_at=5, replay=rep, tag="topk")
 check(opt.scheduler.skipped_steps == 1, "the NaN step was not skipped")
@@ -141,7 +147,7 @@ check(torch.allclose(st["exp_avg"], rep.m["fc1.weight"], rtol=1e-5, atol=1e-7) a
       "Adam's state is not the recipe's m / frozen v")
 
 model, opt = make(torch.optim.AdamW, comp=hvdsparse.AdaComp(), adam_warmup=2,
-                  weight_decay=1e-2)
+                  weight_decay=1e-2, adam_wire="gradient")
 train(opt, model, 6, replay=replay_for(model, adacomp(), warmup=2, wd=1e-2, decoupled=True,
                                        needs_dw=True), tag="adacomp")
 
@@ -159,9 +165,10 @@ check(int(st["step"]) == 6, "update: Adam step count after a skip")
 check(torch.allclose(st["exp_avg"], rep.mr[R]["fc1.weight"], rtol=1e-5, atol=1e-7) and
       torch.allclose(st["exp_avg_sq"], rep.vr[R]["fc1.weight"], rtol=1e-5, atol=1e-10),
       "update: Adam's state is not this rank's own m / v")
-model, opt = make(torch.optim.AdamW, comp=hvdsparse.AdaComp(), weight_decay=1e-2,
-                  adam_wire="update")
-check(opt._local_update.warmup == 1, "update: the default warm-up is not one step")
+model, opt = make(torch.optim.AdamW, comp=hvdsparse.AdaComp(), weight_decay=1e-2)
+check(opt._local_update.wire == "update" and opt._local_update.warmup == 1,
+      "update: not the default wire of a model without recurrent layers, or its default "
+      "warm-up is not one step")
 train(opt, model, 5, replay=replay_for(model, adacomp(), warmup=1, wd=1e-2, decoupled=True,
                                        needs_dw=True, wire="update"), tag="update-w")
 
@@ -170,7 +177,7 @@ train(opt, model, 5, replay=replay_for(model, adacomp(), warmup=1, wd=1e-2, deco
 # compressed ones, the rank-0-only layer a zero gradient elsewhere); its gradient goes out
 # with the next step
 model, opt = make(comp=hvdsparse.TopK(0.05, exact=True), adam_warmup=2, adam_refresh=2,
-                  adam_refresh_start=2, weight_decay=1e-2)
+                  adam_refresh_start=2, weight_decay=1e-2, adam_wire="gradient")
 rep = replay_for(model, topk_exact(0.05, output=out_layer(model)), warmup=2, wd=1e-2,
                  refresh=2)
 train(opt, model, 7, side=True, replay=rep, tag="refresh")
@@ -182,7 +189,7 @@ check(opt.compression_state_dict().get("adam_recipe", {}).get("refresh") == 2,
 # until the exchange's result overwrites it; the default start (3 x the warm-up = 6): the
 # first refresh is Adam step 9 (index 8) and stands for the 7 steps since the warm-up
 model, opt = make(torch.optim.AdamW, comp=hvdsparse.AdaComp(), adam_warmup=2,
-                  adam_refresh=3, weight_decay=1e-2)
+                  adam_refresh=3, weight_decay=1e-2, adam_wire="gradient")
 check(opt._local_update.refresh_start == 6, "refresh-w: the default start is not 3 T_w")
 train(opt, model, 9, replay=replay_for(model, adacomp(), warmup=2, wd=1e-2, decoupled=True,
                                        needs_dw=True, refresh=3, refresh_start=6),
@@ -201,7 +208,7 @@ for step in (9, 10, 11):
 # 2b. GradScaler (the README's AMP recipe): an overflow on rank 1 at step 4 is skipped by
 # the scaler on every rank and rolled back; the rest equals the replay
 model, opt = make(torch.optim.AdamW, comp=hvdsparse.TopK(0.05, exact=True), adam_warmup=2,
-                  weight_decay=1e-2, grad_scaler=torch.amp.GradScaler(
+                  weight_decay=1e-2, adam_wire="gradient", grad_scaler=torch.amp.GradScaler(
                       "cpu", init_scale=2.0 ** 8, growth_interval=1000))
 scaler = opt.scheduler.grad_scaler
 rep = replay_for(model, topk_exact(0.05, output=out_layer(model)), warmup=2, wd=1e-2,
@@ -256,10 +263,17 @@ for (n, a), b in zip(model.named_parameters(), model2.parameters()):
 # 4. on by default for Adam; the front door's checks
 model, opt = make(comp=hvdsparse.TopK(0.01))
 lu = opt._local_update
-check(type(lu).__name__ == "AdamRecipe" and lu.warmup == hvdsparse.adam.DEFAULT_WARMUP and
+check(type(lu).__name__ == "AdamRecipe" and lu.wire == "update" and lu.warmup == 1 and
+      lu.refresh is None, "the recipe (update wire, one warm-up step) is not the default "
+      "for Adam on a model without recurrent layers")
+rnn = torch.nn.LSTM(4, 8)
+lu = hvd.DistributedOptimizer(torch.optim.Adam(rnn.parameters()),
+                              named_parameters=rnn.named_parameters(),
+                              compression=hvdsparse.TopK(0.01))._local_update
+check(lu.wire == "gradient" and lu.warmup == hvdsparse.adam.DEFAULT_WARMUP and
       (lu.refresh, lu.refresh_start) == (50, 300) and lu.refresh_from == "local",
-      "the recipe (warm-up 100, refresh every 50 steps from step 300) is not the default "
-      "for Adam")
+      "the recipe (gradient wire, warm-up 100, refresh every 50 steps from step 300) is "
+      "not the default for Adam on a model with a recurrent layer")
 for kw, words in ((dict(amsgrad=True), "amsgrad"),):
     try:
         hvd.DistributedOptimizer(torch.optim.Adam(Net().parameters(), **kw),

@@ -53,7 +53,10 @@ def configs():
         # warm-up step 0, a compressed step 1, a variance refresh at step 2
         "TopK+adam/allgather": (lambda: hs.TopK(0.05), "adam",
                                 dict(exchange="allgather", adam_warmup=1, adam_refresh=2,
-                                     adam_refresh_start=1)),
+                                     adam_refresh_start=1, adam_wire="gradient")),
+        # the default (update) wire: one warm-up step, then every rank's own Adam step
+        "TopK+adam-update/allgather": (lambda: hs.TopK(0.05), "adam",
+                                       dict(exchange="allgather")),
         "TopK+propagate/auto": (lambda: hs.TopK(0.05), "plain",
                                 dict(exchange="auto", nonfinite="propagate")),
         # positive control: .item() inside compress, i.e. inside DDP's call of the hook

@@ -261,9 +261,12 @@ def equivalence_with_horovod():
         mB = copy.deepcopy(mA)
         hvd.broadcast_parameters(mA.state_dict(), root_rank=0)
         hvd.broadcast_parameters(mB.state_dict(), root_rank=0)
+        # Adam: the gradient wire, whose 100 dense warm-up steps are Horovod's own Adam
         oA = hvd.DistributedOptimizer(make(mA.parameters()),
                                       named_parameters=mA.named_parameters(),
-                                      compression=hvdsparse.TopK(1.0))
+                                      compression=hvdsparse.TopK(1.0),
+                                      **({} if oname.startswith("sgd") else
+                                         dict(adam_wire="gradient")))
         oB = hvd.DistributedOptimizer(make(mB.parameters()),
                                       named_parameters=mB.named_parameters(),
                                       compression=hvd.Compression.none)

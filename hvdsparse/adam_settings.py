@@ -37,10 +37,10 @@ def default_wire(param_names: Iterable[str] = ()) -> str:
     """``adam_wire=None``: ``"gradient"`` for a model with a recurrent layer (a name
     :data:`RECURRENT_WEIGHT` matches), else ``"update"``. Measured with each compressor's
     defaults, 3 seeds (BENCHMARKS "Transformer LM under AdamW"): on the GPT-style
-    text-gpt the update wire ends within a few percent of dense AdamW (or below it)
-    where the gradient wire ends +40% above; on the char-LSTM text-lm the gradient wire
-    keeps the smaller gap (the update wire's per-rank variance, which sees one rank's
-    gradient noise, costs the LSTM even uncompressed)."""
+    text-gpt the update wire ends -4.1% to +4.0% against dense AdamW where the gradient
+    wire ends +39.8%; on the char-LSTM text-lm it helps TopK and Threshold (+1.0% /
+    +0.35% against +1.9% / +1.3%) but not AdaComp (+3.3% against +2.0%), so recurrent
+    models keep the wire their measured rows were taken with."""
     return "gradient" if any(RECURRENT_WEIGHT.search(n) for n in param_names) else "update"
 
 #: variance refresh period when the user gives none (``adam_refresh=None``; AdaComp:

@@ -179,6 +179,10 @@ class AdamTrace:
         import torch
         self.torch, self.opt, self.comp = torch, opt, comp
         self.recipe = getattr(opt, "_local_update", None)
+        if getattr(self.recipe, "wire", "gradient") != "gradient":
+            raise ValueError(f"--trace measures the gradient wire's frozen-variance step; "
+                             f"this method runs wire={self.recipe.wire!r} (pass "
+                             f"opt.adam_wire='gradient')")
         self.named = [(n, p) for n, p in named if p.requires_grad]
         self.group_of, self.every = group_of, every
         self.m = {n: torch.zeros_like(p) for n, p in self.named}

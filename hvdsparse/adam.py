@@ -25,7 +25,8 @@ hyper-parameters of ``p``'s param group):
   no residual), the exchange averages it into ``G`` and the wrapped optimizer's own
   ``step()`` runs: exact Adam, ``m`` and ``v`` updated as usual (``foreach`` / ``fused``
   honoured).
-* **after warm-up** (``s >= T_w``), ``wire="gradient"`` (the default): on every rank ``i``
+* **after warm-up** (``s >= T_w``), ``wire="gradient"`` (the default with a recurrent
+  layer): on every rank ``i``
 
       g_i <- g_i + wd * p                 (Adam's L2 weight decay; not for AdamW)
       g_i <- -g_i                         (maximize=True)
@@ -61,7 +62,7 @@ hyper-parameters of ``p``'s param group):
   across ranks, as the residuals do; the parameters do not), and every rank applies
   ``p <- p * (1 - lr * wd)`` (AdamW), ``p <- p - lr * X`` with ``X = (1/P) sum_i
   C(r_i + u_i)``. Nothing is frozen, so the preconditioner follows the run (a GPT's
-  ``sqrt(v)`` moves 0.6-2.5x between steps 100 and 1000 as attention forms, which a
+  ``sqrt(v)`` moves 0.56-2.5x between steps 100 and 1000 as attention forms, which a
   frozen ``v`` cannot follow); error feedback is exact in step units. The cost: ``v_i``
   sees one rank's gradient noise rather than the average's (``1/P`` of it), which damps
   the steps of noise-dominated coordinates.

@@ -56,14 +56,18 @@ hyper-parameters of ``p``'s param group):
   moments of its *own* gradient and sends its own bias-corrected Adam step
 
       m_i <- beta1 * m_i + (1 - beta1) * g_i,   v_i <- beta2 * v_i + (1 - beta2) * g_i^2
-      x_i  = u_i = m_i / (sqrt(v_i) / sqrt(1 - beta2^(s+1)) + eps) / (1 - beta1^(s+1))
+      u_i  = m_i / (sqrt(v_i) / sqrt(1 - beta2^(s+1)) + eps) / (1 - beta1^(s+1))
+      x_i  = lr_s * u_i
 
   (``m_i``, ``v_i`` = this rank's ``state["exp_avg"]`` / ``["exp_avg_sq"]``: they differ
   across ranks, as the residuals do; the parameters do not), and every rank applies
-  ``p <- p * (1 - lr * wd)`` (AdamW), ``p <- p - lr * X`` with ``X = (1/P) sum_i
-  C(r_i + u_i)``. Nothing is frozen, so the preconditioner follows the run (a GPT's
+  ``p <- p * (1 - lr * wd)`` (AdamW), ``p <- p - X`` with ``X = (1/P) sum_i
+  C(r_i + x_i)``. Nothing is frozen, so the preconditioner follows the run (a GPT's
   ``sqrt(v)`` moves 0.56-2.5x between steps 100 and 1000 as attention forms, which a
-  frozen ``v`` cannot follow); error feedback is exact in step units. The cost: ``v_i``
+  frozen ``v`` cannot follow). The step travels with its learning rate, so error
+  feedback is exact in parameter units under any schedule: an element held back during
+  a learning-rate warm-up moves the parameter by what it was worth at its own step, not
+  at the (larger) rate of the step that finally sends it. The cost: ``v_i``
   sees one rank's gradient noise rather than the average's (``1/P`` of it), which damps
   the steps of noise-dominated coordinates.
 
@@ -336,7 +340,8 @@ class AdamRecipe(VarianceRefresh, RecipeCheckpoint):
     def _own_step(self, name: str, g: torch.Tensor, st: dict, group: dict) -> torch.Tensor:
         """``wire="update"``: this rank's Adam step from its own moments (torch's
         single-tensor formulas): ``m' = b1 m + (1 - b1) g``, ``v' = b2 v + (1 - b2) g^2``,
-        ``u = m' / (sqrt(v') / sqrt(bc2) + eps) / bc1`` with ``bc = 1 - b^(s + 1)``;
+        ``u = m' / (sqrt(v') / sqrt(bc2) + eps) / bc1`` with ``bc = 1 - b^(s + 1)``,
+        returned times this step's ``lr`` (the parameter displacement);
         ``(m', v')`` wait in ``_moments`` until :meth:`_update` commits them (a skipped
         step leaves Adam's state as it was)."""
         b1, b2 = (host_value(b) for b in group["betas"])
@@ -345,7 +350,11 @@ class AdamRecipe(VarianceRefresh, RecipeCheckpoint):
         v = st["exp_avg_sq"].float().mul(b2).addcmul_(g, g, value=1 - b2)
         self._moments[name] = (m, v)
         denom = v.sqrt().div_(math.sqrt(1 - b2 ** t)).add_(group["eps"])
-        return m.div(denom).div_(1 - b1 ** t)
+        u = m.div(denom).div_(1 - b1 ** t)
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            return u.mul_(lr.to(device=u.device, dtype=u.dtype))
+        return u.mul_(lr)
 
     def _denom(self, st: dict, group: dict, step: int) -> torch.Tensor:
         """``D = max(s, floor * mean(s)) + eps`` with ``s = sqrt(v) / sqrt(1 - beta2^c)``,
@@ -430,14 +439,11 @@ class AdamRecipe(VarianceRefresh, RecipeCheckpoint):
             else:
                 self._refresh(name, st, group, G, d_old, s, step_size, p)
             return
-        if self.wire == "update":                     # M holds X = avg C(u_i)
+        if self.wire == "update":                     # M holds X = avg C(r_i + lr u_i)
             m, v = self._moments.pop(name)
             st["exp_avg"].copy_(m)
             st["exp_avg_sq"].copy_(v)
-            if isinstance(lr, torch.Tensor):
-                p.sub_(M * lr.to(p.device))
-            else:
-                p.add_(M, alpha=-lr)
+            p.sub_(M)
             return
         denom = self._denom(st, group, s)
         if self.wire == "gradient":                   # M holds X = avg C(g_i [/ D])

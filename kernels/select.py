@@ -138,7 +138,7 @@ def _select_compact_kernel(acc_ptr, grad_ptr, thr_ptr, idx_ptr, val_ptr, sign_pt
 
 def select_compact(acc, threshold, capacity, *, bin_size=0, grad=None, h_scale=1.0,
                    value_encoding=VE_FP32, sign_scale=None, out=None, grad_scale=None,
-                   block=4096, num_warps=8):
+                   block=1024, num_warps=4):
     """Triton version of ``hvdsparse.cpu.select_compact`` (arguments already
     validated by ``hvdsparse.ops``: ``threshold`` an fp32 tensor, 0-d or [nbins] with
     ``bin_size > 0``; ``sign_scale`` an fp32 1-element tensor for SIGN1; ``grad_scale``
@@ -147,6 +147,9 @@ def select_compact(acc, threshold, capacity, *, bin_size=0, grad=None, h_scale=1
     Returns ``(indices int32[capacity], values, count int32[2])`` as the CPU path, slot
     order as described in the module docstring. ``out`` = optional preallocated
     ``(indices, values, count)``; count is zeroed here (and SIGN1 values rewritten).
+    ``block`` / ``num_warps``: 1024 / 4 streamed fastest at 25 M fp32 elements on an
+    H100 and an H200 (``scripts/gpu_sweep.py``: 0.67 and 0.48 of a device copy, against
+    0.52 and 0.35 at 4096 / 8); any power of two gives the same selection.
     """
     n = acc.numel()
     dev = acc.device

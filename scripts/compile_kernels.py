@@ -94,7 +94,8 @@ KERNELS = [("residual", "_residual_tile_kernel"), ("residual", "_residual_flat_k
            ("bucket_binned", "_ada_accumulate_kernel"),
            ("bucket_binned", "_ada_count_kernel"), ("bucket_binned", "_ada_pack_kernel"),
            ("bucket_decode", "_check_kernel"), ("bucket_decode", "_scatter_kernel"),
-           ("bucket_narrow", "_narrow_kernel"), ("segment_mean", "_segment_mean_kernel")]
+           ("bucket_narrow", "_narrow_kernel"), ("segment_mean", "_segment_mean_kernel"),
+           ("bucket_randomk", "_pick_kernel")]
 #: kernels that stream over a whole layer: grid >= 1000 programs at 25M elements, and
 #: 128-bit loads of aligned fp32 inputs
 STREAMING = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
@@ -117,7 +118,7 @@ NO_FMA = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_ker
           "_refine_count_kernel", "_refine_final_kernel", "_binned_count_kernel",
           "_binned_pack_kernel", "_accumulate_kernel", "_count_kernel", "_select_kernel",
           "_ladder_kernel", "_clamp_kernel", "_dense_copy_kernel", "_qsgd_pack_kernel",
-          "_ada_accumulate_kernel", "_ada_count_kernel", "_ada_pack_kernel"}
+          "_ada_accumulate_kernel", "_ada_count_kernel", "_ada_pack_kernel", "_pick_kernel"}
 #: kernels whose modules state a correctly rounded fp32 division (``div_rn``) without
 #: turning contraction off: no approximate fp32 division
 EXACT_DIV = {"_quantize_pack_kernel", "_unpack_kernel", "_scatter_row_kernel",
@@ -348,6 +349,14 @@ def drive(full: bool, errors: list):
         run("bucket-AdaComp-bf16-scaled@25M", lambda: bucket_groups(
             hvdsparse.AdaComp(), [("w", big2)], ada, dtype=torch.bfloat16,
             grad_scale=torch.ones(1)))
+    # RandomK rows: own seeds (int32 indices) and shared seeds (int64 implicit indices too)
+    run("bucket-RandomK@25M", lambda: bucket_groups(
+        hvdsparse.RandomK(0.01, overrides={"s": dict(shared_seed=True)}),
+        [("w", big2), ("s", (37, 50))], ["_accumulate_kernel", "_pick_kernel"]))
+    if full:
+        run("bucket-RandomK-bf16@25M", lambda: bucket_groups(
+            hvdsparse.RandomK(0.01, values="bf16"), [("w", big2)], ["_pick_kernel"],
+            dtype=torch.bfloat16))
     # Threshold's refresh step on the bucket path (ROUTE_FRESH: the radix select)
     run("bucket-Threshold-fresh@25M", lambda: bucket_groups(
         hvdsparse.Threshold(0.99, output_ratio=None), [("big", big2), ("mid", (350, 200))],

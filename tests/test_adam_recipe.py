@@ -487,7 +487,7 @@ def test_warmup_is_exact_adam(seed):
 @pytest.mark.parametrize("kind", ["adam", "adamw"])
 def test_update_wire_uncompressed_is_adam(seed, kind):
     """At P = 1 with nothing dropped (TopK(1.0): the residual stays 0), the update wire's
-    step ``w -= lr * u`` is torch's Adam / AdamW step on the same gradients, to
+    step ``w -= X`` (``X = lr * u``) is torch's Adam / AdamW step on the same gradients, to
     rounding; a skipped step (``neutralised`` left by an exception) changes nothing."""
     torch.manual_seed(seed)
     model, ref = Net(), Net()
@@ -522,6 +522,35 @@ def test_update_wire_uncompressed_is_adam(seed, kind):
         AdamRecipe(opt, sim.named, 1, lambda n: True, warmup=1, wire="update", refresh=2)
 
 
+@pytest.mark.parametrize("comp", ["topk", "adacomp"])
+def test_update_wire_under_a_schedule_matches_replay(seed, comp):
+    """The update wire with a learning rate that changes every step (a warm-up, then a
+    decay) against the replay of its definition (``x_r = lr_t * u_r`` with error
+    feedback, ``w -= X``): what a residual holds back is applied at the rate of the
+    step it came from, whichever step sends it. P = 1 (the update wire's moments are
+    per rank: one process holds one rank's; tests/workers/adam_worker.py runs P = 3)."""
+    torch.manual_seed(seed)
+    P, lr0, wd, betas, eps = 1, 3e-3, 1e-2, (0.9, 0.99), 1e-8
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr0, betas=betas, eps=eps,
+                            weight_decay=wd)
+    if comp == "topk":
+        make, sel, dw = (lambda: hvdsparse.TopK(0.05, exact=True)), topk_exact(0.05), False
+    else:
+        make, sel, dw = hvdsparse.AdaComp, adacomp(), True
+    rep = AdamReplay(dict(model.named_parameters()), P, lr=lr0, betas=betas, eps=eps,
+                     wd=wd, decoupled=True, warmup=1, select=sel, needs_dw=dw,
+                     wire="update")
+    sim = SimRanks(model, opt, make, P, 1, wire="update")
+    for step in range(9):
+        lr = lr0 * min(1.0, (step + 1) / 4) * 0.7 ** max(0, step - 4)
+        opt.param_groups[0]["lr"] = rep.lr = lr
+        everyone = grads(model, P, step, seed)
+        sim.step(everyone)
+        rep.step(everyone)
+        _close(sim, rep, f"{comp} step {step} (lr {lr:.3g})")
+
+
 @pytest.mark.parametrize("wire", ["gradient", "momentum", "update"])
 def test_unused_layer_is_a_zero_gradient(seed, wire):
     """A trainable layer without a gradient on a rank is a zero g_i: it sends x_i = 0 on
@@ -539,10 +568,10 @@ def test_unused_layer_is_a_zero_gradient(seed, wire):
     D = torch.clamp(s, min=float(0.1 * s.mean())) + 1e-8
     if wire == "gradient":
         assert torch.equal(x, torch.zeros_like(x))
-    elif wire == "update":                  # this rank's Adam step with g = 0
+    elif wire == "update":                  # this rank's Adam step with g = 0, times lr
         m1, v1 = 0.9 * m, 0.999 * v
         u = m1 / (v1.sqrt() / math.sqrt(1 - 0.999 ** 2) + 1e-8) / (1 - 0.9 ** 2)
-        assert torch.allclose(x, u, rtol=1e-6, atol=0)
+        assert torch.allclose(x, u * 1e-2, rtol=1e-6, atol=0)
     else:
         assert torch.allclose(x, m * 0.9 / D, rtol=1e-6, atol=0)
 

@@ -20,7 +20,7 @@ from collections import Counter
 import pytest
 import torch
 
-from hvdsparse.compressors import QSGD, AdaComp, NoCompression, Threshold, TopK
+from hvdsparse.compressors import QSGD, AdaComp, NoCompression, RandomK, Threshold, TopK
 from hvdsparse.compressors import bucket as BK
 from hvdsparse.momentum import LocalUpdate
 
@@ -55,7 +55,7 @@ def _poison(monkeypatch):
     def empty(n, dtype, device):
         if dtype == torch.uint8:
             return torch.full((n,), 0xA5, dtype=dtype, device=device)
-        if dtype == torch.int32:
+        if dtype in (torch.int32, torch.int64):
             return torch.full((n,), -7, dtype=dtype, device=device)
         return torch.full((n,), float("nan"), dtype=dtype, device=device)
     monkeypatch.setattr(BK, "_empty", empty)
@@ -86,6 +86,13 @@ def _make(kind, dtype, seed, mc):
                          overrides={"w4": dict(life_span=3)})
     elif kind == "topk":
         comp = TopK(0.05, output_ratio=None, seed=seed % 1000)
+    elif kind == "randomk":
+        # own and shared seeds, fp32 / fp16 / bf16 values, k dividing n or not
+        comp = RandomK(0.05, seed=seed % 1000,
+                       values="bf16" if dtype == torch.bfloat16 else "fp32",
+                       overrides={"w2": dict(shared_seed=True),
+                                  "w4": dict(ratio=0.03, values="fp16"),
+                                  "conv": dict(shared_seed=True, ratio=0.1)})
     else:
         comp = NoCompression()
     comp.register_layers([(n, params[n].shape) for n in names])
@@ -202,6 +209,8 @@ def _segment(seg):
         out.update(idx=idx[order].cpu(), vals=_bits(seg.values[:c][order]))
     else:
         out.update(vals=_bits(seg.values))
+    if seg.implicit_indices is not None:         # IMPLICIT: the local decoder's indices
+        out.update(implicit=seg.implicit_indices.cpu())
     return out
 
 
@@ -247,6 +256,9 @@ EXPECT = {"qsgd": {"w1": "qsgd", "w2": "qsgd", "w4": "qsgd", "conv": "qsgd", "b1
           "adacomp": {"w1": "adacomp", "w2": "adacomp", "w4": "adacomp",
                       "conv": "adacomp", "b1": "dense", "bn.weight": "dense",
                       "bn.bias": "dense", "w3": "dense"},
+          "randomk": {"w1": "randomk", "w2": "randomk", "w4": "randomk",
+                      "conv": "randomk", "b1": "dense", "bn.weight": "dense",
+                      "bn.bias": "dense", "w3": "dense"},
           "none": {n: "dense" for n, _ in LAYERS}}
 EXPECT["threshold"] = EXPECT["threshold-noguard"] = EXPECT["topk"]
 
@@ -260,6 +272,9 @@ EXPECT["threshold"] = EXPECT["threshold-noguard"] = EXPECT["topk"]
     ("adacomp", torch.float32, 0.5, True),
     ("adacomp", torch.bfloat16, 0.25, True),
     ("none", torch.float32, None, False),
+    ("randomk", torch.float32, None, False),
+    ("randomk", torch.float32, 0.5, True),
+    ("randomk", torch.bfloat16, 0.25, True),
     ("threshold", torch.float32, 0.5, True),
     ("threshold", torch.float16, None, False),
     ("threshold-noguard", torch.float32, None, True),
@@ -285,17 +300,24 @@ def test_bucket_rows_match_per_layer_path(monkeypatch, kind, dtype, scale, mc):
     if kind == "adacomp":   # bins sent something
         assert all(s["count"] > 0 for n, segs in got[-1]["segs"].items() for s in segs
                    if exp[n] == "adacomp")
+    if kind == "randomk":   # the draw: k distinct indices, one per stratum, ascending
+        for n in ("w1", "w4"):
+            seg = got[-1]["segs"][n][0]
+            idx, k, numel = seg["idx"], seg["count"], seg["numel"]
+            lo = torch.arange(k + 1, dtype=torch.int64) * numel // k
+            assert k == seg["cap"] and bool((idx >= lo[:-1]).all() and (idx < lo[1:]).all())
     if kind == "qsgd":      # every layer sent something, and the residuals moved
         assert all(s["count"] > 0 for segs in got[-1]["segs"].values() for s in segs)
         assert got[-1]["res"]["w2"].abs().sum() > 0
 
 
-@pytest.mark.parametrize("kind", ["qsgd", "adacomp", "none"])
+@pytest.mark.parametrize("kind", ["qsgd", "adacomp", "randomk", "none"])
 def test_bucket_rows_launch_counts(monkeypatch, kind, capsys):
     """Device work of one steady-state step, all layers: the per-layer path against the
     bucket path. Printed for reporting, and checked exactly: a ``dense`` or ``qsgd``
     group is one Triton launch and no aten op; an ``adacomp`` group four launches
-    (accumulate, the layers' scales, count, pack), one zero fill and one ``cumsum``."""
+    (accumulate, the layers' scales, count, pack), one zero fill and one ``cumsum``; a
+    ``randomk`` group two launches (accumulate, draw and pick) and no aten op."""
     if DEV.type != "cpu":
         pytest.skip("counts through the interpreter")
     monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")
@@ -311,6 +333,7 @@ def test_bucket_rows_launch_counts(monkeypatch, kind, capsys):
               f"{len(groups[-2])} groups {groups[-2]} (aten {after[0]}, triton {after[1]}) + 1 table copy "
               f"per group on CUDA", file=sys.stderr)
     g = groups[-2]
-    assert sum(after[1].values()) == sum(4 if k == "adacomp" else 1 for k, _ in g)
+    launches = {"adacomp": 4, "randomk": 2}
+    assert sum(after[1].values()) == sum(launches.get(k, 1) for k, _ in g)
     assert sum(after[0].values()) == sum(2 for k, _ in g if k == "adacomp")
     assert before[2] >= 2 * len(LAYERS)

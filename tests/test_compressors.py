@@ -657,6 +657,30 @@ def test_slimdp_core_is_top_significance():
     assert torch.equal(core, expect)
 
 
+def test_randomk_draw_is_one_index_per_stratum_with_uniform_marginals():
+    """RandomK's stratified draw (randomk.py): k distinct ascending indices, index j in
+    stratum [floor(j n / k), floor((j + 1) n / k)); over many steps every element is
+    drawn with probability 1 / (its stratum's size), k dividing n or not (the Triton
+    path's draw: tests/test_bucket_compress.py)."""
+    from hvdsparse.compressors.randomk import stratified_indices, stratum_sizes
+    n, k, T = 1000, 30, 3000            # strata of 33 and 34 elements
+    rk = RandomK(k / n, seed=int(torch.randint(0, 2 ** 20, ()).item()))
+    lo = torch.arange(k + 1, dtype=torch.int64) * n // k
+    hits = torch.zeros(n)
+    for t in range(T):
+        idx = rk.indices("w", n, t)
+        assert idx.dtype == torch.int64 and idx.numel() == k
+        assert bool((idx >= lo[:-1]).all() and (idx < lo[1:]).all())
+        hits[idx] += 1
+    p = (1.0 / stratum_sizes(n, k).double()).repeat_interleave(stratum_sizes(n, k))
+    freq = hits.double() / T
+    assert float(((freq - p).abs() / (p * (1 - p) / T).sqrt()).max()) < 5.5
+    # the extremes of the uniforms stay inside their strata (exact integer math)
+    u = torch.tensor([0.0, 0.99999994] * (k // 2), dtype=torch.float32)
+    idx = stratified_indices(u, n, k)
+    assert torch.equal(idx[0::2], lo[:-1][0::2]) and torch.equal(idx[1::2], lo[1:][1::2] - 1)
+
+
 def test_randomk_shared_seed_identical_across_ranks():
     shared = _ranks(lambda: RandomK(0.05, shared_seed=True, **POL))
     own = _ranks(lambda: RandomK(0.05, **POL))

@@ -23,14 +23,19 @@ compressor. Each plan carries its ``kind``:
   fill, three launches, one ``cumsum`` and one ``mean`` per layer (torch's reduction:
   the per-layer scale's bits) (``kernels/bucket_binned.py``); DGC's velocity update
   folds into the accumulate launch.
+* ``randomk``: RandomK's layers with error feedback and fp32 / fp16 / bf16 values
+  (``RandomK._compress``: the stratified draw, the pick, the residual's cast error):
+  ``kernels/bucket_topk.py``'s table and accumulate launch (DGC's velocity folded in,
+  its mask launch after the exchange) and one draw-and-pick launch
+  (``kernels/bucket_randomk.py``) per group.
 
 Same bits as the per-layer path (payload, residual, non-finite count, statistics):
 tests/test_bucket_compress.py compares them on fresh random data through Triton's
-interpreter. The ``dense``, ``qsgd`` and ``adacomp`` rows run on the Triton
-path only (``ops.use_triton``); on the CPU those layers stay per layer. Still per
-layer: RandomK, Slim-DP, layers a compressor sends dense by size (``_dense_from_acc``:
-TopK's warm-up, AdaComp's not-smaller layouts, ...), AdaComp bins wider than
-``ops.binned_max_bin()``.
+interpreter. The ``dense``, ``qsgd``, ``adacomp`` and ``randomk`` rows run on the
+Triton path only (``ops.use_triton``); on the CPU those layers stay per layer. Still per
+layer: Slim-DP, RandomK with quantised values or without error feedback, layers a
+compressor sends dense by size (``_dense_from_acc``: TopK's warm-up, AdaComp's
+not-smaller layouts, ...), AdaComp bins wider than ``ops.binned_max_bin()``.
 
 A layer with a local update (DGC momentum correction, local clipping) takes a
 ``dense`` / ``qsgd`` row only when :meth:`LocalUpdate.bucket_spec` says it is
@@ -61,10 +66,13 @@ __all__ = ["MomentumSpec", "BucketItem", "BucketBatch", "KINDS", "enabled", "tak
            "plan_layer", "group_key", "compress_bucket", "mask_bucket", "kind_of"]
 
 KIND_TOPK, KIND_DENSE, KIND_QSGD, KIND_ADACOMP = "topk", "dense", "qsgd", "adacomp"
-KINDS = (KIND_TOPK, KIND_DENSE, KIND_QSGD, KIND_ADACOMP)
+KIND_RANDOMK = "randomk"
+KINDS = (KIND_TOPK, KIND_DENSE, KIND_QSGD, KIND_ADACOMP, KIND_RANDOMK)
 #: elements per program of the policy-dense copy
 DENSE_BLOCK = 4096
 _GDT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+#: value encodings of the ``randomk`` rows (``kernels/select.py``'s codes)
+_RK_VE = {ValueEncoding.FP32: 0, ValueEncoding.FP16: 1, ValueEncoding.BF16: 2}
 
 
 def _base_compress(comp) -> bool:
@@ -128,8 +136,9 @@ def plan_layer(comp, local_update, name: str, grad: torch.Tensor, param: torch.T
         return None
     from .adacomp import AdaComp
     from .qsgd import QSGD
+    from .randomk import RandomK
     dense = _dense_kind(comp, name, grad)
-    ada = None
+    ada = rk = None
     if dense:
         kind = KIND_DENSE
     elif isinstance(comp, QSGD) and type(comp)._compress is QSGD._compress:
@@ -139,6 +148,11 @@ def plan_layer(comp, local_update, name: str, grad: torch.Tensor, param: torch.T
         ada = comp._layout(grad.shape, comp.layer_cfg(name))
         if ada[6] or ada[1] > ops.binned_max_bin():
             return None       # sent dense (not smaller), or bins wider than the tile
+    elif isinstance(comp, RandomK) and type(comp)._compress is RandomK._compress:
+        kind = KIND_RANDOMK
+        rk = _randomk_plan(comp, name, n, step)
+        if rk is None:
+            return None       # quantised values, no error feedback, or sent dense
     else:
         return None
     pre, spec = False, None
@@ -147,12 +161,15 @@ def plan_layer(comp, local_update, name: str, grad: torch.Tensor, param: torch.T
                                                                             grad.shape))
         if not ok:
             return None       # local clipping reads the layer's norm first
-        if spec is not None and (kind != KIND_ADACOMP or (spec.weight_decay and (
-                param is None or param.dtype != grad.dtype or not param.is_contiguous()
-                or param.device != grad.device))):
+        if spec is not None and (kind not in (KIND_ADACOMP, KIND_RANDOMK) or (
+                spec.weight_decay and (
+                    param is None or param.dtype != grad.dtype or
+                    not param.is_contiguous() or param.device != grad.device))):
             return None       # a velocity these rows cannot fold in
         pre = spec is None    # the per-layer path hands over the cleaned gradient
     plan = dict(kind=kind, n=n, pre=pre)
+    if kind == KIND_RANDOMK:
+        plan.update(rk)
     if kind == KIND_ADACOMP:
         _, L, nb, c, cap, ienc, _ = ada
         plan.update(L=L, nb=nb, c=c, cap=cap, ienc=ienc,
@@ -166,6 +183,23 @@ def plan_layer(comp, local_update, name: str, grad: torch.Tensor, param: torch.T
     return spec, plan
 
 
+def _randomk_plan(comp, name: str, n: int, step: int) -> Optional[dict]:
+    """A RandomK layer's row (``RandomK._compress``'s sizes and seeds), or None when
+    it stays per layer."""
+    from .base import PURPOSE_INDICES, k_of
+    cfg = comp.layer_cfg(name)
+    enc = cfg["values"]
+    if not cfg["error_feedback"] or enc not in _RK_VE:
+        return None
+    d = comp.density(step, cfg["ratio"])
+    k = k_of(d, n)
+    if not comp._sparse_is_worth_it(n, k, enc, 0.0 if cfg["shared_seed"] else 4.0):
+        return None
+    return dict(k=k, d=d, enc=enc, shared=bool(cfg["shared_seed"]),
+                qb=cfg["quant_bucket"],
+                seed=comp._seed(name, step, PURPOSE_INDICES, shared=cfg["shared_seed"]))
+
+
 def group_key(plan: dict, item: BucketItem):
     """Layers compressed in one launch sequence share these."""
     kind = kind_of(plan)
@@ -176,6 +210,8 @@ def group_key(plan: dict, item: BucketItem):
     if kind == KIND_ADACOMP:
         return (KIND_ADACOMP, item.grad.dtype, item.grad.device, plan["L"], plan["c"],
                 plan["hm1"])
+    if kind == KIND_RANDOMK:
+        return (KIND_RANDOMK, item.grad.dtype, item.grad.device, plan["enc"])
     return (KIND_QSGD, item.grad.dtype, item.grad.device, plan["bits"], plan["qb"])
 
 
@@ -194,12 +230,14 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         return _dense_bucket(comp, items, plans, step, grad_scale)
     if kind == KIND_ADACOMP:
         return _adacomp_bucket(comp, items, plans, step, grad_scale)
+    if kind == KIND_RANDOMK:
+        return _randomk_bucket(comp, items, plans, step, grad_scale)
     return _qsgd_bucket(comp, items, plans, step, grad_scale)
 
 
 def mask_bucket(batch: BucketBatch) -> None:
-    """DGC's momentum-factor masking of ``batch``'s momentum rows (only ``topk`` rows
-    have any)."""
+    """DGC's momentum-factor masking of ``batch``'s momentum rows (``topk`` and
+    ``randomk`` rows have them: the same table and mask launch)."""
     topk_bucket.mask_bucket(batch)
 
 
@@ -413,3 +451,67 @@ def _adacomp_bucket(comp, items, plans, step, grad_scale):
         comp._stats.record(it.name, step, p, extra=dict(nonfinite=it.nonfinite),
                            selected=selected[j:j + 1], threshold=scales[j])
     return payloads, BucketBatch([it.name for it in items], table, None, counts, 0, [], K)
+
+
+# ------------------------------------------------------------------ RandomK rows
+def _randomk_bucket(comp, items, plans, step, grad_scale):
+    """``RandomK._compress`` for a group (one gradient dtype and value encoding):
+    ``kernels/bucket_topk.py``'s accumulate launch (error feedback, DGC's velocity),
+    then ``kernels/bucket_randomk.py``'s draw-and-pick launch. Shared-seed layers get
+    IMPLICIT segments (``implicit_indices``: the drawn indices, int64, written by the
+    same launch)."""
+    from .topk_bucket import BLOCK, _block_table, momentum_cells
+    K = ops.bucket_kernels("topk")
+    RK = ops.bucket_kernels("randomk")
+    L = len(items)
+    dev = items[0].grad.device
+    tab = np.zeros((L, K.W), dtype=np.int64)
+    out = blk0 = 0
+    mom = []
+    for j, (it, pl) in enumerate(zip(items, plans)):
+        comp._open_layer(it.name)
+        r = comp._residual_for(it.name, it.grad.reshape(-1))
+        row = tab[j]
+        row[K.C_G] = it.grad.data_ptr()
+        row[K.C_R] = r.data_ptr()
+        row[K.C_N] = pl["n"]
+        row[K.C_NF] = it.nonfinite.data_ptr()
+        if it.momentum is not None:
+            mom.append(it.name)
+            row[K.C_MODE] = momentum_cells(row, K, it.momentum, it.param)
+        row[K.C_CAP] = pl["k"]
+        row[RK.C_SEED] = pl["seed"]
+        row[K.C_OUT] = out
+        row[K.C_BLK0] = blk0
+        out += pl["k"]
+        blk0 += _cdiv(pl["n"], BLOCK)
+    table = _to_device(tab, dev)
+    blk = _block_table([pl["n"] for pl in plans], dev)
+    K.accumulate(table, blk, grad_scale, K.GDT_CODE[items[0].grad.dtype], block=BLOCK)
+    enc = plans[0]["enc"]
+    vdt = {ValueEncoding.FP32: torch.float32, ValueEncoding.FP16: torch.float16,
+           ValueEncoding.BF16: torch.bfloat16}[enc]
+    idx = _empty(out, torch.int32, dev)
+    vals = _empty(out, vdt, dev)
+    cnt = _empty(2 * L, torch.int32, dev).view(L, 2)
+    kmax = max(pl["k"] for pl in plans)
+    wide = _empty(out, torch.int64, dev) if any(pl["shared"] for pl in plans) else None
+    RK.pick(table, idx, vals, cnt, L, kmax, _RK_VE[enc], wide, W=K.W)
+    payloads = {}
+    for j, (it, pl) in enumerate(zip(items, plans)):
+        o, k = int(tab[j, K.C_OUT]), pl["k"]
+        if pl["shared"]:
+            seg = Segment(numel=pl["n"], capacity=k, index_encoding=IndexEncoding.IMPLICIT,
+                          value_encoding=enc, count=cnt[j, 0:1], values=vals[o:o + k],
+                          scales=None, quant_bucket=pl["qb"],
+                          implicit_indices=wide[o:o + k])
+        else:
+            seg = Segment(numel=pl["n"], capacity=k, index_encoding=IndexEncoding.INT32,
+                          value_encoding=enc, count=cnt[j, 0:1], values=vals[o:o + k],
+                          indices=idx[o:o + k], scales=None, quant_bucket=pl["qb"],
+                          narrow_indices=True)
+        p = payloads[it.name] = LayerPayload(it.name, it.grad.shape, [seg])
+        p.nonfinite = it.nonfinite
+        comp._stats.record(it.name, step, p, extra=dict(nonfinite=it.nonfinite),
+                           density=pl["d"])
+    return payloads, BucketBatch([it.name for it in items], table, idx, cnt, kmax, mom, K)

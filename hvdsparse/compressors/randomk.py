@@ -1,12 +1,27 @@
 """Random-k sparsification with error feedback.
 
-Per layer and step: ``k = ceil(d_t n)`` indices drawn uniformly without replacement
-(random keys ``u = base.uniform(seed, n)``: Philox on CUDA, torch's generator on CPU; the
-``k`` smallest keys; the indices are
-then sorted ascending) and ``acc = residual + grad`` sent on them; the residual keeps the
-rest (``error_feedback=True``, default). Without error feedback the values are scaled by
-``n / k`` so the estimate is unbiased (``E[sent] = grad``; the classic random-k
-sparsifier) and nothing is remembered.
+Per layer and step ``k = ceil(d_t n)`` indices, one in each of ``k`` strata: stratum ``j``
+is ``[lo_j, lo_{j+1})`` with ``lo_j = floor(j n / k)`` (sizes ``floor(n/k)`` or
+``ceil(n/k)``), and its index is
+
+    m_j = int(u_j * 2**31)                 (u = ops.philox_uniform(seed, k): fp32 in
+                                            [0, 1), the same bits on every device; the
+                                            scaling by 2**31 is exact)
+    i_j = lo_j + ((m_j * size_j) >> 31)    (int64: exact, i_j < lo_{j+1})
+
+so the indices are distinct and ascending, every element is sent with probability
+``1 / size_j`` (= ``k / n`` when ``k`` divides ``n``), and the whole draw costs ``k``
+random numbers and a few integer operations per slot, with no sort: the bucket path
+(``kernels/bucket_randomk.py``) draws every layer of a bucket in one launch, the same
+bits. The draw does not depend on the device, so ranks on CPUs and GPUs agree.
+(Stratified rather than a uniform ``k``-subset of the layer: two sent elements never
+share a stratum; the marginals, and so error feedback's and the unbiased estimate's
+guarantees, are the same.)
+
+``acc = residual + grad`` is sent on those indices and the residual keeps the rest
+(``error_feedback=True``, default). Without error feedback each value is scaled by its
+stratum's size, ``E[sent] = grad`` (the classic unbiased random-k sparsifier), and
+nothing is remembered.
 
 ``shared_seed=False``: the seed mixes in the rank -> every rank picks its own indices,
 sent as INT32. ``shared_seed=True``: the seed is ``(seed, step, name)`` only -> every rank
@@ -19,12 +34,30 @@ from __future__ import annotations
 
 import torch
 
+from .. import ops
 from ..payload import IndexEncoding, LayerPayload, Segment
-from .base import uniform, PURPOSE_INDICES, PURPOSE_QUANT, Compressor, check_values, k_of
+from .base import PURPOSE_INDICES, PURPOSE_QUANT, Compressor, check_values, k_of
 from .checks import check_bool, check_density, check_quant_bucket, prefixed
 from .warmup import make_warmup
 
-__all__ = ["RandomK"]
+__all__ = ["RandomK", "stratified_indices"]
+
+
+def stratified_indices(u: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """int64[k]: index ``lo_j + ((int(u_j * 2**31) * size_j) >> 31)`` of stratum ``j``
+    for the fp32 uniforms ``u[k]`` (see the module docstring); ascending, distinct."""
+    j = torch.arange(k, dtype=torch.int64, device=u.device)
+    lo = torch.div(j * n, k, rounding_mode="floor")
+    size = torch.div((j + 1) * n, k, rounding_mode="floor") - lo
+    m = (u * 2147483648.0).to(torch.int64)
+    return lo + torch.bitwise_right_shift(m * size, 31)
+
+
+def stratum_sizes(n: int, k: int, device=None) -> torch.Tensor:
+    """int64[k]: the size of each of the ``k`` strata of a layer of ``n`` elements."""
+    j = torch.arange(k + 1, dtype=torch.int64, device=device)
+    lo = torch.div(j * n, k, rounding_mode="floor")
+    return lo[1:] - lo[:-1]
 
 
 class RandomK(Compressor):
@@ -65,9 +98,7 @@ class RandomK(Compressor):
         cfg = self.layer_cfg(name)
         k = k_of(self.density(step, cfg["ratio"]), n)
         seed = self._seed(name, step, PURPOSE_INDICES, shared=cfg["shared_seed"])
-        keys = uniform(seed, n, device)
-        idx = torch.topk(keys, k, largest=False, sorted=False).indices
-        return torch.sort(idx).values
+        return stratified_indices(ops.philox_uniform(seed, k, device=device), n, k)
 
     def _compress(self, name, flat, shape, step, cfg, param):
         n = flat.numel()
@@ -85,7 +116,8 @@ class RandomK(Compressor):
         acc, _ = self._acc(name, flat, None, ef)
         idx = self.indices(name, n, step, device=acc.device)
         if not ef:
-            acc.mul_(n / k)
+            # unbiased: each sent value times 1 / its probability of being sent
+            acc[idx] = acc[idx] * stratum_sizes(n, k, acc.device).to(torch.float32)
         values, scales = self._take(acc, idx, None, None, enc, qseed, qb, ef)
         count = self._count(k, acc.device)
         if shared:

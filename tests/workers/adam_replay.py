@@ -126,8 +126,8 @@ class AdamReplay:
 
     def _own_steps(self, n, W, everyone):
         """``wire="update"``: rank r's moments start from the warm-up's shared ones and
-        then follow its own gradient; it sends its own bias-corrected Adam step ``u_r``
-        with error feedback; ``w -= lr * X``."""
+        then follow its own gradient; it sends its own bias-corrected Adam step times the
+        learning rate, ``x_r = lr * u_r``, with error feedback; ``w -= X``."""
         P, lr, wd, b1, b2, eps = self.P, self.lr, self.wd, self.b1, self.b2, self.eps
         t = self.t[n] + 1
         X = torch.zeros_like(W)
@@ -139,16 +139,16 @@ class AdamReplay:
             v = self.vr[r].get(n, self.v[n])
             self.mr[r][n] = m = b1 * m + (1 - b1) * g
             self.vr[r][n] = v = b2 * v + (1 - b2) * g * g
-            u = m / (v.sqrt() / math.sqrt(1 - b2 ** t) + eps) / (1 - b1 ** t)
-            acc = self.e[r][n] + u
-            sent = self.select(acc, u) if self.needs_dw else self.select(acc, name=n)
+            x = m / (v.sqrt() / math.sqrt(1 - b2 ** t) + eps) / (1 - b1 ** t) * lr
+            acc = self.e[r][n] + x
+            sent = self.select(acc, x) if self.needs_dw else self.select(acc, name=n)
             self.e[r][n] = acc - sent
             X = X + sent
         X = X * (1.0 / P)
         if self.decoupled:
             W = W * (1 - lr * wd)
         self.t[n] = t
-        self.W[n] = W - lr * X
+        self.W[n] = W - X
 
     def _D(self, n, count):
         s = self.v[n].sqrt() / math.sqrt(1 - self.b2 ** count)

@@ -46,6 +46,7 @@ def configs():
         "SlimDP/allgather": (lambda: hs.SlimDP(alpha=0.2, beta=0.1, core_period=2), "sgd",
                              dict(exchange="allgather")),
         "QSGD/allgather": (lambda: hs.QSGD(4), "sgd", dict(exchange="allgather")),
+        "RandomK/allgather": (lambda: hs.RandomK(0.05), "sgd", dict(exchange="allgather")),
         "TopK-int4/allgather": (lambda: hs.TopK(0.05, values="int4"), "sgd",
                                 dict(exchange="allgather")),
         "TopK+scaler/allgather": (lambda: hs.TopK(0.05), "sgd+scaler",

@@ -92,6 +92,7 @@ CASES = [
     ("Threshold(0.99) + mc", lambda: hvdsparse.Threshold(0.99), "allgather"),
     ("AdaComp() + mc", lambda: hvdsparse.AdaComp(), "allgather"),
     ("QSGD(4)", lambda: hvdsparse.QSGD(4), "allgather"),
+    ("RandomK(0.01) + mc", lambda: hvdsparse.RandomK(0.01), "allgather"),
 ]
 
 NATIVE = native.available()

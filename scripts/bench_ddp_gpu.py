@@ -29,7 +29,7 @@ skipped and listed as such): ``dense`` (DDP, no hook), ``powersgd-r1`` (PyTorch'
 compressed), ``topk`` (``hvdsparse.TopK(0.01)``), ``local`` (forward + backward + step
 without DDP or any communication), ``powersgd-r4``, ``threshold``
 (``hvdsparse.Threshold(0.99)``), ``adacomp`` (``hvdsparse.AdaComp()``), ``qsgd``
-(``hvdsparse.QSGD(bits=4)``). hvdsparse modes use ``hvdsparse.ddp.State`` +
+(``hvdsparse.QSGD(bits=4)``), ``randomk`` (``hvdsparse.RandomK(0.01)``). hvdsparse modes use ``hvdsparse.ddp.State`` +
 ``hvdsparse.ddp.hook`` with their defaults and DDP's default buckets. PowerSGD on Gloo
 runs with one DDP bucket (``bucket_cap_mb`` above the model size): with several, its
 allreduces issued from future callbacks can pair up differently on the two ranks.
@@ -105,10 +105,10 @@ T_START = time.time()      # the budget counts from here (before torch is import
 ROOT = Path(__file__).resolve().parents[1]
 
 MODES = ("dense", "powersgd-r1", "topk", "local", "powersgd-r4", "threshold", "adacomp",
-         "qsgd")
+         "qsgd", "randomk")
 TABLE_ORDER = ("local", "dense", "powersgd-r1", "powersgd-r4", "topk", "threshold",
-               "adacomp", "qsgd")
-HVDSPARSE_MODES = ("topk", "threshold", "adacomp", "qsgd")
+               "adacomp", "qsgd", "randomk")
+HVDSPARSE_MODES = ("topk", "threshold", "adacomp", "qsgd", "randomk")
 MODELS = ("resnet50", "lm")
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
                "cudaMemcpy", "cuStreamSynchronize", "cuEventSynchronize",
@@ -312,7 +312,8 @@ class Worker:
         comp = {"topk": lambda: hvdsparse.TopK(0.01),
                 "threshold": lambda: hvdsparse.Threshold(0.99),
                 "adacomp": lambda: hvdsparse.AdaComp(),
-                "qsgd": lambda: hvdsparse.QSGD(bits=4)}[mode]()
+                "qsgd": lambda: hvdsparse.QSGD(bits=4),
+                "randomk": lambda: hvdsparse.RandomK(0.01)}[mode]()
         m = DDP(model, device_ids=dev_ids)
         st = hvdsparse.ddp.State(comp, m.named_parameters())
         m.register_comm_hook(st, hvdsparse.ddp.hook)

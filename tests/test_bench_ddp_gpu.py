@@ -51,7 +51,7 @@ def test_bench_ddp_gpu_cpu_tiny(tmp_path):
         d = rows[(model, "local")]["digests"]
         assert d[0] != d[1], d
     # hvdsparse's modes went through its hook: the exchange counted every step
-    for mode in ("topk", "threshold", "adacomp", "qsgd"):
+    for mode in ("topk", "threshold", "adacomp", "qsgd", "randomk"):
         tot = rows[("lm", mode)]["hvdsparse_totals"]
         assert tot["steps"] == 2 + 3 + 1, tot        # warm-up + measured + profiled
         assert tot["bytes_sent_total"] > 0, tot

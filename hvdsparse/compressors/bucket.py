@@ -460,7 +460,7 @@ def _randomk_bucket(comp, items, plans, step, grad_scale):
     then ``kernels/bucket_randomk.py``'s draw-and-pick launch. Shared-seed layers get
     IMPLICIT segments (``implicit_indices``: the drawn indices, int64, written by the
     same launch)."""
-    from .topk_bucket import BLOCK, _block_table, momentum_cells
+    from .topk_bucket import BLOCK, momentum_cells
     K = ops.bucket_kernels("topk")
     RK = ops.bucket_kernels("randomk")
     L = len(items)
@@ -486,7 +486,7 @@ def _randomk_bucket(comp, items, plans, step, grad_scale):
         out += pl["k"]
         blk0 += _cdiv(pl["n"], BLOCK)
     table = _to_device(tab, dev)
-    blk = _block_table([pl["n"] for pl in plans], dev)
+    blk = _program_table([_cdiv(pl["n"], BLOCK) for pl in plans], dev)
     K.accumulate(table, blk, grad_scale, K.GDT_CODE[items[0].grad.dtype], block=BLOCK)
     enc = plans[0]["enc"]
     vdt = {ValueEncoding.FP32: torch.float32, ValueEncoding.FP16: torch.float16,

@@ -280,6 +280,13 @@ EXPECT["threshold"] = EXPECT["threshold-noguard"] = EXPECT["topk"]
     ("threshold-noguard", torch.float32, None, True),
 ])
 def test_bucket_rows_match_per_layer_path(monkeypatch, kind, dtype, scale, mc):
+    if DEV.type != "cpu" and kind == "threshold-noguard":
+        # without the guard a reused tau can pass more than the capacity; which of those
+        # elements take the slots then follows the order of the blocks' slot atomics
+        # (kernels/select.py), on a GPU not the same in two launches (seen on an H200:
+        # the same prefix, then other elements). Through the interpreter (CPU) blocks run
+        # in order and both paths keep the same ones: checked there.
+        pytest.skip("an overflowing selection keeps a scheduling-dependent subset on a GPU")
     if DEV.type == "cpu":
         monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")
     _poison(monkeypatch)

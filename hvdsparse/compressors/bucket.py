@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from .. import ops
-from ..payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
+from ..payload import FLOAT_DTYPES, IndexEncoding, LayerPayload, Segment, ValueEncoding
 from . import topk_bucket
 from .base import PURPOSE_QUANT, Compressor
 from .topk_bucket import BucketBatch, BucketItem, MomentumSpec
@@ -272,6 +272,17 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _layer_cells(comp, row, K, it) -> None:
+    """The cells every accumulating row has: the layer opened on ``comp``, its gradient,
+    residual (made on first use), size and non-finite counter."""
+    comp._open_layer(it.name)
+    r = comp._residual_for(it.name, it.grad.reshape(-1))
+    row[K.C_G] = it.grad.data_ptr()
+    row[K.C_R] = r.data_ptr()
+    row[K.C_N] = it.grad.numel()
+    row[K.C_NF] = it.nonfinite.data_ptr()
+
+
 def _finish(comp, items, step, payloads, info):
     for it in items:
         p = payloads[it.name]
@@ -392,13 +403,8 @@ def _adacomp_bucket(comp, items, plans, step, grad_scale):
     bin0 = slot0 = word0 = blk0 = 0
     nprog = []
     for j, (it, pl) in enumerate(zip(items, plans)):
-        comp._open_layer(it.name)
-        G = comp._residual_for(it.name, it.grad.reshape(-1))
         row = tab[j]
-        row[K.C_G] = it.grad.data_ptr()
-        row[K.C_R] = G.data_ptr()
-        row[K.C_N] = pl["n"]
-        row[K.C_NF] = it.nonfinite.data_ptr()
+        _layer_cells(comp, row, K, it)
         mode = K.MODE_PRE if pl["pre"] else 0
         ms = it.momentum
         if ms is not None:
@@ -467,15 +473,10 @@ def _randomk_bucket(comp, items, plans, step, grad_scale):
     dev = items[0].grad.device
     tab = np.zeros((L, K.W), dtype=np.int64)
     out = blk0 = 0
-    mom = []
+    mom, nprog = [], []
     for j, (it, pl) in enumerate(zip(items, plans)):
-        comp._open_layer(it.name)
-        r = comp._residual_for(it.name, it.grad.reshape(-1))
         row = tab[j]
-        row[K.C_G] = it.grad.data_ptr()
-        row[K.C_R] = r.data_ptr()
-        row[K.C_N] = pl["n"]
-        row[K.C_NF] = it.nonfinite.data_ptr()
+        _layer_cells(comp, row, K, it)
         if it.momentum is not None:
             mom.append(it.name)
             row[K.C_MODE] = momentum_cells(row, K, it.momentum, it.param)
@@ -484,15 +485,14 @@ def _randomk_bucket(comp, items, plans, step, grad_scale):
         row[K.C_OUT] = out
         row[K.C_BLK0] = blk0
         out += pl["k"]
-        blk0 += _cdiv(pl["n"], BLOCK)
+        nprog.append(_cdiv(pl["n"], BLOCK))
+        blk0 += nprog[-1]
     table = _to_device(tab, dev)
-    blk = _program_table([_cdiv(pl["n"], BLOCK) for pl in plans], dev)
+    blk = _program_table(nprog, dev)
     K.accumulate(table, blk, grad_scale, K.GDT_CODE[items[0].grad.dtype], block=BLOCK)
     enc = plans[0]["enc"]
-    vdt = {ValueEncoding.FP32: torch.float32, ValueEncoding.FP16: torch.float16,
-           ValueEncoding.BF16: torch.bfloat16}[enc]
     idx = _empty(out, torch.int32, dev)
-    vals = _empty(out, vdt, dev)
+    vals = _empty(out, FLOAT_DTYPES[enc], dev)
     cnt = _empty(2 * L, torch.int32, dev).view(L, 2)
     kmax = max(pl["k"] for pl in plans)
     wide = _empty(out, torch.int64, dev) if any(pl["shared"] for pl in plans) else None

@@ -43,21 +43,25 @@ from .warmup import make_warmup
 __all__ = ["RandomK", "stratified_indices"]
 
 
+def _strata(n: int, k: int, device=None):
+    """``(lo, size)``: int64[k] start and size of each of the ``k`` strata of ``n``
+    elements, ``lo_j = floor(j n / k)``."""
+    j = torch.arange(k + 1, dtype=torch.int64, device=device)
+    bounds = torch.div(j * n, k, rounding_mode="floor")
+    return bounds[:-1], bounds[1:] - bounds[:-1]
+
+
 def stratified_indices(u: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """int64[k]: index ``lo_j + ((int(u_j * 2**31) * size_j) >> 31)`` of stratum ``j``
     for the fp32 uniforms ``u[k]`` (see the module docstring); ascending, distinct."""
-    j = torch.arange(k, dtype=torch.int64, device=u.device)
-    lo = torch.div(j * n, k, rounding_mode="floor")
-    size = torch.div((j + 1) * n, k, rounding_mode="floor") - lo
+    lo, size = _strata(n, k, u.device)
     m = (u * 2147483648.0).to(torch.int64)
     return lo + torch.bitwise_right_shift(m * size, 31)
 
 
 def stratum_sizes(n: int, k: int, device=None) -> torch.Tensor:
     """int64[k]: the size of each of the ``k`` strata of a layer of ``n`` elements."""
-    j = torch.arange(k + 1, dtype=torch.int64, device=device)
-    lo = torch.div(j * n, k, rounding_mode="floor")
-    return lo[1:] - lo[:-1]
+    return _strata(n, k, device)[1]
 
 
 class RandomK(Compressor):

@@ -95,7 +95,7 @@ KERNELS = [("residual", "_residual_tile_kernel"), ("residual", "_residual_flat_k
            ("bucket_binned", "_ada_count_kernel"), ("bucket_binned", "_ada_pack_kernel"),
            ("bucket_decode", "_check_kernel"), ("bucket_decode", "_scatter_kernel"),
            ("bucket_narrow", "_narrow_kernel"), ("segment_mean", "_segment_mean_kernel"),
-           ("bucket_randomk", "_pick_kernel")]
+           ("bucket_randomk", "_pick_kernel"), ("bucket_slimdp", "_gather_kernel")]
 #: kernels that stream over a whole layer: grid >= 1000 programs at 25M elements, and
 #: 128-bit loads of aligned fp32 inputs
 STREAMING = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
@@ -118,7 +118,8 @@ NO_FMA = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_ker
           "_refine_count_kernel", "_refine_final_kernel", "_binned_count_kernel",
           "_binned_pack_kernel", "_accumulate_kernel", "_count_kernel", "_select_kernel",
           "_ladder_kernel", "_clamp_kernel", "_dense_copy_kernel", "_qsgd_pack_kernel",
-          "_ada_accumulate_kernel", "_ada_count_kernel", "_ada_pack_kernel", "_pick_kernel"}
+          "_ada_accumulate_kernel", "_ada_count_kernel", "_ada_pack_kernel", "_pick_kernel",
+          "_gather_kernel"}
 #: kernels whose modules state a correctly rounded fp32 division (``div_rn``) without
 #: turning contraction off: no approximate fp32 division
 EXACT_DIV = {"_quantize_pack_kernel", "_unpack_kernel", "_scatter_row_kernel",
@@ -357,6 +358,10 @@ def drive(full: bool, errors: list):
         run("bucket-RandomK-bf16@25M", lambda: bucket_groups(
             hvdsparse.RandomK(0.01, values="bf16"), [("w", big2)], ["_pick_kernel"],
             dtype=torch.bfloat16))
+    # Slim-DP rows: core gather (int64 core) and explorer draw (binary search over it)
+    run("bucket-SlimDP@25M", lambda: bucket_groups(
+        hvdsparse.SlimDP(0.02, 0.01), [("w", big2), ("s", (37, 50))],
+        ["_accumulate_kernel", "_gather_kernel"], step=1))
     # Threshold's refresh step on the bucket path (ROUTE_FRESH: the radix select)
     run("bucket-Threshold-fresh@25M", lambda: bucket_groups(
         hvdsparse.Threshold(0.99, output_ratio=None), [("big", big2), ("mid", (350, 200))],

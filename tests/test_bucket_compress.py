@@ -20,7 +20,8 @@ from collections import Counter
 import pytest
 import torch
 
-from hvdsparse.compressors import QSGD, AdaComp, NoCompression, RandomK, Threshold, TopK
+from hvdsparse.compressors import (QSGD, AdaComp, NoCompression, RandomK, SlimDP, Threshold,
+                                   TopK)
 from hvdsparse.compressors import bucket as BK
 from hvdsparse.momentum import LocalUpdate
 
@@ -93,6 +94,14 @@ def _make(kind, dtype, seed, mc):
                        overrides={"w2": dict(shared_seed=True),
                                   "w4": dict(ratio=0.03, values="fp16"),
                                   "conv": dict(shared_seed=True, ratio=0.1)})
+    elif kind == "slimdp":
+        # core + explorer (fp32 / bf16 / fp16 values), explorer only (beta 0), a layer
+        # with no dense pushes (a random core at step 0), re-selections every 3 steps
+        comp = SlimDP(0.3, 0.1, core_period=3, seed=seed % 1000,
+                      values="bf16" if dtype == torch.bfloat16 else "fp32",
+                      overrides={"w2": dict(dense_before_reselect=False),
+                                 "w4": dict(alpha=0.2, beta=0.05, values="fp16"),
+                                 "conv": dict(beta=0.0)})
     else:
         comp = NoCompression()
     comp.register_layers([(n, params[n].shape) for n in names])
@@ -181,6 +190,10 @@ def _run(path, kind, dtype, scale, mc, seed, counter=None, steps=4):
             counts.append([(k[0], len(its)) for k, (its, _) in groups.items()])
         if counter is not None and step == steps - 1:
             counter.__exit__(None, None, None)
+        if isinstance(comp, SlimDP):    # the re-selections: the same "average" both paths
+            for n in names:
+                comp.after_exchange(n, torch.nan_to_num(grads[n].float(), 0.0, 0.0, 0.0),
+                                    step, param=params[n].detach())
         hist.append(_snapshot(comp, lu, pays, nfs))
     if path != "layer":
         counts.append(routes)
@@ -260,6 +273,7 @@ EXPECT = {"qsgd": {"w1": "qsgd", "w2": "qsgd", "w4": "qsgd", "conv": "qsgd", "b1
                       "conv": "randomk", "b1": "dense", "bn.weight": "dense",
                       "bn.bias": "dense", "w3": "dense"},
           "none": {n: "dense" for n, _ in LAYERS}}
+EXPECT["slimdp"] = {n: "slimdp" if k == "randomk" else k for n, k in EXPECT["randomk"].items()}
 EXPECT["threshold"] = EXPECT["threshold-noguard"] = EXPECT["topk"]
 
 
@@ -275,6 +289,9 @@ EXPECT["threshold"] = EXPECT["threshold-noguard"] = EXPECT["topk"]
     ("randomk", torch.float32, None, False),
     ("randomk", torch.float32, 0.5, True),
     ("randomk", torch.bfloat16, 0.25, True),
+    ("slimdp", torch.float32, None, False),
+    ("slimdp", torch.float32, 0.5, True),
+    ("slimdp", torch.bfloat16, 0.25, True),
     ("threshold", torch.float32, 0.5, True),
     ("threshold", torch.float16, None, False),
     ("threshold-noguard", torch.float32, None, True),
@@ -313,18 +330,25 @@ def test_bucket_rows_match_per_layer_path(monkeypatch, kind, dtype, scale, mc):
             idx, k, numel = seg["idx"], seg["count"], seg["numel"]
             lo = torch.arange(k + 1, dtype=torch.int64) * numel // k
             assert k == seg["cap"] and bool((idx >= lo[:-1]).all() and (idx < lo[1:]).all())
+    if kind == "slimdp":    # the core (rank 0's re-selection) then the explorer outside it
+        for n in ("w1", "w2", "w4"):
+            core, ex = got[-1]["segs"][n]
+            assert core["enc"][0] == 4 and ex["enc"][0] == 1    # IMPLICIT, INT32
+            assert not bool(torch.isin(ex["idx"], core["implicit"]).any())
+        assert len(got[-1]["segs"]["conv"]) == 1       # beta 0: the explorer only
     if kind == "qsgd":      # every layer sent something, and the residuals moved
         assert all(s["count"] > 0 for segs in got[-1]["segs"].values() for s in segs)
         assert got[-1]["res"]["w2"].abs().sum() > 0
 
 
-@pytest.mark.parametrize("kind", ["qsgd", "adacomp", "randomk", "none"])
+@pytest.mark.parametrize("kind", ["qsgd", "adacomp", "randomk", "slimdp", "none"])
 def test_bucket_rows_launch_counts(monkeypatch, kind, capsys):
     """Device work of one steady-state step, all layers: the per-layer path against the
     bucket path. Printed for reporting, and checked exactly: a ``dense`` or ``qsgd``
     group is one Triton launch and no aten op; an ``adacomp`` group four launches
     (accumulate, the layers' scales, count, pack), one zero fill and one ``cumsum``; a
-    ``randomk`` group two launches (accumulate, draw and pick) and no aten op."""
+    ``randomk`` group two launches (accumulate, draw and pick) and no aten op, a
+    ``slimdp`` group two (accumulate, gather and draw) and no aten op."""
     if DEV.type != "cpu":
         pytest.skip("counts through the interpreter")
     monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")
@@ -340,7 +364,7 @@ def test_bucket_rows_launch_counts(monkeypatch, kind, capsys):
               f"{len(groups[-2])} groups {groups[-2]} (aten {after[0]}, triton {after[1]}) + 1 table copy "
               f"per group on CUDA", file=sys.stderr)
     g = groups[-2]
-    launches = {"adacomp": 4, "randomk": 2}
+    launches = {"adacomp": 4, "randomk": 2, "slimdp": 2}
     assert sum(after[1].values()) == sum(launches.get(k, 1) for k, _ in g)
     assert sum(after[0].values()) == sum(2 for k, _ in g if k == "adacomp")
     assert before[2] >= 2 * len(LAYERS)

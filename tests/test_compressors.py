@@ -681,6 +681,48 @@ def test_randomk_draw_is_one_index_per_stratum_with_uniform_marginals():
     assert torch.equal(idx[0::2], lo[:-1][0::2]) and torch.equal(idx[1::2], lo[1:][1::2] - 1)
 
 
+def test_slimdp_explorer_is_one_index_per_stratum_outside_the_core():
+    """Slim-DP's explorer (slimdp.py): the elements outside the core, in index order, cut
+    into e strata, one drawn per stratum; against an independent reference (the
+    complement listed in Python, RandomK's stratified positions into it), and over many
+    steps every element outside the core is drawn with probability 1 / (its stratum's
+    size), none inside it (the Triton path's draw: tests/test_bucket_compress.py)."""
+    from hvdsparse.compressors.randomk import stratified_indices, stratum_sizes
+    from hvdsparse.compressors.slimdp import explorer_indices
+    g = gen("slim-explorer")
+    for _ in range(50):                 # the mapping, on random cores and sizes
+        n = int(torch.randint(1, 400, (), generator=g))
+        nc = int(torch.randint(0, n, (), generator=g))
+        core = torch.sort(torch.randperm(n, generator=g)[:nc]).values
+        e = int(torch.randint(1, n - nc + 1, (), generator=g))
+        u = torch.rand(e, generator=g)
+        outside = torch.tensor([i for i in range(n) if i not in set(core.tolist())],
+                               dtype=torch.int64)
+        got = explorer_indices(u, n, core)
+        assert torch.equal(got, outside[stratified_indices(u, n - nc, e)]), (n, nc, e)
+    with pytest.raises(ValueError, match="outside a core"):
+        explorer_indices(torch.rand(5), 10, torch.arange(6))
+    s = SlimDP(0.13, 0.1, core_period=10 ** 6, dense_before_reselect=False,
+               seed=int(torch.randint(0, 2 ** 20, (), generator=g).item()), **POL)
+    n, T = 1000, 3000
+    s.compress("w", torch.randn(n, generator=g), 0)
+    core = s.core("w")
+    nc, e = SlimDP.sizes(n, 0.13, 0.1)       # 100 and 30: strata of 30 and 31
+    hits = torch.zeros(n)
+    for t in range(1, T + 1):
+        p = s.compress("w", torch.randn(n, generator=g), t)
+        assert torch.equal(p.segments[0].implicit_indices, core)
+        ex = p.segments[1].indices.long()
+        assert ex.numel() == e and bool((ex[1:] > ex[:-1]).all())
+        hits[ex] += 1
+    assert float(hits[core].sum()) == 0
+    outside = hits[torch.ones(n, dtype=torch.bool).index_fill_(0, core, False)]
+    sz = stratum_sizes(n - nc, e).double()
+    pr = (1.0 / sz).repeat_interleave(sz.long())
+    freq = outside.double() / T
+    assert float(((freq - pr).abs() / (pr * (1 - pr) / T).sqrt()).max()) < 5.5
+
+
 def test_randomk_shared_seed_identical_across_ranks():
     shared = _ranks(lambda: RandomK(0.05, shared_seed=True, **POL))
     own = _ranks(lambda: RandomK(0.05, **POL))

@@ -28,11 +28,9 @@ cdo = lbc.cdo
 
 #: (door, compressor) pairs whose counted step meets the bound (see module doc)
 MEETS_BOUND: set = {(door, m) for door in ("ddp", "horovod")
-                    for m in ("topk", "threshold", "adacomp", "qsgd4", "randomk")}
-#: the compressors counted here: those on the bucket path. Slim-DP compresses per layer
-#: (far above the bound, and the slowest to count through the interpreter);
-#: ``scripts/launch_bound_check.py`` counts every compressor.
-METHODS = ("topk", "threshold", "adacomp", "qsgd4", "randomk")
+                    for m in ("topk", "threshold", "adacomp", "qsgd4", "randomk", "slimdp")}
+#: the compressors counted here: every one ``scripts/count_device_ops.py`` knows
+METHODS = ("topk", "threshold", "adacomp", "qsgd4", "randomk", "slimdp")
 
 
 @pytest.mark.parametrize("door", ["ddp", "horovod"])

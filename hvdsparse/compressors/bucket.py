@@ -27,15 +27,22 @@ compressor. Each plan carries its ``kind``:
   (``RandomK._compress``: the stratified draw, the pick, the residual's cast error):
   ``kernels/bucket_topk.py``'s table and accumulate launch (DGC's velocity folded in,
   its mask launch after the exchange) and one draw-and-pick launch
-  (``kernels/bucket_randomk.py``) per group.
+  (``kernels/bucket_randomk.py``) per group;
+* ``slimdp``: Slim-DP's layers with error feedback and fp32 / fp16 / bf16 values on their
+  core + explorer steps (``SlimDP._compress``: the core's values in core order, the
+  stratified explorer outside it, the residual's cast error): the same table and
+  accumulate launch (DGC's velocity folded in, its mask launch after the exchange) and
+  one gather-and-draw launch (``kernels/bucket_slimdp.py``) per group. A layer without
+  a core yet gets its random core once, per layer (``SlimDP._random_core``).
 
 Same bits as the per-layer path (payload, residual, non-finite count, statistics):
 tests/test_bucket_compress.py compares them on fresh random data through Triton's
-interpreter. The ``dense``, ``qsgd``, ``adacomp`` and ``randomk`` rows run on the
-Triton path only (``ops.use_triton``); on the CPU those layers stay per layer. Still per
-layer: Slim-DP, RandomK with quantised values or without error feedback, layers a
+interpreter. The ``dense``, ``qsgd``, ``adacomp``, ``randomk`` and ``slimdp`` rows run on
+the Triton path only (``ops.use_triton``); on the CPU those layers stay per layer. Still
+per layer: RandomK and Slim-DP with quantised values or without error feedback, layers a
 compressor sends dense by size (``_dense_from_acc``: TopK's warm-up, AdaComp's
-not-smaller layouts, ...), AdaComp bins wider than ``ops.binned_max_bin()``.
+not-smaller layouts, Slim-DP's dense pushes, ...), AdaComp bins wider than
+``ops.binned_max_bin()``.
 
 A layer with a local update (DGC momentum correction, local clipping) takes a
 ``dense`` / ``qsgd`` row only when :meth:`LocalUpdate.bucket_spec` says it is
@@ -66,12 +73,12 @@ __all__ = ["MomentumSpec", "BucketItem", "BucketBatch", "KINDS", "enabled", "tak
            "plan_layer", "group_key", "compress_bucket", "mask_bucket", "kind_of"]
 
 KIND_TOPK, KIND_DENSE, KIND_QSGD, KIND_ADACOMP = "topk", "dense", "qsgd", "adacomp"
-KIND_RANDOMK = "randomk"
-KINDS = (KIND_TOPK, KIND_DENSE, KIND_QSGD, KIND_ADACOMP, KIND_RANDOMK)
+KIND_RANDOMK, KIND_SLIMDP = "randomk", "slimdp"
+KINDS = (KIND_TOPK, KIND_DENSE, KIND_QSGD, KIND_ADACOMP, KIND_RANDOMK, KIND_SLIMDP)
 #: elements per program of the policy-dense copy
 DENSE_BLOCK = 4096
 _GDT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-#: value encodings of the ``randomk`` rows (``kernels/select.py``'s codes)
+#: value encodings of the ``randomk`` and ``slimdp`` rows (``kernels/select.py``'s codes)
 _RK_VE = {ValueEncoding.FP32: 0, ValueEncoding.FP16: 1, ValueEncoding.BF16: 2}
 
 
@@ -137,6 +144,7 @@ def plan_layer(comp, local_update, name: str, grad: torch.Tensor, param: torch.T
     from .adacomp import AdaComp
     from .qsgd import QSGD
     from .randomk import RandomK
+    from .slimdp import SlimDP
     dense = _dense_kind(comp, name, grad)
     ada = rk = None
     if dense:
@@ -153,6 +161,11 @@ def plan_layer(comp, local_update, name: str, grad: torch.Tensor, param: torch.T
         rk = _randomk_plan(comp, name, n, step)
         if rk is None:
             return None       # quantised values, no error feedback, or sent dense
+    elif isinstance(comp, SlimDP) and type(comp)._compress is SlimDP._compress:
+        kind = KIND_SLIMDP
+        rk = _slimdp_plan(comp, name, n, step)
+        if rk is None:
+            return None       # quantised values, no error feedback, or sent dense
     else:
         return None
     pre, spec = False, None
@@ -161,14 +174,14 @@ def plan_layer(comp, local_update, name: str, grad: torch.Tensor, param: torch.T
                                                                             grad.shape))
         if not ok:
             return None       # local clipping reads the layer's norm first
-        if spec is not None and (kind not in (KIND_ADACOMP, KIND_RANDOMK) or (
+        if spec is not None and (kind not in (KIND_ADACOMP, KIND_RANDOMK, KIND_SLIMDP) or (
                 spec.weight_decay and (
                     param is None or param.dtype != grad.dtype or
                     not param.is_contiguous() or param.device != grad.device))):
             return None       # a velocity these rows cannot fold in
         pre = spec is None    # the per-layer path hands over the cleaned gradient
     plan = dict(kind=kind, n=n, pre=pre)
-    if kind == KIND_RANDOMK:
+    if kind in (KIND_RANDOMK, KIND_SLIMDP):
         plan.update(rk)
     if kind == KIND_ADACOMP:
         _, L, nb, c, cap, ienc, _ = ada
@@ -200,6 +213,21 @@ def _randomk_plan(comp, name: str, n: int, step: int) -> Optional[dict]:
                 seed=comp._seed(name, step, PURPOSE_INDICES, shared=cfg["shared_seed"]))
 
 
+def _slimdp_plan(comp, name: str, n: int, step: int) -> Optional[dict]:
+    """A Slim-DP layer's row on a core + explorer step (``SlimDP._compress``'s sizes and
+    seeds), or None when it stays per layer (a dense push, not smaller than dense,
+    quantised values, no error feedback)."""
+    from .base import PURPOSE_EXPLORE
+    cfg = comp.layer_cfg(name)
+    enc = cfg["values"]
+    if not cfg["error_feedback"] or enc not in _RK_VE or comp._push_step(step, cfg) or \
+            not comp._worth(n, cfg):
+        return None
+    nc, ne = comp.sizes(n, cfg["alpha"], cfg["beta"])
+    return dict(nc=nc, ne=ne, enc=enc, qb=cfg["quant_bucket"],
+                seed=comp._seed(name, step, PURPOSE_EXPLORE))
+
+
 def group_key(plan: dict, item: BucketItem):
     """Layers compressed in one launch sequence share these."""
     kind = kind_of(plan)
@@ -210,8 +238,8 @@ def group_key(plan: dict, item: BucketItem):
     if kind == KIND_ADACOMP:
         return (KIND_ADACOMP, item.grad.dtype, item.grad.device, plan["L"], plan["c"],
                 plan["hm1"])
-    if kind == KIND_RANDOMK:
-        return (KIND_RANDOMK, item.grad.dtype, item.grad.device, plan["enc"])
+    if kind in (KIND_RANDOMK, KIND_SLIMDP):
+        return (kind, item.grad.dtype, item.grad.device, plan["enc"])
     return (KIND_QSGD, item.grad.dtype, item.grad.device, plan["bits"], plan["qb"])
 
 
@@ -232,12 +260,14 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         return _adacomp_bucket(comp, items, plans, step, grad_scale)
     if kind == KIND_RANDOMK:
         return _randomk_bucket(comp, items, plans, step, grad_scale)
+    if kind == KIND_SLIMDP:
+        return _slimdp_bucket(comp, items, plans, step, grad_scale)
     return _qsgd_bucket(comp, items, plans, step, grad_scale)
 
 
 def mask_bucket(batch: BucketBatch) -> None:
-    """DGC's momentum-factor masking of ``batch``'s momentum rows (``topk`` and
-    ``randomk`` rows have them: the same table and mask launch)."""
+    """DGC's momentum-factor masking of ``batch``'s momentum rows (``topk``,
+    ``randomk`` and ``slimdp`` rows have them: the same table and mask launch)."""
     topk_bucket.mask_bucket(batch)
 
 
@@ -515,3 +545,71 @@ def _randomk_bucket(comp, items, plans, step, grad_scale):
         comp._stats.record(it.name, step, p, extra=dict(nonfinite=it.nonfinite),
                            density=pl["d"])
     return payloads, BucketBatch([it.name for it in items], table, idx, cnt, kmax, mom, K)
+
+
+# ------------------------------------------------------------------ Slim-DP rows
+def _slimdp_bucket(comp, items, plans, step, grad_scale):
+    """``SlimDP._compress`` on its core + explorer steps for a group (one gradient dtype
+    and value encoding): ``kernels/bucket_topk.py``'s accumulate launch (error feedback,
+    DGC's velocity), then ``kernels/bucket_slimdp.py``'s gather-and-draw launch. Each
+    layer's core (int64, on the device, rank 0's choice broadcast at its last
+    re-selection) is read where it lies; its values travel as an IMPLICIT segment, the
+    explorer as an INT32 one, both views of the group's buffers."""
+    from .topk_bucket import BLOCK, momentum_cells
+    K = ops.bucket_kernels("topk")
+    SK = ops.bucket_kernels("slimdp")
+    L = len(items)
+    dev = items[0].grad.device
+    tab = np.zeros((L, K.W), dtype=np.int64)
+    out = blk0 = 0
+    mom, nprog, cores = [], [], []
+    for j, (it, pl) in enumerate(zip(items, plans)):
+        row = tab[j]
+        _layer_cells(comp, row, K, it)
+        if it.momentum is not None:
+            mom.append(it.name)
+            row[K.C_MODE] = momentum_cells(row, K, it.momentum, it.param)
+        core = comp._layer_core(it.name, pl["n"], pl["nc"], dev) if pl["nc"] else None
+        cores.append(core)
+        tot = pl["nc"] + pl["ne"]
+        row[K.C_CAP] = tot
+        row[SK.C_NCORE] = pl["nc"]
+        row[SK.C_NEX] = pl["ne"]
+        row[SK.C_CORE] = 0 if core is None else core.data_ptr()
+        row[SK.C_SEED] = pl["seed"]
+        row[K.C_OUT] = out
+        row[K.C_BLK0] = blk0
+        out += tot
+        nprog.append(_cdiv(pl["n"], BLOCK))
+        blk0 += nprog[-1]
+    table = _to_device(tab, dev)
+    blk = _program_table(nprog, dev)
+    K.accumulate(table, blk, grad_scale, K.GDT_CODE[items[0].grad.dtype], block=BLOCK)
+    enc = plans[0]["enc"]
+    idx = _empty(out, torch.int32, dev)
+    vals = _empty(out, FLOAT_DTYPES[enc], dev)
+    cnt4 = _empty(4 * L, torch.int32, dev)
+    cnt, parts = cnt4[:2 * L].view(L, 2), cnt4[2 * L:].view(L, 2)
+    totmax = max(pl["nc"] + pl["ne"] for pl in plans)
+    SK.gather(table, idx, vals, cnt, parts, L, totmax, max(pl["nc"] for pl in plans),
+              _RK_VE[enc], W=K.W)
+    payloads = {}
+    for j, (it, pl, core) in enumerate(zip(items, plans, cores)):
+        o, nc, ne, n = int(tab[j, K.C_OUT]), pl["nc"], pl["ne"], pl["n"]
+        segs = []
+        if nc:
+            segs.append(Segment(numel=n, capacity=nc, index_encoding=IndexEncoding.IMPLICIT,
+                                value_encoding=enc, count=parts[j, 0:1],
+                                values=vals[o:o + nc], scales=None, quant_bucket=pl["qb"],
+                                implicit_indices=core))
+        if ne:
+            segs.append(Segment(numel=n, capacity=ne, index_encoding=IndexEncoding.INT32,
+                                value_encoding=enc, count=parts[j, 1:2],
+                                values=vals[o + nc:o + nc + ne],
+                                indices=idx[o + nc:o + nc + ne], scales=None,
+                                quant_bucket=pl["qb"], narrow_indices=True))
+        p = payloads[it.name] = LayerPayload(it.name, it.grad.shape, segs)
+        p.nonfinite = it.nonfinite
+        comp._stats.record(it.name, step, p,
+                           extra=dict(dense_push=False, nonfinite=it.nonfinite))
+    return payloads, BucketBatch([it.name for it in items], table, idx, cnt, totmax, mom, K)

@@ -23,10 +23,18 @@ Per layer of ``n`` elements, each step sends the *communication set* ``T_C`` =
     that does not depend on the step (identical on every rank, and in
     ``compress_absent``) until its first re-selection;
 
-* **explorer** ``T_R^k``: ``min(n - |core|, ceil((alpha - beta) n))`` indices drawn
-  uniformly without replacement from outside the core, fresh every step and different
-  on every rank (Philox keys from a per-rank seed, ``keys[core] = 2``, the
-  ``|explorer|`` smallest keys), sent as index/value pairs (an INT32 segment).
+* **explorer** ``T_R^k``: ``e = min(n - |core|, ceil((alpha - beta) n))`` indices from
+  outside the core, fresh every step and different on every rank, sent as index/value
+  pairs (an INT32 segment). The ``m = n - |core|`` elements outside the core, in index
+  order, are cut into ``e`` strata and one is drawn per stratum by RandomK's exact
+  integer rule (:func:`.randomk.stratified_indices`, ``u = ops.philox_uniform(seed,
+  e)`` from a per-rank seed): complement positions ``p_t``, ascending and distinct; the
+  ``p``-th element outside the sorted core ``c`` is index ``p + #{j : c_j - j <= p}``
+  (``c_j - j`` is non-decreasing: one binary search per slot). Every element outside
+  the core is sent with probability ``1 / (its stratum's size)`` (``e / m`` when ``e``
+  divides ``m``: the paper's uniform draw's marginals), with ``e`` random numbers and no
+  sort: the bucket path (``kernels/bucket_slimdp.py``) draws and gathers every layer of
+  a bucket in one launch, the same bits, and ranks on CPUs and GPUs draw alike.
 
 Before every re-selection (``(t + 1) % q == 0``) the whole layer is pushed dense, as in
 Algorithm 1 ("if (t+1)%q == 0: Push(delta)"), so the averaged gradient that feeds the
@@ -70,12 +78,14 @@ import math
 
 import torch
 
+from .. import ops
 from ..payload import FLOAT_BYTES, QUANT_BITS, IndexEncoding, LayerPayload, Segment
 from .base import (uniform, PURPOSE_CORE, PURPOSE_EXPLORE, PURPOSE_QUANT, TINY, Compressor,
                    check_values)
 from .checks import check_bool, check_quant_bucket, prefixed
+from .randomk import stratified_indices
 
-__all__ = ["SlimDP"]
+__all__ = ["SlimDP", "explorer_indices"]
 
 
 class SlimDP(Compressor):
@@ -232,6 +242,18 @@ class SlimDP(Compressor):
         keys = uniform(self._seed(name, 0, PURPOSE_CORE, shared=True), n, device)
         return torch.sort(torch.topk(keys, core_size, largest=False, sorted=False).indices).values
 
+    def _layer_core(self, name, n, core_size, device):
+        """The layer's core on ``device`` (its random core the first time it has none)."""
+        st = self._layers.get(name)
+        core = None if st is None else st.get("core")
+        if core is None:
+            core = self._random_core(name, n, core_size, device)
+            self._layers[name] = dict(core=core, core_step=None)
+        elif core.device != device:
+            core = core.to(device)
+            self._layers[name] = dict(st, core=core)
+        return core
+
     def _compress(self, name, flat, shape, step, cfg, param):
         n = flat.numel()
         enc = cfg["values"]
@@ -249,14 +271,7 @@ class SlimDP(Compressor):
         segs = []
         core = None
         if core_size:
-            st = self._layers.get(name)
-            core = None if st is None else st.get("core")
-            if core is None:
-                core = self._random_core(name, n, core_size, dev)
-                self._layers[name] = dict(core=core, core_step=None)
-            elif core.device != dev:
-                core = core.to(dev)
-                self._layers[name] = dict(st, core=core)
+            core = self._layer_core(name, n, core_size, dev)
             values, scales = self._take(acc, core, None, None, enc, qseed, qb, ef)
             segs.append(Segment(numel=n, capacity=core_size,
                                 index_encoding=IndexEncoding.IMPLICIT, value_encoding=enc,
@@ -272,11 +287,25 @@ class SlimDP(Compressor):
         return LayerPayload(name, shape, segs), dict(extra=dict(dense_push=False))
 
     def _explorer(self, name, step, n, core, ex_size, device, shared=False):
-        """This step's explorer: ``ex_size`` indices (int64, ascending) drawn uniformly
-        without replacement from outside ``core`` (Philox keys, ``keys[core] = 2``, the
-        smallest); from a per-rank seed, or the same on every rank with ``shared``."""
-        keys = uniform(self._seed(name, step, PURPOSE_EXPLORE, shared=shared), n, device)
-        if core is not None:
-            keys[core] = 2.0
-        ex = torch.topk(keys, ex_size, largest=False, sorted=False).indices
-        return torch.sort(ex).values
+        """This step's explorer: ``ex_size`` indices (int64, ascending), one per stratum
+        of the elements outside ``core`` (:func:`explorer_indices`); from a per-rank
+        seed, or the same on every rank with ``shared``."""
+        seed = self._seed(name, step, PURPOSE_EXPLORE, shared=shared)
+        return explorer_indices(ops.philox_uniform(seed, ex_size, device=device), n, core)
+
+
+def explorer_indices(u: torch.Tensor, n: int, core) -> torch.Tensor:
+    """int64[e] (``e = u.numel()``): the explorer of a layer of ``n`` elements whose core
+    is ``core`` (int64, ascending, or None): complement positions ``p`` =
+    ``stratified_indices(u, n - |core|, e)``, mapped to indices ``p + #{j : core_j - j <=
+    p}``. Ascending, distinct, none in the core (see the module docstring)."""
+    e = u.numel()
+    nc = 0 if core is None else core.numel()
+    if e > n - nc:
+        raise ValueError(f"explorer_indices: {e} slots but only {n - nc} elements outside "
+                         f"a core of {nc} in a layer of {n}")
+    p = stratified_indices(u, n - nc, e)
+    if not nc:
+        return p
+    gap = core - torch.arange(nc, dtype=torch.int64, device=core.device)
+    return p + torch.searchsorted(gap, p, right=True)

@@ -383,7 +383,7 @@ def launch(spec: BucketSpec, payloads, ctx: ExchangeContext) -> Pending:
                            (N, P, str(device)), lambda: Balance(N, P, device))
     bal.before_launch()
     bounds = list(bal.bounds)
-    flat = own_dense(spec, payloads, device,
+    flat = own_dense(spec, payloads, device, ctx=ctx,
                      out=ctx.buffer("balanced.own", spec.bucket_id, N, torch.float32, device))
     vdtype = pair_dtype(payloads)
     vb = torch.finfo(vdtype).bits // 8

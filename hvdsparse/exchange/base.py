@@ -454,14 +454,31 @@ def bucket_device(payloads: Sequence[LayerPayload]) -> torch.device:
 
 
 def own_dense(spec: BucketSpec, payloads: Sequence[LayerPayload],
-              device: torch.device, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+              device: torch.device, out: Optional[torch.Tensor] = None,
+              ctx: Optional["ExchangeContext"] = None) -> torch.Tensor:
     """This rank's payloads expanded into the flat fp32 bucket vector (written into
-    ``out``, fp32[spec.numel], when given; ``payload_to_dense`` overwrites each view)."""
+    ``out``, fp32[spec.numel], when given), the sum of each payload's segments.
+
+    With ``ctx`` on the device path (``validate=False``: CUDA, or Triton forced) the
+    whole bucket takes a fixed number of launches: its payloads are encoded into one
+    message (``codec.encode``, into a reused buffer) and that message is decoded as the
+    only rank's (``codec.accumulate`` into the zeroed vector: the bucket decode's check
+    launch, setting ``ctx.error_flag`` as any decode does, and one scatter launch): the
+    values ``0 + v`` the allgather strategy's decode adds, i.e. ``payload_to_dense``'s.
+    Otherwise each payload is expanded on its own (``payload_to_dense`` overwrites each
+    view: a few launches per segment)."""
     from .. import codec
     if out is None:
         flat = torch.zeros(spec.numel, dtype=torch.float32, device=device)
     else:
         flat = out
+    if ctx is not None and not ctx.validate and any(p.segments for p in payloads):
+        nbytes = codec.encoded_nbytes(payloads)
+        msg = codec.encode(payloads, out=ctx.buffer("own.msg", spec.bucket_id, nbytes,
+                                                    torch.uint8, device))
+        codec.accumulate(msg.view(1, nbytes), payloads, spec.views(flat.zero_()),
+                         validate=False, error_flag=ctx.error_flag)
+        return flat
     for view, p in zip(spec.views(flat), payloads):
         codec.payload_to_dense(p, out=view)
     return flat

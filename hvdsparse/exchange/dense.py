@@ -50,7 +50,7 @@ def launch(spec: BucketSpec, payloads, ctx: ExchangeContext) -> Pending:
     # reused: the previous step's result of this bucket was consumed before this launch
     flat = own_dense(spec, payloads, device,
                      out=ctx.buffer("dense.flat", spec.bucket_id, spec.numel, torch.float32,
-                                    device))
+                                    device), ctx=ctx)
     f = float(ctx.gradient_predivide_factor)
     if ctx.dense_dtype == torch.float32:
         t, pre, post = flat, 1.0, 1.0

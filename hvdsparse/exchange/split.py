@@ -490,7 +490,7 @@ def launch(spec: BucketSpec, payloads, ctx: ExchangeContext) -> Pending:
         raise ValueError(f"hvdsparse split: bucket {spec.bucket_id} has {N} elements; "
                          f"int32 indices need < 2**31 - 1 (lower fusion_threshold)")
     # reused: phase 1 of the previous step's exchange of this bucket read it long ago
-    flat = own_dense(spec, payloads, device,
+    flat = own_dense(spec, payloads, device, ctx=ctx,
                      out=ctx.buffer("split.own", spec.bucket_id, N, torch.float32, device))
     vdtype = pair_dtype(payloads)
     vb = torch.finfo(vdtype).bits // 8

@@ -93,6 +93,10 @@ CASES = [
     ("AdaComp() + mc", lambda: hvdsparse.AdaComp(), "allgather"),
     ("QSGD(4)", lambda: hvdsparse.QSGD(4), "allgather"),
     ("RandomK(0.01)", lambda: hvdsparse.RandomK(0.01), "allgather"),
+    # dense pushes at steps 0 and 2, core + explorer at 1 and 3 (a re-selected core);
+    # the dense exchange: each rank's own payloads expanded (the fused own_dense)
+    ("SlimDP(0.3, 0.1, core_period=3), dense",
+     lambda: hvdsparse.SlimDP(0.3, 0.1, core_period=3), "dense"),
 ]
 
 NATIVE = native.available()
@@ -110,7 +114,8 @@ for label, make, exchange, *nan in CASES:
                                                       bucket_path=False)))
     check([o.scheduler.skipped_steps for _, _, o in runs] == [len(nan)] * len(runs),
           f"{label}: skipped steps {[o.scheduler.skipped_steps for _, _, o in runs]}")
-    check(opt_c.scheduler.local_update is not None or label.startswith(("QSGD", "RandomK")),
+    check(opt_c.scheduler.local_update is not None or
+          label.startswith(("QSGD", "RandomK", "SlimDP")),
           f"{label}: momentum correction is not on")
     # TopK's / Threshold's device path compresses whole buckets (compressors/
     # topk_bucket.py); so does

@@ -52,7 +52,9 @@ hyper-parameters of ``p``'s param group):
   every rank sets ``m <- X * D``, ``p <- p - lr / bc1 * X``.
 
   ``wire="update"`` (no frozen variance, no refresh; warm-up :data:`UPDATE_WARMUP` = 1
-  step, which creates Adam's state from the averaged gradient): every rank keeps Adam's
+  step, which creates Adam's state from the averaged gradient, and by default every
+  later step at which the layer's learning rate rises, ``warmup_while_rate_rises``):
+  every rank keeps Adam's
   moments of its *own* gradient and sends its own bias-corrected Adam step
 
       m_i <- beta1 * m_i + (1 - beta1) * g_i,   v_i <- beta2 * v_i + (1 - beta2) * g_i^2
@@ -196,7 +198,8 @@ class AdamRecipe(VarianceRefresh, RecipeCheckpoint):
                  compressed, *, warmup: int, clip_grad_norm: Optional[float] = None,
                  precondition: bool = True, floor: float = 0.1, wire: str = "gradient",
                  refresh: Optional[int] = None, refresh_from: str = "local",
-                 refresh_start: Optional[int] = None, residual=None):
+                 refresh_start: Optional[int] = None, residual=None,
+                 warmup_while_rate_rises: bool = False):
         self.optimizer = optimizer
         self.params = dict(params)
         self.world_size = int(world_size)
@@ -247,6 +250,14 @@ class AdamRecipe(VarianceRefresh, RecipeCheckpoint):
         self.refresh_from = refresh_from
         #: name -> the compressor's residual of that layer (rescaled when D changes)
         self._residual = residual or (lambda name: None)
+        #: the warm-up also lasts while the learning rate rises: a layer's compressed
+        #: phase starts at its first step past ``warmup`` at which its parameter group's
+        #: (host) learning rate is not above the previous step's (a tensor ``lr`` is not
+        #: read: no host sync; it never counts as rising). Every rank runs the same
+        #: schedule, so every rank switches at the same step.
+        self.while_rate_rises = bool(warmup_while_rate_rises)
+        self._last_lr: dict = {}     # id(param group) -> its lr at the previous step
+        self._rising: set = set()    # id(param group) whose lr rose at this step
         self._steps: dict = {}       # name -> Adam step before this step (host copy)
         self.u: dict = {}            # no DGC velocity: nothing to mask
         self.transactional = False
@@ -277,6 +288,8 @@ class AdamRecipe(VarianceRefresh, RecipeCheckpoint):
         s = host_value(st["step"])
         if s < self.warmup:
             return False
+        if self.while_rate_rises and id(self._groups.of(self.params[name])) in self._rising:
+            return False
         self._after.add(name)
         self._steps[name] = int(s)   # counted on the host from here (_update)
         return True
@@ -293,7 +306,18 @@ class AdamRecipe(VarianceRefresh, RecipeCheckpoint):
 
     # ----------------------------------------------------------------- transactions
     def begin_step(self):
-        pass
+        """Note which parameter groups' learning rate rose since the previous step."""
+        if not self.while_rate_rises:
+            return
+        self._rising.clear()
+        for group in self.optimizer.param_groups:
+            lr = group.get("lr")
+            if isinstance(lr, torch.Tensor) or lr is None:
+                continue
+            last = self._last_lr.get(id(group))
+            if last is not None and lr > last:
+                self._rising.add(id(group))
+            self._last_lr[id(group)] = lr
 
     def commit(self):
         pass

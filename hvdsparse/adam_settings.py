@@ -22,7 +22,11 @@ DEFAULT_WARMUP = 100
 
 #: the update wire's warm-up: one dense step, which creates Adam's state from the
 #: averaged gradient (every rank's moments then follow its own gradient; nothing is
-#: frozen, so nothing needs to settle first)
+#: frozen, so nothing needs to settle first) -- and, with ``adam_warmup`` left at its
+#: default, every step after it at which a parameter group's learning rate rises (a
+#: schedule's warm-up): on the GPT-style LM under a 5% warm-up + cosine, compressing
+#: during the rising rate cost most of the gap to dense (BENCHMARKS "Transformer LM
+#: under AdamW")
 UPDATE_WARMUP = 1
 
 #: the values of ``adam_wire`` (:mod:`hvdsparse.adam`)
@@ -159,6 +163,7 @@ class AdamSettings(NamedTuple):
     refresh: Optional[int]            # None: v frozen for good after the warm-up
     refresh_start: Optional[int]
     wire: str = "gradient"            # what travels after the warm-up (module docstring)
+    while_rate_rises: bool = False    # the warm-up also lasts while the learning rate rises
 
 
 def adam_setup(optimizer, compression, adam_recipe, adam_warmup, *, local_gradient=None,
@@ -214,4 +219,5 @@ def adam_setup(optimizer, compression, adam_recipe, adam_warmup, *, local_gradie
         raise ValueError("momentum_correction is DGC's for torch.optim.SGD; with Adam / "
                          "AdamW the Adam recipe applies the momentum after the exchange "
                          "(adam_recipe)")
-    return AdamSettings(warmup, refresh, start, wire)
+    return AdamSettings(warmup, refresh, start, wire,
+                        while_rate_rises=wire == "update" and adam_warmup is None)

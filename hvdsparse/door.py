@@ -92,7 +92,8 @@ def local_fingerprint(momentum_correction: bool, adam, settings: ExchangeSetting
                 clip_grad_norm=settings.clip_grad_norm,
                 adam_warmup=adam and adam.warmup, adam_refresh=adam and adam.refresh,
                 adam_refresh_start=adam and adam.refresh_start,
-                adam_wire=adam and adam.wire)
+                adam_wire=adam and adam.wire,
+                adam_warmup_while_rate_rises=bool(adam and adam.while_rate_rises))
 
 
 def make_local_update(optimizer, params: Dict[str, torch.Tensor], world_size: int,
@@ -110,7 +111,8 @@ def make_local_update(optimizer, params: Dict[str, torch.Tensor], world_size: in
                           lambda n: not pol.is_dense(n, shapes[n]), warmup=adam.warmup,
                           refresh=adam.refresh, refresh_start=adam.refresh_start,
                           wire=adam.wire,
-                          clip_grad_norm=clip_grad_norm, residual=compressor.residual)
+                          clip_grad_norm=clip_grad_norm, residual=compressor.residual,
+                          warmup_while_rate_rises=adam.while_rate_rises)
     if momentum_correction or clip_grad_norm is not None:
         from .momentum import LocalUpdate
         return LocalUpdate(optimizer, params, world_size,

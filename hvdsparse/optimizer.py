@@ -348,9 +348,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
             only); ``False``: off (the gradient is compressed and Adam applied to the
             exchanged average, as before).
         adam_warmup: dense, exact Adam steps before the compressed phase (per
-            parameter, counted by Adam's ``state["step"]``); ``None``: 1 on the update
-            wire (:data:`hvdsparse.adam.UPDATE_WARMUP`: the step that creates Adam's
-            state), :data:`hvdsparse.adam.DEFAULT_WARMUP` on the gradient and momentum
+            parameter, counted by Adam's ``state["step"]``); ``None``: on the update
+            wire 1 (:data:`hvdsparse.adam.UPDATE_WARMUP`: the step that creates Adam's
+            state) and then every step at which the parameter's group's learning rate
+            rises (a schedule's warm-up; a tensor ``lr`` is not read),
+            :data:`hvdsparse.adam.DEFAULT_WARMUP` on the gradient and momentum
             wires, whose variance is frozen after it (not much under ~30% of a short
             run there: ``scripts/study_adam.py``).
         adam_refresh: the frozen variance's refresh period ``R``: every ``R``-th step

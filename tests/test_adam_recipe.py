@@ -551,6 +551,35 @@ def test_update_wire_under_a_schedule_matches_replay(seed, comp):
         _close(sim, rep, f"{comp} step {step} (lr {lr:.3g})")
 
 
+def test_update_wire_warmup_lasts_while_the_rate_rises():
+    """``adam_warmup`` left at its default on the update wire: after the one dense step,
+    a layer stays dense (exact Adam) at every step whose group's learning rate is above
+    the previous step's, and is compressed from the first step at which it is not, for
+    good (a later rise does not bring the warm-up back); a group whose rate does not
+    rise is compressed after the one step. An explicit ``adam_warmup`` is a fixed count."""
+    from hvdsparse.adam_settings import adam_setup
+    a, b = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 8))
+    opt = torch.optim.AdamW([dict(params=[a], lr=1e-4), dict(params=[b], lr=1e-3)])
+    st = adam_setup(opt, hvdsparse.TopK(0.1), None, None, adam_wire="update")
+    assert st.warmup == 1 and st.while_rate_rises
+    assert not adam_setup(opt, hvdsparse.TopK(0.1), None, 5, adam_wire="update").while_rate_rises
+    assert not adam_setup(opt, hvdsparse.TopK(0.1), None, None,
+                          adam_wire="gradient").while_rate_rises
+    rc = AdamRecipe(opt, dict(a=a, b=b), 2, lambda n: True, warmup=st.warmup, wire="update",
+                    warmup_while_rate_rises=True)
+    lrs_a = [1e-4, 2e-4, 3e-4, 3e-4, 2e-4, 4e-4, 1e-4]     # warm-up, peak, decay, a rise
+    frozen_a, frozen_b = [], []
+    for t, lr in enumerate(lrs_a):
+        opt.param_groups[0]["lr"] = lr
+        rc.begin_step()
+        frozen_a.append(rc.frozen("a"))
+        frozen_b.append(rc.frozen("b"))
+        a.grad, b.grad = torch.randn(8, 8), torch.randn(8, 8)
+        opt.step()
+    assert frozen_a == [False, False, False, True, True, True, True]
+    assert frozen_b == [False, True, True, True, True, True, True]
+
+
 @pytest.mark.parametrize("wire", ["gradient", "momentum", "update"])
 def test_unused_layer_is_a_zero_gradient(seed, wire):
     """A trainable layer without a gradient on a rank is a zero g_i: it sends x_i = 0 on
@@ -583,10 +612,12 @@ def test_setup_checks():
     # the default wire follows the model: the gradient wire with a recurrent layer
     rnn = dict(param_names=["emb.weight", "lstm.weight_ih_l0", "lstm.weight_hh_l0"])
     assert adam_setup(adam, topk, None, None, **rnn) == \
-        (DEFAULT_WARMUP, DEFAULT_REFRESH, REFRESH_START_FACTOR * DEFAULT_WARMUP, "gradient")
+        (DEFAULT_WARMUP, DEFAULT_REFRESH, REFRESH_START_FACTOR * DEFAULT_WARMUP, "gradient",
+         False)
+    # the update wire's default warm-up: one step, and every step the rate rises
     assert adam_setup(adam, topk, None, None, param_names=["fc.weight", "attn.qkv.weight"]) \
-        == (UPDATE_WARMUP, None, None, "update")
-    assert adam_setup(adam, topk, None, None) == (UPDATE_WARMUP, None, None, "update")
+        == (UPDATE_WARMUP, None, None, "update", True)
+    assert adam_setup(adam, topk, None, None) == (UPDATE_WARMUP, None, None, "update", True)
     for names, wire in ((["rnn.weight_hh_l1_reverse"], "gradient"), (["cell.weight_hh"], "gradient"),
                         (["weight_hh_l0"], "gradient"), (["my_weight_hh_l0"], "update"),
                         (["head.weight", "gru.weight_hh_l0x"], "update"), ([], "update")):
@@ -599,15 +630,15 @@ def test_setup_checks():
         == (7, 4, 7)
     assert adam_setup(adam, topk, None, 7, **rnn).wire == "gradient"
     assert adam_setup(adam, topk, None, 7, adam_wire="gradient") == (7, DEFAULT_REFRESH, 21,
-                                                                     "gradient")
+                                                                     "gradient", False)
     for r in (None, 0):          # the momentum wire: the variance frozen for good
         assert adam_setup(adam, topk, None, 7, adam_wire="momentum", adam_refresh=r) == \
-            (7, None, None, "momentum")
+            (7, None, None, "momentum", False)
     # the update wire: every rank's variance live, no refresh; one dense warm-up step
     assert adam_setup(adam, topk, None, None, adam_wire="update") == \
-        (UPDATE_WARMUP, None, None, "update")
+        (UPDATE_WARMUP, None, None, "update", True)
     assert adam_setup(adam, topk, None, 5, adam_wire="update", adam_refresh=0) == \
-        (5, None, None, "update")
+        (5, None, None, "update", False)
     ada = hvdsparse.AdaComp()               # off by default for AdaComp; on when asked
     assert adam_setup(adam, ada, None, None, **rnn)[:3] == (DEFAULT_WARMUP, None, None)
     assert adam_setup(adam, ada, None, 7, adam_refresh=50, **rnn)[:3] == (7, 50, 21)

@@ -52,8 +52,9 @@ hyper-parameters of ``p``'s param group):
   every rank sets ``m <- X * D``, ``p <- p - lr / bc1 * X``.
 
   ``wire="update"`` (no frozen variance, no refresh; warm-up :data:`UPDATE_WARMUP` = 1
-  step, which creates Adam's state from the averaged gradient, and by default every
-  later step at which the layer's learning rate rises, ``warmup_while_rate_rises``):
+  step, which creates Adam's state from the averaged gradient, and by default for
+  Threshold every later step at which the layer's learning rate rises,
+  ``warmup_while_rate_rises``):
   every rank keeps Adam's
   moments of its *own* gradient and sends its own bias-corrected Adam step
 

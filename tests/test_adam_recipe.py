@@ -552,19 +552,22 @@ def test_update_wire_under_a_schedule_matches_replay(seed, comp):
 
 
 def test_update_wire_warmup_lasts_while_the_rate_rises():
-    """``adam_warmup`` left at its default on the update wire: after the one dense step,
-    a layer stays dense (exact Adam) at every step whose group's learning rate is above
-    the previous step's, and is compressed from the first step at which it is not, for
-    good (a later rise does not bring the warm-up back); a group whose rate does not
-    rise is compressed after the one step. An explicit ``adam_warmup`` is a fixed count."""
+    """``adam_warmup`` left at its default on the update wire with a compressor that
+    reuses a threshold (Threshold): after the one dense step, a layer stays dense (exact
+    Adam) at every step whose group's learning rate is above the previous step's, and is
+    compressed from the first step at which it is not, for good (a later rise does not
+    bring the warm-up back); a group whose rate does not rise is compressed after the one
+    step. An explicit ``adam_warmup``, another wire or another compressor: a fixed count."""
     from hvdsparse.adam_settings import adam_setup
     a, b = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 8))
     opt = torch.optim.AdamW([dict(params=[a], lr=1e-4), dict(params=[b], lr=1e-3)])
-    st = adam_setup(opt, hvdsparse.TopK(0.1), None, None, adam_wire="update")
+    st = adam_setup(opt, hvdsparse.Threshold(0.9), None, None, adam_wire="update")
     assert st.warmup == 1 and st.while_rate_rises
-    assert not adam_setup(opt, hvdsparse.TopK(0.1), None, 5, adam_wire="update").while_rate_rises
-    assert not adam_setup(opt, hvdsparse.TopK(0.1), None, None,
-                          adam_wire="gradient").while_rate_rises
+    for comp, warm, wire in ((hvdsparse.Threshold(0.9), 5, "update"),
+                             (hvdsparse.Threshold(0.9), None, "gradient"),
+                             (hvdsparse.TopK(0.1), None, "update"),
+                             (hvdsparse.AdaComp(), None, "update")):
+        assert not adam_setup(opt, comp, None, warm, adam_wire=wire).while_rate_rises
     rc = AdamRecipe(opt, dict(a=a, b=b), 2, lambda n: True, warmup=st.warmup, wire="update",
                     warmup_while_rate_rises=True)
     lrs_a = [1e-4, 2e-4, 3e-4, 3e-4, 2e-4, 4e-4, 1e-4]     # warm-up, peak, decay, a rise
@@ -614,10 +617,9 @@ def test_setup_checks():
     assert adam_setup(adam, topk, None, None, **rnn) == \
         (DEFAULT_WARMUP, DEFAULT_REFRESH, REFRESH_START_FACTOR * DEFAULT_WARMUP, "gradient",
          False)
-    # the update wire's default warm-up: one step, and every step the rate rises
     assert adam_setup(adam, topk, None, None, param_names=["fc.weight", "attn.qkv.weight"]) \
-        == (UPDATE_WARMUP, None, None, "update", True)
-    assert adam_setup(adam, topk, None, None) == (UPDATE_WARMUP, None, None, "update", True)
+        == (UPDATE_WARMUP, None, None, "update", False)
+    assert adam_setup(adam, topk, None, None) == (UPDATE_WARMUP, None, None, "update", False)
     for names, wire in ((["rnn.weight_hh_l1_reverse"], "gradient"), (["cell.weight_hh"], "gradient"),
                         (["weight_hh_l0"], "gradient"), (["my_weight_hh_l0"], "update"),
                         (["head.weight", "gru.weight_hh_l0x"], "update"), ([], "update")):
@@ -636,7 +638,7 @@ def test_setup_checks():
             (7, None, None, "momentum", False)
     # the update wire: every rank's variance live, no refresh; one dense warm-up step
     assert adam_setup(adam, topk, None, None, adam_wire="update") == \
-        (UPDATE_WARMUP, None, None, "update", True)
+        (UPDATE_WARMUP, None, None, "update", False)
     assert adam_setup(adam, topk, None, 5, adam_wire="update", adam_refresh=0) == \
         (5, None, None, "update", False)
     ada = hvdsparse.AdaComp()               # off by default for AdaComp; on when asked

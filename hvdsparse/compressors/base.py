@@ -219,6 +219,10 @@ class Compressor(LayerSettings, StepTransactions, CompressorState, ValueEncoder)
     #: whether the Adam recipe's periodic dense variance refresh is on by default with
     #: this compressor (``adam.default_refresh``)
     adam_refresh_by_default = True
+    #: whether it reuses a selection threshold across steps (Threshold's tau): the update
+    #: wire's default warm-up then lasts while the learning rate rises
+    #: (``adam_settings.UPDATE_WARMUP``)
+    reuses_threshold = False
     #: DGC momentum correction's automatic rule (``momentum.resolve_momentum_correction``)
     #: turns correction on with this compressor at any density (AdaComp)
     momentum_correction_always = False

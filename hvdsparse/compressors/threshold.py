@@ -120,6 +120,7 @@ class Threshold(TopK):
     parameter) runs at sparsity ``min(sparsity, 1 - output_ratio)``; ``None``: off."""
 
     bucket_path = True       # between refreshes (topk_bucket.layer_plan: ROUTE_GIVEN)
+    reuses_threshold = True  # tau lives life_span steps (Compressor.reuses_threshold)
     ladder = LADDER          # the overflow ladder's rung factors (module docstring)
 
     def error_feedback_density(self):

@@ -54,9 +54,8 @@ hyper-parameters of ``p``'s param group):
   ``wire="update"`` (no frozen variance, no refresh; warm-up :data:`UPDATE_WARMUP` = 1
   step, which creates Adam's state from the averaged gradient, and by default for
   Threshold every later step at which the layer's learning rate rises,
-  ``warmup_while_rate_rises``):
-  every rank keeps Adam's
-  moments of its *own* gradient and sends its own bias-corrected Adam step
+  ``warmup_while_rate_rises``): every rank keeps Adam's moments of its *own* gradient
+  and sends its own bias-corrected Adam step
 
       m_i <- beta1 * m_i + (1 - beta1) * g_i,   v_i <- beta2 * v_i + (1 - beta2) * g_i^2
       u_i  = m_i / (sqrt(v_i) / sqrt(1 - beta2^(s+1)) + eps) / (1 - beta1^(s+1))

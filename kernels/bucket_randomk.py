@@ -37,6 +37,31 @@ C_SEED = C_OFF
 
 
 @triton.jit
+def stratum_index(seed, s, n, k):
+    """Slot ``s``'s index in ``[0, n)`` under the stratified draw of ``k`` (> 0) slots
+    (the module docstring: ``u = tl.rand(seed, s)``, one index per stratum, int64
+    throughout: exact)."""
+    u = tl.rand(seed, s)
+    lo = (s * n) // k
+    size = ((s + 1) * n) // k - lo
+    return lo + (((u * 2147483648.0).to(tl.int64) * size) >> 31)
+
+
+@triton.jit
+def send_slots(row, i, s, m, val_ptr, idx_ptr, VE: tl.constexpr):
+    """Slots ``s`` (mask ``m``) of table row ``row`` send its residual's elements ``i``:
+    ``val[OUT + s] = cast(r[i])``, ``r[i] = `` the cast error (0 for fp32), ``idx[OUT +
+    s] = i`` (int32). Returns the row's ``OUT``."""
+    rp = fptr(row, _R)
+    a = tl.load(rp + i, mask=m, other=0.0)
+    out = tl.load(row + _OUT)
+    newa = store_float_values(a, val_ptr, out + s, m, VE)
+    tl.store(rp + i, newa, mask=m)
+    tl.store(idx_ptr + out + s, i.to(tl.int32), mask=m)
+    return out
+
+
+@triton.jit
 def _pick_kernel(tab_ptr, idx_ptr, wide_ptr, val_ptr, cnt_ptr, W: tl.constexpr,
                  VE: tl.constexpr, WIDE: tl.constexpr, CB: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
@@ -46,17 +71,8 @@ def _pick_kernel(tab_ptr, idx_ptr, wide_ptr, val_ptr, cnt_ptr, W: tl.constexpr,
     seed = tl.load(row + _SEED)
     s = tl.program_id(1).to(tl.int64) * CB + tl.arange(0, CB).to(tl.int64)
     m = s < k
-    u = tl.rand(seed, s)
-    lo = (s * n) // k
-    size = ((s + 1) * n) // k - lo
-    i = lo + (((u * 2147483648.0).to(tl.int64) * size) >> 31)
-    i = tl.where(m, i, 0)
-    rp = fptr(row, _R)
-    a = tl.load(rp + i, mask=m, other=0.0)
-    out = tl.load(row + _OUT)
-    newa = store_float_values(a, val_ptr, out + s, m, VE)
-    tl.store(rp + i, newa, mask=m)
-    tl.store(idx_ptr + out + s, i.to(tl.int32), mask=m)
+    i = tl.where(m, stratum_index(seed, s, n, k), 0)
+    out = send_slots(row, i, s, m, val_ptr, idx_ptr, VE)
     if WIDE:
         tl.store(wide_ptr + out + s, i, mask=m)
     if tl.program_id(1) == 0:

@@ -32,17 +32,14 @@ synchronisation.
 import triton
 import triton.language as tl
 
-from .bucket_topk import C_CAP, C_N, C_OFF, C_OUT, C_R, C_RCAP, C_RK, C_TIN
-from .select import store_float_values
-from .table import fptr
+from .bucket_randomk import send_slots, stratum_index
+from .bucket_topk import C_CAP, C_N, C_OFF, C_RCAP, C_RK, C_TIN
 
 #: the table cells a Slim-DP row reads beyond the accumulate's
 C_SEED, C_NCORE, C_NEX, C_CORE = C_OFF, C_RK, C_RCAP, C_TIN
 
 _CAP = tl.constexpr(C_CAP)
 _N = tl.constexpr(C_N)
-_OUT = tl.constexpr(C_OUT)
-_R = tl.constexpr(C_R)
 _SEED = tl.constexpr(C_SEED)
 _NCORE = tl.constexpr(C_NCORE)
 _NEX = tl.constexpr(C_NEX)
@@ -68,12 +65,7 @@ def _gather_kernel(tab_ptr, idx_ptr, val_ptr, cnt_ptr, parts_ptr, W: tl.constexp
     ic = tl.load(core_ptr + tl.where(is_core, s, 0), mask=is_core, other=0)
     # explorer slots: a stratified position among the m elements outside the core ...
     t = tl.where(is_ex, s - nc, 0)
-    mo = n - nc
-    u = tl.rand(seed, t)
-    ed = tl.maximum(e, 1)
-    lo = (t * mo) // ed
-    size = ((t + 1) * mo) // ed - lo
-    p = lo + (((u * 2147483648.0).to(tl.int64) * size) >> 31)
+    p = stratum_index(seed, t, n - nc, tl.maximum(e, 1))
     # ... mapped past the core entries at or before it: #{q : core[q] - q <= p}
     a_lo = tl.zeros([CB], dtype=tl.int64)
     a_hi = tl.zeros([CB], dtype=tl.int64) + nc
@@ -85,12 +77,7 @@ def _gather_kernel(tab_ptr, idx_ptr, val_ptr, cnt_ptr, parts_ptr, W: tl.constexp
         a_lo = tl.where(right, mid + 1, a_lo)
         a_hi = tl.where(act & (c - mid > p), mid, a_hi)
     i = tl.where(is_core, ic, tl.where(is_ex, p + a_lo, 0))
-    rp = fptr(row, _R)
-    a = tl.load(rp + i, mask=m, other=0.0)
-    out = tl.load(row + _OUT)
-    newa = store_float_values(a, val_ptr, out + s, m, VE)
-    tl.store(rp + i, newa, mask=m)
-    tl.store(idx_ptr + out + s, i.to(tl.int32), mask=m)
+    send_slots(row, i, s, m, val_ptr, idx_ptr, VE)
     if tl.program_id(1) == 0:
         tl.store(cnt_ptr + j * 2, tot.to(tl.int32))
         tl.store(cnt_ptr + j * 2 + 1, tot.to(tl.int32))

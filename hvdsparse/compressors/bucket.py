@@ -489,19 +489,19 @@ def _adacomp_bucket(comp, items, plans, step, grad_scale):
     return payloads, BucketBatch([it.name for it in items], table, None, counts, 0, [], K)
 
 
-# ------------------------------------------------------------------ RandomK rows
-def _randomk_bucket(comp, items, plans, step, grad_scale):
-    """``RandomK._compress`` for a group (one gradient dtype and value encoding):
-    ``kernels/bucket_topk.py``'s accumulate launch (error feedback, DGC's velocity),
-    then ``kernels/bucket_randomk.py``'s draw-and-pick launch. Shared-seed layers get
-    IMPLICIT segments (``implicit_indices``: the drawn indices, int64, written by the
-    same launch)."""
+# ------------------------------------------------------------------ picking rows
+def _picking_rows(comp, items, plans, grad_scale, cells):
+    """The table of a group whose rows send slots picked by index after
+    ``kernels/bucket_topk.py``'s accumulate launch (RandomK's and Slim-DP's rows): each
+    row's accumulating cells (:func:`_layer_cells`, DGC's velocity), its output offset
+    and first program; ``cells(row, item, plan)`` writes the row's own cells and returns
+    its slot count (``C_CAP``). Queues the table copy and the accumulate launch and
+    returns ``(K, host table, device table, idx int32[slots], vals[slots] in the
+    group's value encoding, momentum row names)``."""
     from .topk_bucket import BLOCK, momentum_cells
     K = ops.bucket_kernels("topk")
-    RK = ops.bucket_kernels("randomk")
-    L = len(items)
     dev = items[0].grad.device
-    tab = np.zeros((L, K.W), dtype=np.int64)
+    tab = np.zeros((len(items), K.W), dtype=np.int64)
     out = blk0 = 0
     mom, nprog = [], []
     for j, (it, pl) in enumerate(zip(items, plans)):
@@ -510,19 +510,37 @@ def _randomk_bucket(comp, items, plans, step, grad_scale):
         if it.momentum is not None:
             mom.append(it.name)
             row[K.C_MODE] = momentum_cells(row, K, it.momentum, it.param)
-        row[K.C_CAP] = pl["k"]
-        row[RK.C_SEED] = pl["seed"]
+        slots = cells(row, it, pl)
+        row[K.C_CAP] = slots
         row[K.C_OUT] = out
         row[K.C_BLK0] = blk0
-        out += pl["k"]
+        out += slots
         nprog.append(_cdiv(pl["n"], BLOCK))
         blk0 += nprog[-1]
     table = _to_device(tab, dev)
     blk = _program_table(nprog, dev)
     K.accumulate(table, blk, grad_scale, K.GDT_CODE[items[0].grad.dtype], block=BLOCK)
-    enc = plans[0]["enc"]
     idx = _empty(out, torch.int32, dev)
-    vals = _empty(out, FLOAT_DTYPES[enc], dev)
+    vals = _empty(out, FLOAT_DTYPES[plans[0]["enc"]], dev)
+    return K, tab, table, idx, vals, mom
+
+
+# ------------------------------------------------------------------ RandomK rows
+def _randomk_bucket(comp, items, plans, step, grad_scale):
+    """``RandomK._compress`` for a group (one gradient dtype and value encoding):
+    ``kernels/bucket_topk.py``'s accumulate launch (error feedback, DGC's velocity),
+    then ``kernels/bucket_randomk.py``'s draw-and-pick launch. Shared-seed layers get
+    IMPLICIT segments (``implicit_indices``: the drawn indices, int64, written by the
+    same launch)."""
+    RK = ops.bucket_kernels("randomk")
+    L = len(items)
+    dev = items[0].grad.device
+
+    def cells(row, it, pl):
+        row[RK.C_SEED] = pl["seed"]
+        return pl["k"]
+    K, tab, table, idx, vals, mom = _picking_rows(comp, items, plans, grad_scale, cells)
+    out, enc = idx.numel(), plans[0]["enc"]
     cnt = _empty(2 * L, torch.int32, dev).view(L, 2)
     kmax = max(pl["k"] for pl in plans)
     wide = _empty(out, torch.int64, dev) if any(pl["shared"] for pl in plans) else None
@@ -555,39 +573,21 @@ def _slimdp_bucket(comp, items, plans, step, grad_scale):
     layer's core (int64, on the device, rank 0's choice broadcast at its last
     re-selection) is read where it lies; its values travel as an IMPLICIT segment, the
     explorer as an INT32 one, both views of the group's buffers."""
-    from .topk_bucket import BLOCK, momentum_cells
-    K = ops.bucket_kernels("topk")
     SK = ops.bucket_kernels("slimdp")
     L = len(items)
     dev = items[0].grad.device
-    tab = np.zeros((L, K.W), dtype=np.int64)
-    out = blk0 = 0
-    mom, nprog, cores = [], [], []
-    for j, (it, pl) in enumerate(zip(items, plans)):
-        row = tab[j]
-        _layer_cells(comp, row, K, it)
-        if it.momentum is not None:
-            mom.append(it.name)
-            row[K.C_MODE] = momentum_cells(row, K, it.momentum, it.param)
+    cores = []
+
+    def cells(row, it, pl):
         core = comp._layer_core(it.name, pl["n"], pl["nc"], dev) if pl["nc"] else None
         cores.append(core)
-        tot = pl["nc"] + pl["ne"]
-        row[K.C_CAP] = tot
         row[SK.C_NCORE] = pl["nc"]
         row[SK.C_NEX] = pl["ne"]
         row[SK.C_CORE] = 0 if core is None else core.data_ptr()
         row[SK.C_SEED] = pl["seed"]
-        row[K.C_OUT] = out
-        row[K.C_BLK0] = blk0
-        out += tot
-        nprog.append(_cdiv(pl["n"], BLOCK))
-        blk0 += nprog[-1]
-    table = _to_device(tab, dev)
-    blk = _program_table(nprog, dev)
-    K.accumulate(table, blk, grad_scale, K.GDT_CODE[items[0].grad.dtype], block=BLOCK)
+        return pl["nc"] + pl["ne"]
+    K, tab, table, idx, vals, mom = _picking_rows(comp, items, plans, grad_scale, cells)
     enc = plans[0]["enc"]
-    idx = _empty(out, torch.int32, dev)
-    vals = _empty(out, FLOAT_DTYPES[enc], dev)
     cnt4 = _empty(4 * L, torch.int32, dev)
     cnt, parts = cnt4[:2 * L].view(L, 2), cnt4[2 * L:].view(L, 2)
     totmax = max(pl["nc"] + pl["ne"] for pl in plans)

@@ -459,8 +459,8 @@ def own_dense(spec: BucketSpec, payloads: Sequence[LayerPayload],
     """This rank's payloads expanded into the flat fp32 bucket vector (written into
     ``out``, fp32[spec.numel], when given), the sum of each payload's segments.
 
-    With ``ctx`` on the device path (``validate=False``: CUDA, or Triton forced) the
-    whole bucket takes a fixed number of launches: its payloads are encoded into one
+    With ``ctx`` and ``ctx.validate`` False (the CUDA default: the device check flag)
+    the whole bucket takes a fixed number of launches: its payloads are encoded into one
     message (``codec.encode``, into a reused buffer) and that message is decoded as the
     only rank's (``codec.accumulate`` into the zeroed vector: the bucket decode's check
     launch, setting ``ctx.error_flag`` as any decode does, and one scatter launch): the

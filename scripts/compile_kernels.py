@@ -126,18 +126,26 @@ EXACT_DIV = {"_quantize_pack_kernel", "_unpack_kernel", "_scatter_row_kernel",
              "_scatter_kernel"}
 BIG = 25_000_000
 
+#: kernel -> the positions of its output arguments a recorded launch zero-fills
+FILLED = {"_philox_uniform_kernel": (0,)}
 RECORDS: list = []
 _SCENARIO = ["?"]
 
 
 class Recorder:
-    """Stands in for a JITFunction: ``rec[grid](*args, **kw)`` records, runs nothing."""
+    """Stands in for a JITFunction: ``rec[grid](*args, **kw)`` records, runs nothing --
+    except that the outputs named in :data:`FILLED` are zero-filled: values the host
+    path computes indices from (RandomK's stratified draw, Slim-DP's explorer: 0 is a
+    valid uniform), which left unwritten would send ``index_add_`` out of range."""
 
     def __init__(self, name, fn):
         self.name, self.fn = name, fn
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
+            for i in FILLED.get(self.name, ()):
+                if isinstance(args[i], torch.Tensor) and args[i].device.type != "meta":
+                    args[i].zero_()
             g = tuple(int(x) for x in (grid(kwargs) if callable(grid) else grid))
             names = list(self.fn.signature.parameters)
             n = args[names.index("n")] if "n" in names and names.index("n") < len(args) \

@@ -51,8 +51,8 @@ from .cpu_quantize import (dequantize_unpack, pack_bits, quantize_pack,  # noqa:
                            sign_unpack, unpack_bits)
 from .cpu_residual import (clean_grad, residual_add, residual_add_binmax,  # noqa: F401
                            segment_mean, zero_slots)
-from .cpu_select import (binned_select, count_abs_ge, select_compact,  # noqa: F401
-                         select_if_in_range)
+from .cpu_select import (bin_quota, binned_select, count_abs_ge,  # noqa: F401
+                         select_compact, select_if_in_range)
 from .philox import (check_pos_int, check_seed, par_ranges, par_run,  # noqa: F401
                      philox_parallel, philox_scratch, PHILOX_CHUNK, PHILOX_PAR_MIN,
                      philox_uint32, philox_uniform, uniform_block)
@@ -60,7 +60,7 @@ from .philox import (check_pos_int, check_seed, par_ranges, par_run,  # noqa: F4
 __all__ = [
     "residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
     "sign_unpack", "scatter_add_decode", "dense_add_decode", "philox_uniform",
-    "philox_uint32", "pack_bits", "unpack_bits", "count_abs_ge", "binned_select",
+    "philox_uint32", "pack_bits", "unpack_bits", "count_abs_ge", "binned_select", "bin_quota",
     "VE_FP32", "VE_FP16", "VE_BF16", "VE_SIGN1", "QUANT_BITS_ALLOWED",
 ]
 

@@ -180,6 +180,32 @@ def binned_select(acc: torch.Tensor, grad: torch.Tensor, h_scale: float,
             torch.tensor([selected], dtype=torch.int32))
 
 
+def bin_quota(cnt: torch.Tensor, budget: int, rot: int, c: int) -> torch.Tensor:
+    """AdaComp's layer budget (:func:`hvdsparse.oracle.bin_quota`'s deal, in closed form;
+    ``kernels/bin_quota.py`` computes the same on the Triton path): ``cnt`` int32 [nb]
+    with ``0 <= cnt[b] <= c``; returns the quota int32 [nb]::
+
+        S(r) = sum_b min(cnt[b], r) (r = 0..c),   r* = max {r : S(r) <= budget},
+        q[b] = min(cnt[b], r*) + [cnt[b] > r* and rank(b) < budget - S(r*)]
+
+    ``rank(b)`` the number of bins with ``cnt > r*`` before ``b`` counting cyclically
+    from ``rot``. Device ops on ``cnt``'s device, no host synchronisation."""
+    k = cnt.to(torch.int64)
+    nb = k.numel()
+    if nb == 0 or int(budget) >= nb * int(c):
+        return cnt.clone()
+    lv = torch.arange(int(c) + 1, device=k.device)
+    s = torch.minimum(k.unsqueeze(1), lv).sum(0)                # S(r), non-decreasing
+    rs = (s <= int(budget)).sum() - 1                          # S(0) = 0 always fits
+    left = int(budget) - s[rs]
+    more = k > rs
+    m = more.to(torch.int64)
+    ex = torch.cumsum(m, 0) - m
+    want = m.sum()
+    rank = torch.remainder(ex - ex[int(rot)] + want, want.clamp_min(1))
+    return (torch.minimum(k, rs) + (more & (rank < left)).to(torch.int64)).to(torch.int32)
+
+
 def _select_compact_chunks(acc, thr, capacity, L, ch, grad, use_h, hm1, ve, sscale,
                            indices, values) -> Tuple[int, int]:
     """In torch, chunk by chunk (devices other than the CPU, and

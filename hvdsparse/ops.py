@@ -353,12 +353,15 @@ def segment_mean(x: torch.Tensor) -> torch.Tensor:
     return segment_means(x.reshape(-1), tab, 2, 0, 1, 1, out).reshape(())
 
 
-def binned_pack(acc, grad, h_scale, threshold, bin_size, c, scale, grad_scale=None):
+def binned_pack(acc, grad, h_scale, threshold, bin_size, c, scale, grad_scale=None,
+                budget=None, rot=0):
     """Triton only (``use_triton(acc)``, bins of at most ``kernels/binned.py``'s
     ``MAX_BIN`` elements): AdaComp's selection (:func:`hvdsparse.cpu.binned_select`'s
     rule, bit for bit) plus packing (bin-relative indices, sign bits) and the residue
-    update ``acc[i] -= q_i`` in two launches. Returns ``(rel, sign_bytes, count,
-    bin_counts, selected)``; see the kernel module."""
+    update ``acc[i] -= q_i`` in two launches. With ``budget`` (an int below ``nb * c``)
+    the message holds ``budget`` slots and each bin sends its :func:`bin_quota` of the
+    largest (one launch more). Returns ``(rel, sign_bytes, count, bin_counts,
+    selected)``; see the kernel module."""
     if not use_triton(acc):
         raise RuntimeError("ops.binned_pack is the Triton path; on the CPU use "
                            "ops.binned_select")
@@ -380,9 +383,42 @@ def binned_pack(acc, grad, h_scale, threshold, bin_size, c, scale, grad_scale=No
     if n >= 2**31:
         raise ValueError(f"binned_pack: acc has {n} elements (int32 slot counts)")
     _ref.check_grad_scale(grad_scale, acc.device)
+    if budget is not None:
+        _check_budget("binned_pack", budget, rot, nb, c)
     return _kernels().binned_pack(acc, grad.reshape(-1).contiguous(), h_scale,
                                   threshold.contiguous(), L, c, scale,
-                                  grad_scale=grad_scale)
+                                  grad_scale=grad_scale, budget=budget, rot=int(rot))
+
+
+def _check_budget(where, budget, rot, nb, c):
+    if not isinstance(budget, int) or isinstance(budget, bool) or not 0 <= budget < nb * c:
+        raise ValueError(f"{where}: budget must be an int in [0, {nb * c}) (bins x slots "
+                         f"per bin), got {budget!r}")
+    if not isinstance(rot, int) or isinstance(rot, bool) or not 0 <= rot < max(nb, 1):
+        raise ValueError(f"{where}: rot must be an int in [0, {nb}), got {rot!r}")
+
+
+def bin_quota(cnt, budget, rot, c):
+    """AdaComp's layer budget: ``cnt`` (int32 [nb], every entry in ``[0, c]``) becomes
+    the quota :func:`hvdsparse.oracle.bin_quota` deals (``budget`` slots one per bin per
+    round, bins visited cyclically from ``rot``). On the Triton path ``cnt`` is
+    overwritten in place (one launch) and returned; elsewhere a new tensor
+    (:func:`hvdsparse.cpu.bin_quota`). ``budget >= nb * c`` returns ``cnt`` unchanged.
+    No host synchronisation."""
+    if not isinstance(cnt, torch.Tensor) or cnt.dtype != torch.int32 or cnt.dim() != 1 \
+            or not cnt.is_contiguous():
+        raise ValueError("bin_quota: cnt must be a contiguous 1-D int32 tensor")
+    nb = cnt.numel()
+    if not isinstance(c, int) or isinstance(c, bool) or not 1 <= c <= 65536:
+        raise ValueError(f"bin_quota: c must be an int in [1, 65536], got {c!r}")
+    if nb == 0 or (isinstance(budget, int) and budget >= nb * c):
+        return cnt
+    _check_budget("bin_quota", budget, rot, nb, c)
+    if nb * c >= 2 ** 31:
+        raise ValueError(f"bin_quota: {nb} bins x {c} slots exceed int32 slot counts")
+    if not use_triton(cnt):
+        return _ref.bin_quota(cnt, budget, rot, c)
+    return _kernels().bin_quota.quota(cnt, budget, rot, c)
 
 
 def binned_max_bin() -> int:

@@ -101,40 +101,65 @@ def zero_slots(flat: torch.Tensor, positions: torch.Tensor, count: int) -> torch
 
 def binned_pack(acc: torch.Tensor, grad: torch.Tensor, h_scale: float,
                 threshold: torch.Tensor, bin_size: int, c: int, scale: torch.Tensor,
-                grad_scale: Optional[torch.Tensor] = None):
+                grad_scale: Optional[torch.Tensor] = None, budget: Optional[int] = None,
+                rot: int = 0):
     """AdaComp's pack of one layer. ``d = fp32(grad) * grad_scale`` (0 if not finite),
     ``h = acc + d * (h_scale - 1)``. Per bin ``b`` (``bin_size`` consecutive elements,
     last one partial) the elements with ``|h| >= threshold[b]`` pass; the ``c`` with the
-    largest ``|h|`` (ties: lower index) are sent in that order, bins one after another.
+    largest ``|h|`` (ties: lower index) are sent in that order, bins one after another
+    -- with a ``budget``, only the first ``bin_quota(counts, budget, rot)[b]`` of them.
     Sent element ``i``: sign bit ``acc_i < 0``, residue ``acc_i + (-q)``, ``q = -s`` if
-    negative else ``s`` (``s = scale``). Returns ``(new acc, rel int64[nb*c], negative
-    bool[nb*c], count, bin_counts list, selected)``; unused slots 0 / False."""
+    negative else ``s`` (``s = scale``). Returns ``(new acc, rel int64[cap], negative
+    bool[cap], count, bin_counts list, selected)`` with ``cap = nb * c`` or the budget;
+    unused slots 0 / False."""
     n, L = acc.numel(), int(bin_size)
     nb = -(-n // L)
+    cap = nb * c if budget is None else int(budget)
     d = grad.reshape(-1).float()
     if grad_scale is not None:
         d = d * grad_scale.reshape(1)
     d = torch.where(torch.isfinite(d), d, torch.zeros(()))
     h = (acc + d * torch.tensor(float(h_scale) - 1.0)).abs()
     out = acc.clone()
-    rel = torch.zeros(nb * c, dtype=torch.int64)
-    neg = torch.zeros(nb * c, dtype=torch.bool)
+    rel = torch.zeros(cap, dtype=torch.int64)
+    neg = torch.zeros(cap, dtype=torch.bool)
     s = scale.reshape(()).float()
-    slot, selected, bin_counts = 0, 0, []
+    selected, per_bin = 0, []
     for b in range(nb):
         lo, hi = b * L, min(n, (b + 1) * L)
         passing = [i for i in range(lo, hi) if float(h[i]) >= float(threshold[b])]
         selected += len(passing)
         passing.sort(key=lambda i: (-float(h[i]), i))
-        sent = passing[:c]
-        bin_counts.append(len(sent))
-        for i in sent:
+        per_bin.append(passing[:c])
+    quota = [len(p) for p in per_bin]
+    if budget is not None:
+        quota = bin_quota(quota, budget, rot)
+    slot = 0
+    for b in range(nb):
+        for i in per_bin[b][:quota[b]]:
             ng = bool(acc[i] < 0)
             q = -s if ng else s
             out[i] = acc[i] + (-q)
-            rel[slot], neg[slot] = i - lo, ng
+            rel[slot], neg[slot] = i - b * L, ng
             slot += 1
-    return out, rel, neg, slot, bin_counts, selected
+    return out, rel, neg, slot, quota, selected
+
+
+def bin_quota(cnt: Sequence[int], budget: int, rot: int) -> List[int]:
+    """AdaComp's layer budget: ``budget`` slots dealt to the bins one at a time, round
+    after round, each round visiting the bins in cyclic order from bin ``rot`` and
+    giving one more slot to every bin whose quota is still below ``cnt[b]``, until the
+    budget or the demand runs out. Returns the quota per bin."""
+    nb = len(cnt)
+    q = [0] * nb
+    left = int(budget)
+    for _ in range(max(cnt, default=0)):
+        for i in range(nb):
+            b = (int(rot) + i) % nb
+            if left and q[b] < int(cnt[b]):
+                q[b] += 1
+                left -= 1
+    return q
 
 
 #: lanes of the segment-mean order (kernels/segment_mean.py's BLOCK)
@@ -308,4 +333,4 @@ def refine_topk_threshold(acc: torch.Tensor, v: torch.Tensor, k: int, capacity: 
 __all__: List[str] = ["philox_uint32", "philox_uniform", "residual_add_binmax",
                       "select_compact", "quantize", "pack", "unpack", "dequantize",
                       "scatter_add_decode", "row_threshold", "refine_topk_threshold",
-                      "clean_grad", "zero_slots", "binned_pack"]
+                      "clean_grad", "zero_slots", "binned_pack", "bin_quota"]

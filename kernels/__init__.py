@@ -17,8 +17,9 @@ from .masking import zero_slots
 from .binned import binned_pack
 from . import bucket_topk
 from . import segment_mean
+from . import bin_quota
 
 __all__ = ["residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
            "sign_unpack", "philox_uniform", "scatter_add_decode", "rowthreshold",
            "refine_topk_threshold", "clean_grad", "zero_slots",
-           "binned_pack", "bucket_topk", "segment_mean"]
+           "binned_pack", "bucket_topk", "segment_mean", "bin_quota"]

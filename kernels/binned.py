@@ -17,6 +17,10 @@ not finite) and ``h = G + d * (scale - 1)`` (two fp32 roundings; compiled with
 * residue: ``G_i <- G_i + (-q_i)`` with ``q_i = -s`` if ``G_i < 0`` else ``s`` for every
   sent element (``s`` the layer scale, a device scalar).
 
+With a layer budget below ``nb * C`` (AdaComp's ``mean_per_bin``), ``cnt`` becomes
+each bin's quota (``kernels/bin_quota.py``, one launch after launch 1) and the message
+holds the budget's slots.
+
 Launch 1 (``_binned_count_kernel``) writes ``cnt`` and adds to ``selected``; one
 ``torch.cumsum`` gives the bin offsets and the total count; launch 2
 (``_binned_pack_kernel``) recomputes ``|h|`` (same code, same bits), picks ``C`` times
@@ -30,6 +34,8 @@ relaxed OR per negative sent slot into its sign word. No host synchronisation.
 import torch
 import triton
 import triton.language as tl
+
+from . import bin_quota
 
 MAX_BIN = 4096
 
@@ -110,16 +116,18 @@ def _binned_pack_kernel(acc_ptr, grad_ptr, gscale_ptr, thr_ptr, cnt_ptr, cum_ptr
 
 
 def binned_pack(acc, grad, h_scale, threshold, bin_size, c, scale, *, grad_scale=None,
-                block=4096, num_warps=8):
+                budget=None, rot=0, block=4096, num_warps=8):
     """Triton version of AdaComp's selection + packing (see the module docstring;
     arguments validated by ``hvdsparse.ops.binned_pack``). ``acc`` (fp32, the
     accumulated gradient G) is updated in place to the residue. Returns ``(rel,
     sign_bytes, count int32[1], bin_counts int32[nb], selected int32[1])`` with ``rel``
-    uint8 (``L <= 256``) or int16 holding uint16 bits, ``nb * c`` slots."""
+    uint8 (``L <= 256``) or int16 holding uint16 bits, ``nb * c`` slots, or ``budget``
+    slots with the per-bin counts cut to their quota (``kernels/bin_quota.py``, one
+    launch between the two) when a budget below ``nb * c`` is given."""
     n = acc.numel()
     L = int(bin_size)
     nb = -(-n // L)
-    cap = nb * c
+    cap = nb * c if budget is None else min(nb * c, int(budget))
     dev = acc.device
     rel = torch.zeros(cap, dtype=torch.uint8 if L <= 256 else torch.int16, device=dev)
     words = torch.zeros(max(1, -(-cap // 32)), dtype=torch.int32, device=dev)
@@ -135,6 +143,8 @@ def binned_pack(acc, grad, h_scale, threshold, bin_size, c, scale, *, grad_scale
     _binned_count_kernel[grid](acc, grad, gs, thr, cnt, selected, n, nb, L, hm1, int(c),
                                HAS_GSCALE=has_gs, ROWS=rows, LP=LP, num_warps=num_warps,
                                enable_fp_fusion=False)
+    if cap < nb * c:
+        bin_quota.quota(cnt, cap, rot, c)
     cum = torch.cumsum(cnt, 0, dtype=torch.int32)
     _binned_pack_kernel[grid](acc, grad, gs, thr, cnt, cum, scale.reshape(1), rel, words,
                               n, nb, L, hm1, HAS_GSCALE=has_gs, C=int(c), ROWS=rows,

@@ -26,6 +26,9 @@ Per group and step (``hvdsparse/compressors/bucket.py`` drives them)::
     count       1 launch   h = G + d' * (scale - 1), d' = fin ? d : 0 (or x);
                            thr = gmax < TINY ? TINY : gmax (NaN stays NaN);
                            cnt[bin] = min(#{|h| >= thr}, C); selected_j += #{|h| >= thr}
+    quota       1 launch   only when a row's ``BUDGET`` is below ``NB * C`` (AdaComp's
+                           ``mean_per_bin``): each row's ``cnt`` becomes its quota,
+                           ``BUDGET`` slots dealt from bin ``ROT`` (kernels/bin_quota.py)
     cumsum      1 op       cum = cumsum(cnt) over the whole bucket (exact integers)
     pack        1 launch   kernels/binned.py's pick / pack / residue per bin, the bin's
                            first slot ``cum[bin] - cnt[bin] - base_j`` (``base_j`` =
@@ -41,12 +44,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import bin_quota
 from .binned import pick_one
 from .table import add_nonfinite, f32, fptr, gptr, program_row, scaled
 
 C_G, C_R, C_N, C_NF, C_MODE, C_NB, C_BIN0, C_SLOT0, C_WORD0, C_BLK0 = range(10)
 C_U, C_P, C_M, C_C, C_WD = range(10, 15)
-W = 15
+C_BUDGET, C_ROT = 15, 16
+W = 17
 MODE_PRE, MODE_MOMENTUM, MODE_NESTEROV, MODE_WD = 1, 2, 4, 8
 GDT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _TINY = float(torch.finfo(torch.float32).tiny)
@@ -214,6 +219,11 @@ def count(tab, blk, grad_scale, gmax, cnt, selected, gdt, L, hm1, c, rows):
         tab, blk, grad_scale.reshape(1) if has else gmax, gmax, cnt, selected, int(L),
         float(hm1), _TINY, int(c), W=W, HAS_SCALE=has, GDT=gdt, ROWS=rows,
         LP=triton.next_power_of_2(int(L)), num_warps=8, enable_fp_fusion=False)
+
+
+def quota(tab, cnt, rows, c):
+    """Every row's counts become its quota under ``BUDGET`` (one launch)."""
+    bin_quota.quota_rows(tab, cnt, rows, W, C_BIN0, C_NB, C_BUDGET, C_ROT, c)
 
 
 def pack(tab, blk, grad_scale, gmax, cnt, cum, scales, rel, words, counts, gdt, L, hm1, c,

@@ -95,7 +95,8 @@ KERNELS = [("residual", "_residual_tile_kernel"), ("residual", "_residual_flat_k
            ("bucket_binned", "_ada_count_kernel"), ("bucket_binned", "_ada_pack_kernel"),
            ("bucket_decode", "_check_kernel"), ("bucket_decode", "_scatter_kernel"),
            ("bucket_narrow", "_narrow_kernel"), ("segment_mean", "_segment_mean_kernel"),
-           ("bucket_randomk", "_pick_kernel"), ("bucket_slimdp", "_gather_kernel")]
+           ("bucket_randomk", "_pick_kernel"), ("bucket_slimdp", "_gather_kernel"),
+           ("bin_quota", "_quota_kernel"), ("bin_quota", "_quota_table_kernel")]
 #: kernels that stream over a whole layer: grid >= 1000 programs at 25M elements, and
 #: 128-bit loads of aligned fp32 inputs
 STREAMING = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
@@ -217,6 +218,9 @@ def drive(full: bool, errors: list):
     # AdaComp on a conv weight (bins of 50, u8 indices)
     run("AdaComp-conv@25M", lambda: hvdsparse.AdaComp().compress(
         "conv", torch.zeros(5000, 125, 40, 1), 0))
+    # a layer budget (the quota launch between count and pack: 50,000 bins of 500)
+    run("AdaComp-budget@25M", lambda: hvdsparse.AdaComp(mean_per_bin=3).compress(
+        "layer25M", g_big, 0))
     # an odd-sized layer (24,999,999 elements: 16 does not divide n, so a mask
     # ``offs < n`` alone would forbid 128-bit loads)
     run("TopK-fp32@odd25M", lambda: hvdsparse.TopK(0.01).compress(
@@ -354,6 +358,9 @@ def drive(full: bool, errors: list):
         hvdsparse.AdaComp(), [("w", big2), ("s", (37, 50))], ada))
     run("bucket-AdaComp-conv@25M", lambda: bucket_groups(
         hvdsparse.AdaComp(), [("conv", (5000, 125, 40, 1))], ada))
+    run("bucket-AdaComp-budget@25M", lambda: bucket_groups(
+        hvdsparse.AdaComp(mean_per_bin=3), [("w", big2), ("s", (37, 50))],
+        ada + ["_quota_table_kernel"]))
     if full:
         run("bucket-AdaComp-bf16-scaled@25M", lambda: bucket_groups(
             hvdsparse.AdaComp(), [("w", big2)], ada, dtype=torch.bfloat16,

@@ -79,6 +79,12 @@ def _make(kind, dtype, seed, mc):
     elif kind == "adacomp":
         comp = AdaComp(seed=seed % 1000, overrides={"w4": dict(bin_size=300, max_per_bin=3),
                                                     "w2": dict(scale=2.0)})
+    elif kind == "adacomp-budget":
+        # layer budgets: w1 (4 bins x 10 slots -> 10), w4 (9 x 3 -> 14), conv (24 x 4 ->
+        # 48); w2 without one, in w1's group
+        comp = AdaComp(seed=seed % 1000, mean_per_bin=2,
+                       overrides={"w4": dict(bin_size=300, max_per_bin=3, mean_per_bin=1.5),
+                                  "w2": dict(mean_per_bin=None)})
     elif kind.startswith("threshold"):
         # life span 2: refresh steps (the radix select) and reuse steps alternate
         comp = Threshold(0.97, life_span=2, output_ratio=None, seed=seed % 1000,
@@ -273,6 +279,7 @@ EXPECT = {"qsgd": {"w1": "qsgd", "w2": "qsgd", "w4": "qsgd", "conv": "qsgd", "b1
                       "conv": "randomk", "b1": "dense", "bn.weight": "dense",
                       "bn.bias": "dense", "w3": "dense"},
           "none": {n: "dense" for n, _ in LAYERS}}
+EXPECT["adacomp-budget"] = EXPECT["adacomp"]
 EXPECT["slimdp"] = {n: "slimdp" if k == "randomk" else k for n, k in EXPECT["randomk"].items()}
 EXPECT["threshold"] = EXPECT["threshold-noguard"] = EXPECT["topk"]
 
@@ -285,6 +292,8 @@ EXPECT["threshold"] = EXPECT["threshold-noguard"] = EXPECT["topk"]
     ("adacomp", torch.float32, None, False),
     ("adacomp", torch.float32, 0.5, True),
     ("adacomp", torch.bfloat16, 0.25, True),
+    ("adacomp-budget", torch.float32, 0.5, True),
+    ("adacomp-budget", torch.bfloat16, None, False),
     ("none", torch.float32, None, False),
     ("randomk", torch.float32, None, False),
     ("randomk", torch.float32, 0.5, True),
@@ -321,9 +330,16 @@ def test_bucket_rows_match_per_layer_path(monkeypatch, kind, dtype, scale, mc):
     for step, (a, b) in enumerate(zip(ref, got)):
         _same(a, b, f"seed {seed} step {step}")
         assert a["nf"]["w2"] == 2 and a["nf"]["bn.bias"] == 1, (seed, step)
-    if kind == "adacomp":   # bins sent something
+    if kind.startswith("adacomp"):   # bins sent something
         assert all(s["count"] > 0 for n, segs in got[-1]["segs"].items() for s in segs
                    if exp[n] == "adacomp")
+    if kind == "adacomp-budget":     # the budgets were spent: the bins wanted more
+        caps = {"w1": 10, "w2": 50, "w4": 14, "conv": 48}
+        for n, cap in caps.items():
+            seg = got[-1]["segs"][n][0]
+            assert seg["cap"] == cap, (n, seg["cap"])
+            if n != "w2":
+                assert seg["count"] == cap and int(seg["bins"].sum()) == cap, n
     if kind == "randomk":   # the draw: k distinct indices, one per stratum, ascending
         for n in ("w1", "w4"):
             seg = got[-1]["segs"][n][0]
@@ -341,7 +357,8 @@ def test_bucket_rows_match_per_layer_path(monkeypatch, kind, dtype, scale, mc):
         assert got[-1]["res"]["w2"].abs().sum() > 0
 
 
-@pytest.mark.parametrize("kind", ["qsgd", "adacomp", "randomk", "slimdp", "none"])
+@pytest.mark.parametrize("kind", ["qsgd", "adacomp", "adacomp-budget", "randomk", "slimdp",
+                                  "none"])
 def test_bucket_rows_launch_counts(monkeypatch, kind, capsys):
     """Device work of one steady-state step, all layers: the per-layer path against the
     bucket path. Printed for reporting, and checked exactly: a ``dense`` or ``qsgd``
@@ -364,7 +381,7 @@ def test_bucket_rows_launch_counts(monkeypatch, kind, capsys):
               f"{len(groups[-2])} groups {groups[-2]} (aten {after[0]}, triton {after[1]}) + 1 table copy "
               f"per group on CUDA", file=sys.stderr)
     g = groups[-2]
-    launches = {"adacomp": 4, "randomk": 2, "slimdp": 2}
+    launches = {"adacomp": 5 if kind == "adacomp-budget" else 4, "randomk": 2, "slimdp": 2}
     assert sum(after[1].values()) == sum(launches.get(k, 1) for k, _ in g)
     assert sum(after[0].values()) == sum(2 for k, _ in g if k == "adacomp")
     assert before[2] >= 2 * len(LAYERS)

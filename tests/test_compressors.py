@@ -240,18 +240,28 @@ def chk_adacomp(comp, p, acc, grad, step, sent_mask):
     L = seg.bin_size
     n = acc.numel()
     nb = -(-n // L)
-    c = seg.capacity // nb
+    c = comp._layout(p.shape, comp.layer_cfg(p.name))[3]
+    assert seg.capacity == (nb * c if comp.mean_per_bin is None else
+                            min(nb * c, max(c, math.ceil(comp.mean_per_bin * nb - 1e-9))))
     H = (acc + (comp.scale - 1.0) * grad.float().reshape(-1)).abs()
     gmax = torch.stack([acc[b * L:(b + 1) * L].abs().max() for b in range(nb)])
     assert torch.allclose(seg.scales.reshape(()), gmax.mean(), rtol=1e-6, atol=0)
+    want, sent = [], []
     for b in range(nb):
         h = H[b * L:(b + 1) * L]
         m = sent_mask[b * L:(b + 1) * L]
         passing = (h >= max(float(gmax[b]), TINY))
         assert bool(passing[m].all()), "sent an element below its bin maximum"
-        assert int(m.sum()) == min(c, int(passing.sum()))
+        want.append(min(c, int(passing.sum())))
+        sent.append(int(m.sum()))
         if m.any() and (passing & ~m).any():      # capped bin: the largest |H| went
             assert h[m].min() >= h[passing & ~m].max()
+    # the layer budget: all it holds is spent, and a bin that got fewer slots than it
+    # wanted has at most one fewer than any other bin (one slot per bin per round)
+    assert sum(sent) == min(seg.capacity, sum(want))
+    assert all(s <= w for s, w in zip(sent, want))
+    short = [s for s, w in zip(sent, want) if s < w]
+    assert not short or min(short) >= max(sent) - 1, (sent, want)
 
 
 def chk_slimdp(comp, p, acc, grad, step, sent_mask):
@@ -298,6 +308,7 @@ SPECS = {
     "adacomp": (lambda: AdaComp(**POL), chk_adacomp),
     "adacomp_bin7": (lambda: AdaComp(bin_size=7, max_per_bin=2, **POL), chk_adacomp),
     "adacomp_scale3": (lambda: AdaComp(bin_size=300, scale=3.0, **POL), chk_adacomp),
+    "adacomp_budget": (lambda: AdaComp(bin_size=20, mean_per_bin=1.5, **POL), chk_adacomp),
     "slimdp": (lambda: SlimDP(0.3, 0.15, core_period=2, **POL), chk_slimdp),
     "slimdp_int8": (lambda: SlimDP(0.2, 0.1, core_period=3, values="int8", **POL),
                     chk_slimdp),
@@ -784,6 +795,10 @@ CTOR_ERRORS = [
     (lambda: Threshold(0.9, life_span=0), "life_span"),
     (lambda: AdaComp(bin_size=0), "bin_size"), (lambda: AdaComp(bin_size=70000), "bin_size"),
     (lambda: AdaComp(scale=0.5), "scale"), (lambda: AdaComp(max_per_bin=0), "max_per_bin"),
+    (lambda: AdaComp(mean_per_bin=0), "mean_per_bin"),
+    (lambda: AdaComp(mean_per_bin=float("nan")), "mean_per_bin"),
+    (lambda: AdaComp(mean_per_bin=True), "mean_per_bin"),
+    (lambda: AdaComp(mean_per_bin="2"), "mean_per_bin"),
     (lambda: SlimDP(0, 0), "alpha"), (lambda: SlimDP(0.2, 0.3), "beta"),
     (lambda: SlimDP(0.3, 0.1, core_period=0), "core_period"),
     (lambda: SlimDP(0.3, 0.1, c=-1), "c"), (lambda: SlimDP(0.3, 0.1, error_feedback="y"),

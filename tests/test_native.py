@@ -336,6 +336,17 @@ def test_adacomp_compiled_loop_gives_the_numpy_bits():
     assert d_on == d_off and d_on
 
 
+def test_adacomp_layer_budget_gives_the_numpy_bits():
+    """The same with a layer budget (``mean_per_bin=2.5``: every layer's bins want more
+    than it holds): the compiled selection cut to the quota (binned.trim_to_quota) ==
+    the numpy selection cut the same way."""
+    code = ADACOMP.replace("AdaComp(compress_1d=True, seed=1)",
+                           "AdaComp(compress_1d=True, seed=1, mean_per_bin=2.5)")
+    assert code != ADACOMP
+    d_on, d_off = _native_on_off(code, "digest")
+    assert d_on == d_off and d_on
+
+
 def test_bin_slot_indices_follow_the_codec_rule(monkeypatch):
     """native.bin_slot_indices against codec_slots.slot_indices's torch rule (the compiled
     loops switched off for the reference), on fresh rows: uint8 and uint16 bin-relative

@@ -554,14 +554,17 @@ def test_binned_pack(K, seed, L, c):
     selected and the residue. Crafted: coarse values (ties in |h| inside over-full bins),
     accumulated values that are exactly 0 or -0.0 where the gradient is large (sent
     with a positive sign), NaN / Inf gradient elements, fp16 / bf16 gradients, a loss
-    scale, and a partial last bin. Poisoned: nothing is read back that the kernel did
-    not write (unused slots must come back 0)."""
+    scale, and a partial last bin; cases 4-5 under a layer budget below ``nb * c``
+    (AdaComp's ``mean_per_bin``: kernels/bin_quota.py between the two launches) from a
+    random first bin. Poisoned: nothing is read back that the kernel did not write
+    (unused slots must come back 0)."""
     g = torch.Generator().manual_seed(seed)
-    over = 0
-    for case in range(4):
+    over = cut = 0
+    for case in range(6):
         n = _n(g, 300, 1500) if not GPU else _n(g, *SIZE_PYLOOP)
         acc = torch.round(torch.randn(n, generator=g) * 4) / 4
-        dt = (torch.float32, torch.float16, torch.bfloat16, torch.float32)[case]
+        dt = (torch.float32, torch.float16, torch.bfloat16, torch.float32, torch.float32,
+              torch.bfloat16)[case]
         grad = (torch.round(torch.randn(n, generator=g) * 4) / 4).to(dt)
         zpos = torch.randperm(n, generator=g)[:max(2, n // 50)]
         acc[zpos] = 0.0
@@ -569,28 +572,84 @@ def test_binned_pack(K, seed, L, c):
         grad[zpos] = 8.0
         grad[int(torch.randint(0, n, (1,), generator=g))] = float("nan")
         grad[int(torch.randint(0, n, (1,), generator=g))] = -float("inf")
-        gs = torch.tensor([0.5]) if case == 3 else None
-        hs = (2.0, 2.0, 3.0, 1.0)[case]
+        gs = torch.tensor([0.5]) if case in (3, 5) else None
+        hs = (2.0, 2.0, 3.0, 1.0, 4.0, 2.0)[case]
         nb = -(-n // L)
+        budget = rot = None
+        if case >= 4:
+            budget = int(torch.randint(nb * c // 3, nb * c, (1,), generator=g))
+            rot = int(torch.randint(0, nb, (1,), generator=g))
         pad = torch.cat([acc.abs(), acc.new_zeros(nb * L - n)]).view(nb, L)
         thr = pad.amax(1).clamp_min(torch.finfo(torch.float32).tiny)
         scale = thr.mean()
         w_acc, w_rel, w_neg, w_cnt, w_bc, w_sel = oracle.binned_pack(
-            acc, grad, hs, thr, L, c, scale, grad_scale=gs)
+            acc, grad, hs, thr, L, c, scale, grad_scale=gs, budget=budget, rot=rot or 0)
         a = _dev(acc)
         rel, signs, cnt, bc, sel = K.binned_pack(
             a, _dev(grad), hs, _dev(thr), L, c, _dev(scale),
-            grad_scale=None if gs is None else _dev(gs))
-        ctx = (L, c, case, seed)
+            grad_scale=None if gs is None else _dev(gs), budget=budget, rot=rot or 0)
+        ctx = (L, c, case, seed, budget, rot)
         assert int(cnt[0]) == w_cnt and bc.cpu().tolist() == w_bc, ctx
         assert int(sel[0]) == w_sel, ctx
         got_rel = rel.cpu().to(torch.int64) & 0xFFFF
         assert torch.equal(got_rel, w_rel), ctx
-        bits = ops.unpack_bits(signs.cpu(), 1, nb * c).bool()
+        bits = ops.unpack_bits(signs.cpu(), 1, w_rel.numel()).bool()
         assert torch.equal(bits, w_neg), ctx
         assert _bits_equal(a, w_acc), ctx
         over += w_sel > w_cnt
+        cut += budget is not None and w_cnt == budget
     assert over >= 1 or L == c                        # over-full bins were exercised
+    assert cut >= 1 or L == c                         # and a budget spent
+
+
+def test_bin_quota(K, seed):
+    """AdaComp's layer budget: the closed form of the CPU path (cpu.bin_quota) and the
+    kernel (kernels/bin_quota.py, in place; one layer and rows of a table) against the
+    oracle's deal, one slot per bin per round from bin ``rot``. Random demands in
+    ``[0, c]``, full and empty bins, budgets from 0 to ``nb * c - 1``, several blocks of
+    bins per program; the table's rows are poisoned between them (untouched), and a row
+    whose budget covers every bin stays as it is."""
+    g = torch.Generator().manual_seed(seed)
+    rows, tab, bin0, want = [], [], 0, []
+    for case in range(8):
+        nb = (1, 2, 255, 256, 257, int(torch.randint(3, 900, (1,), generator=g)),
+              600, 40)[case]
+        c = int(torch.randint(1, 13, (1,), generator=g))
+        cnt = torch.randint(0, c + 1, (nb,), generator=g, dtype=torch.int32)
+        if case == 6:
+            cnt[: nb // 2] = c                        # a run of full bins
+        budget = int(torch.randint(0, nb * c, (1,), generator=g))
+        if case == 7:
+            budget = nb * c                           # covers every bin
+        rot = int(torch.randint(0, nb, (1,), generator=g))
+        w = oracle.bin_quota(cnt.tolist(), budget, rot)
+        ctx = (case, nb, c, budget, rot, seed)
+        assert sum(w) == min(budget, int(cnt.sum())), ctx
+        if budget < nb * c:
+            assert cpu.bin_quota(cnt, budget, rot, c).tolist() == w, ctx
+            one = _dev(cnt)
+            K.bin_quota.quota(one, budget, rot, c)
+            assert one.cpu().tolist() == w, ctx
+        rows.append((cnt, c))
+        tab.append([bin0 + 3, nb, budget, rot])
+        want.append(w)
+        bin0 += nb + 3
+    # rows of one table (one C for all: the largest; demands stay within it)
+    C = max(c for _, c in rows)
+    flat = torch.full((bin0 + 3,), -7, dtype=torch.int32)
+    for (cnt, _), t in zip(rows, tab):
+        flat[t[0]:t[0] + t[1]] = cnt
+    t = torch.tensor(tab, dtype=torch.int64)
+    t[:, 2] = torch.minimum(t[:, 2], t[:, 1] * C)
+    got = _dev(flat)
+    K.bin_quota.quota_rows(_dev(t), got, len(tab), 4, 0, 1, 2, 3, C)
+    got = got.cpu()
+    for i, (tr, w) in enumerate(zip(tab, want)):
+        b0, nb = tr[0], tr[1]
+        exp = oracle.bin_quota(rows[i][0].tolist(), int(t[i, 2]), tr[3])
+        assert got[b0:b0 + nb].tolist() == exp, (i, seed)
+        assert got[b0 - 3:b0].tolist() == [-7, -7, -7], (i, seed)
+    assert got[-3:].tolist() == [-7, -7, -7]
 
 
 # ------------------------------------------------------------- segment means

@@ -28,6 +28,7 @@ MAKERS = {
     "topk_int4": lambda s: C.TopK(0.05, values="int4", seed=s),
     "threshold": lambda s: C.Threshold(0.97, seed=s),
     "adacomp": lambda s: C.AdaComp(seed=s),
+    "adacomp_budget": lambda s: C.AdaComp(mean_per_bin=2, seed=s),
     "qsgd4": lambda s: C.QSGD(4, seed=s),
     "qsgd8_ef": lambda s: C.QSGD(8, error_feedback=True, seed=s),
     "randomk_shared": lambda s: C.RandomK(0.05, shared_seed=True, values="bf16", seed=s),

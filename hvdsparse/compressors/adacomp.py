@@ -43,6 +43,21 @@ Deviations (documented):
   sort of the passing elements (``ops.binned_select``), on the Triton path two launches
   (``ops.binned_pack``, ``kernels/binned.py``; bins up to 4096 elements), elsewhere
   ``torch.topk(|H|.view(nbins, L), max_per_bin)`` (tie order unspecified there).
+* **Layer budget** (``mean_per_bin``, off by default). Bins of one layer fill unevenly
+  (a conv layer's 4 slots carry 2.3 on average in the digits CNN, an embedding's 10
+  slots 2-3 in the text LM), so a fixed ``nbins * max_per_bin`` message travels partly
+  empty. With ``mean_per_bin = a`` a layer's message holds ``B = min(nbins *
+  max_per_bin, max(max_per_bin, ceil(a * nbins)))`` slots, and when its bins want more
+  (``w_b = min(#pass_b, max_per_bin)``, ``sum w_b > B``) the slots are dealt one per bin
+  per round, every round visiting the bins cyclically from bin ``rot``: bin ``b`` keeps
+  its ``q_b`` largest ``|H|``, with ``q_b = min(w_b, r*) + [w_b > r* and rank_b <
+  B - S(r*)]``, ``S(r) = sum_b min(w_b, r)``, ``r* = max {r : S(r) <= B}``
+  (``oracle.bin_quota``). Fair: a bin cut short has at most one slot fewer than any
+  other; ``rot = step * 2654435761 mod nbins`` moves the start each step, so the bins
+  left one short change; what is not sent stays in the residue (deferred, not lost).
+  The quota depends on the per-bin counts only: on the Triton path one launch between
+  the count and the pack (``kernels/bin_quota.py``), on the CPU routes a cut of the
+  selection (``binned.trim_to_quota``), the same bits.
 * **Zero bins.** ``gmax`` is clamped to ``TINY``, so an all-zero bin sends nothing
   (the paper's ``>=`` against ``gmax = 0`` would send every element as ``+-s``).
 * **Effective compression rate** (the paper's figure of merit) is reported per layer by
@@ -56,33 +71,40 @@ Deviations (documented):
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 
 from ..payload import IndexEncoding, LayerPayload, Segment, ValueEncoding, bin_count_width
 from .. import ops
 from .base import TINY, Compressor, binned_rel, binned_topc, ceil_div, pack_signs
+from .binned import trim_to_quota
 
 __all__ = ["AdaComp"]
 
 
 class AdaComp(Compressor):
-    """``AdaComp(bin_size=None, scale=4.0, max_per_bin=None, **policy)``.
+    """``AdaComp(bin_size=None, scale=4.0, max_per_bin=None, mean_per_bin=None,
+    **policy)``.
 
     ``bin_size`` None -> 50 for 4-D gradients (conv weights), 500 otherwise; an int in
     [1, 65536]. ``scale`` in [1, 16]: H = G + (scale - 1) dW. ``max_per_bin`` None ->
-    ``max(4, ceil(bin_size / 50))``. See the module docstring.
+    ``max(4, ceil(bin_size / 50))``. ``mean_per_bin`` None -> every bin has its
+    ``max_per_bin`` slots; a number > 0 -> the layer budget below. See the module
+    docstring.
     """
 
-    _settings = ("bin_size", "scale", "max_per_bin")
+    _settings = ("bin_size", "scale", "max_per_bin", "mean_per_bin")
     #: momentum correction on by default (``momentum.resolve_momentum_correction``)
     momentum_correction_always = True
     #: the Adam recipe's variance refresh off by default (``adam.default_refresh``)
     adam_refresh_by_default = False
 
-    def __init__(self, bin_size=None, scale: float = 4.0, max_per_bin=None, **kw):
+    def __init__(self, bin_size=None, scale: float = 4.0, max_per_bin=None,
+                 mean_per_bin=None, **kw):
         super().__init__(**kw)
-        cfg = self._validate_cfg(dict(bin_size=bin_size, scale=scale, max_per_bin=max_per_bin))
+        cfg = self._validate_cfg(dict(bin_size=bin_size, scale=scale, max_per_bin=max_per_bin,
+                                      mean_per_bin=mean_per_bin))
         for key, v in cfg.items():
             setattr(self, key, v)
         self._validate_overrides()
@@ -102,6 +124,11 @@ class AdaComp(Compressor):
         m = cfg["max_per_bin"]
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise ValueError(f"{where}max_per_bin must be None or an int >= 1, got {m!r}")
+        a = cfg["mean_per_bin"]
+        if a is not None and (not isinstance(a, (int, float)) or isinstance(a, bool)
+                              or not math.isfinite(a) or a <= 0):
+            raise ValueError(f"{where}mean_per_bin must be None or a finite number > 0, "
+                             f"got {a!r}")
         return cfg
 
     @staticmethod
@@ -111,7 +138,8 @@ class AdaComp(Compressor):
         return 50 if len(shape) == 4 else 500
 
     def capacity(self, shape, name: str = "") -> int:
-        """Slots for a layer of this shape: ``nbins * max_per_bin`` (data-independent)."""
+        """Slots for a layer of this shape: ``nbins * max_per_bin``, or the layer budget
+        with ``mean_per_bin`` (data-independent)."""
         cfg = self.layer_cfg(name) if name else self._base_cfg()
         return self._layout(shape, cfg)[4]
 
@@ -125,6 +153,8 @@ class AdaComp(Compressor):
         nb = ceil_div(n, L)
         c = min(cfg["max_per_bin"] or max(4, math.ceil(L / 50)), L)
         cap = nb * c
+        if cfg["mean_per_bin"] is not None:     # exact: the float's own binary value
+            cap = min(cap, max(c, math.ceil(Fraction(cfg["mean_per_bin"]) * nb)))
         ienc = IndexEncoding.BIN_U8 if L <= 256 else IndexEncoding.BIN_U16
         ib = 1.0 if L <= 256 else 2.0
         dense = cap * (ib + 0.125) + bin_count_width(L) * nb >= 4 * n
@@ -158,6 +188,8 @@ class AdaComp(Compressor):
                 momentum=self._call.momentum,
                 param=None if param is None else param.detach().reshape(-1))
             scale = ops.segment_mean(gmax)
+            gidx, rel, vmask, count, bin_counts = self._budget(
+                gidx, rel, vmask, count, bin_counts, nb, c, cap, L, step)
             return self._pack(name, shape, n, cap, L, ienc, G, scale, gidx,
                               binned_rel(rel, L), vmask, count, bin_counts, selected)
         G, gmax = self._acc(name, flat, L, True)             # G = residue + dW, in place
@@ -169,7 +201,8 @@ class AdaComp(Compressor):
             # two launches: per-bin counts, then pick + pack + residue (kernels/binned.py)
             rel, signs, count, bin_counts, selected = ops.binned_pack(
                 G, flat.reshape(-1), cfg["scale"], thr.reshape(-1), L, c, scale,
-                grad_scale=self._call.grad_scale)
+                grad_scale=self._call.grad_scale,
+                budget=cap if cap < nb * c else None, rot=self.rotation(step, nb))
             seg = Segment(numel=n, capacity=cap, index_encoding=ienc,
                           value_encoding=ValueEncoding.SIGN1, count=count, values=signs,
                           indices=rel, scales=scale.reshape(1).clone(),
@@ -182,6 +215,8 @@ class AdaComp(Compressor):
             # plus a sort of the passing elements (no per-bin topk over the layer)
             gidx, rel, vmask, count, bin_counts, selected = ops.binned_select(
                 G, flat, cfg["scale"], thr, L, c, grad_scale=self._call.grad_scale)
+            gidx, rel, vmask, count, bin_counts = self._budget(
+                gidx, rel, vmask, count, bin_counts, nb, c, cap, L, step)
             rel = binned_rel(rel, L)
         else:
             # dW as the residual saw it: non-finite elements 0, loss scale removed
@@ -189,8 +224,30 @@ class AdaComp(Compressor):
                 else G
             gidx, rel, vmask, count, bin_counts, a = binned_topc(H.abs(), L, c, thr)
             selected = (a >= thr).sum(dtype=torch.int32).reshape(1)
+            if cap < nb * c:
+                gidx, rel, vmask, count, bin_counts = self._budget(
+                    gidx, None, vmask, count, bin_counts, nb, c, cap, L, step)
+                rel = binned_rel(rel, L)
         return self._pack(name, shape, n, cap, L, ienc, G, scale, gidx, rel, vmask, count,
                           bin_counts, selected)
+
+    @staticmethod
+    def rotation(step: int, nb: int) -> int:
+        """The bin the budget's deal starts from at ``step``: ``step * 2654435761 mod
+        nb`` (Knuth's multiplicative hash), so the bins that wait for a slot change
+        from step to step."""
+        return (int(step) * 2654435761) % nb if nb else 0
+
+    def _budget(self, gidx, rel, vmask, count, bin_counts, nb, c, cap, L, step):
+        """The per-bin selection cut to the layer budget ``cap`` when it is below
+        ``nb * c`` (``ops.bin_quota``'s deal, then ``binned.trim_to_quota``); else the
+        selection as it is. ``rel`` int64 in and out (recomputed when cut)."""
+        if cap >= nb * c:
+            return gidx, rel, vmask, count, bin_counts
+        quota = ops.bin_quota(bin_counts.to(torch.int32, copy=True), cap,
+                              self.rotation(step, nb), c)     # (in place on Triton)
+        gidx, rel, vmask, count = trim_to_quota(gidx, vmask, bin_counts, quota, L, cap)
+        return gidx, rel, vmask, count, quota
 
     def _native_takes(self, flat, c) -> bool:
         """Whether the compiled CPU loop (``native.adacomp_select``) takes this layer."""

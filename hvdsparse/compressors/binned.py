@@ -51,3 +51,32 @@ def binned_rel(rel: torch.Tensor, bin_size: int) -> torch.Tensor:
     if bin_size <= 256:
         return rel.to(torch.uint8)
     return torch.where(rel >= 32768, rel - 65536, rel).to(torch.int16)
+
+
+def trim_to_quota(gidx: torch.Tensor, vmask: torch.Tensor, bin_counts: torch.Tensor,
+                  quota: torch.Tensor, bin_size: int, capacity: int):
+    """The slots of a :func:`binned_topc` layout (valid slots first, by bin, largest
+    first within a bin; ``bin_counts`` per bin) cut to ``quota[b] <= bin_counts[b]`` per
+    bin: each bin keeps its first ``quota[b]`` slots, packed into ``capacity`` slots in
+    the same layout. Returns ``(gidx int64, rel int64, vmask, count int32[1])`` of
+    ``capacity`` slots (unused ones index 0). Device ops of fixed shapes, no host
+    synchronisation."""
+    dev = gidx.device
+    nb = bin_counts.numel()
+    cnt = bin_counts.to(torch.int64)
+    q = quota.to(torch.int64)
+    cum = torch.cumsum(cnt, 0)
+    qcum = torch.cumsum(q, 0)
+    s = torch.arange(gidx.numel(), device=dev)
+    b = torch.searchsorted(cum, s, right=True).clamp_max(max(nb - 1, 0))
+    j = s - (cum[b] - cnt[b])                         # slot within its bin
+    keep = vmask & (j < q[b])
+    pos = torch.where(keep, qcum[b] - q[b] + j, torch.full_like(s, capacity))
+    out = torch.zeros(capacity + 1, dtype=torch.int64, device=dev)
+    out.scatter_(0, pos, torch.where(keep, gidx, torch.zeros_like(gidx)))
+    rel = torch.zeros(capacity + 1, dtype=torch.int64, device=dev)
+    rel.scatter_(0, pos, torch.where(keep, gidx - b * int(bin_size), torch.zeros_like(gidx)))
+    count = qcum[-1:].to(torch.int32) if nb else torch.zeros(1, dtype=torch.int32,
+                                                              device=dev)
+    vm = torch.arange(capacity, device=dev) < count.to(torch.int64)
+    return out[:capacity], rel[:capacity], vm, count

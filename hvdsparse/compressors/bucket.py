@@ -20,9 +20,10 @@ compressor. Each plan carries its ``kind``:
 * ``adacomp``: AdaComp's bins (``AdaComp._compress``'s Triton route: residual add and
   bin maxima, the layer scale, the per-bin compare / cap / pick, bin-relative packing,
   sign bits, residue): per group (one bin size, ``max_per_bin``, ``scale``) one zero
-  fill, three launches, one ``cumsum`` and one ``mean`` per layer (torch's reduction:
-  the per-layer scale's bits) (``kernels/bucket_binned.py``); DGC's velocity update
-  folds into the accumulate launch.
+  fill, four launches (accumulate, every layer's scale, count, pack), one more when a
+  layer budget (``mean_per_bin``) cuts a row (its quota, ``kernels/bin_quota.py``) and
+  one ``cumsum`` (``kernels/bucket_binned.py``); DGC's velocity update folds into the
+  accumulate launch.
 * ``randomk``: RandomK's layers with error feedback and fp32 / fp16 / bf16 values
   (``RandomK._compress``: the stratified draw, the pick, the residual's cast error):
   ``kernels/bucket_topk.py``'s table and accumulate launch (DGC's velocity folded in,
@@ -432,6 +433,7 @@ def _adacomp_bucket(comp, items, plans, step, grad_scale):
     tab = np.zeros((Lr, K.W), dtype=np.int64)
     bin0 = slot0 = word0 = blk0 = 0
     nprog = []
+    cut = False
     for j, (it, pl) in enumerate(zip(items, plans)):
         row = tab[j]
         _layer_cells(comp, row, K, it)
@@ -443,6 +445,9 @@ def _adacomp_bucket(comp, items, plans, step, grad_scale):
         row[K.C_NB] = pl["nb"]
         row[K.C_BIN0], row[K.C_SLOT0], row[K.C_WORD0] = bin0, slot0, word0
         row[K.C_BLK0] = blk0
+        row[K.C_BUDGET] = pl["cap"]                 # nb * c when there is no budget
+        row[K.C_ROT] = comp.rotation(step, pl["nb"])
+        cut = cut or pl["cap"] < pl["nb"] * c
         bin0 += pl["nb"]
         slot0 += pl["cap"]
         word0 += max(1, _cdiv(pl["cap"], 32))
@@ -467,6 +472,8 @@ def _adacomp_bucket(comp, items, plans, step, grad_scale):
     # with the per-layer path's bits (ops.segment_mean)
     ops.segment_means(gmax, table, K.W, K.C_BIN0, K.C_NB, Lr, scales)
     K.count(table, blk, grad_scale, gmax, cnt, selected, gdt, Lb, hm1, c, rows)
+    if cut:                   # a layer budget below its bins' slots: cnt -> quota
+        K.quota(table, cnt, Lr, c)
     cum = torch.cumsum(cnt, 0, dtype=torch.int32)
     K.pack(table, blk, grad_scale, gmax, cnt, cum, scales, rel, words, counts, gdt, Lb,
            hm1, c, rows)

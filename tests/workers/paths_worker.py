@@ -91,6 +91,8 @@ CASES = [
      "split"),
     ("Threshold(0.99) + mc", lambda: hvdsparse.Threshold(0.99), "allgather"),
     ("AdaComp() + mc", lambda: hvdsparse.AdaComp(), "allgather"),
+    # layer budgets of 3 slots per bin on average (99 of 330, 396 of 1320 slots)
+    ("AdaComp(mean_per_bin=3) + mc", lambda: hvdsparse.AdaComp(mean_per_bin=3), "allgather"),
     ("QSGD(4)", lambda: hvdsparse.QSGD(4), "allgather"),
     ("RandomK(0.01)", lambda: hvdsparse.RandomK(0.01), "allgather"),
     # dense pushes at steps 0 and 2, core + explorer at 1 and 3 (a re-selected core);

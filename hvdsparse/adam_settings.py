@@ -25,8 +25,9 @@ DEFAULT_WARMUP = 100
 #: frozen, so nothing needs to settle first) -- and, with ``adam_warmup`` left at its
 #: default and a compressor that reuses a threshold across steps (``reuses_threshold``:
 #: Threshold), every step after it at which a parameter group's learning rate rises (a
-#: schedule's warm-up). On the GPT-style LM under a 5% warm-up + cosine (P = 2, 3 seeds)
-#: that took Threshold from +43% to +15.9% of dense's loss; TopK and AdaComp ended
+#: schedule's warm-up). On the GPT-style LM under a 5% warm-up + cosine (3 seeds) that
+#: took Threshold from +43% to +15.9% of dense's loss at P = 2 and from +47.8% to +10.0%
+#: at P = 4; TopK and AdaComp ended
 #: the same with it as without (within the seeds' spread) at half the whole-run saving,
 #: so they keep the one step (BENCHMARKS "Transformer LM under AdamW")
 UPDATE_WARMUP = 1

@@ -400,21 +400,19 @@ class State:
         scale = 1.0 / P if self.settings.average else 1.0
         items, self._inflight = self._inflight, []
         results = []
-        for it in items:
-            pend = it.pend
-            total = self.engine.finish(pend, it.layout.history, it.payloads)
-            total.mul_(scale)
-            self.engine.feed_back(it.names, it.payloads, it.layout.spec, pend.undelivered,
-                                  it.batches, self.step)
-            gs = [v.view(p.shape) for v, p in zip(it.layout.spec.views(total), it.params)]
-            for name, p, g in zip(it.names, it.params, gs):
-                self.engine.after_exchange(name, g, p, self.step)
-            moms = self.engine.dense_momentum_bucket(it.names, gs, it.params)
-            sent_dense = [(g, m) for g, m in zip(gs, moms) if m is not None]   # DGC
-            if sent_dense:
-                torch._foreach_copy_([g for g, _ in sent_dense], [m for _, m in sent_dense])
-            results.append(total)
-        flagged = self._nonfinite(items, results)
+        # the counts' allgather is queued after the buckets' collectives and waited for
+        # last, so the buckets' decodes overlap it (the Horovod door's order)
+        nf_names, nf_handle = self._launch_nonfinite(items)
+        try:
+            self._finish_buckets(items, results, scale)
+        except BaseException:
+            if nf_handle is not None:       # leave no handle behind; the first error wins
+                try:
+                    self.engine.nonfinite.finish(nf_handle)
+                except Exception:
+                    pass
+            raise
+        flagged = self._nonfinite(items, results, nf_names, nf_handle)
         inv = self.engine.grad_scale(items[0].buffer.device) if items else None
         if inv is not None:              # back to the scaled units GradScaler expects
             for total in results:
@@ -442,17 +440,43 @@ class State:
         self._step_open = False
         self.step += 1
 
-    def _nonfinite(self, items, results) -> Optional[torch.Tensor]:
-        """The step's non-finite table (:class:`NonFinite`, same on every rank) under the
-        policy (:meth:`NonFinitePolicy.propagate`): the flagged layers' element 0
-        becomes NaN in ``results`` on every rank (device ops). Returns the per-layer
-        "flagged on some rank" vector (None with no layers)."""
+    def _finish_buckets(self, items, results, scale) -> None:
+        """Every bucket in launch order: wait, decode, average, feed back; appends each
+        bucket's exchanged gradient to ``results``."""
+        for it in items:
+            pend = it.pend
+            total = self.engine.finish(pend, it.layout.history, it.payloads)
+            total.mul_(scale)
+            self.engine.feed_back(it.names, it.payloads, it.layout.spec, pend.undelivered,
+                                  it.batches, self.step)
+            gs = [v.view(p.shape) for v, p in zip(it.layout.spec.views(total), it.params)]
+            for name, p, g in zip(it.names, it.params, gs):
+                self.engine.after_exchange(name, g, p, self.step)
+            moms = self.engine.dense_momentum_bucket(it.names, gs, it.params)
+            sent_dense = [(g, m) for g, m in zip(gs, moms) if m is not None]   # DGC
+            if sent_dense:
+                torch._foreach_copy_([g for g, _ in sent_dense], [m for _, m in sent_dense])
+            results.append(total)
+
+    def _launch_nonfinite(self, items):
+        """One small allgather of this rank's per-layer non-finite counts, not waited
+        for: ``(names, handle)``, ``(names, None)`` with no layers."""
         names = [n for it in items for n in it.names]
         if not names:
-            return None
-        table = self.engine.nonfinite.gather(self._nf.row(
-            names, [pl for it in items for pl in it.payloads], items[0].buffer.device))
+            return names, None
+        row = self._nf.row(names, [pl for it in items for pl in it.payloads],
+                           items[0].buffer.device)
         self._nf.reset()
+        return names, self.engine.nonfinite.gather(row, wait=False)
+
+    def _nonfinite(self, items, results, names, handle) -> Optional[torch.Tensor]:
+        """The step's non-finite table (:class:`NonFinite`, same on every rank; waited
+        for here) under the policy (:meth:`NonFinitePolicy.propagate`): the flagged
+        layers' element 0 becomes NaN in ``results`` on every rank (device ops). Returns
+        the per-layer "flagged on some rank" vector (None with no layers)."""
+        if handle is None:
+            return None
+        table = self.engine.nonfinite.finish(handle)
         self.engine.nonfinite.propagate(
             table, names, self.step, ((it.layout.spec, total, it.layout.first(total.device))
                                       for it, total in zip(items, results)))

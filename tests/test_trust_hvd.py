@@ -70,8 +70,8 @@ pytest.importorskip("horovod.torch", reason="Horovod not installed: run scripts/
 
 WORKER = Path(__file__).resolve().parent / "workers" / "trust_worker.py"
 
-COMPRESSORS = ["topk", "threshold", "adacomp", "slimdp", "randomk", "qsgd4", "topk-int8",
-               "topk-int4", "topk-int2", "topk-perbucket"]
+COMPRESSORS = ["topk", "threshold", "adacomp", "adacomp-budget", "slimdp", "randomk", "qsgd4",
+               "topk-int8", "topk-int4", "topk-int2", "topk-perbucket"]
 EXCHANGES = ["allgather", "split", "dense", "auto", "balanced"]
 SCENARIOS = ["nan/raise", "nan/skip", "nan/skip-balanced-dgc", "frozen/sgd", "frozen/sgd-momentum", "sync-then-step",
              "sparse-embeddings", "checkpoint", "mismatch/fusion_threshold", "mismatch/ratio",
@@ -130,7 +130,7 @@ def _expect_clean(run, np_):
 # ---------------------------------------------------------------------------- matrix
 @pytest.fixture(scope="module")
 def matrix_run():
-    return _horovodrun(3, "matrix", timeout=600)     # 50 cases (balanced added)
+    return _horovodrun(3, "matrix", timeout=600)     # 55 cases
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)

@@ -80,6 +80,7 @@ class Case:
         self.name = name
         self.fails = []
         self.notes = []
+        self.cut = 0            # AdaComp layer budgets that held back a slot
         self._timer = threading.Timer(timeout, self._hang)
         self._timer.daemon = True
         self._timer.start()
@@ -507,8 +508,19 @@ def check_layer(case, kind, cfg, name, step, grad, rb, ra, pl, replay, policy_de
         case.check(bool((~mp | selp).all()), f"{where}: AdaComp sent an element with "
                    f"|H| < its bin max |G|")
         want = torch.minimum(selp.sum(1), torch.full((nb,), c))
+        a = cfg.get("mean_per_bin")
+        budget = nb * c if a is None else min(nb * c, max(c, math.ceil(a * nb - 1e-9)))
+        if budget < nb * c:
+            # the layer budget: dealt one slot per bin per round from bin
+            # step * 2654435761 mod nb (the plain oracle's deal)
+            from hvdsparse import oracle
+            want = torch.tensor(oracle.bin_quota(want.tolist(), budget,
+                                                 (step * 2654435761) % nb))
+            case.cut += int(want.sum()) < int(torch.minimum(
+                selp.sum(1), torch.full((nb,), c)).sum())
         case.check(torch.equal(mp.sum(1), want), f"{where}: per-bin counts "
-                   f"{mp.sum(1).tolist()} != min({c}, #|H|>=gmax) {want.tolist()}")
+                   f"{mp.sum(1).tolist()} != {want.tolist()} (min({c}, #|H|>=gmax)"
+                   f"{'' if budget == nb * c else f', dealt within a budget of {budget}'})")
         lo = torch.where(mp, Hp, torch.full_like(Hp, float("inf"))).min(1).values
         hi = torch.where(selp & ~mp, Hp, torch.full_like(Hp, -1.0)).max(1).values
         case.check(bool((lo >= hi).all()), f"{where}: AdaComp left a larger |H| unsent")
@@ -558,6 +570,8 @@ COMPRESSORS = {
     "topk": ("topk", dict(ratio=0.05), lambda: hvdsparse.TopK(0.05)),
     "threshold": ("threshold", dict(sparsity=0.95), lambda: hvdsparse.Threshold(0.95)),
     "adacomp": ("adacomp", dict(), lambda: hvdsparse.AdaComp()),
+    "adacomp-budget": ("adacomp", dict(mean_per_bin=2),
+                       lambda: hvdsparse.AdaComp(mean_per_bin=2)),
     "slimdp": ("slimdp", dict(alpha=0.3, beta=0.15, q=5),
                lambda: hvdsparse.SlimDP(0.3, 0.15, core_period=5)),
     "randomk": ("randomk", dict(ratio=0.05), lambda: hvdsparse.RandomK(0.05)),
@@ -793,6 +807,10 @@ def matrix_case(cname, exchange):
     except Exception as e:  # noqa: BLE001 - reported per case
         case.fail(f"{type(e).__name__}: {e}")
         traceback.print_exc()
+    if cfg.get("mean_per_bin") is not None:
+        case.check(case.cut > 0, "the layer budget never held a slot back (a test that "
+                   "cannot fail)")
+        case.notes.append(f"budget cut {case.cut} layer-steps")
     case.notes.append(f"strategies {sorted(strategies)}")
     if cname in ("topk", "threshold") and native.available() and \
             os.environ.get("HVDSPARSE_BUCKET_PATH", "1") != "0":

@@ -44,10 +44,10 @@ kernel on CUDA) and the codec's pinned upload of cached layout images.
 Ops dispatched while Triton's interpreter emulates a kernel are ignored (on a GPU that
 is one asynchronous launch).
 
-Worker: for every compressor (TopK, Threshold, AdaComp, SlimDP, RandomK, QSGD, TopK
-int4, TopK per_bucket) x exchange (allgather, split, dense, auto), a tiny MLP trains
-``STEPS`` steps with ``hvdsparse.DistributedOptimizer(..., validate=False)`` (the
-trusted decode that CUDA uses) and ``fusion_threshold=0`` (one bucket per layer, so
+Worker: for every compressor (TopK, Threshold, AdaComp, AdaComp with a layer budget, SlimDP,
+RandomK, QSGD, TopK int4, TopK per_bucket) x exchange (allgather, split, dense, auto), a
+tiny MLP trains ``STEPS`` steps with ``hvdsparse.DistributedOptimizer(...,
+validate=False)`` (the trusted decode that CUDA uses) and ``fusion_threshold=0`` (one bucket per layer, so
 buckets launch from the backward hooks from step 1 on). Every record is printed as one
 ``SYNC {json}`` line (phase ``backward`` or ``step``, op, reason, innermost hvdsparse /
 kernels call site and the chain of repository frames); readouts as ``READOUT {json}``;
@@ -310,6 +310,7 @@ def compressors():
         "TopK": lambda: hs.TopK(0.05),
         "Threshold": lambda: hs.Threshold(0.95, life_span=2),
         "AdaComp": lambda: hs.AdaComp(),
+        "AdaComp-budget": lambda: hs.AdaComp(mean_per_bin=2),
         "SlimDP": lambda: hs.SlimDP(alpha=0.2, beta=0.1, core_period=2),
         "RandomK": lambda: hs.RandomK(0.05),
         "QSGD": lambda: hs.QSGD(4),

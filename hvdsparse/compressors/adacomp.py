@@ -43,7 +43,8 @@ Deviations (documented):
   sort of the passing elements (``ops.binned_select``), on the Triton path two launches
   (``ops.binned_pack``, ``kernels/binned.py``; bins up to 4096 elements), elsewhere
   ``torch.topk(|H|.view(nbins, L), max_per_bin)`` (tie order unspecified there).
-* **Layer budget** (``mean_per_bin``, off by default). Bins of one layer fill unevenly
+* **Layer budget** (``mean_per_bin``; off by default: measured at 3 / 5 / 7 slots, no
+  setting won on every workload -- BENCHMARKS.md). Bins of one layer fill unevenly
   (a conv layer's 4 slots carry 2.3 on average in the digits CNN, an embedding's 10
   slots 2-3 in the text LM), so a fixed ``nbins * max_per_bin`` message travels partly
   empty. With ``mean_per_bin = a`` a layer's message holds ``B = min(nbins *

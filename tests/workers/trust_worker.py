@@ -514,10 +514,10 @@ def check_layer(case, kind, cfg, name, step, grad, rb, ra, pl, replay, policy_de
             # the layer budget: dealt one slot per bin per round from bin
             # step * 2654435761 mod nb (the plain oracle's deal)
             from hvdsparse import oracle
-            want = torch.tensor(oracle.bin_quota(want.tolist(), budget,
+            demand = want
+            want = torch.tensor(oracle.bin_quota(demand.tolist(), budget,
                                                  (step * 2654435761) % nb))
-            case.cut += int(want.sum()) < int(torch.minimum(
-                selp.sum(1), torch.full((nb,), c)).sum())
+            case.cut += int(want.sum()) < int(demand.sum())
         case.check(torch.equal(mp.sum(1), want), f"{where}: per-bin counts "
                    f"{mp.sum(1).tolist()} != {want.tolist()} (min({c}, #|H|>=gmax)"
                    f"{'' if budget == nb * c else f', dealt within a budget of {budget}'})")

@@ -1143,6 +1143,16 @@ def test_topk_output_layer_ratio():
     ov.register_layers(layers)
     assert ov.output_layer is None
     assert ov.capacity(n_out, 0, "fc2.weight") == topk_capacity(n_out, math.ceil(0.02 * n_out))
+    # the head sent dense by an override: no layer gets the rule (not fc1, the one
+    # before it); an override that sends the trailing biases dense changes nothing
+    dh = TopK(0.01, overrides={"fc2.weight": dict(dense=True)})
+    dh.register_layers(layers)
+    assert dh.output_layer is None
+    assert dh.capacity(n_hid // 40 * 40, 0, "fc1.weight") == \
+        topk_capacity(n_hid // 40 * 40, math.ceil(0.01 * (n_hid // 40 * 40)))
+    db = TopK(0.01, overrides={"*.bias": dict(dense=True)})
+    db.register_layers(layers)
+    assert db.output_layer == "fc2.weight"
     off = TopK(0.01, output_ratio=None)
     off.register_layers(layers)
     assert off.output_layer is None

@@ -73,6 +73,12 @@ class LayerPolicy:
         ov = self.match(name)
         if ov.get("dense", False):
             return True
+        return self.dense_by_shape(name, shape)
+
+    def dense_by_shape(self, name: str, shape) -> bool:
+        """The size / rank rule alone (``min_numel``, ``compress_1d``, and an override's
+        ``compress``), ignoring an override's ``dense``."""
+        ov = self.match(name)
         if ov.get("compress", False):
             return False
         numel = 1

@@ -86,7 +86,8 @@ narrowed the accuracy gap to dense and cut the steps to 95% on every workload tr
 (digits MLP and CNN, the network benchmark's 4.35 M MLP; P = 2 and 4), for 4-14% more
 bytes. The layer is chosen once, from the
 names and shapes the optimizer registers (:meth:`register_layers`), identically on
-every rank; an ``overrides`` entry that sets ``ratio`` for it wins, and
+every rank; an ``overrides`` entry that sets ``ratio`` for it wins (as does one that
+sends it dense: then no layer gets the rule), and
 ``output_ratio=None`` turns the rule off (e.g. for a model whose last registered
 weight is not its output layer, such as one with a head tied to its embedding).
 
@@ -220,15 +221,18 @@ class TopK(Compressor):
         self.output_ratio = output_ratio
 
     def _register_layers(self, named_shapes):
-        """The output layer: the last registered layer this compressor compresses
-        (policy), unless an override sets its ``ratio``."""
+        """The output layer: the last registered layer the size rule would compress
+        (biases and small layers after it are skipped), unless an override sets its
+        ``ratio`` or sends it dense: then no layer gets the rule, rather than the one
+        before the head (an MLP projection) getting 10x its density."""
         self.output_layer = None
         if self.output_ratio is None:
             return
         for name, shape in reversed(named_shapes):
-            if self.policy.is_dense(name, shape):
+            if self.policy.dense_by_shape(name, shape):
                 continue
-            if self._density_key not in self.policy.match(name):
+            if not (self.policy.is_dense(name, shape)
+                    or self._density_key in self.policy.match(name)):
                 self.output_layer = name
             break
         self._cfg_cache.clear()

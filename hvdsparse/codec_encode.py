@@ -18,6 +18,7 @@ layer, the segment and the field; the device decode of a rank's own payload
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional, Sequence
 
 import numpy as np
@@ -284,7 +285,11 @@ def _narrow_all_bin_counts(plan: LayoutPlan, flat_segs, device) -> dict:
     return out
 
 
-_NARROWINGS = LRU(256)      # (layout signature, device, value dtype) -> _Narrowing
+#: (layout signature, device, value dtype, thread) -> _Narrowing. Per thread: its
+#: buffers hold a message's sections until they are copied in, so two threads encoding
+#: the same layout at once (ranks on threads, autograd's per-device threads) must not
+#: share them.
+_NARROWINGS = LRU(256)
 
 
 def _narrow_message(plan: LayoutPlan, flat_segs, device) -> dict:
@@ -296,7 +301,7 @@ def _narrow_message(plan: LayoutPlan, flat_segs, device) -> dict:
             groups.setdefault(FLOAT_DTYPES[sl.venc], []).append(s)
     out = {}
     for vdt, members in groups.items():
-        key = (plan.sig, str(device), vdt)
+        key = (plan.sig, str(device), vdt, threading.get_ident())
         nar = _NARROWINGS.get_lru(key)
         if nar is None:
             nar = _NARROWINGS.put(key, _Narrowing(plan, members, device, vdt))
@@ -324,8 +329,8 @@ def _payload_device(payloads) -> Optional[torch.device]:
     return None
 
 
-def encode(payloads: Sequence[LayerPayload], out: Optional[torch.Tensor] = None
-           ) -> torch.Tensor:
+def encode(payloads: Sequence[LayerPayload], out: Optional[torch.Tensor] = None,
+           tail: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Serialise ``payloads`` into one uint8 message on the payloads' device.
 
     Header and records come from a per-layout image built once on the host and cached
@@ -338,10 +343,21 @@ def encode(payloads: Sequence[LayerPayload], out: Optional[torch.Tensor] = None
     device) is filled and returned when given: keep one per bucket (see
     :func:`new_message`) and pass it every step, so encoding allocates nothing. The
     caller must not overwrite it while a collective still reads it.
+
+    ``tail`` (contiguous uint8 on the same device, optional): bytes that follow the
+    message in the same buffer, written by the same ``cat`` and zero-padded to a
+    multiple of 8 (the allgather exchange's non-finite counts); ``out`` then holds
+    ``encoded_nbytes(payloads) + pad8(tail.numel())`` bytes. Decoders see the message
+    part only.
     """
     plan = layout_plan(payloads)
     segs, data_start, total = plan.segs, plan.data_start, plan.total
     device = _payload_device(payloads)
+    if tail is not None and (not isinstance(tail, torch.Tensor) or tail.dtype != torch.uint8
+                             or tail.dim() != 1 or not tail.is_contiguous()):
+        raise CodecError("encode: tail must be a contiguous 1-D uint8 tensor")
+    ntail = 0 if tail is None else align(tail.numel())
+    total += ntail
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1 \
                 or out.numel() != total or not out.is_contiguous():
@@ -378,6 +394,11 @@ def encode(payloads: Sequence[LayerPayload], out: Optional[torch.Tensor] = None
             pad = align(ln) - ln
             if pad:
                 pieces.append(zeros[:pad])
+    if tail is not None:
+        if tail.device != device:
+            raise CodecError(f"encode: tail on {tail.device}, message on {device}")
+        pieces.append(tail)
+        pieces.append(zeros[:ntail - tail.numel()])
     pieces = [t for t in pieces if t.numel()]
     if out is None:
         out = torch.empty(total, dtype=torch.uint8, device=device)

@@ -132,7 +132,7 @@ from .bucket_plan import BucketHistory
 from .ddp_setup import check_state_args, ddp_local_update
 from .door import bind_compressor, local_fingerprint, resolve_local_update
 from .engine import LayerInput, StepEngine
-from .nonfinite import NonFinite
+from .nonfinite import NonFinite, flagged_layers
 from .exchange import BucketSpec, BufferPool, HostReadout
 from .stats import add_totals, empty_totals
 from .settings import ExchangeSettings, fingerprint
@@ -249,7 +249,9 @@ class State:
         compression.transactional = transactional
         if self.local_update is not None:
             self.local_update.transactional = transactional
-        self._nf = NonFinite(list(self.params))     # per-step non-finite counters
+        # per-step non-finite counters (re-slotted in the buckets' order after each
+        # step, so a bucket's row is a slice of them)
+        self._nf = NonFinite(list(self.params))
         self.engine = StepEngine(compression, settings, self.transport, rank=self.rank,
                                  world_size=self.world_size, prefix=self.prefix,
                                  local_update=self.local_update, grad_scaler=grad_scaler,
@@ -384,7 +386,9 @@ class State:
         payloads = self.engine.compress_group(layers, self.step, batches)
         self._t_compress += time.perf_counter() - t0
         strategy = self.engine.strategy(lay.history, spec.numel, payloads)
-        pend = self.engine.launch(strategy, spec, payloads, buf.device, self.step, self._pool)
+        row = self._nf.row(names, payloads, buf.device)    # rides in the message
+        pend = self.engine.launch(strategy, spec, payloads, buf.device, self.step, self._pool,
+                                  nonfinite_row=row)
         item = _InFlight()
         item.layout, item.pend, item.future, item.names = lay, pend, fut, names
         item.params, item.buffer, item.strategy, item.payloads = params, buf, strategy, payloads
@@ -400,8 +404,9 @@ class State:
         scale = 1.0 / P if self.settings.average else 1.0
         items, self._inflight = self._inflight, []
         results = []
-        # the counts' allgather is queued after the buckets' collectives and waited for
-        # last, so the buckets' decodes overlap it (the Horovod door's order)
+        # the counts of buckets whose message did not carry them: one allgather queued
+        # after the buckets' collectives and waited for last, so the buckets' decodes
+        # overlap it (the Horovod door's order)
         nf_names, nf_handle = self._launch_nonfinite(items)
         try:
             self._finish_buckets(items, results, scale)
@@ -459,28 +464,28 @@ class State:
             results.append(total)
 
     def _launch_nonfinite(self, items):
-        """One small allgather of this rank's per-layer non-finite counts, not waited
-        for: ``(names, handle)``, ``(names, None)`` with no layers."""
+        """The step's layer names in bucket order and the handle of the one small
+        allgather of the counts no bucket message carried (None: all carried, or no
+        layers; :meth:`NonFinitePolicy.gather_rest`), not waited for."""
         names = [n for it in items for n in it.names]
-        if not names:
-            return names, None
-        row = self._nf.row(names, [pl for it in items for pl in it.payloads],
-                           items[0].buffer.device)
+        handle = self.engine.nonfinite.gather_rest([it.pend for it in items]) \
+            if names else None
         self._nf.reset()
-        return names, self.engine.nonfinite.gather(row, wait=False)
+        self._nf.follow(names)
+        return names, handle
 
     def _nonfinite(self, items, results, names, handle) -> Optional[torch.Tensor]:
-        """The step's non-finite table (:class:`NonFinite`, same on every rank; waited
-        for here) under the policy (:meth:`NonFinitePolicy.propagate`): the flagged
-        layers' element 0 becomes NaN in ``results`` on every rank (device ops). Returns
-        the per-layer "flagged on some rank" vector (None with no layers)."""
-        if handle is None:
+        """The step's non-finite table (:meth:`NonFinitePolicy.assemble`, same on every
+        rank) under the policy (:meth:`NonFinitePolicy.propagate`): the flagged layers'
+        element 0 becomes NaN in ``results`` on every rank (device ops). Returns the
+        per-layer "flagged on some rank" vector (None with no layers)."""
+        if not names:
             return None
-        table = self.engine.nonfinite.finish(handle)
+        table = self.engine.nonfinite.assemble([it.pend for it in items], handle)
         self.engine.nonfinite.propagate(
             table, names, self.step, ((it.layout.spec, total, it.layout.first(total.device))
                                       for it, total in zip(items, results)))
-        return table.sum(0) > 0
+        return flagged_layers(table)
 
     # ------------------------------------------------------------------ transactions
     def _close_txn(self, commit: bool):

@@ -343,10 +343,13 @@ class StepEngine:
             transport=self.transport, readouts=self.reads.readouts)
 
     def launch(self, strategy: str, spec: BucketSpec, payloads, device, step: int,
-               buffers):
+               buffers, nonfinite_row=None):
         """Start the bucket's exchange (``Pending``; its first collectives run while the
-        caller goes on)."""
-        return launch_exchange(strategy, spec, payloads, self.context(device, step, buffers))
+        caller goes on); ``nonfinite_row``: this rank's counts for the bucket's layers,
+        carried in the message where the strategy can (``Pending.carries_nonfinite``;
+        the rest go through :meth:`NonFinitePolicy.gather_rest`)."""
+        return launch_exchange(strategy, spec, payloads, self.context(device, step, buffers),
+                               nonfinite_row)
 
     @staticmethod
     def finish(pend, history: BucketHistory, payloads) -> torch.Tensor:

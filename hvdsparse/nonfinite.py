@@ -1,7 +1,16 @@
 """The non-finite policy's table: every rank's per-layer counts of NaN/Inf gradient
-elements (compressors count them and never absorb them), one small collective per step,
-so every rank sees the same table and applies ``raise`` / ``skip`` / ``propagate``
-(:mod:`hvdsparse.settings`) identically.
+elements (compressors count them and never absorb them), the same on every rank, so
+every rank applies ``raise`` / ``skip`` / ``propagate`` (:mod:`hvdsparse.settings`)
+identically.
+
+How the counts travel: each bucket's row (this rank's counts for its layers) rides in
+the bucket's own message where its exchange can carry it (``allgather``: a tail of the
+message; ``dense``: a [P, L] block of the allreduce; see those modules); the rows of the
+other buckets (``split``, ``balanced``) go together in one small allgather queued after
+the step's last bucket. :meth:`NonFinitePolicy.assemble` puts the [P, nlayers] table
+together in bucket order. A count is non-zero exactly when the layer held a non-finite
+value on that rank; a malformed (negative) count that slips past an unvalidated decode
+is non-zero too, so it flags the layer instead of hiding it.
 """
 from __future__ import annotations
 
@@ -12,7 +21,7 @@ import torch
 
 log = logging.getLogger("hvdsparse")
 
-__all__ = ["NonFinite", "NonFinitePolicy", "raise_nonfinite"]
+__all__ = ["NonFinite", "NonFinitePolicy", "flagged_layers", "raise_nonfinite"]
 
 
 def raise_nonfinite(table, names: Sequence[str], step: int, hint: str = "") -> None:
@@ -21,10 +30,17 @@ def raise_nonfinite(table, names: Sequence[str], step: int, hint: str = "") -> N
     hits = [(names[j], r, int(row[j])) for r, row in enumerate(table)
             for j in range(len(names)) if row[j]]
     if hits:
-        desc = "; ".join(f"layer {n!r} on rank {r}: {c} element(s)" for n, r, c in hits[:8])
+        desc = "; ".join(f"layer {n!r} on rank {r}: " + (
+            f"{c} element(s)" if c > 0 else f"a malformed count ({c}) in its message")
+            for n, r, c in hits[:8])
         raise FloatingPointError(
             f"hvdsparse: non-finite gradient (NaN/Inf) at step {step}: {desc}"
             f"{' ...' if len(hits) > 8 else ''}. Nothing of it entered a residual.{hint}")
+
+
+def flagged_layers(table: torch.Tensor) -> torch.Tensor:
+    """bool [nlayers]: the layers with a non-zero count on some rank (device op)."""
+    return (table != 0).any(0)
 
 
 class NonFinite:
@@ -32,7 +48,9 @@ class NonFinite:
     table (every rank's per-layer counts of non-finite gradient elements, gathered in one
     small collective, so every rank sees the same [P, nlayers] table and acts alike).
 
-    ``names``: every layer that may count, in slot order. At a step's first
+    ``names``: every layer that may count, in slot order (a bucket whose layers have
+    consecutive slots gets its row as a view; :meth:`follow` re-slots them in the
+    buckets' order). At a step's first
     :meth:`counter` call one zeroed int32[len(names)] tensor is made; layer ``name``
     counts into its slice (one allocation per step instead of one per layer). When
     every payload of the row counted into its own slice, :meth:`row` is a view or one
@@ -67,9 +85,9 @@ class NonFinite:
         """This rank's [1, len(names)] int32 counts, in ``names`` order (a layer without
         a counter counts 0)."""
         if self._buf is not None and all(self.given(n, p) for n, p in zip(names, payloads)):
-            if len(names) == len(self.slot) and \
-                    all(self.slot[n] == j for j, n in enumerate(names)):
-                return self._buf.view(1, -1)
+            j0 = self.slot[names[0]] if names else 0
+            if all(self.slot[n] == j0 + j for j, n in enumerate(names)):
+                return self._buf[j0:j0 + len(names)].view(1, -1)    # a view: no launch
             key = tuple(names)
             idx = self._index.get(key)
             if idx is None or idx.device != self._buf.device:
@@ -84,6 +102,18 @@ class NonFinite:
         """The next step counts into a new tensor."""
         self._buf = None
         self._given.clear()
+
+    def follow(self, names: Sequence[str]) -> None:
+        """Between steps: slot ``names`` first, in this order (the buckets' order of the
+        step that ended), the other layers after them, so each bucket's row is a slice
+        again at the next step. Nothing changes when the order already holds."""
+        if self._buf is not None:
+            raise RuntimeError("NonFinite.follow during a step (call reset() first)")
+        if all(self.slot.get(n) == j for j, n in enumerate(names)):
+            return
+        order = list(names) + [n for n in self.slot if n not in set(names)]
+        self.slot = {n: j for j, n in enumerate(order)}
+        self._index.clear()
 
 
 class NonFinitePolicy:
@@ -117,6 +147,33 @@ class NonFinitePolicy:
     def finish(self, handle):
         return None if handle is None else self.transport.synchronize(handle)
 
+    def gather_rest(self, pends):
+        """The rows (``Pending.nonfinite_row``) of the buckets whose message did not
+        carry them (``pends``: the step's buckets in order) in one allgather, not waited
+        for; None when every bucket carried its own."""
+        rest = [p.nonfinite_row for p in pends if not p.carries_nonfinite]
+        if not rest:
+            return None
+        return self.gather(rest[0] if len(rest) == 1 else torch.cat(rest, dim=1),
+                           wait=False)
+
+    def assemble(self, pends, handle) -> Optional[torch.Tensor]:
+        """The step's [P, nlayers] table in bucket order (``pends`` finished): each
+        carrying bucket's own block, the others' from ``handle`` (:meth:`gather_rest`,
+        waited for here). None with no buckets."""
+        rest = self.finish(handle)
+        if not any(p.carries_nonfinite for p in pends):
+            return rest
+        parts, j = [], 0
+        for pend in pends:
+            if pend.carries_nonfinite:
+                parts.append(pend.nonfinite)
+            else:
+                w = len(pend.spec.names)
+                parts.append(rest[:, j:j + w])
+                j += w
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
     def flags(self, table: torch.Tensor, names: Sequence[str], step: int,
               ) -> Optional[torch.Tensor]:
         """Apply ``raise`` / ``propagate`` to ``table``. CPU: ``raise`` raises now; CUDA:
@@ -130,7 +187,7 @@ class NonFinitePolicy:
             else:
                 self.reads.defer_read("nonfinite", step, table, list(names))
         if self.policy == "propagate" or table.device.type != "cpu":
-            return table.sum(0) > 0
+            return flagged_layers(table)
         return None
 
     def propagate(self, table: torch.Tensor, names: Sequence[str], step: int,

@@ -280,9 +280,10 @@ class LayerScheduler:
         spec = self._specs[b]
         payloads = [self._payloads[n] for n in spec.names]
         strategy = self.strategy_for(b, payloads)
-        pend = self.engine.launch(strategy, spec, payloads,
-                                  self._device() or torch.device("cpu"), self.step,
-                                  self._buffers)
+        device = self._device() or torch.device("cpu")
+        row = self.intake.nonfinite_row(spec.names, device)   # rides in the message
+        pend = self.engine.launch(strategy, spec, payloads, device, self.step,
+                                  self._buffers, nonfinite_row=row)
         self._inflight[b] = pend
         self.events.append(("launch", b, strategy))
 
@@ -360,7 +361,7 @@ class LayerScheduler:
         except BaseException:
             if nf_handle is not None:       # leave no handle behind; the first error wins
                 try:
-                    self._finish_nonfinite(nf_handle)
+                    self.engine.nonfinite.finish(nf_handle)
                 except Exception:
                     pass
             raise
@@ -418,14 +419,19 @@ class LayerScheduler:
 
     # ------------------------------------------------------------------ non-finite
     def _launch_nonfinite(self):
-        """One small allgather of this rank's per-layer non-finite counts."""
+        """The one small allgather of the counts no bucket message carried (None: every
+        bucket carried its own; :meth:`NonFinitePolicy.gather_rest`)."""
         if not self._dense_order:
             return None
-        mine = self.intake.nonfinite_row(self._dense_order, self._device())
-        return self.engine.nonfinite.gather(mine, wait=False)
+        return self.engine.nonfinite.gather_rest(
+            [self._inflight[b] for b in range(len(self._specs))])
 
     def _finish_nonfinite(self, handle):
-        return self.engine.nonfinite.finish(handle)    # [P, nlayers], same on all ranks
+        """The step's [P, nlayers] table in plan order, the same on every rank."""
+        if not self._dense_order:
+            return None
+        return self.engine.nonfinite.assemble(
+            [self._inflight[b] for b in range(len(self._specs))], handle)
 
     def _apply_nonfinite_policy(self, table, totals) -> bool:
         """Returns True when the step is skipped (``skip``: rolled back on every rank)."""

@@ -274,11 +274,11 @@ def _patch_bucket_counter(cnt: Counting):
     for name, mod in ex.STRATEGIES.items():
         orig = mod.launch
 
-        def launch(spec, payloads, ctx, _orig=orig, _name=name):
+        def launch(spec, payloads, ctx, _orig=orig, _name=name, **kw):
             if cnt.active:
                 cnt.buckets += 1
                 cnt.strategies[_name] += 1
-            return _orig(spec, payloads, ctx)
+            return _orig(spec, payloads, ctx, **kw)
         mod.launch = launch
 
 

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from tests.thread_transport import on_threads
 
 from hvdsparse.exchange import balanced as B
 from hvdsparse.exchange.base import HostReadout
@@ -185,90 +186,6 @@ def test_bytes_target_predicted():
 
 
 # ---------------------------------------------------------------- truncation feedback
-class _Hub:
-    """P ranks in one process (one thread each): collectives matched by issue order."""
-
-    def __init__(self, P):
-        import threading
-        self.P, self.cv, self.slots = P, threading.Condition(), {}
-
-    def put(self, seq, rank, item):
-        with self.cv:
-            self.slots.setdefault(seq, {})[rank] = item
-            self.cv.notify_all()
-
-    def all(self, seq):
-        with self.cv:
-            self.cv.wait_for(lambda: len(self.slots.get(seq, {})) == self.P, timeout=60)
-            got = self.slots.get(seq, {})
-            assert len(got) == self.P, f"collective {seq}: only ranks {sorted(got)} came"
-            return [got[r] for r in range(self.P)]
-
-
-class _ThreadTransport:
-    """The in-process stand-in for Horovod's allgather / alltoall (plain torch.cat)."""
-    ordered, kind = True, "threads"
-
-    def __init__(self, hub, rank):
-        self.hub, self.r, self.seq = hub, rank, 0
-
-    def rank(self):
-        return self.r
-
-    def size(self):
-        return self.hub.P
-
-    def _put(self, kind, item):
-        self.seq += 1
-        self.hub.put(self.seq, self.r, item)
-        return (kind, self.seq)
-
-    def allgather_async(self, tensor, name=None):
-        return self._put("gather", tensor.contiguous().clone())
-
-    def alltoall_async(self, tensor, splits, name=None):
-        return self._put("a2a", (tensor.contiguous().clone(),
-                                 [int(s) for s in splits.tolist()]))
-
-    def poll(self, handle):
-        return True
-
-    def synchronize(self, handle):
-        kind, seq = handle
-        items = self.hub.all(seq)
-        if kind == "gather":
-            return torch.cat(items)
-        parts, recv = [], []
-        for rows, splits in items:                 # sender by sender, rank order
-            a = sum(splits[:self.r])
-            parts.append(rows[a:a + splits[self.r]])
-            recv.append(splits[self.r])
-        return torch.cat(parts), torch.tensor(recv, dtype=torch.int32)
-
-
-def _on_threads(P, body):
-    """``body(r, ctx)`` for every rank r on its own thread, each with an exchange
-    context over the in-process transport; returns the P results (rank order)."""
-    import threading
-    from hvdsparse.exchange.base import BufferPool, ExchangeContext
-    hub, out, errors = _Hub(P), [None] * P, []
-
-    def rank(r):
-        try:
-            ctx = ExchangeContext(rank=r, world_size=P, prefix="t", validate=True,
-                                  transport=_ThreadTransport(hub, r), buffers=BufferPool())
-            out[r] = body(r, ctx)
-        except Exception as e:  # noqa: BLE001 - re-raised below
-            errors.append((r, e))
-    th = [threading.Thread(target=rank, args=(r,)) for r in range(P)]
-    for t in th:
-        t.start()
-    for t in th:
-        t.join(120)
-    assert not errors, errors
-    return out
-
-
 def _run_balanced(P, payloads_of, spec):
     """Launch + finish the real exchange on P threads; returns [(sum, undelivered)]."""
     def body(r, ctx):
@@ -276,7 +193,7 @@ def _run_balanced(P, payloads_of, spec):
         total = pend.finish().clone()
         back = None if pend.undelivered is None else pend.undelivered.clone()
         return total, back, dict(pend.figures)
-    return _on_threads(P, body)
+    return on_threads(P, body)
 
 
 @pytest.mark.parametrize("P,values", [(2, "fp32"), (3, "fp32"), (5, "fp16"), (8, "int8")])
@@ -399,7 +316,7 @@ def test_wait_is_not_counted_as_decode(strategy):
         t0 = time.perf_counter()
         pend.finish()
         return time.perf_counter() - t0, pend.wait_s, pend.decode_s
-    out = _on_threads(P, body)
+    out = on_threads(P, body)
     for r, (wall, wait, dec) in enumerate(out):
         assert wait >= 0 and dec >= 0, (r, wait, dec)
         assert wait + dec <= wall + 1e-3, (r, wall, wait, dec)

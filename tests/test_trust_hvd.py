@@ -73,7 +73,8 @@ WORKER = Path(__file__).resolve().parent / "workers" / "trust_worker.py"
 COMPRESSORS = ["topk", "threshold", "adacomp", "adacomp-budget", "slimdp", "randomk", "qsgd4",
                "topk-int8", "topk-int4", "topk-int2", "topk-perbucket"]
 EXCHANGES = ["allgather", "split", "dense", "auto", "balanced"]
-SCENARIOS = ["nan/raise", "nan/skip", "nan/skip-balanced-dgc", "frozen/sgd", "frozen/sgd-momentum", "sync-then-step",
+SCENARIOS = ["nan/raise", "nan/raise-dense", "nan/skip-allgather", "nan/skip-split",
+             "nan/skip-balanced-dgc", "frozen/sgd", "frozen/sgd-momentum", "sync-then-step",
              "sparse-embeddings", "checkpoint", "mismatch/fusion_threshold", "mismatch/ratio",
              "mismatch/exchange", "mismatch/env-fusion-threshold"]
 

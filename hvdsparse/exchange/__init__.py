@@ -42,15 +42,32 @@ def check_exchange(name) -> str:
     return name
 
 
-def launch(strategy: str, spec: BucketSpec, payloads, ctx: ExchangeContext) -> Pending:
+#: the strategies whose message carries the bucket's non-finite counts (one collective
+#: for both); the others' buckets leave them to the door's own small allgather
+CARRY_NONFINITE = frozenset({"allgather", "dense"})
+
+
+def launch(strategy: str, spec: BucketSpec, payloads, ctx: ExchangeContext,
+           nonfinite_row=None) -> Pending:
+    """Start ``strategy`` for the bucket; ``nonfinite_row`` (int32 [1, len(spec.names)],
+    this rank's counts) rides in the message where the strategy carries it
+    (:data:`CARRY_NONFINITE`: then ``Pending.carries_nonfinite``)."""
     try:
         mod = STRATEGIES[strategy]
     except KeyError:
         raise ValueError(f"unknown exchange strategy {strategy!r}; choose from "
                          f"{', '.join(map(repr, STRATEGIES))}") from None
-    return mod.launch(spec, payloads, ctx)
+    if nonfinite_row is not None and nonfinite_row.numel() != len(spec.names):
+        raise ValueError(f"bucket {spec.bucket_id}: nonfinite_row has "
+                         f"{nonfinite_row.numel()} counts for {len(spec.names)} layers")
+    if nonfinite_row is not None and strategy in CARRY_NONFINITE:
+        pend = mod.launch(spec, payloads, ctx, nonfinite_row=nonfinite_row)
+    else:
+        pend = mod.launch(spec, payloads, ctx)
+    pend.nonfinite_row = nonfinite_row
+    return pend
 
 
-__all__ = ["STRATEGIES", "EXCHANGE_NAMES", "check_exchange", "launch", "BucketSpec",
+__all__ = ["STRATEGIES", "EXCHANGE_NAMES", "CARRY_NONFINITE", "check_exchange", "launch", "BucketSpec",
            "ExchangeContext", "Pending", "cost_model", "BufferPool", "DeferredFigures",
            "HostReadout", "ReadoutBatch"]

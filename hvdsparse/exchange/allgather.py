@@ -6,7 +6,16 @@ every rank decodes all P and scatter-adds them into the flat fp32 sum
 (:func:`codec.accumulate`: on the CUDA path one check launch for the bucket plus one
 scatter-add launch per rank, ``kernels/bucket_decode.py``).
 
-Bytes per rank (ring allgather): sent = received = ``(P-1) * nbytes``.
+Non-finite counts (:mod:`hvdsparse.nonfinite`) ride in the same message: with a
+``nonfinite_row`` (int32[1, L], this rank's counts for the bucket's L layers) each
+message is ``codec bytes | L x int32 counts | 0-7 zero bytes`` (the codec part is a
+multiple of 8 bytes, so the counts start 8-aligned and the row stays 8-aligned), and
+the gathered rows' tails are the bucket's [P, L] table -- no collective of its own.
+The validated (CPU) path rejects a negative count naming the rank; unvalidated, a
+malformed count is non-zero, so the policy flags the layer rather than missing it.
+
+Bytes per rank (ring allgather): sent = received = ``(P-1) * nbytes`` (with the counts'
+tail).
 
 No host synchronisation: the encode buffer and the flat sum are reused per bucket
 (:class:`.base.BufferPool`); the cost model's figures (the P ranks' ``count`` fields,
@@ -16,6 +25,7 @@ device, reach the host through :class:`.base.DeferredFigures` and are summed the
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import torch
 
@@ -44,6 +54,10 @@ class AllgatherPending(Pending):
                 f"received {gathered.numel()} bytes, expected {P} x {nbytes}; the ranks "
                 f"disagree on the bucket layout (compressor settings differ across ranks?)")
         rows = gathered.view(P, nbytes)
+        if self._nf_width:
+            self.nonfinite = read_counts(rows, self._codec_nbytes, self._nf_width,
+                                         self.spec, self.ctx.validate)
+            rows = rows[:, :self._codec_nbytes]      # 8-aligned rows: no copy
         flat = self.ctx.buffer("allgather.sum", self.spec.bucket_id, self.spec.numel,
                                torch.float32, rows.device).zero_()
         nseg = sum(len(p.segments) for p in self.payloads)
@@ -65,8 +79,32 @@ class AllgatherPending(Pending):
         return flat
 
 
-def launch(spec: BucketSpec, payloads, ctx: ExchangeContext) -> Pending:
-    nbytes = codec.encoded_nbytes(payloads)
+def counts_nbytes(nlayers: int) -> int:
+    """Bytes of the non-finite counts' tail: ``nlayers`` int32, padded to 8."""
+    return (4 * nlayers + 7) // 8 * 8
+
+
+def read_counts(rows: torch.Tensor, at: int, nlayers: int, spec: BucketSpec,
+                validate: bool) -> torch.Tensor:
+    """The gathered messages' counts tails as an int32 [P, nlayers] view (rank order);
+    ``validate``: a negative count raises, naming the rank and the bucket's layers."""
+    table = rows[:, at:at + 4 * nlayers].view(torch.int32)
+    if validate:
+        bad = (table < 0).nonzero().tolist()
+        if bad:
+            r, j = bad[0]
+            raise RuntimeError(
+                f"hvdsparse allgather of bucket {spec.bucket_id}: rank {r}'s message "
+                f"carries a negative non-finite count ({int(table[r, j])}) for layer "
+                f"{spec.names[j]!r}; the message is malformed")
+    return table
+
+
+def launch(spec: BucketSpec, payloads, ctx: ExchangeContext,
+           nonfinite_row: Optional[torch.Tensor] = None) -> Pending:
+    codec_nbytes = codec.encoded_nbytes(payloads)
+    width = 0 if nonfinite_row is None else nonfinite_row.numel()
+    nbytes = codec_nbytes + counts_nbytes(width)
     device = None
     for p in payloads:
         for s in p.segments:
@@ -75,12 +113,16 @@ def launch(spec: BucketSpec, payloads, ctx: ExchangeContext) -> Pending:
         if device is not None:
             break
     # reused: the previous step's allgather of this bucket completed in its finish()
-    out = ctx.buffer("allgather.msg", spec.bucket_id, nbytes, torch.uint8,
-                     device if device is not None else torch.device("cpu"))
-    buf = codec.encode(payloads, out=out)
+    if device is None:
+        device = nonfinite_row.device if width else torch.device("cpu")
+    out = ctx.buffer("allgather.msg", spec.bucket_id, nbytes, torch.uint8, device)
+    # the counts' tail is written by the encode's own cat (no launch of its own)
+    codec.encode(payloads, out=out, tail=None if not width else
+                 nonfinite_row.reshape(-1).contiguous().view(torch.uint8))
     pend = AllgatherPending(spec, NAME, list(payloads), ctx)
-    pend._nbytes = nbytes
-    pend._handle = ctx.comm().allgather_async(buf, name=ctx.name(spec.bucket_id, NAME))
+    pend._nbytes, pend._codec_nbytes, pend._nf_width = nbytes, codec_nbytes, width
+    pend.carries_nonfinite = bool(width)
+    pend._handle = ctx.comm().allgather_async(out, name=ctx.name(spec.bucket_id, NAME))
     pend.sent_bytes = pend.recv_bytes = (ctx.world_size - 1) * nbytes
     pend.figures["wire_nbytes"] = nbytes
     return pend

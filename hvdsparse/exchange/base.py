@@ -191,6 +191,14 @@ class Pending:
     #: dropped part). The front doors add it into the layers' residuals (error feedback
     #: of the truncation). None: everything sent was delivered. Valid as ``result``.
     undelivered: Optional[torch.Tensor] = None
+    #: whether this bucket's message carries its layers' non-finite counts (launched
+    #: with a ``nonfinite_row``; ``allgather`` and ``dense``). Then ``finish()`` sets
+    #: ``nonfinite``: int32 [P, len(spec.names)], every rank's counts in rank order, the
+    #: same on every rank, valid as ``result``.
+    carries_nonfinite: bool = False
+    nonfinite: Optional[torch.Tensor] = None
+    #: this rank's counts for the bucket's layers as launched (int32 [1, L]), or None
+    nonfinite_row: Optional[torch.Tensor] = None
 
     def advance(self) -> None:
         """Non-blocking progress (multi-phase strategies start their next phase when
@@ -457,7 +465,8 @@ def own_dense(spec: BucketSpec, payloads: Sequence[LayerPayload],
               device: torch.device, out: Optional[torch.Tensor] = None,
               ctx: Optional["ExchangeContext"] = None) -> torch.Tensor:
     """This rank's payloads expanded into the flat fp32 bucket vector (written into
-    ``out``, fp32[spec.numel], when given), the sum of each payload's segments.
+    ``out``, fp32 with at least ``spec.numel`` elements, when given: its first
+    ``spec.numel``, and zeros after them), the sum of each payload's segments.
 
     With ``ctx`` and ``ctx.validate`` False (the CUDA default: the device check flag)
     the whole bucket takes a fixed number of launches: its payloads are encoded into one
@@ -481,4 +490,6 @@ def own_dense(spec: BucketSpec, payloads: Sequence[LayerPayload],
         return flat
     for view, p in zip(spec.views(flat), payloads):
         codec.payload_to_dense(p, out=view)
+    if flat.numel() > spec.numel:
+        flat[spec.numel:].zero_()
     return flat

@@ -869,8 +869,8 @@ def same_residuals(a, b):
 NAN_STEP, NAN_LAYER, NAN_POS = 2, "fc2.weight", (3, 7)
 
 
-def nan_raise():
-    case = Case("nan/raise")
+def nan_raise(exchange="allgather"):
+    case = Case("nan/raise" if exchange == "allgather" else f"nan/raise-{exchange}")
     model = make_model(1)
     comp = hvdsparse.TopK(0.05)
 
@@ -881,7 +881,7 @@ def nan_raise():
     cap = Capture(model, comp, inject)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(),
-                                   compression=comp, exchange="allgather")
+                                   compression=comp, exchange=exchange)
     names = [n for n, _ in model.named_parameters()]
     raised = None
     try:
@@ -935,7 +935,7 @@ def nan_skip(exchange="allgather", dgc=False):
     truncation's add-back and the velocity masking, and on the other steps the velocity
     is masked exactly where an element was sent AND delivered (a dropped one went back
     into the residual, so its velocity is kept)."""
-    case = Case("nan/skip" if not dgc else f"nan/skip-{exchange}-dgc")
+    case = Case(f"nan/skip-{exchange}" + ("-dgc" if dgc else ""))
     model = make_model(1)
     comp = hvdsparse.TopK(0.05)
     state = dict(step=0)
@@ -1299,7 +1299,9 @@ def checkpoint():
 
 def run_scenarios():
     nan_raise()
+    nan_raise("dense")           # the counts ride in the allreduce
     nan_skip()
+    nan_skip("split")            # the counts travel in their own allgather
     nan_skip("balanced", dgc=True)
     frozen(0.0)
     frozen(0.9)

@@ -44,9 +44,10 @@ def flagged_layers(table: torch.Tensor) -> torch.Tensor:
 
 
 class NonFinite:
-    """The step's non-finite counters and the row this rank contributes to the policy's
-    table (every rank's per-layer counts of non-finite gradient elements, gathered in one
-    small collective, so every rank sees the same [P, nlayers] table and acts alike).
+    """The step's non-finite counters and the rows this rank contributes to the policy's
+    table (every rank's per-layer counts of non-finite gradient elements; a bucket's row
+    travels with its message, see the module doc, so every rank sees the same
+    [P, nlayers] table and acts alike).
 
     ``names``: every layer that may count, in slot order (a bucket whose layers have
     consecutive slots gets its row as a view; :meth:`follow` re-slots them in the
@@ -111,7 +112,8 @@ class NonFinite:
             raise RuntimeError("NonFinite.follow during a step (call reset() first)")
         if all(self.slot.get(n) == j for j, n in enumerate(names)):
             return
-        order = list(names) + [n for n in self.slot if n not in set(names)]
+        first = set(names)
+        order = list(names) + [n for n in self.slot if n not in first]
         self.slot = {n: j for j, n in enumerate(order)}
         self._index.clear()
 

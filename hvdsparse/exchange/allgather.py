@@ -30,7 +30,8 @@ from typing import Optional
 import torch
 
 from .. import codec
-from .base import BucketSpec, ExchangeContext, Pending
+from ..codec_format import align
+from .base import BucketSpec, ExchangeContext, Pending, bucket_device
 
 NAME = "allgather"
 
@@ -54,8 +55,8 @@ class AllgatherPending(Pending):
                 f"received {gathered.numel()} bytes, expected {P} x {nbytes}; the ranks "
                 f"disagree on the bucket layout (compressor settings differ across ranks?)")
         rows = gathered.view(P, nbytes)
-        if self._nf_width:
-            self.nonfinite = read_counts(rows, self._codec_nbytes, self._nf_width,
+        if self.carries_nonfinite:
+            self.nonfinite = read_counts(rows, self._codec_nbytes, len(self.spec.names),
                                          self.spec, self.ctx.validate)
             rows = rows[:, :self._codec_nbytes]      # 8-aligned rows: no copy
         flat = self.ctx.buffer("allgather.sum", self.spec.bucket_id, self.spec.numel,
@@ -80,8 +81,9 @@ class AllgatherPending(Pending):
 
 
 def counts_nbytes(nlayers: int) -> int:
-    """Bytes of the non-finite counts' tail: ``nlayers`` int32, padded to 8."""
-    return (4 * nlayers + 7) // 8 * 8
+    """Bytes of the non-finite counts' tail: ``nlayers`` int32, padded as
+    :func:`codec.encode` pads its ``tail``."""
+    return align(4 * nlayers)
 
 
 def read_counts(rows: torch.Tensor, at: int, nlayers: int, spec: BucketSpec,
@@ -105,22 +107,15 @@ def launch(spec: BucketSpec, payloads, ctx: ExchangeContext,
     codec_nbytes = codec.encoded_nbytes(payloads)
     width = 0 if nonfinite_row is None else nonfinite_row.numel()
     nbytes = codec_nbytes + counts_nbytes(width)
-    device = None
-    for p in payloads:
-        for s in p.segments:
-            device = s.count.device
-            break
-        if device is not None:
-            break
+    device = nonfinite_row.device if width and not any(p.segments for p in payloads) \
+        else bucket_device(payloads)
     # reused: the previous step's allgather of this bucket completed in its finish()
-    if device is None:
-        device = nonfinite_row.device if width else torch.device("cpu")
     out = ctx.buffer("allgather.msg", spec.bucket_id, nbytes, torch.uint8, device)
     # the counts' tail is written by the encode's own cat (no launch of its own)
     codec.encode(payloads, out=out, tail=None if not width else
                  nonfinite_row.reshape(-1).contiguous().view(torch.uint8))
     pend = AllgatherPending(spec, NAME, list(payloads), ctx)
-    pend._nbytes, pend._codec_nbytes, pend._nf_width = nbytes, codec_nbytes, width
+    pend._nbytes, pend._codec_nbytes = nbytes, codec_nbytes
     pend.carries_nonfinite = bool(width)
     pend._handle = ctx.comm().allgather_async(out, name=ctx.name(spec.bucket_id, NAME))
     pend.sent_bytes = pend.recv_bytes = (ctx.world_size - 1) * nbytes

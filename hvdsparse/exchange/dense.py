@@ -125,7 +125,6 @@ def launch(spec: BucketSpec, payloads, ctx: ExchangeContext,
     pend.carries_nonfinite = bool(width)
     pend._handle = ctx.comm().allreduce_async_(t, name=ctx.name(spec.bucket_id, NAME),
                                                prescale_factor=pre, postscale_factor=post)
-    P = ctx.world_size
     vb = t.element_size()
     pend.sent_bytes = pend.recv_bytes = int(round(2 * (P - 1) / P * full.numel() * vb))
     return pend

@@ -223,6 +223,9 @@ class Compressor(LayerSettings, StepTransactions, CompressorState, ValueEncoder)
     #: wire's default warm-up then lasts while the learning rate rises
     #: (``adam_settings.UPDATE_WARMUP``)
     reuses_threshold = False
+    #: whether its layers travel on the Adam recipe's update wire (set by the front door,
+    #: ``door.make_local_update``; TopK's ``fresh_weight`` default follows it)
+    adam_update_wire = False
     #: DGC momentum correction's automatic rule (``momentum.resolve_momentum_correction``)
     #: turns correction on with this compressor at any density (AdaComp)
     momentum_correction_always = False

@@ -60,14 +60,17 @@ def out_layer(model, min_numel=1024):
             and p.dim() > 1][-1]
 
 
-def topk_exact(ratio, output=None, output_ratio=0.1):
+def topk_exact(ratio, output=None, output_ratio=0.1, fresh=0.0):
     """TopK(ratio, exact=True); the layer called ``output`` (TopK's output layer: the
-    last compressed one) at ``max(ratio, output_ratio)``."""
-    def select(acc, name=None):
+    last compressed one) at ``max(ratio, output_ratio)``. ``fresh``: TopK's
+    ``fresh_weight`` (the k largest ``|acc + fresh x|`` are sent, ``x`` the step's input;
+    the update wire's default is 1)."""
+    def select(acc, name=None, x=None):
         flat = acc.reshape(-1)
         r = max(ratio, output_ratio) if name is not None and name == output else ratio
         k = max(1, min(flat.numel(), math.ceil(r * flat.numel() - 1e-9)))
-        idx = topk_indices(flat, k)              # ties to the lower index, as TopK's
+        score = flat if not fresh else flat + fresh * x.reshape(-1)
+        idx = topk_indices(score, k)             # ties to the lower index, as TopK's
         idx = idx[flat[idx] != 0]
         sent = torch.zeros_like(flat)
         sent[idx] = flat[idx]
@@ -141,7 +144,7 @@ class AdamReplay:
             self.vr[r][n] = v = b2 * v + (1 - b2) * g * g
             x = m / (v.sqrt() / math.sqrt(1 - b2 ** t) + eps) / (1 - b1 ** t) * lr
             acc = self.e[r][n] + x
-            sent = self.select(acc, x) if self.needs_dw else self.select(acc, name=n)
+            sent = self.select(acc, x) if self.needs_dw else self.select(acc, name=n, x=x)
             self.e[r][n] = acc - sent
             X = X + sent
         X = X * (1.0 / P)
@@ -237,7 +240,8 @@ class AdamReplay:
                 if self.precondition:
                     xr = xr / D
                 acc = self.e[r][n] + xr
-                sent = self.select(acc, xr) if self.needs_dw else self.select(acc, name=n)
+                sent = self.select(acc, xr) if self.needs_dw else \
+                    self.select(acc, name=n, x=xr)
                 self.e[r][n] = acc - sent
                 X = X + sent
             X = X * (1.0 / P)

@@ -1,0 +1,220 @@
+"""Is one bucket's compress + encode the same launch sequence at every steady-state step?
+The precondition for capturing it as a CUDA graph, checked without a GPU.
+
+A CUDA graph replays the launches it recorded with the arguments it recorded: the same
+kernels, the same scalars, the same device addresses, and host-to-device copies from the
+same host addresses. So a bucket's device work can be replayed at step t+1 from a capture
+at step t only where the step issues the same launches with the same arguments, and
+anything that differs must reach the kernels through memory the graph reads at replay.
+
+This script runs the step engine's ``compress_group`` + ``codec.encode`` (into a message
+buffer kept per layout, as the exchanges keep theirs) for one bucket of ResNet-50-like
+layers under Triton's interpreter with ``HVDSPARSE_FORCE_TRITON=1`` (every dispatch takes
+the CUDA branch), and records every launch of two consecutive steady-state steps: aten
+ops that launch on CUDA (allocations listed too: they fix the graph pool's layout) and
+Triton launches, with their arguments. A tensor argument is named by where it lives:
+``int`` for storage allocated inside the region (the graph's pool: a replay reuses the
+capture's layout, so only offset, shape and dtype must match), else its address
+(``ext``); small int64 host-built tables are also named by a hash of their contents (the kernels read them: a graph must upload them from a
+persistent host buffer each step). Prints, per compressor, the launches that differ
+between the two steps and why, and writes JSON (``--out``).
+
+    .venv/bin/python scripts/check_capture.py --out docs/bench/device_ops/capture.json
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["HVDSPARSE_FORCE_TRITON"] = "1"
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from launchcount import NO_LAUNCH  # noqa: E402
+
+#: allocations: no launch, but they lay out the graph's memory pool
+ALLOCS = frozenset({"empty", "empty_strided", "empty_like", "new_empty"})
+#: one bucket of ResNet-50 layer-3 shapes, channel widths / 4 (weights and their BN)
+SHAPES = [(256, 64, 1, 1), (256,), (64, 256, 1, 1), (64,), (64, 64, 3, 3), (64,),
+          (128, 256, 1, 1), (128,), (128, 128, 3, 3), (128,), (512, 128, 1, 1), (512,),
+          (512, 256, 1, 1), (512,)]
+
+
+class Recorder:
+    """Launch events of a region (``with rec.region():``)."""
+
+    def __init__(self):
+        import triton.runtime.interpreter as ti
+        self.events, self.internal, self.active, self.inside = [], {}, False, 0
+        self.external = set()
+        orig, rec = ti.InterpretedFunction.run, self
+
+        def run(fs, *a, **k):
+            if rec.active and not rec.inside:
+                rec.events.append(("triton", fs.fn.__name__, rec.norm(list(a)),
+                                   rec.norm(dict(k))))
+            rec.inside += 1
+            try:
+                return orig(fs, *a, **k)
+            finally:
+                rec.inside -= 1
+        ti.InterpretedFunction.run = run
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, a=(), kw=None):
+                out = func(*a, **(kw or {}))
+                if rec.active and not rec.inside:
+                    name = func.overloadpacket.__name__
+                    if name in ALLOCS or name not in NO_LAUNCH:
+                        rec.events.append(("aten", str(func), rec.norm(list(a)),
+                                           rec.norm(kw or {})))
+                        rec.note(out)    # views, ``to`` a tensor's own device: no storage
+                return out
+        self.mode = Mode
+
+    def norm(self, x):
+        if isinstance(x, torch.Tensor):
+            p = x.untyped_storage().data_ptr()
+            if p in self.internal:
+                # the graph's pool: a replay reuses the capture's layout, whatever
+                # addresses an eager step's allocator hands out
+                return ("tensor", "int", x.storage_offset(), tuple(x.shape), str(x.dtype))
+            self.external.add(p)
+            out = ("tensor", f"ext {p:#x}", x.storage_offset(), tuple(x.shape), str(x.dtype))
+            if x.dtype == torch.int64 and x.numel() <= 1 << 16 and x.device.type == "cpu":
+                h = hashlib.sha1(x.contiguous().numpy().tobytes()).hexdigest()[:10]
+                out += (f"contents {h}",)
+            return out
+        if isinstance(x, (list, tuple)):
+            return tuple(self.norm(y) for y in x)
+        if isinstance(x, dict):
+            return tuple(sorted((k, self.norm(v)) for k, v in x.items()))
+        if isinstance(x, (int, float, bool, str, type(None))):
+            return x
+        if isinstance(x, (torch.dtype, torch.device)):
+            return str(x)
+        return type(x).__name__
+
+    def note(self, out):
+        for t in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(t, torch.Tensor):
+                p = t.untyped_storage().data_ptr()
+                if p and p not in self.internal and p not in self.external:
+                    self.internal[p] = len(self.internal)
+
+    def run(self, fn):
+        self.events, self.internal, self.external, self.active = [], {}, set(), True
+        try:
+            with self.mode():
+                fn()
+        finally:
+            self.active = False
+        return self.events
+
+
+def why(a, b) -> list:
+    """What differs between two launch events (same position in their steps)."""
+    out = []
+    if a[:2] != b[:2]:
+        return [f"another launch: {a[1]} then {b[1]}"]
+    for what, x, y in (("arg", a[2], b[2]), ("kwarg", a[3], b[3])):
+        for j, (u, v) in enumerate(zip(x, y)):
+            if u == v:
+                continue
+            if isinstance(u, tuple) and u and u[0] == "tensor" and isinstance(v, tuple) \
+                    and v and v[0] == "tensor":
+                if u[1] != v[1]:
+                    out.append(f"{what} {j}: a tensor at another address ({u[1]} / {v[1]})")
+                elif u[2:5] != v[2:5]:
+                    out.append(f"{what} {j}: another offset / shape / dtype")
+                else:
+                    out.append(f"{what} {j}: a host table with other contents")
+            else:
+                out.append(f"{what} {j}: {str(u)[:60]} / {str(v)[:60]}")
+        if len(x) != len(y):
+            out.append(f"{what}s: {len(x)} / {len(y)}")
+    return out
+
+
+def check(name, make, steps: int):
+    from hvdsparse import codec
+    from hvdsparse.engine import LayerInput, StepEngine
+    from hvdsparse.settings import ExchangeSettings
+    eng = StepEngine(make(), ExchangeSettings(), None, rank=0, world_size=1, prefix="cap")
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=g) for s in SHAPES]
+    grads = [torch.randn(s, generator=g) for s in SHAPES]
+    counters = [torch.zeros(1, dtype=torch.int32) for _ in SHAPES]
+    messages = {}
+
+    def region(step):
+        pays = eng.compress_group([LayerInput(f"l{i}", gr, p, counters[i]) for i, (gr, p)
+                                   in enumerate(zip(grads, params))], step)
+        n = codec.encoded_nbytes(pays)
+        buf = messages.setdefault(n, codec.new_message(pays))
+        codec.encode(pays, out=buf)
+
+    rec = Recorder()
+    for s in range(steps):
+        eng.begin_step(s)
+        region(s)
+        eng.commit()
+    traces = []
+    for s in (steps, steps + 1):
+        eng.begin_step(s)          # outside the region: the stats fold of the last step
+        traces.append(rec.run(lambda: region(s)))
+        eng.commit()
+    a, b = traces
+    diffs = []
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            diffs.append(dict(event=i, launch=x[1], why=why(x, y)))
+    if len(a) != len(b):
+        diffs.append(dict(event=min(len(a), len(b)), launch="(count)",
+                          why=[f"{len(a)} events at step {steps}, {len(b)} at step "
+                               f"{steps + 1}"]))
+    launches = sum(1 for e in b if e[0] == "triton" or
+                   e[1].split(".")[1] not in ALLOCS)
+    return dict(compressor=name, events=len(b), launches=launches, differences=diffs)
+
+
+def main(argv=None):
+    import hvdsparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=12,
+                    help="steps before the two compared ones (past any warm-up)")
+    ap.add_argument("--methods", default="topk,threshold,adacomp,qsgd,randomk,slimdp")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    makers = dict(topk=lambda: hvdsparse.TopK(0.01),
+                  threshold=lambda: hvdsparse.Threshold(0.99),
+                  adacomp=lambda: hvdsparse.AdaComp(),
+                  qsgd=lambda: hvdsparse.QSGD(4),
+                  randomk=lambda: hvdsparse.RandomK(0.01),
+                  slimdp=lambda: hvdsparse.SlimDP(0.2, 0.1))
+    rows = []
+    for m in args.methods.split(","):
+        row = check(m, makers[m], args.steps)
+        rows.append(row)
+        print(f"{m}: {row['launches']} launches ({row['events']} events with allocations), "
+              f"{len(row['differences'])} differ between steps {args.steps} and "
+              f"{args.steps + 1}", flush=True)
+        for d in row["differences"]:
+            print(f"  event {d['event']} {d['launch']}: {'; '.join(d['why'])}", flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(dict(shapes=SHAPES, steps=args.steps,
+                                                  rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -37,7 +37,6 @@ def test_selects_the_k_largest_scores(w, values):
             g.view(-1)[7] = float("nan")        # counted, adds nothing, never chosen
         x = torch.nan_to_num(g.reshape(-1), nan=0.0)
         acc = resid + x
-        c._scratch.clear()
         pay = c.compress("w", g, step)
         seg = pay.segments[0]
         assert seg.capacity == k and seg.value_encoding == {"fp32": ValueEncoding.FP32, "fp16": ValueEncoding.FP16}[values]

@@ -163,7 +163,8 @@ def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
     if not cfg["error_feedback"] or enc not in _VE_CODE or \
             (on_cpu and enc != ValueEncoding.FP32):
         return None
-    if not given and (cfg["exact"] or cfg["per_bucket"] or cfg["fresh_weight_in_force"]):
+    if not given and (cfg["exact"] or cfg["per_bucket"] or
+                      cfg.get("fresh_weight_in_force")):
         return None
     if momentum is not None and momentum.weight_decay and \
             (param is None or param.dtype != grad.dtype or not param.is_contiguous()

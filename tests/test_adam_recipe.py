@@ -271,7 +271,7 @@ def test_local_refresh_matches_replay(seed, kind, comp, start):
         make, sel, dw = hvdsparse.AdaComp, adacomp(), True
     else:                                 # no residual: the deferral is the recipe's own
         make, sel, dw = (lambda: hvdsparse.TopK(1.0, error_feedback=False)), \
-            (lambda acc, name=None: acc), False
+            (lambda acc, name=None, x=None: acc), False
     sim = Replicas(Net, lambda m: cls(m.parameters(), lr=lr, betas=betas, eps=eps,
                                       weight_decay=wd), make, P, warmup, R,
                    refresh_start=start)

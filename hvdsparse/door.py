@@ -104,11 +104,9 @@ def make_local_update(optimizer, params: Dict[str, torch.Tensor], world_size: in
     correction / local clipping (:class:`hvdsparse.momentum.LocalUpdate`), or None.
     ``params``: the optimised parameters by name. Tells ``compressor`` whether its
     layers travel on the Adam recipe's update wire (``adam_update_wire``)."""
-    wire = adam is not None and adam.wire == "update"
-    if hasattr(compressor, "_cfg_cache") and \
-            getattr(compressor, "adam_update_wire", False) != wire:
-        compressor.adam_update_wire = wire
-        compressor._cfg_cache.clear()
+    from .compressors import Compressor
+    if isinstance(compressor, Compressor):
+        compressor.set_adam_update_wire(adam is not None and adam.wire == "update")
     if adam is not None:
         from .adam import AdamRecipe
         shapes = {n: p.shape for n, p in params.items()}

@@ -37,9 +37,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ["HVDSPARSE_FORCE_TRITON"] = "1"
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from launchcount import NO_LAUNCH  # noqa: E402
+from launchcount import NO_LAUNCH, LaunchCounter  # noqa: E402
 
 #: allocations: no launch, but they lay out the graph's memory pool
 ALLOCS = frozenset({"empty", "empty_strided", "empty_like", "new_empty"})
@@ -49,37 +48,18 @@ SHAPES = [(256, 64, 1, 1), (256,), (64, 256, 1, 1), (64,), (64, 64, 3, 3), (64,)
           (512, 256, 1, 1), (512,)]
 
 
-class Recorder:
-    """Launch events of a region (``with rec.region():``)."""
+class Recorder(LaunchCounter):
+    """Launch events of a region (:meth:`run`): :class:`LaunchCounter`'s hooks, with
+    allocations counted too and every launch kept with its arguments."""
 
     def __init__(self):
-        import triton.runtime.interpreter as ti
-        self.events, self.internal, self.active, self.inside = [], {}, False, 0
-        self.external = set()
-        orig, rec = ti.InterpretedFunction.run, self
+        super().__init__(skip=NO_LAUNCH - ALLOCS)
+        self.events, self.internal, self.external = [], set(), set()
 
-        def run(fs, *a, **k):
-            if rec.active and not rec.inside:
-                rec.events.append(("triton", fs.fn.__name__, rec.norm(list(a)),
-                                   rec.norm(dict(k))))
-            rec.inside += 1
-            try:
-                return orig(fs, *a, **k)
-            finally:
-                rec.inside -= 1
-        ti.InterpretedFunction.run = run
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, a=(), kw=None):
-                out = func(*a, **(kw or {}))
-                if rec.active and not rec.inside:
-                    name = func.overloadpacket.__name__
-                    if name in ALLOCS or name not in NO_LAUNCH:
-                        rec.events.append(("aten", str(func), rec.norm(list(a)),
-                                           rec.norm(kw or {})))
-                        rec.note(out)    # views, ``to`` a tensor's own device: no storage
-                return out
-        self.mode = Mode
+    def observe(self, kind, name, args, kwargs, out):
+        self.events.append((kind, name, self.norm(list(args)), self.norm(dict(kwargs))))
+        if kind == "aten":
+            self.note(out)     # storage a launch or an allocation made (views: skipped)
 
     def norm(self, x):
         if isinstance(x, torch.Tensor):
@@ -109,15 +89,12 @@ class Recorder:
             if isinstance(t, torch.Tensor):
                 p = t.untyped_storage().data_ptr()
                 if p and p not in self.internal and p not in self.external:
-                    self.internal[p] = len(self.internal)
+                    self.internal.add(p)
 
     def run(self, fn):
-        self.events, self.internal, self.external, self.active = [], {}, set(), True
-        try:
-            with self.mode():
-                fn()
-        finally:
-            self.active = False
+        self.events, self.internal, self.external = [], set(), set()
+        with self:
+            fn()
         return self.events
 
 

@@ -8,7 +8,8 @@ with ``HVDSPARSE_FORCE_TRITON=1`` (every dispatch takes the branch a CUDA tensor
 * Triton launches (``InterpretedFunction.run``), one each;
 
 and not the ops the interpreter issues while it emulates a kernel. Subclasses that want
-more than per-name counts override :meth:`LaunchCounter.record`.
+more than per-name counts override :meth:`LaunchCounter.record` (the issuing frame) or
+:meth:`LaunchCounter.observe` (the arguments and, for aten ops, the result).
 
 Used by ``scripts/count_device_ops.py``, ``scripts/count_bucket_compress.py`` and
 ``tests/test_bucket_compress.py`` (which puts ``scripts/`` on ``sys.path``).
@@ -49,8 +50,9 @@ class LaunchCounter:
 
         def run(fn_self, *a, **k):
             if outer.active and not outer.inside:
-                outer.record("triton", getattr(getattr(fn_self, "fn", None), "__name__", "?"),
-                             sys._getframe(1))
+                name = getattr(getattr(fn_self, "fn", None), "__name__", "?")
+                outer.record("triton", name, sys._getframe(1))
+                outer.observe("triton", name, a, k, None)
             outer.inside += 1
             try:
                 return orig(fn_self, *a, **k)
@@ -61,15 +63,24 @@ class LaunchCounter:
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, a=(), kw=None):
                 name = func.overloadpacket.__name__
-                if outer.active and not outer.inside and name not in skip:
+                counted = outer.active and not outer.inside and name not in skip
+                if counted:
                     outer.record("aten", name, sys._getframe(1))
-                return func(*a, **(kw or {}))
+                out = func(*a, **(kw or {}))
+                if counted:
+                    outer.observe("aten", str(func), a, kw or {}, out)
+                return out
         self.mode = Mode
 
     def record(self, kind: str, name: str, frame) -> None:
         """One launch of ``kind`` (``"aten"`` / ``"triton"``) named ``name``, issued from
         ``frame``."""
         (self.triton if kind == "triton" else self.aten)[name] += 1
+
+    def observe(self, kind: str, name: str, args, kwargs, out) -> None:
+        """The same launch with its arguments (``name``: the overload for aten ops, e.g.
+        ``aten.cat.out``) and, for an aten op, its result (None for Triton: called
+        before the launch). Default: nothing."""
 
     def clear(self):
         self.aten.clear()

@@ -1,7 +1,7 @@
 """TopK's ``fresh_weight``: the exact k largest of the score ``|acc + w x|`` are sent (their
 ``acc`` values), the rest stays in the residual; the default follows the Adam recipe's
 update wire. Compared with an independent reference (a stable sort of the score, ties to
-the lower index) on fresh random data, with poisoned outputs."""
+the lower index) on fresh random data."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +12,8 @@ from hvdsparse.adam_settings import AdamSettings
 from hvdsparse.compressors import topk_bucket
 from hvdsparse.door import make_local_update
 from hvdsparse.payload import ValueEncoding
+
+ENCODING = {"fp32": ValueEncoding.FP32, "fp16": ValueEncoding.FP16}
 
 
 def _reference(acc: torch.Tensor, x: torch.Tensor, w: float, k: int):
@@ -39,7 +41,7 @@ def test_selects_the_k_largest_scores(w, values):
         acc = resid + x
         pay = c.compress("w", g, step)
         seg = pay.segments[0]
-        assert seg.capacity == k and seg.value_encoding == {"fp32": ValueEncoding.FP32, "fp16": ValueEncoding.FP16}[values]
+        assert seg.capacity == k and seg.value_encoding == ENCODING[values]
         cnt = int(seg.count[0])
         assert cnt == k
         idx = seg.indices[:cnt].long()

@@ -223,12 +223,21 @@ class Compressor(LayerSettings, StepTransactions, CompressorState, ValueEncoder)
     #: wire's default warm-up then lasts while the learning rate rises
     #: (``adam_settings.UPDATE_WARMUP``)
     reuses_threshold = False
-    #: whether its layers travel on the Adam recipe's update wire (set by the front door,
-    #: ``door.make_local_update``; TopK's ``fresh_weight`` default follows it)
+    #: whether its layers travel on the Adam recipe's update wire
+    #: (:meth:`set_adam_update_wire`; TopK's ``fresh_weight`` default follows it)
     adam_update_wire = False
     #: DGC momentum correction's automatic rule (``momentum.resolve_momentum_correction``)
     #: turns correction on with this compressor at any density (AdaComp)
     momentum_correction_always = False
+
+    def set_adam_update_wire(self, on: bool) -> None:
+        """The front door says whether the layers travel on the Adam recipe's update wire
+        (``door.make_local_update``); per-layer settings derived from it are derived
+        again."""
+        on = bool(on)
+        if on != self.adam_update_wire:
+            self.adam_update_wire = on
+            self._cfg_cache.clear()
 
     def error_feedback_density(self) -> Optional[float]:
         """The fraction of a layer sent per step by a sparsifier whose error feedback

@@ -129,6 +129,13 @@ every parameter (and ``c``) follows from its ``step``, ``T_w``, ``R`` and ``S``.
 refresh's per-rank window statistics; the per-rank residuals are the compressor's,
 saved there as usual.
 
+On the GPU path (Triton) the update wire's steps of a bucket's layers are made in one
+launch (:meth:`AdamRecipe.bucket_own_step`, ``hvdsparse/adam_bucket.py``,
+``kernels/bucket_adam.py``; the same bits as :meth:`AdamRecipe._own_step`) and go through
+the compressor's bucket path; ``step()`` applies them with multi-tensor ops
+(:meth:`AdamRecipe._update_together`). The warm-up, the other wires and the refreshes stay
+per layer.
+
 Transactions: nothing of this module's state changes before the optimizer applies a
 step (``x_i`` is computed without being stored; ``m``, ``v``, ``step``, the host copy of
 ``step`` and the parameter change in ``step()`` only), so a step that GradScaler or
@@ -163,6 +170,7 @@ from typing import Dict, Optional
 
 import torch
 
+from . import ops
 from .adam_checkpoint import RecipeCheckpoint
 from .adam_refresh import VarianceRefresh, host_value
 from .adam_settings import (AdamSettings, DEFAULT_REFRESH, DEFAULT_WARMUP,
@@ -361,24 +369,74 @@ class AdamRecipe(VarianceRefresh, RecipeCheckpoint):
             return mi / self._denom(st, group, self._steps[name]), nonfinite
         return mi, nonfinite
 
+    def own_step_constants(self, name: str, group: dict) -> tuple:
+        """``(b1, c1, b2, c2, ib2, eps, ib1)`` of layer ``name``'s update-wire step
+        (:meth:`_own_step`): ``c = 1 - b``, ``ib2 = 1 / sqrt(1 - b2^t)``, ``ib1 = 1 / (1 -
+        b1^t)``, ``t`` = Adam's step + 1; host floats (the kernel takes their fp32)."""
+        b1, b2 = (host_value(b) for b in group["betas"])
+        t = self._steps[name] + 1
+        return (b1, 1.0 - b1, b2, 1.0 - b2, 1.0 / math.sqrt(1.0 - b2 ** t),
+                float(group["eps"]), 1.0 / (1.0 - b1 ** t))
+
     def _own_step(self, name: str, g: torch.Tensor, st: dict, group: dict) -> torch.Tensor:
         """``wire="update"``: this rank's Adam step from its own moments (torch's
         single-tensor formulas): ``m' = b1 m + (1 - b1) g``, ``v' = b2 v + (1 - b2) g^2``,
         ``u = m' / (sqrt(v') / sqrt(bc2) + eps) / bc1`` with ``bc = 1 - b^(s + 1)``,
         returned times this step's ``lr`` (the parameter displacement);
         ``(m', v')`` wait in ``_moments`` until :meth:`_update` commits them (a skipped
-        step leaves Adam's state as it was)."""
-        b1, b2 = (host_value(b) for b in group["betas"])
-        t = self._steps[name] + 1
-        m = st["exp_avg"].float().mul(b1).add_(g, alpha=1 - b1)
-        v = st["exp_avg_sq"].float().mul(b2).addcmul_(g, g, value=1 - b2)
+        step leaves Adam's state as it was). Every product and sum is its own fp32
+        rounding, the divisions by constants are products with their fp32 reciprocals
+        (:meth:`own_step_constants`): ``kernels/bucket_adam.py``'s bits (the bucket
+        path, ``hvdsparse/adam_bucket.py``), on any device."""
+        b1, c1, b2, c2, ib2, eps, ib1 = self.own_step_constants(name, group)
+        m = st["exp_avg"].float().mul(b1).add_(g.mul(c1))
+        v = st["exp_avg_sq"].float().mul(b2).add_(g.mul(g).mul_(c2))
         self._moments[name] = (m, v)
-        denom = v.sqrt().div_(math.sqrt(1 - b2 ** t)).add_(group["eps"])
-        u = m.div(denom).div_(1 - b1 ** t)
+        denom = ops.sqrt_rn(v).mul_(ib2).add_(eps)
+        u = m.div(denom).mul_(ib1)
         lr = group["lr"]
         if isinstance(lr, torch.Tensor):
             return u.mul_(lr.to(device=u.device, dtype=u.dtype))
         return u.mul_(lr)
+
+    # ----------------------------------------------------------------- bucket path
+    def bucket_spec(self, name: str, grad: torch.Tensor, dense: bool):
+        """The bucket path's question (``compressors/bucket.py``): ``(True, None)`` for a
+        layer the compressor sends dense by its policy (exact Adam on the averaged cleaned
+        gradient: a ``dense`` row, the per-layer path's bits) without local clipping;
+        ``(False, None)`` for the recipe's own layers: their warm-up payloads are exact
+        dense ones, their update-wire steps enter the bucket path already made
+        (:meth:`bucket_own_step`, ``hvdsparse/adam_bucket.py``)."""
+        return (dense and not self._compressed(name) and self.clip is None), None
+
+    def bucket_own_step(self, name: str, grad: torch.Tensor, param: torch.Tensor):
+        """``(state, group, constants)`` when layer ``name``'s update-wire step this step
+        can be made by ``kernels/bucket_adam.py`` (the Triton path; the update wire past
+        the warm-up; no local clipping; a host learning rate; fp32 moments and, with
+        Adam's coupled weight decay, a parameter of the gradient's dtype, all contiguous
+        on the gradient's device), else None (:meth:`corrected` makes it per layer)."""
+        if self.wire != "update" or self.clip is not None or name not in self.params or \
+                not ops.use_triton(grad) or grad.is_sparse or not grad.is_contiguous() or \
+                grad.dtype not in (torch.float32, torch.float16, torch.bfloat16) or \
+                not 0 < grad.numel() < 2 ** 31:
+            return None
+        if not self._compressed(name) or not self.frozen(name) or self.refreshing(name):
+            return None
+        group = self._groups.of(self.params[name])
+        if isinstance(group["lr"], torch.Tensor) or group.get("amsgrad", False):
+            return None
+        st = self.optimizer.state[self.params[name]]
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = st.get(key)
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or \
+                    not t.is_contiguous() or t.device != grad.device or \
+                    t.numel() != grad.numel():
+                return None
+        if group.get("weight_decay", 0.0) and not group.get("decoupled_weight_decay", False) \
+                and (param.dtype != grad.dtype or not param.is_contiguous() or
+                     param.device != grad.device):
+            return None
+        return st, group, self.own_step_constants(name, group)
 
     def _denom(self, st: dict, group: dict, step: int) -> torch.Tensor:
         """``D = max(s, floor * mean(s)) + eps`` with ``s = sqrt(v) / sqrt(1 - beta2^c)``,
@@ -422,10 +480,57 @@ class AdamRecipe(VarianceRefresh, RecipeCheckpoint):
         stash, self._stash = self._stash, []
         if ok:
             with torch.no_grad():
+                together = []
                 for name, p, M in stash:
-                    self._update(name, p, M)
+                    if self._joins_update(name, p, M):
+                        together.append((name, p, M))
+                    else:
+                        self._update(name, p, M)
+                self._update_together(together)
         for _, p, M in stash:
             p.grad = M
+
+    def _joins_update(self, name: str, p: torch.Tensor, M: torch.Tensor) -> bool:
+        """Whether layer ``name``'s update-wire step is applied with the others'
+        (:meth:`_update_together`): a host learning rate, a tensor ``step``, ``M`` of the
+        parameter's dtype and device."""
+        if self.wire != "update" or name not in self._moments:
+            return False
+        group = self._groups.of(p)
+        st = self.optimizer.state[p]
+        return not isinstance(group["lr"], torch.Tensor) and \
+            isinstance(st.get("step"), torch.Tensor) and M.dtype == p.dtype and \
+            M.device == p.device
+
+    def _update_together(self, entries) -> None:
+        """:meth:`_update` of update-wire layers with multi-tensor ops (a few launches per
+        step on CUDA instead of four per layer; the same element-wise operations, so the
+        same bits): ``step += 1``; AdamW's ``p *= 1 - lr * wd`` per distinct factor;
+        ``exp_avg <- m'``, ``exp_avg_sq <- v'``; ``p -= X``."""
+        if not entries:
+            return
+        steps, decay = [], {}
+        ps, Ms, ms, vs, mts, vts = [], [], [], [], [], []
+        for name, p, M in entries:
+            group = self._groups.of(p)
+            st = self.optimizer.state[p]
+            self._steps[name] += 1
+            steps.append(st["step"])
+            wd = group.get("weight_decay", 0.0)
+            if wd and group.get("decoupled_weight_decay", False):
+                decay.setdefault(1 - group["lr"] * wd, []).append(p)
+            m, v = self._moments.pop(name)
+            ms.append(st["exp_avg"])
+            vs.append(st["exp_avg_sq"])
+            mts.append(m)
+            vts.append(v)
+            ps.append(p)
+            Ms.append(M)
+        torch._foreach_add_(steps, 1)
+        for factor, plist in decay.items():
+            torch._foreach_mul_(plist, factor)
+        torch._foreach_copy_(ms + vs, mts + vts)
+        torch._foreach_sub_(ps, Ms)
 
     def _update(self, name: str, p: torch.Tensor, M: torch.Tensor):
         group = self._groups.of(p)

@@ -10,8 +10,11 @@ engine knows *what* a step does with a bucket, in this order:
    :class:`~hvdsparse.payload.LayerPayload`. Layers the bucket path takes
    (``compressors/bucket.py``: a fixed number of launches per bucket) are compressed
    together; the others one by one (:meth:`StepEngine.compress`), with the local update
-   (DGC momentum correction / clipping, the Adam recipe) and the loss scale folded in. A
-   layer without a gradient contributes an *absent* payload (:meth:`compress_absent`).
+   (DGC momentum correction / clipping, the Adam recipe) and the loss scale folded in.
+   The Adam recipe's update-wire steps of a bucket are made together first
+   (``hvdsparse/adam_bucket.py``: one launch) and enter the bucket path as the layers'
+   input. A layer without a gradient contributes an *absent* payload
+   (:meth:`compress_absent`).
 2. **choose** (:meth:`StepEngine.strategy`): the exchange, fixed or ``auto`` by the cost
    model from sizes and from the figures of this bucket's exchange two steps back
    (:class:`hvdsparse.bucket_plan.BucketHistory`: read without stalling, the same on
@@ -46,7 +49,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from . import codec, ops
+from . import adam_bucket, codec, ops
 from .compressors import bucket
 from .compressors.base import Compressor, inverse_loss_scale
 from .exchange import BucketSpec, ExchangeContext, cost_model
@@ -249,35 +252,73 @@ class StepEngine:
         groups: Dict[tuple, tuple] = {}
         lu, comp = self.local_update, self.compressor
         with torch.no_grad():
+            made, nfs = self._own_steps(layers) if self.bucket_path else ({}, {})
             for i, lay in enumerate(layers):
                 if lay.grad is None:
                     out[i] = self.compress_absent(lay.name, lay.param, step, lay.nonfinite)
                     continue
-                planned = bucket.plan_layer(comp, lu, lay.name, lay.grad,
-                                                 lay.param.detach(), step) \
-                    if self.bucket_path else None
-                if planned is None:
-                    out[i] = self.compress(lay.name, lay.grad, lay.param, step,
-                                           lay.nonfinite)
-                    continue
+                x = made.get(lay.name)
+                if x is not None:
+                    # the Adam recipe's update-wire step, already made: the compressor's
+                    # whole input (the per-layer path after AdamRecipe.corrected)
+                    nf = nfs[lay.name]
+                    planned = bucket.plan_layer(comp, None, lay.name, x, lay.param.detach(),
+                                                step, clean_input=True)
+                    if planned is None:
+                        out[i] = comp.compress(lay.name, x, step, param=lay.param.detach(),
+                                               nonfinite=nf)
+                        continue
+                    grad = x
+                else:
+                    planned = bucket.plan_layer(comp, lu, lay.name, lay.grad,
+                                                lay.param.detach(), step) \
+                        if self.bucket_path else None
+                    if planned is None:
+                        out[i] = self.compress(lay.name, lay.grad, lay.param, step,
+                                               lay.nonfinite)
+                        continue
+                    nf = lay.nonfinite if lay.nonfinite is not None else \
+                        torch.zeros(1, dtype=torch.int32, device=lay.grad.device)
+                    grad = lay.grad
                 mspec, plan = planned
-                nf = lay.nonfinite if lay.nonfinite is not None else \
-                    torch.zeros(1, dtype=torch.int32, device=lay.grad.device)
-                item = bucket.BucketItem(lay.name, lay.grad, lay.param.detach(), nf,
-                                              mspec)
-                items, plans, slots = groups.setdefault(bucket.group_key(plan, item),
-                                                        ([], [], []))
+                item = bucket.BucketItem(lay.name, grad, lay.param.detach(), nf, mspec)
+                # made inputs are scaled already: their own groups, no loss scale
+                key = (x is not None,) + tuple(bucket.group_key(plan, item))
+                items, plans, slots = groups.setdefault(key, ([], [], []))
                 items.append(item)
                 plans.append(plan)
                 slots.append(i)
-            for items, plans, slots in groups.values():
-                pays, batch = bucket.compress_bucket(
-                    comp, items, plans, step, grad_scale=self.grad_scale(items[0].grad.device))
+            for key, (items, plans, slots) in groups.items():
+                gs = None if key[0] else self.grad_scale(items[0].grad.device)
+                pays, batch = bucket.compress_bucket(comp, items, plans, step, grad_scale=gs)
                 if batches is not None:
                     batches.append(batch)
                 for it, i in zip(items, slots):
                     out[i] = pays[it.name]
         return out
+
+    def _own_steps(self, layers: Sequence[LayerInput]):
+        """The Adam recipe's update-wire steps of ``layers`` that the bucket path can make
+        (:meth:`AdamRecipe.bucket_own_step`), made together (``hvdsparse/adam_bucket.py``):
+        ``(name -> x, name -> non-finite counter)``; empty for any other local update."""
+        lu = self.local_update
+        if lu is None or not hasattr(lu, "bucket_own_step"):
+            return {}, {}
+        rows = []
+        for lay in layers:
+            if lay.grad is None:
+                continue
+            got = lu.bucket_own_step(lay.name, lay.grad, lay.param.detach())
+            if got is None:
+                continue
+            nf = lay.nonfinite if lay.nonfinite is not None else \
+                torch.zeros(1, dtype=torch.int32, device=lay.grad.device)
+            rows.append(adam_bucket.OwnStepRow(lay.name, lay.grad, lay.param.detach(), nf,
+                                               got))
+        if not rows:
+            return {}, {}
+        xs = adam_bucket.own_steps(lu, rows, self.grad_scale(rows[0].grad.device))
+        return xs, {r.name: r.nonfinite for r in rows}
 
     # ------------------------------------------------------------------ exchange
     def history(self, names: Sequence[str]) -> BucketHistory:

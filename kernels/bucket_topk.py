@@ -26,7 +26,8 @@ Per bucket and step (``hvdsparse/compressors/topk_bucket.py`` drives them)::
     sample      1 launch   S[j, i] = |r_j[off_j + stride_j * i]| for i < s_j, -1 after;
                            zeroes the round counts and the payload counts
     topk        torch.topk(S, M, dim=1, sorted=True)  (M = max_j m_j; the -1 padding
-                           sorts last and is never read: every rank used is <= s_j)
+                           sorts last and is never read: every rank used is <= s_j);
+                           with the counting rounds, skipped when no row is sampled
     count x R   1 launch per refinement round: counts[j, round] += #{|r_j| >= t_j}
     ladder      (Threshold's guard rows; zeroed lad[L, J] + 1 launch) lad[j, q] +=
                            #{|r_j| >= t_j * gam[q]}, t_j = max(tau_j, TINY); the select
@@ -35,10 +36,13 @@ Per bucket and step (``hvdsparse/compressors/topk_bucket.py`` drives them)::
                            |r_j| >= t_j into slots out_j + [0, cap_j) (indices local to the
                            layer), residual zeroed where sent (fp32) or left with the cast
                            error (fp16 / bf16); count[j] = [sent, selected]
-    radix       (ROUTE_FRESH rows: Threshold's refresh steps; 1 zero fill + 4 x 2
-                           launches, before the sample) tau_j = max(the exact k-th largest
-                           |r_j|, TINY) written to C_TIN: 8-bit digits of the fp32 bit
-                           patterns, most significant first, a histogram per pass
+    radix       (ROUTE_FRESH rows: Threshold's refresh steps, TopK's score rows; 4
+                           launches, before the sample; the accumulate zeroed their
+                           scratch) the exact k-th largest |r_j|: 8-bit digits of the
+                           fp32 bit patterns, most significant first, a histogram per
+                           pass (each program walks the earlier passes' histograms for
+                           their digits); the select reads the last digit and writes
+                           tau_j = max(that value, TINY) to C_TIN
     clamp       1 launch   count[j, 0] = min(count[j, 1], cap_j); MODE_GUARD rows
                            (Threshold's overflow guard) set count[j, 1] = lad[j, 0] (the
                            count at tau) and write the next step's
@@ -46,6 +50,15 @@ Per bucket and step (``hvdsparse/compressors/topk_bucket.py`` drives them)::
                            tau' = ratio > 1 ? tau * min(sqrt(ratio), 2) : tau (div_rn,
                            sqrt_rn: threshold.py's torch expression, bit for bit)
     mask        1 launch   (after the exchange) u_j[idx] = 0 for the sent slots
+
+MODE_SCORE rows (TopK's ``fresh_weight = w``, ROUTE_FRESH, capacity k): the radix
+select and the select rank the score ``|r_j + w x_j|`` instead of ``|r_j|`` (``x_j``:
+the row's fp32 input at ``C_G``, non-finite elements 0; ``w`` in ``C_W``; ``w * x``
+rounded, then the sum) and send ``r_j``'s values: the exact k largest scores, i.e. every
+score above the k-th and, of those equal to it, as many as k leaves (counted by their
+own counter: the first reserved, in ascending index order through the interpreter as the
+per-layer path's ties to the lower index, in the launch's block order on a GPU); a
+k-th score below TINY sends every score >= TINY.
 
 Each segment's threshold follows ``kernels/refine.py``'s rule (the same ``replay_rounds``):
 ``v`` is row ``j`` of the sorted sample, ``r0``, ``m``, ``k``, ``capacity`` its own.
@@ -77,9 +90,9 @@ from .table import f32, fptr, gptr, program_row
 # columns of the segment table (int64); fp32 values are stored as their bits
 C_G, C_R, C_U, C_P, C_N, C_MODE, C_M, C_C, C_WD, C_NF = range(10)
 C_RK, C_RCAP, C_CAP, C_STRIDE, C_OFF, C_S, C_R0, C_MLEN, C_OUT, C_BLK0 = range(10, 20)
-C_EXACT, C_TGT, C_TIN, C_TOUT = 20, 21, 22, 23
-W = 24
-MODE_MOMENTUM, MODE_NESTEROV, MODE_WD, MODE_GUARD = 1, 2, 4, 8
+C_EXACT, C_TGT, C_TIN, C_TOUT, C_W = 20, 21, 22, 23, 24
+W = 25
+MODE_MOMENTUM, MODE_NESTEROV, MODE_WD, MODE_GUARD, MODE_SCORE = 1, 2, 4, 8, 16
 #: threshold routes (column C_EXACT): sampled + refined, the exact k-th largest of a
 #: small layer, given (Threshold / DCT: the reused tau read from C_TIN), or fresh
 #: (Threshold's refresh step: the exact k-th largest |r|, k in C_RK, found by the radix
@@ -90,6 +103,9 @@ GDT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 VE_FP32, VE_FP16, VE_BF16 = 0, 1, 2
 _VE_DTYPE = {VE_FP32: torch.float32, VE_FP16: torch.float16, VE_BF16: torch.bfloat16}
 _TINY = float(torch.finfo(torch.float32).tiny)
+#: int32 cells of a row's radix scratch: four 256-bin histograms, the NaN count, the
+#: MODE_SCORE rows' tie counter and the number of ties they send
+RS = tl.constexpr(4 * 256 + 3)
 
 
 
@@ -118,6 +134,7 @@ _EXACT = tl.constexpr(C_EXACT)
 _TGT = tl.constexpr(C_TGT)
 _TIN = tl.constexpr(C_TIN)
 _TOUT = tl.constexpr(C_TOUT)
+_W = tl.constexpr(C_W)
 
 
 @triton.jit
@@ -130,9 +147,34 @@ def _where_am_i(tab_ptr, blk_ptr, W: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _accumulate_kernel(tab_ptr, blk_ptr, scale_ptr, W: tl.constexpr,
-                       HAS_SCALE: tl.constexpr, GDT: tl.constexpr, BLOCK: tl.constexpr):
+def _ranked(row, a, offs, mask):
+    """What a row ranks: ``a`` (= r), or with MODE_SCORE (TopK's ``fresh_weight``) the
+    score ``a + w * x``, ``x`` = the row's fp32 input at ``C_G`` with its non-finite
+    elements 0 (as the residual saw it), ``w`` in ``C_W``."""
+    if (tl.load(row + _MODE) & 16) != 0:
+        x = tl.load(fptr(row, _G) + offs, mask=mask, other=0.0)
+        x = tl.where(tl.abs(x) < float("inf"), x, 0.0)
+        a = a + f32(row, _W) * x
+    return a
+
+
+@triton.jit
+def _accumulate_kernel(tab_ptr, blk_ptr, scale_ptr, rad_ptr, cnt_ptr, W: tl.constexpr,
+                       HAS_SCALE: tl.constexpr, GDT: tl.constexpr, RADIX: tl.constexpr,
+                       ZERO_CNT: tl.constexpr, BLOCK: tl.constexpr):
     j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
+    if ZERO_CNT:
+        # the payload counts zeroed by each row's first program (instead of a sample
+        # launch: the group has no sampled row)
+        if lb == 0:
+            c2 = tl.arange(0, 2).to(tl.int64)
+            tl.store(cnt_ptr + j * 2 + c2, tl.zeros([2], dtype=tl.int32))
+    if RADIX:
+        # a ROUTE_FRESH row's radix scratch (histograms, NaN count) zeroed by its first
+        # program: the radix select's first pass runs after this launch
+        if (lb == 0) & (tl.load(row + _EXACT) == 3):
+            z = tl.arange(0, 2048).to(tl.int64)
+            tl.store(rad_ptr + j * RS + z, tl.zeros([2048], dtype=tl.int32), mask=z < RS)
     gp = gptr(row, _G, GDT)
     rp = fptr(row, _R)
     d = tl.load(gp + offs, mask=mask, other=0.0).to(tl.float32)
@@ -230,11 +272,31 @@ def _ladder_kernel(tab_ptr, blk_ptr, lad_ptr, gam_ptr, tiny, W: tl.constexpr,
 
 @triton.jit
 def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_ptr, val_ptr,
-                   cnt_ptr, tiny, lad_ptr, gam_ptr, W: tl.constexpr, ROUNDS: tl.constexpr,
-                   VE: tl.constexpr, J: tl.constexpr, BLOCK: tl.constexpr):
+                   cnt_ptr, tiny, lad_ptr, gam_ptr, rad_ptr, W: tl.constexpr,
+                   ROUNDS: tl.constexpr, VE: tl.constexpr, J: tl.constexpr,
+                   RADIX: tl.constexpr, BLOCK: tl.constexpr):
     j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
-    if tl.load(row + _EXACT) >= 2:             # GIVEN / FRESH: Threshold's tau
+    route = tl.load(row + _EXACT)
+    if RADIX:
+        # ROUTE_FRESH rows: the radix select's k-th largest key (the other rows' scratch
+        # is not written: not read)
+        rad = rad_ptr + j * RS
+        traw = tl.full([], -1.0, tl.float32)
+        krem = tl.full([], 0, tl.int32)
+        if route == 3:
+            prefix, krem = _radix_walk(rad, row, 4)
+            traw = prefix.to(tl.float32, bitcast=True)
+            traw = tl.where(tl.load(rad + 1024) > 0, float("nan"), traw)
+    if route == 2:                             # GIVEN: Threshold's reused tau
         t = tl.load(fptr(row, _TIN))
+    elif route == 3:                           # FRESH: the radix select's
+        if RADIX:
+            t = tl.where(traw < tiny, tiny, traw)
+            if lb == 0:
+                tl.store(fptr(row, _TIN), t)
+                tl.store(rad + 1026, krem)
+        else:
+            t = tl.load(fptr(row, _TIN))
     else:
         t = _row_replay(row, v_ptr, Mmax, counts_ptr, R, j, ROUNDS)
     t = tl.maximum(t, tiny)
@@ -250,8 +312,26 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
             ts = t * tl.load(gam_ptr + r)
     rp = fptr(row, _R)
     a = tl.load(rp + offs, mask=mask, other=0.0)
-    sel = (tl.abs(a) >= ts) & mask
-    slot, w = reserve_slots(sel, cnt_ptr + j * 2 + 1, tl.load(row + _CAP))
+    s = tl.abs(_ranked(row, a, offs, mask))
+    cap = tl.load(row + _CAP)
+    if RADIX:
+        # MODE_SCORE rows whose k-th score is >= TINY send the exact top k: every score
+        # above it (k - krem of them: slots [0, k - krem)) and krem of those equal to it
+        # (slots [k - krem, k), the first reserved: ascending index order through the
+        # interpreter, as the per-layer path's ties to the lower index; the launch's
+        # block order on a GPU). Other rows: every score >= t, as below.
+        ties = (route == 3) & ((tl.load(row + _MODE) & 16) != 0) & (traw >= tiny)
+        # -1: a value no |score| equals (other rows: no tie slots); a tie row's ts = traw
+        teq = tl.where(ties, traw, -1.0)
+        eq = (s == teq) & mask
+        gt = (s >= ts) & (s != teq) & mask
+        slot, w = reserve_slots(gt, cnt_ptr + j * 2 + 1, cap)
+        kr = tl.where(ties, krem, 0).to(tl.int64)
+        slot_e, w_e = reserve_slots(eq, rad + 1025, kr)
+        slot = tl.where(eq, cap - kr + slot_e, slot)
+        w = w | w_e
+    else:
+        slot, w = reserve_slots((s >= ts) & mask, cnt_ptr + j * 2 + 1, cap)
     out = tl.load(row + _OUT) + slot
     tl.store(idx_ptr + out, offs.to(tl.int32), mask=w)
     newa = store_float_values(a, val_ptr, out, w, VE)
@@ -259,64 +339,61 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
 
 
 @triton.jit
-def _radix_hist_kernel(tab_ptr, blk_ptr, hist_ptr, st_ptr, nan_ptr, W: tl.constexpr,
-                       PASS: tl.constexpr, BLOCK: tl.constexpr):
-    """ROUTE_FRESH rows, pass ``PASS`` of the radix select: hist[j, d] += #{i : the key
-    of |r_i| matches the digits found so far and has digit d at this pass}."""
-    j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
-    if tl.load(row + _EXACT) == 3:
-        SHIFT: tl.constexpr = 24 - 8 * PASS
-        a = tl.load(fptr(row, _R) + offs, mask=mask, other=0.0)
-        key = a.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        ok = mask
-        if PASS > 0:
-            ok = ok & ((key >> (SHIFT + 8)) == tl.load(st_ptr + j * 2))
-        else:
-            nn = tl.sum((mask & (key > 0x7F800000)).to(tl.int32), axis=0)
-            tl.atomic_add(nan_ptr + j, nn, mask=nn > 0, sem="relaxed")
-        b = tl.arange(0, 256)
-        h = tl.histogram(tl.where(ok, (key >> SHIFT) & 255, 0), 256)
-        h = h - tl.where(b == 0, BLOCK - tl.sum(ok.to(tl.int32), axis=0), 0)
-        tl.atomic_add(hist_ptr + j * 256 + b.to(tl.int64), h, mask=h > 0, sem="relaxed")
-
-
-@triton.jit
-def _radix_choose_kernel(tab_ptr, hist_ptr, st_ptr, nan_ptr, tiny, W: tl.constexpr,
-                         PASS: tl.constexpr):
-    """ROUTE_FRESH row ``j``: the digit of the k-th largest key at this pass (the
-    largest d with #{digit >= d} >= the rank left), the rank left below it; after the
-    last pass tau = max(fp32 of the key, TINY) (NaN when |r| holds a NaN: torch.topk's
-    order puts NaN first) into C_TIN."""
-    j = tl.program_id(0).to(tl.int64)
-    row = tab_ptr + j * W
-    if tl.load(row + _EXACT) == 3:
-        b = tl.arange(0, 256)
-        h = tl.load(hist_ptr + j * 256 + b.to(tl.int64))
-        if PASS == 0:
-            krem = tl.load(row + _RK).to(tl.int32)
-            prefix = krem * 0
-        else:
-            krem = tl.load(st_ptr + j * 2 + 1)
-            prefix = tl.load(st_ptr + j * 2)
+def _radix_walk(rad, row, PASSES: tl.constexpr):
+    """A ROUTE_FRESH row after ``PASSES`` passes (``rad``: its scratch): the digits of
+    the k-th largest key found so far (``prefix``) and its rank among the keys that
+    share them (``krem``). Each pass's digit: the largest ``d`` with ``#{digit >= d} >=
+    krem``."""
+    b = tl.arange(0, 256)
+    krem = tl.load(row + _RK).to(tl.int32)
+    prefix = krem * 0
+    for q in tl.static_range(PASSES):
+        h = tl.load(rad + q * 256 + b.to(tl.int64))
         ge = tl.sum(h, axis=0) - tl.cumsum(h, 0) + h        # #{digit >= d}
         d = tl.max(tl.where(ge >= krem, b, -1), axis=0)
         krem = krem - tl.sum(tl.where(b == d, ge - h, 0), axis=0)
         prefix = (prefix << 8) | d
-        tl.store(st_ptr + j * 2, prefix)
-        tl.store(st_ptr + j * 2 + 1, krem)
-        if PASS == 3:
-            t = prefix.to(tl.float32, bitcast=True)
-            t = tl.where(tl.load(nan_ptr + j) > 0, float("nan"), t)
-            t = tl.where(t < tiny, tiny, t)
-            tl.store(fptr(row, _TIN), t)
+    return prefix, krem
 
 
 @triton.jit
-def _clamp_kernel(tab_ptr, cnt_ptr, tau_ptr, lad_ptr, W: tl.constexpr, J: tl.constexpr):
+def _radix_hist_kernel(tab_ptr, blk_ptr, rad_ptr, W: tl.constexpr, PASS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """ROUTE_FRESH rows, pass ``PASS`` of the radix select: hist[j, PASS, d] += #{i : the
+    key of the ranked |r_i| has the digits the earlier passes chose (each program walks
+    their histograms itself: no launch between passes) and digit d at this pass}."""
+    j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
+    if tl.load(row + _EXACT) == 3:
+        rad = rad_ptr + j * RS
+        SHIFT: tl.constexpr = 24 - 8 * PASS
+        a = _ranked(row, tl.load(fptr(row, _R) + offs, mask=mask, other=0.0), offs, mask)
+        key = a.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        ok = mask
+        if PASS > 0:
+            prefix, krem = _radix_walk(rad, row, PASS)
+            ok = ok & ((key >> (SHIFT + 8)) == prefix)
+        else:
+            nn = tl.sum((mask & (key > 0x7F800000)).to(tl.int32), axis=0)
+            tl.atomic_add(rad + 1024, nn, mask=nn > 0, sem="relaxed")
+        b = tl.arange(0, 256)
+        h = tl.histogram(tl.where(ok, (key >> SHIFT) & 255, 0), 256)
+        h = h - tl.where(b == 0, BLOCK - tl.sum(ok.to(tl.int32), axis=0), 0)
+        tl.atomic_add(rad + PASS * 256 + b.to(tl.int64), h, mask=h > 0, sem="relaxed")
+
+
+@triton.jit
+def _clamp_kernel(tab_ptr, cnt_ptr, tau_ptr, lad_ptr, rad_ptr, W: tl.constexpr,
+                  J: tl.constexpr, RADIX: tl.constexpr):
     j = tl.program_id(0).to(tl.int64)
     row = tab_ptr + j * W
     cap = tl.load(row + _CAP)
     sel = tl.load(cnt_ptr + j * 2 + 1).to(tl.int64)
+    if RADIX:
+        if (tl.load(row + _EXACT) == 3) & ((tl.load(row + _MODE) & 16) != 0):
+            # a MODE_SCORE row: the scores above its k-th plus the ties it sent
+            rad = rad_ptr + j * RS
+            sel += tl.minimum(tl.load(rad + 1025), tl.load(rad + 1026)).to(tl.int64)
+            tl.store(cnt_ptr + j * 2 + 1, sel.to(tl.int32))
     tl.store(cnt_ptr + j * 2, tl.minimum(sel, cap).to(tl.int32))
     if J > 0:
         if _is_ladder_row(row):
@@ -346,52 +423,70 @@ def _mask_kernel(tab_ptr, idx_ptr, cnt_ptr, W: tl.constexpr, CB: tl.constexpr):
         tl.store(up + pos, tl.zeros([CB], dtype=tl.float32), mask=m)
 
 
-def accumulate(tab, blk, grad_scale, gdt, *, block):
+def radix_scratch(L, device):
+    """The radix select's scratch of ``L`` rows (int32 [L, RS]; :func:`accumulate` with
+    ``radix=`` zeroes the ROUTE_FRESH rows' parts, the other rows' are never read)."""
+    return torch.empty((L, RS.value), dtype=torch.int32, device=device)
+
+
+def accumulate(tab, blk, grad_scale, gdt, *, block, radix=None, counts=None):
+    """``radix``: :func:`radix_scratch` when ROUTE_FRESH rows follow (zeroed here);
+    ``counts``: the group's int32 [L, 2] payload counts, zeroed here (for
+    :func:`threshold_and_select` without a sampled row: no sample launch then)."""
     has_scale = grad_scale is not None
     _accumulate_kernel[(blk.numel(),)](
-        tab, blk, grad_scale.reshape(1) if has_scale else tab, W=W, HAS_SCALE=has_scale,
-        GDT=gdt, BLOCK=block, num_warps=16, enable_fp_fusion=False)
+        tab, blk, grad_scale.reshape(1) if has_scale else tab,
+        radix if radix is not None else tab, counts if counts is not None else tab, W=W,
+        HAS_SCALE=has_scale, GDT=gdt, RADIX=radix is not None, ZERO_CNT=counts is not None,
+        BLOCK=block, num_warps=16, enable_fp_fusion=False)
 
 
-def radix_select(tab, blk, L, *, block):
-    """ROUTE_FRESH rows: tau_j = max(the exact k_j-th largest |r_j|, TINY) into each
-    row's C_TIN (``Threshold``'s refresh: ``topk(|acc|, k).values.min().clamp_min(TINY)``,
-    the same value). The fp32 bit patterns of ``|r|`` order like the values (NaN above
-    Inf), so four passes of 8-bit digits, most significant first, each a histogram
-    launch (one 256-bin histogram per program, one atomic add per bin) and a choose
-    launch per row, find the key exactly: 1 + 8 launches per group, whatever L."""
-    dev = tab.device
-    buf = torch.zeros(4 * L * 256 + 3 * L, dtype=torch.int32, device=dev)
-    hist = buf[:4 * L * 256].view(4, L * 256)
-    st = buf[4 * L * 256:4 * L * 256 + 2 * L]
-    nan = buf[4 * L * 256 + 2 * L:]
+def radix_select(tab, blk, radix, *, block):
+    """ROUTE_FRESH rows' histograms for tau_j = max(the exact k_j-th largest ranked
+    ``|r_j|``, TINY) (``Threshold``'s refresh: ``topk(|acc|, k).values.min().clamp_min(
+    TINY)``, the same value; MODE_SCORE rows rank their score): the fp32 bit patterns
+    order like the values (NaN above Inf), so four passes of 8-bit digits, most
+    significant first, each a histogram launch (one 256-bin histogram per program, one
+    atomic add per bin; each program finds the digits of the earlier passes from their
+    histograms), find the key exactly; :func:`threshold_and_select`'s select launch
+    reads the last digit and writes tau to C_TIN. 4 launches per group, whatever L;
+    ``radix`` zeroed by :func:`accumulate`."""
     nblk = blk.numel()
     for p in range(4):
-        _radix_hist_kernel[(nblk,)](tab, blk, hist[p], st, nan, W=W, PASS=p, BLOCK=block,
-                                    num_warps=8)
-        _radix_choose_kernel[(L,)](tab, hist[p], st, nan, _TINY, W=W, PASS=p, num_warps=4)
+        _radix_hist_kernel[(nblk,)](tab, blk, radix, W=W, PASS=p, BLOCK=block, num_warps=8,
+                                    enable_fp_fusion=False)
 
 
 def threshold_and_select(tab, blk, L, smax, mmax, rounds, capacity_total, ve, ladder=None,
-                         *, block, sample_block=1024):
+                         *, block, sample_block=1024, radix=None, sampled=True,
+                         counts=None):
     """Sample, sort, ``rounds`` counting passes, (the ladder's counting pass), select
     and clamp. Returns ``(indices int32[capacity_total], values, counts int32[L, 2], tau
     fp32[L])``; the slots of segment ``j`` are ``[tab[j, _OUT], tab[j, _OUT] + cap_j)``.
     ``ladder``: Threshold's rung factors (``threshold.ladder_factors``), given when a
     row has MODE_GUARD (the driver's rule: the table is on the device, not checked
-    here); ``None``: no ladder pass."""
+    here); ``None``: no ladder pass. ``radix``: the scratch of :func:`radix_select`
+    (ROUTE_FRESH rows: their tau from it); ``sampled=False``: no row is ROUTE_SAMPLED or
+    ROUTE_EXACT (no sort, no counting round; with ``counts``, the [L, 2] payload counts
+    :func:`accumulate` zeroed, no sample launch either)."""
     dev = tab.device
     S = torch.empty((L, smax), dtype=torch.float32, device=dev)
     R = max(int(rounds), 1)
-    counts = torch.empty((L, R), dtype=torch.int32, device=dev)
-    cnt = torch.empty((L, 2), dtype=torch.int32, device=dev)
-    _sample_kernel[(L, triton.cdiv(smax, sample_block))](
-        tab, S, counts, cnt, smax, R, W=W, RP=triton.next_power_of_2(R), SB=sample_block,
-        num_warps=4)
-    V = torch.topk(S, mmax, dim=1, largest=True, sorted=True).values
+    counts_r = torch.empty((L, R), dtype=torch.int32, device=dev)
+    if counts is not None and not sampled:
+        cnt = counts                # zeroed by the accumulate launch; nothing to sample
+    else:
+        cnt = torch.empty((L, 2), dtype=torch.int32, device=dev)
+        _sample_kernel[(L, triton.cdiv(smax, sample_block))](
+            tab, S, counts_r, cnt, smax, R, W=W, RP=triton.next_power_of_2(R),
+            SB=sample_block, num_warps=4)
     nblk = blk.numel()
+    if not sampled:                 # GIVEN / FRESH rows only: nothing sorted or counted
+        V, rounds = S, 0
+    else:
+        V = torch.topk(S, mmax, dim=1, largest=True, sorted=True).values
     for j in range(rounds):
-        _count_kernel[(nblk,)](tab, blk, V, mmax, counts, R, W=W, ROUND=j, BLOCK=block,
+        _count_kernel[(nblk,)](tab, blk, V, mmax, counts_r, R, W=W, ROUND=j, BLOCK=block,
                                num_warps=8, enable_fp_fusion=False)
     J = 0 if ladder is None else ladder.numel()
     lad = torch.zeros((L, J), dtype=torch.int32, device=dev) if J else cnt
@@ -401,10 +496,12 @@ def threshold_and_select(tab, blk, L, smax, mmax, rounds, capacity_total, ve, la
     idx = torch.empty(capacity_total, dtype=torch.int32, device=dev)
     vals = torch.empty(capacity_total, dtype=_VE_DTYPE[ve], device=dev)
     tau = torch.empty(L, dtype=torch.float32, device=dev)
-    _select_kernel[(nblk,)](tab, blk, V, mmax, counts, R, tau, idx, vals, cnt, _TINY, lad,
-                            ladder if J else S, W=W, ROUNDS=rounds, VE=ve, J=J, BLOCK=block,
+    _select_kernel[(nblk,)](tab, blk, V, mmax, counts_r, R, tau, idx, vals, cnt, _TINY, lad,
+                            ladder if J else S, radix if radix is not None else cnt, W=W,
+                            ROUNDS=rounds, VE=ve, J=J, RADIX=radix is not None, BLOCK=block,
                             num_warps=16, enable_fp_fusion=False)
-    _clamp_kernel[(L,)](tab, cnt, tau, lad, W=W, J=J, num_warps=1, enable_fp_fusion=False)
+    _clamp_kernel[(L,)](tab, cnt, tau, lad, radix if radix is not None else cnt, W=W, J=J,
+                        RADIX=radix is not None, num_warps=1, enable_fp_fusion=False)
     return idx, vals, cnt, tau
 
 

@@ -20,8 +20,10 @@ without torchvision, or with ``--tiny``, a small local ResNet-like model, said i
 output and the JSON); ``lm`` = a GPT-2-small-like causal LM written in plain torch
 (12 pre-norm blocks of width 768, 12 heads, MLP 4x, GELU, learned positions, vocabulary
 16384, tied head; batch 8 x 256 tokens). Data are synthetic (fixed per rank, different
-across ranks), weights identical across ranks and modes (one seed), SGD lr 0.01 momentum
-0.9, fp32.
+across ranks), weights identical across ranks and modes (one seed), fp32; ResNet-50 trains
+with SGD lr 0.01 momentum 0.9, the LM with AdamW(lr=3e-4, weight_decay=0.01) (``--lm-optimizer
+sgd``: SGD as ResNet-50), handed to the hvdsparse hook (``optimizer=``: the Adam recipe,
+its update wire after one dense warm-up step).
 
 Modes, run in this order of importance (a mode that does not fit the time budget is
 skipped and listed as such): ``dense`` (DDP, no hook), ``powersgd-r1`` (PyTorch's
@@ -288,8 +290,15 @@ class Worker:
             self.torch.cuda.synchronize(self.device)
 
     # -------------------------------------------------------------- one mode
-    def make(self, mode, model):
-        """(module that trains, hvdsparse state or None, note)."""
+    def optimizer(self, model_name, model):
+        """The model's optimizer: AdamW for the LM (``--lm-optimizer adamw``), else SGD."""
+        if model_name == "lm" and self.a.lm_optimizer == "adamw":
+            return self.torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
+        return self.torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def make(self, mode, model, opt=None):
+        """(module that trains, hvdsparse state or None, note). ``opt``: the optimizer
+        over ``model``'s parameters, handed to the hvdsparse hook when it is an Adam."""
         from torch.nn.parallel import DistributedDataParallel as DDP
         dev_ids = [self.device.index] if self.cuda else None
         if mode == "local":
@@ -315,16 +324,19 @@ class Worker:
                 "qsgd": lambda: hvdsparse.QSGD(bits=4),
                 "randomk": lambda: hvdsparse.RandomK(0.01)}[mode]()
         m = DDP(model, device_ids=dev_ids)
-        st = hvdsparse.ddp.State(comp, m.named_parameters())
+        adam = isinstance(opt, (self.torch.optim.Adam, self.torch.optim.AdamW))
+        st = hvdsparse.ddp.State(comp, m.named_parameters(), optimizer=opt if adam else None)
         m.register_comm_hook(st, hvdsparse.ddp.hook)
-        return m, st, f"hvdsparse.ddp hook, {comp!r}, default buckets"
+        return m, st, (f"hvdsparse.ddp hook, {comp!r}, default buckets"
+                       + (", the Adam recipe" if adam else ""))
 
     def run_mode(self, mode, model_name):
         torch, a = self.torch, self.a
         t_mode = time.time()
         model, x, y, loss_fn, desc, nparam = build(model_name, a.tiny, self.device, self.rank)
-        net, state, note = self.make(mode, model)
-        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        opt = self.optimizer(model_name, model)
+        net, state, note = self.make(mode, model, opt)
+        note += f"; {type(opt).__name__}"
 
         def step():
             opt.zero_grad(set_to_none=True)
@@ -609,6 +621,7 @@ def run_launch(args, model, transport, modes, deadline, logdir, tag):
                    "--rank", str(r), "--world", str(args.world), "--port", str(port),
                    "--device", args.device, "--transport", transport, "--model", model,
                    "--modes", ",".join(todo), "--events", str(evp),
+                   "--lm-optimizer", args.lm_optimizer,
                    "--deadline", repr(deadline), "--warmup", str(args.warmup),
                    "--steps", str(args.steps), "--profile-steps", str(args.profile_steps),
                    "--pg-timeout", str(args.pg_timeout)] + (["--tiny"] if args.tiny else [])
@@ -829,6 +842,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="default 10 (--tiny: 3)")
     ap.add_argument("--profile-steps", type=int, default=None, help="default 2 (--tiny: 1)")
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--lm-optimizer", choices=("adamw", "sgd"), default="adamw",
+                    help="the LM's optimizer (ResNet-50: SGD)")
     ap.add_argument("--pg-timeout", type=float, default=120.0,
                     help="torch.distributed timeout (s): a collective waiting longer raises")
     # worker-only

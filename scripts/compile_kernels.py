@@ -89,7 +89,7 @@ KERNELS = [("residual", "_residual_tile_kernel"), ("residual", "_residual_flat_k
            ("bucket_topk", "_count_kernel"), ("bucket_topk", "_select_kernel"),
            ("bucket_topk", "_clamp_kernel"), ("bucket_topk", "_mask_kernel"),
            ("bucket_topk", "_ladder_kernel"), ("bucket_topk", "_radix_hist_kernel"),
-           ("bucket_topk", "_radix_choose_kernel"),
+           ("bucket_adam", "_own_step_kernel"),
            ("bucket_dense", "_dense_copy_kernel"), ("bucket_dense", "_qsgd_pack_kernel"),
            ("bucket_binned", "_ada_accumulate_kernel"),
            ("bucket_binned", "_ada_count_kernel"), ("bucket_binned", "_ada_pack_kernel"),
@@ -109,7 +109,7 @@ STREAMING = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_
 TABLE_STREAMING = {"_accumulate_kernel", "_count_kernel", "_select_kernel",
                    "_ladder_kernel", "_radix_hist_kernel", "_dense_copy_kernel",
                    "_qsgd_pack_kernel", "_ada_accumulate_kernel", "_ada_count_kernel",
-                   "_ada_pack_kernel"}
+                   "_ada_pack_kernel", "_own_step_kernel"}
 VECTOR_LOADS = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
                 "_refine_count_kernel", "_clean_kernel",
                 "_quantize_pack_kernel"}
@@ -120,7 +120,7 @@ NO_FMA = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_ker
           "_binned_pack_kernel", "_accumulate_kernel", "_count_kernel", "_select_kernel",
           "_ladder_kernel", "_clamp_kernel", "_dense_copy_kernel", "_qsgd_pack_kernel",
           "_ada_accumulate_kernel", "_ada_count_kernel", "_ada_pack_kernel", "_pick_kernel",
-          "_gather_kernel"}
+          "_gather_kernel", "_radix_hist_kernel", "_own_step_kernel"}
 #: kernels whose modules state a correctly rounded fp32 division (``div_rn``) without
 #: turning contraction off: no approximate fp32 division
 EXACT_DIV = {"_quantize_pack_kernel", "_unpack_kernel", "_scatter_row_kernel",
@@ -380,7 +380,33 @@ def drive(full: bool, errors: list):
     # Threshold's refresh step on the bucket path (ROUTE_FRESH: the radix select)
     run("bucket-Threshold-fresh@25M", lambda: bucket_groups(
         hvdsparse.Threshold(0.99, output_ratio=None), [("big", big2), ("mid", (350, 200))],
-        ["_radix_hist_kernel", "_radix_choose_kernel", "_select_kernel"]))
+        ["_radix_hist_kernel", "_select_kernel"]))
+
+    # the Adam recipe's update wire on the bucket path: the own-step launch, then TopK's
+    # score rows (MODE_SCORE: the radix select of |acc + x|)
+    def adam_update_wire():
+        from hvdsparse.adam import AdamRecipe
+        from hvdsparse.adam_bucket import OwnStepRow, own_steps
+        from hvdsparse.compressors import bucket as BK
+        p = torch.nn.Parameter(torch.zeros(big2))
+        g = torch.zeros(big2)
+        opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01)
+        opt.state[p].update(step=torch.tensor(3.0), exp_avg=torch.zeros(big2),
+                            exp_avg_sq=torch.zeros(big2))
+        rec = AdamRecipe(opt, {"w": p}, 1, lambda n: True, warmup=1, wire="update")
+        made = rec.bucket_own_step("w", g, p.detach())
+        if made is None:
+            raise AssertionError("the update wire's step: not on the bucket path")
+        nf = torch.zeros(1, dtype=torch.int32)
+        x = own_steps(rec, [OwnStepRow("w", g, p.detach(), nf, made)], torch.ones(1))["w"]
+        comp = hvdsparse.TopK(0.01, output_ratio=None)
+        comp.set_adam_update_wire(True)
+        got = BK.plan_layer(comp, None, "w", x, p.detach(), 1, clean_input=True)
+        if got is None or not got[1].get("score"):
+            raise AssertionError("TopK's score row: not on the bucket path")
+        BK.compress_bucket(comp, [BK.BucketItem("w", x, p.detach(), nf, None)], [got[1]], 1)
+        reached("_own_step_kernel", "_radix_hist_kernel", "_select_kernel")
+    run("bucket-Adam-update-TopK-score@25M", adam_update_wire)
 
     def cpu_payloads(makers):
         """Real payloads made on the CPU path from ``[(make compressor, name, shape)]``

@@ -40,12 +40,18 @@ Phases (the issuing Python stack decides; first rule that applies):
 the residual update and masking), then the innermost hvdsparse frame: ``exchange``
 (transport.py: the collectives), ``encode`` (codec's encoder, a strategy's ``launch``),
 ``decode`` (codec's decoder, a strategy's ``finish``), ``compress`` (compressors,
-momentum, Adam recipe, the kernels' wrappers), ``other`` (the rest of hvdsparse: the
-front door's plumbing), ``model`` (no hvdsparse frame, or issued by ``torch.optim``
+momentum, the Adam recipe and its bucket steps, the kernels' wrappers), ``other`` (the
+rest of hvdsparse: the front door's plumbing), ``model`` (no hvdsparse frame, or issued by ``torch.optim``
 code called from hvdsparse's wrapper: autograd, DDP's reducer, the optimizer).
 
+The optimizer: ``SGD(momentum=0.9, foreach=True)`` (``--optimizer sgd``, the default; the
+DDP hook without ``optimizer=``) or ``AdamW(lr=1e-3, weight_decay=0.01, foreach=True)``
+(``--optimizer adamw``; the DDP hook with ``optimizer=``: the Adam recipe, its update
+wire, the counted step past its one-step warm-up); a method label ``topk+adamw`` counts
+that method under AdamW whatever ``--optimizer`` says.
+
 ``added`` = total - the same count of a plain local step (no DDP, no hvdsparse: the
-model's own backward + optimizer step, counted the same way); the framework's dense
+model's own backward + the same optimizer's step, counted the same way); the framework's dense
 exchange without hvdsparse (DDP's allreduce, ``hvd.DistributedOptimizer``) is counted
 too, for reference. Buckets: exchange launches
 per step. The bound checked by ``scripts/launch_bound_check.py``: ``added <= 20 *
@@ -53,6 +59,7 @@ buckets + 10`` per step.
 
     .venv/bin/python scripts/count_device_ops.py --out docs/bench/device_ops/resnet50_div8
     .venv/bin/python scripts/count_device_ops.py --doors ddp --methods topk --where
+    .venv/bin/python scripts/count_device_ops.py --methods topk,topk+adamw
 """
 from __future__ import annotations
 
@@ -180,7 +187,7 @@ def _phase(frame) -> str:
             if name.startswith("finish") or name.startswith("_finish") or \
                     "phase2" in name or "decode" in name:
                 return "decode"
-        if "/compressors/" in fn or fn.endswith(("momentum.py", "adam.py")):
+        if "/compressors/" in fn or fn.endswith(("momentum.py", "adam.py", "adam_bucket.py")):
             return "compress"
     if all("/kernels/" in fn or fn.endswith("/ops.py") for fn, _ in hv):
         return "compress"
@@ -314,13 +321,22 @@ def _worker(args):
     scale = args.div ** 2
     min_numel = max(1, 1024 // scale)
     out = {}
-    for label in ["none", "dense"] + args.methods:
+    # a method label ``m+adamw`` counts ``m`` under AdamW whatever ``--optimizer`` says,
+    # against the plain local step under AdamW (``none+adamw``)
+    extra = ["none+adamw"] if any(split_label(m, args.optimizer)[1] == "adamw" and
+                                  args.optimizer != "adamw" for m in args.methods) else []
+    for label in ["none", "dense"] + extra + args.methods:
         torch.manual_seed(0)
         model = resnet50(args.div)
         params = list(model.parameters())
         assert len(params) == 161, len(params)
-        base = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9,
-                              foreach=True)      # the CUDA default: multi-tensor ops
+        method, optimizer = split_label(label, args.optimizer)
+        if optimizer == "adamw":    # the Adam recipe (its update wire by default)
+            base = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01,
+                                     foreach=True)
+        else:
+            base = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9,
+                                  foreach=True)      # the CUDA default: multi-tensor ops
         opt, net = base, model
         if label == "dense":             # the framework's own dense allreduce, no hvdsparse
             if door == "ddp":
@@ -329,14 +345,18 @@ def _worker(args):
                           gradient_as_bucket_view=args.bucket_view)
             else:
                 opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
-        elif label != "none":
-            comp = eval(METHODS[label][1].replace("MIN", str(min_numel)),
+        elif method != "none":
+            comp = eval(METHODS[method][1].replace("MIN", str(min_numel)),
                         {k: getattr(C, k) for k in C.__all__})
             if door == "ddp":
                 from torch.nn.parallel import DistributedDataParallel as DDP
                 net = DDP(model, bucket_cap_mb=25.0 / scale,
                           gradient_as_bucket_view=args.bucket_view)
-                state = hvdsparse.ddp.State(comp, model.named_parameters(), validate=False)
+                # the Adam recipe needs the optimizer (SGD: counted without it, no
+                # momentum correction in the hook)
+                state = hvdsparse.ddp.State(
+                    comp, model.named_parameters(), validate=False,
+                    optimizer=base if optimizer == "adamw" else None)
                 net.register_comm_hook(state, hvdsparse.ddp.hook)
             else:
                 opt = hvdsparse.DistributedOptimizer(
@@ -367,14 +387,22 @@ def _worker(args):
         if door == "ddp" and label != "none":
             del net
     if rank == 0:
-        base_total = out["none"]["total"]
         for label in args.methods:
-            out[label]["added"] = out[label]["total"] - base_total
+            base = "none+adamw" if split_label(label, args.optimizer)[1] == "adamw" and \
+                args.optimizer != "adamw" else "none"
+            out[label]["added"] = out[label]["total"] - out[base]["total"]
         print("RESULT " + json.dumps(dict(door=door, world=world, results=out)), flush=True)
     if door == "ddp":
         import torch.distributed as dist
         dist.destroy_process_group()
     print(f"HVDSPARSE-OK rank={rank}", flush=True)
+
+
+def split_label(label: str, default_optimizer: str):
+    """``(method, optimizer)`` of a method label: ``"topk"`` -> (topk, the default),
+    ``"topk+adamw"`` -> (topk, adamw)."""
+    method, _, opt = label.partition("+")
+    return method, opt or default_optimizer
 
 
 def _free_port() -> int:
@@ -385,16 +413,18 @@ def _free_port() -> int:
 
 def run_door(door: str, methods, *, np: int = 2, div: int = 8, image: int = 32,
              batch: int = 2, warmup: int = 3, steps: int = 1, where: bool = False,
-             timeout: float = 1800, tree=None, bucket_view: bool = True) -> dict:
+             timeout: float = 1800, tree=None, bucket_view: bool = True,
+             optimizer: str = "sgd") -> dict:
     """Launch the counting worker for one front door at world size ``np``; returns
     rank 0's result dict (``door``, ``world``, ``results``: label -> counts).
-    ``tree``: the checkout whose hvdsparse is counted (default: this one)."""
+    ``tree``: the checkout whose hvdsparse is counted (default: this one);
+    ``optimizer``: ``"sgd"`` (momentum 0.9) or ``"adamw"`` (the Adam recipe)."""
     tree = str(Path(tree or ROOT).resolve())
     bindir = Path(sys.executable).parent
     wargs = ["--worker", "--door", door, "--methods", ",".join(methods), "--div", str(div),
              "--image", str(image), "--batch", str(batch), "--warmup", str(warmup),
-             "--steps", str(steps), "--tree-path", tree] + (["--where"] if where else []) + \
-        ([] if bucket_view else ["--no-bucket-view"])
+             "--steps", str(steps), "--tree-path", tree, "--optimizer", optimizer] + \
+        (["--where"] if where else []) + ([] if bucket_view else ["--no-bucket-view"])
     if door == "ddp":
         launcher = bindir / "torchrun"
         cmd = [str(launcher if launcher.exists() else "torchrun"), "--nproc-per-node",
@@ -427,19 +457,25 @@ def table(results: dict, methods) -> str:
             "model", "triton"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for door, res in results.items():
-        r0 = res["results"]["none"]
-        rows.append(f"| {door} | plain local step (model's own) | - | {r0['total']:.0f} | "
-                    f"0 | - | - |" + " - |" * 7 + f" {r0['total']:.0f} | 0 |")
+        for base, what in (("none", ""), ("none+adamw", ", adamw")):
+            r0 = res["results"].get(base)
+            if r0 is not None:
+                rows.append(f"| {door} | plain local step (model's own{what}) | - | "
+                            f"{r0['total']:.0f} | 0 | - | - |" + " - |" * 7 +
+                            f" {r0['total']:.0f} | 0 |")
         rd = res["results"].get("dense")
         if rd is not None:
             rows.append(f"| {door} | dense ({'DDP allreduce' if door == 'ddp' else 'Horovod'}"
                         f", no hvdsparse) | - | {rd['total']:.0f} | "
-                        f"{rd['total'] - r0['total']:.0f} | - | - |" + " - |" * 8 + " 0 |")
+                        f"{rd['total'] - res['results']['none']['total']:.0f} | - | - |"
+                        + " - |" * 8 + " 0 |")
         for m in methods:
             r = res["results"][m]
             ph = r["phases"]
             nb = r["buckets"]
-            cells = [door, METHODS[m][0], f"{nb:g}", f"{r['total']:.0f}", f"{r['added']:.0f}",
+            meth, opt = split_label(m, "")
+            cells = [door, METHODS[meth][0] + (f", {opt}" if opt else ""), f"{nb:g}",
+                     f"{r['total']:.0f}", f"{r['added']:.0f}",
                      f"{r['added'] / nb:.1f}" if nb else "-", f"{bound(nb):.0f}"]
             cells += [f"{ph.get(p, {}).get('total', 0):.0f}" for p in PHASES]
             cells.append(f"{sum(v['triton'] for v in ph.values()):.0f}")
@@ -457,6 +493,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"),
+                    help="SGD(momentum=0.9) (momentum correction under SGD), or AdamW("
+                         "lr=1e-3, weight_decay=0.01) (the Adam recipe: its update wire)")
     ap.add_argument("--out", default=None, help="path stem for .json / .md")
     ap.add_argument("--no-bucket-view", dest="bucket_view", action="store_false",
                     help="DDP with gradient_as_bucket_view=False (DDP's default: two "
@@ -472,7 +511,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.methods = args.methods.split(",") if isinstance(args.methods, str) else args.methods
     for m in args.methods:
-        if m not in METHODS:
+        m, opt = split_label(m, args.optimizer)
+        if m not in METHODS or opt not in ("sgd", "adamw"):
             raise SystemExit(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
     if args.worker:
         return _worker(args)
@@ -485,7 +525,7 @@ def main(argv=None):
         results[door] = run_door(door, args.methods, np=args.np, div=args.div,
                                  image=args.image, batch=args.batch, warmup=args.warmup,
                                  steps=args.steps, where=args.where, tree=args.tree,
-                                 bucket_view=args.bucket_view)
+                                 bucket_view=args.bucket_view, optimizer=args.optimizer)
         print(f"[{door}: {time.time() - t0:.0f} s]", flush=True)
         print(table({door: results[door]}, args.methods), flush=True)
         if args.out:                  # each door as soon as it is counted
@@ -500,6 +540,7 @@ def main(argv=None):
                     print(f"  {n:7.1f}  {site}")
     print(f"device ops + Triton launches per step (aten ops as launches), ResNet-50 "
           f"topology (161 tensors) widths / {args.div}, {args.image}x{args.image} inputs, "
+          f"{args.optimizer}, "
           f"world size {args.np}, validate=False, forced Triton (interpreter)")
     print(tab)
     if args.out:
@@ -507,6 +548,7 @@ def main(argv=None):
         Path(args.out + ".json").write_text(json.dumps(dict(
             tree=str(Path(args.tree or ROOT).resolve()), div=args.div, image=args.image,
             batch=args.batch, np=args.np, bucket_view=args.bucket_view,
+            optimizer=args.optimizer,
             warmup=args.warmup, steps=args.steps, results=results), indent=1))
         Path(args.out + ".md").write_text(tab + "\n")
     return results

@@ -22,6 +22,8 @@ _spec = importlib.util.spec_from_file_location(
 cdo = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cdo)
 
+#: every compressor under SGD and under AdamW (the Adam recipe)
+ALL = list(cdo.METHODS) + [m + "+adamw" for m in cdo.METHODS]
 #: the small configuration both this check and tests/test_launch_count.py count
 SMALL = dict(div=16, image=16, batch=2, warmup=2, steps=1)
 _CACHE: dict = {}
@@ -30,7 +32,7 @@ _CACHE: dict = {}
 def small_counts(door: str, methods=None) -> dict:
     """Counts of ``methods`` (default: every compressor) through ``door`` (one launch of
     the job, cached)."""
-    methods = list(cdo.METHODS) if methods is None else list(methods)
+    methods = ALL if methods is None else list(methods)
     key = (door, tuple(methods))
     if key not in _CACHE:
         _CACHE[key] = cdo.run_door(door, methods, np=2, **SMALL)
@@ -44,7 +46,7 @@ def over_bound(door: str, method: str, methods=None):
     return r["added"], cdo.bound(r["buckets"]), r["buckets"]
 
 
-@pytest.mark.parametrize("method", list(cdo.METHODS))
+@pytest.mark.parametrize("method", ALL)
 @pytest.mark.parametrize("door", cdo.DOORS)
 def test_launch_bound(door, method):
     pytest.importorskip("triton")

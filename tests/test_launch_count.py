@@ -1,7 +1,10 @@
 """Launch counting of the CUDA path without a GPU (``scripts/count_device_ops.py``):
 both front doors at world size 2 (DDP hook under torchrun, ``DistributedOptimizer``
 under horovodrun, Gloo), ``validate=False``, forced Triton through the interpreter,
-the compressors on the bucket path, on ResNet-50's 161 parameter shapes at narrow widths.
+the compressors on the bucket path, on ResNet-50's 161 parameter shapes at narrow widths,
+under SGD (momentum 0.9) and, for TopK, Threshold and AdaComp, under AdamW (the Adam
+recipe's update wire: every rank's own Adam step made per bucket,
+``hvdsparse/adam_bucket.py``), counted in one job per door.
 
 Checks that the counting itself holds up (every compressor exchanged at least one
 bucket, phases add up to the total, the model's own work is present in every run,
@@ -26,11 +29,15 @@ lbc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(lbc)
 cdo = lbc.cdo
 
-#: (door, compressor) pairs whose counted step meets the bound (see module doc)
-MEETS_BOUND: set = {(door, m) for door in ("ddp", "horovod")
-                    for m in ("topk", "threshold", "adacomp", "qsgd4", "randomk", "slimdp")}
-#: the compressors counted here: every one ``scripts/count_device_ops.py`` knows
-METHODS = ("topk", "threshold", "adacomp", "qsgd4", "randomk", "slimdp")
+#: the compressors counted here: every one ``scripts/count_device_ops.py`` knows under
+#: SGD, and the three the transformer benchmarks use under AdamW (``+adamw``; all six:
+#: ``scripts/launch_bound_check.py``)
+SGD = ("topk", "threshold", "adacomp", "qsgd4", "randomk", "slimdp")
+METHODS = SGD + ("topk+adamw", "threshold+adamw", "adacomp+adamw")
+#: (door, method) pairs whose counted step meets the bound (see module doc); not met:
+#: AdaComp under AdamW through the DDP hook (BENCHMARKS.md, "Launch counts")
+MEETS_BOUND: set = {(door, m) for door in ("ddp", "horovod") for m in METHODS} - \
+    {("ddp", "adacomp+adamw")}
 
 
 @pytest.mark.parametrize("door", ["ddp", "horovod"])
@@ -51,7 +58,10 @@ def test_counts_are_consistent(door):
         assert hv > 0, f"{door} / {m}: no hvdsparse work counted"
         assert r["phases"].get("exchange", {}).get("total", 0) >= r["buckets"], \
             f"{door} / {m}: fewer collectives than buckets"
+        added, limit, nb = lbc.over_bound(door, m, METHODS)
         if (door, m) in MEETS_BOUND:
-            added, limit, nb = lbc.over_bound(door, m, METHODS)
             assert added <= limit, (f"{door} / {m}: {added:.0f} launches per step beyond "
                                     f"the model's own, bound {limit:.0f} ({nb:g} buckets)")
+        else:       # known over the bound (9 of 90 launches at the last count): no worse
+            assert added <= 1.15 * limit, (f"{door} / {m}: {added:.0f} launches per step, "
+                                           f"bound {limit:.0f} ({nb:g} buckets)")

@@ -4,7 +4,8 @@ allgather and split; and a step skipped for a NaN on one rank), Threshold, AdaCo
 under a layer budget) -- each
 with momentum correction, the default with SGD momentum -- QSGD, RandomK (its Philox
 draw: the same indices on both paths) and Slim-DP (its explorer's draw, over the dense
-exchange), 4 steps each, every parameter compared after every step.
+exchange), and TopK and Threshold under AdamW (the Adam recipe's update wire, made per
+bucket on the Triton path), 4 steps each, every parameter compared after every step.
 Kernels run through Triton's interpreter on CPU tensors; see the worker's docstring for
 why the two paths must give the same bits there."""
 from pathlib import Path
@@ -16,4 +17,4 @@ WORKER = Path(__file__).resolve().parent / "workers" / "paths_worker.py"
 
 def test_triton_path_trains_to_the_cpu_paths_bits_np2():
     out = run_horovod(WORKER, np=2, timeout=900, env={"TRITON_INTERPRET": "1"})
-    assert out.count("paths agree:") == 9, out[-3000:]
+    assert out.count("paths agree:") == 11, out[-3000:]

@@ -52,6 +52,12 @@ cleaned gradient, ``MODE_PRE``); a QSGD layer with momentum correction stays per
 an AdaComp layer folds the velocity in (its masking stays per layer: ``LocalUpdate.mask``
 on its ordinary payload, as the step engine does for every layer no batch masked).
 
+The Adam recipe (:class:`hvdsparse.adam.AdamRecipe`): its policy-dense layers take
+``dense`` rows (``bucket_spec``: the cleaned gradient, as with a local update); its
+update-wire steps are made for the whole bucket first (``hvdsparse/adam_bucket.py``) and
+enter here as the layers' whole, already scaled input (``clean_input``): every kind of
+row takes them, TopK's ``fresh_weight`` score rows included.
+
 Host work per group and step: a few host integers per layer (sizes, offsets, the seed
 from the host's step counter) and one host-to-device copy of the table (pinned,
 non-blocking on CUDA). No host synchronisation, no ``.item()``, no boolean indexing.
@@ -126,11 +132,14 @@ def _dense_kind(comp, name, grad) -> bool:
 
 
 def plan_layer(comp, local_update, name: str, grad: torch.Tensor, param: torch.Tensor,
-               step: int):
+               step: int, clean_input: bool = False):
     """``(momentum spec, plan)`` when layer ``name`` takes the bucket path at ``step``,
-    else None (the caller compresses it per layer). ``plan["kind"]`` says which rows."""
+    else None (the caller compresses it per layer). ``plan["kind"]`` says which rows.
+    ``clean_input``: ``grad`` is the compressor's whole input, already scaled
+    (:func:`.topk_bucket.plan_layer`)."""
     if getattr(comp, "bucket_path", False):
-        got = topk_bucket.plan_layer(comp, local_update, name, grad, param, step)
+        got = topk_bucket.plan_layer(comp, local_update, name, grad, param, step,
+                                     clean_input)
         if got is not None:
             got[1]["kind"] = KIND_TOPK
             return got

@@ -60,9 +60,11 @@ default: sampled threshold estimate + fused select (no sort of the whole layer)
     the exact ``k`` largest of the *score* ``|acc + w x|`` (ties to the lower index, as
     ``exact``) are sent, their ``acc`` values as above, capacity ``k``; the residual is
     ``acc - sent`` as always. ``w = 0``: the modes above. ``w > 0`` always selects
-    exactly (a sampled estimate would rank ``|acc|``, not the score), per layer (not the
-    bucket path), and not with ``per_bucket``. Default (``None``): ``1`` on the Adam
-    recipe's update wire (:mod:`hvdsparse.adam`; where an annealed learning rate makes
+    exactly (a sampled estimate would rank ``|acc|``, not the score), not with
+    ``per_bucket``; on the bucket path (Triton) only as the Adam recipe's update wire
+    (``hvdsparse/adam_bucket.py``), by a radix select of the score (of the scores equal
+    to the k-th, those a GPU's blocks reserve first). Default (``None``): ``1`` on the
+    Adam recipe's update wire (:mod:`hvdsparse.adam`; where an annealed learning rate makes
     ``acc`` mostly old, large updates, ranking them against the newest one keeps the
     selection current: on the GPT-style LM under warm-up + cosine, P = 2, 3 seeds,
     +0.0% of dense's loss against +19.4% with ``w = 0``, the same bytes; BENCHMARKS
@@ -365,9 +367,10 @@ class TopK(Compressor):
         acc, _ = self._acc(name, flat, None, ef)
         w = cfg.get("fresh_weight_in_force", 0.0)
         if cfg["exact"] or w:
-            if w:          # the score |acc + w x| (x as the residual saw it)
+            if w:          # the score |acc + w x| (x as the residual saw it; w * x
+                # rounded, then the sum: the bucket path's MODE_SCORE rows, bit for bit)
                 a = self._scratch_buf("abs", n, torch.float32, acc.device)
-                torch.add(acc, self._clean_grad(flat), alpha=w, out=a).abs_()
+                torch.mul(self._clean_grad(flat), w, out=a).add_(acc).abs_()
             else:
                 a = self._abs_buf(acc)
             ti = self._exact_top(a, k)

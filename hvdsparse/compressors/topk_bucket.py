@@ -14,10 +14,12 @@ given to the select, the overflow guard's next tau written by the clamp launch; 
 refresh steps, Triton path only, tau = the exact k-th largest ``|acc|`` of every
 refreshing row at once, ``kernels/bucket_topk.py``'s radix select). A
 layer takes this path when
-:func:`layer_plan` says it can; everything else (quantised values, ``exact``,
-``per_bucket``, no error feedback, a layer that goes dense this step, local clipping, the
-Adam recipe, Threshold's ``record_true_threshold``; on the CPU also Threshold's refresh
-steps,
+:func:`layer_plan` says it can; TopK's ``fresh_weight`` rows too when the layer's input
+is the Adam recipe's update-wire step made by ``hvdsparse/adam_bucket.py`` (Triton path:
+the exact k largest scores ``|acc + w x|`` by the radix select, MODE_SCORE). Everything
+else (quantised values, ``exact``, ``per_bucket``, no error feedback, a layer that goes
+dense this step, local clipping, the Adam recipe's warm-up and its gradient / momentum
+wires, Threshold's ``record_true_threshold``; on the CPU also Threshold's refresh steps,
 fp16 / bf16 gradients or values, and every layer when the compiled loops are
 unavailable: :func:`hvdsparse.native.available`) stays per layer.
 Both front doors use it: the Horovod scheduler per fusion bucket, the DDP hook per DDP
@@ -97,10 +99,13 @@ def enabled(comp, local_update) -> bool:
 
 
 def plan_layer(comp, local_update, name: str, grad: torch.Tensor, param: torch.Tensor,
-               step: int):
+               step: int, clean_input: bool = False):
     """``(momentum spec, plan)`` when layer ``name`` takes the bucket path at ``step``
     (its momentum correction, if any, folded in: ``LocalUpdate.bucket_spec``), else None
-    (the caller compresses it per layer, as the front doors do otherwise)."""
+    (the caller compresses it per layer, as the front doors do otherwise).
+    ``clean_input``: ``grad`` is the compressor's whole input, fp32, already scaled (the
+    Adam recipe's update-wire step, ``hvdsparse/adam_bucket.py``): the rows that read it
+    a second time (``fresh_weight``'s score) may take the path."""
     if not takes(grad):
         return None
     spec = None
@@ -108,7 +113,7 @@ def plan_layer(comp, local_update, name: str, grad: torch.Tensor, param: torch.T
         ok, spec = local_update.bucket_spec(name, grad, comp.policy.is_dense(name, grad.shape))
         if not ok:
             return None
-    plan = layer_plan(comp, name, grad, step, param, spec)
+    plan = layer_plan(comp, name, grad, step, param, spec, clean_input)
     return None if plan is None else (spec, plan)
 
 
@@ -137,9 +142,12 @@ def momentum_cells(row, K, ms: MomentumSpec, param: torch.Tensor) -> int:
 
 
 def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
-               momentum: Optional[MomentumSpec] = None) -> Optional[dict]:
+               momentum: Optional[MomentumSpec] = None,
+               clean_input: bool = False) -> Optional[dict]:
     """Host integers of layer ``name`` at ``step`` when the bucket path can compress it
-    with exactly the per-layer result, else None (the caller compresses it per layer)."""
+    with exactly the per-layer result, else None (the caller compresses it per layer).
+    ``fresh_weight`` rows (the score ``|acc + w x|``: ROUTE_FRESH with MODE_SCORE, the
+    Triton path only) need ``clean_input`` (:func:`plan_layer`) and no velocity."""
     from .threshold import Threshold
     from .topk import TopK, sample_layout
     if type(comp).compress is not Compressor.compress:
@@ -163,8 +171,11 @@ def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
     if not cfg["error_feedback"] or enc not in _VE_CODE or \
             (on_cpu and enc != ValueEncoding.FP32):
         return None
-    if not given and (cfg["exact"] or cfg["per_bucket"] or
-                      cfg.get("fresh_weight_in_force")):
+    w = 0.0 if given else cfg.get("fresh_weight_in_force", 0.0)
+    if not given and (cfg["exact"] or cfg["per_bucket"]):
+        return None
+    if w and (not clean_input or on_cpu or momentum is not None or
+              grad.dtype != torch.float32):
         return None
     if momentum is not None and momentum.weight_decay and \
             (param is None or param.dtype != grad.dtype or not param.is_contiguous()
@@ -178,6 +189,9 @@ def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
         return None
     common = dict(n=n, k=k, cap=cap, d=d, enc=enc, rounds=cfg["rounds"],
                   target=0.5 * (k + cap), qb=cfg["quant_bucket"])
+    if w:               # the exact k largest scores (capacity k): the radix select
+        return dict(common, exact=ROUTE_FRESH, s=1, stride=1, off=0, r0=1, m=1, rk=k,
+                    rcap=2 ** 31 - 1, fresh=True, score=w)
     lay = sample_layout(n, k, cap, comp._seed(name, step, PURPOSE_SAMPLE))
     if lay is None:     # the exact route: the whole layer, t = the k-th largest |acc|
         return dict(common, exact=1, s=n, stride=1, off=0, r0=k, m=k, rk=0,
@@ -273,10 +287,13 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         row[K.C_STRIDE], row[K.C_OFF], row[K.C_S] = pl["stride"], pl["off"], pl["s"]
         row[K.C_R0], row[K.C_MLEN], row[K.C_EXACT] = pl["r0"], pl["m"], pl["exact"]
         row[K.C_TGT] = float_bits(pl["target"])
+        if pl.get("score"):
+            row[K.C_MODE] = row[K.C_MODE] | K.MODE_SCORE
+            row[K.C_W] = float_bits(pl["score"])
         if pl["exact"] in (K.ROUTE_GIVEN, ROUTE_FRESH):
             row[K.C_TIN] = pl["tau"].data_ptr() if pl["exact"] == K.ROUTE_GIVEN else \
                 tau_new[j].data_ptr()
-            if pl["guard"]:
+            if pl.get("guard"):
                 # the next step's tau: a new tensor (layer state is replaced, never
                 # modified in place: rollback snapshots and the history share tensors)
                 pl["tau_out"] = torch.empty((), dtype=torch.float32, device=dev)
@@ -291,9 +308,21 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
     # the programs' segments (Triton only: the CPU loops walk the rows)
     blk = _block_table([pl["n"] for pl in plans], dev) if ops.use_triton(items[0].grad) \
         else None
-    K.accumulate(table, blk, grad_scale, K.GDT_CODE[items[0].grad.dtype], block=BLOCK)
+    # the Triton path's radix select (ROUTE_FRESH rows), and without a sampled row no
+    # sample, sort or counting launch: the accumulate zeroes the payload counts (the CPU
+    # twin has neither)
+    kw, acc_kw = {}, {}
     if fresh:
-        K.radix_select(table, blk, L, block=BLOCK)
+        kw["radix"] = acc_kw["radix"] = K.radix_scratch(L, dev)
+    if ops.use_triton(items[0].grad):
+        kw["sampled"] = any(pl["exact"] in (K.ROUTE_SAMPLED, K.ROUTE_EXACT) for pl in plans)
+        if not kw["sampled"]:
+            kw["counts"] = acc_kw["counts"] = torch.empty((L, 2), dtype=torch.int32,
+                                                          device=dev)
+    K.accumulate(table, blk, grad_scale, K.GDT_CODE[items[0].grad.dtype], block=BLOCK,
+                 **acc_kw)
+    if fresh:
+        K.radix_select(table, blk, kw["radix"], block=BLOCK)
     enc = plans[0]["enc"]
     # Threshold's guard rows between refreshes also select through the overflow ladder
     # (threshold.py)
@@ -303,7 +332,7 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         ladder = ladder_factors(dev, comp.ladder)
     idx, vals, cnt, tau = K.threshold_and_select(
         table, blk, L, max(pl["s"] for pl in plans), max(pl["m"] for pl in plans),
-        plans[0]["rounds"], out, _VE_CODE[enc], ladder, block=BLOCK)
+        plans[0]["rounds"], out, _VE_CODE[enc], ladder, block=BLOCK, **kw)
     payloads = {}
     for j, (it, pl) in enumerate(zip(items, plans)):
         o, cap = int(tab[j, K.C_OUT]), pl["cap"]
@@ -314,7 +343,8 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         payload = LayerPayload(it.name, it.grad.shape, [seg])
         payload.nonfinite = it.nonfinite
         extra = dict(nonfinite=it.nonfinite)
-        if pl["exact"] == ROUTE_FRESH:         # Threshold._compress's refresh
+        threshold_row = pl["exact"] in (K.ROUTE_GIVEN, ROUTE_FRESH) and not pl.get("score")
+        if threshold_row and pl["exact"] == ROUTE_FRESH:   # Threshold._compress's refresh
             st = comp._layers.get(it.name)
             if st is None:
                 st = comp._layers[it.name] = dict(tau=None, k=None, last_refresh=None,
@@ -322,7 +352,7 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
             st["tau"], st["k"], st["last_refresh"] = tau_new[j], pl["k"], step
             st["history"].append((step, tau_new[j]))
             del st["history"][:-comp.max_history]
-        if pl["exact"] in (K.ROUTE_GIVEN, ROUTE_FRESH):
+        if threshold_row:
             # as Threshold._compress records it
             extra["refreshed"] = pl["exact"] == ROUTE_FRESH
             if pl["guard"]:

@@ -11,6 +11,9 @@ atomics reserve slots in ascending order, as the CPU path does; the two runs mus
 agree bit for bit on every parameter after every step, and across ranks. A difference
 is a kernel that does not compute what the CPU path computes.
 
+Two cases train under AdamW (the Adam recipe's update wire): on the Triton path every
+rank's own Adam step is made per bucket and TopK ranks by its score on the bucket path.
+
 Layers are large enough for TopK's sampled estimate (65,536-element weights, so the
 refinement kernel runs) and AdaComp's 500-element bins; SGD with momentum 0.9 and
 weight decay, so momentum correction (the default) runs, and its masking (asked for:
@@ -52,7 +55,8 @@ def build():
                                torch.nn.Linear(256, 10))
 
 
-def train(make_comp, forced: bool, exchange: str, nan_at=None, bucket_path=True):
+def train(make_comp, forced: bool, exchange: str, nan_at=None, bucket_path=True,
+          adamw=False):
     if forced:
         os.environ["HVDSPARSE_FORCE_TRITON"] = "1"
     else:
@@ -60,11 +64,16 @@ def train(make_comp, forced: bool, exchange: str, nan_at=None, bucket_path=True)
     os.environ["HVDSPARSE_BUCKET_PATH"] = "1" if bucket_path else "0"
     try:
         net = build()
+        if adamw:       # the Adam recipe's update wire (one dense warm-up step)
+            base, kw = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=1e-2), {}
+        else:
+            base = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9,
+                                   weight_decay=1e-3)
+            kw = dict(momentum_masking=True)
         opt = hvdsparse.DistributedOptimizer(
-            torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3),
-            named_parameters=net.named_parameters(), compression=make_comp(),
-            exchange=exchange, validate=not forced, momentum_masking=True,
-            nonfinite="raise" if nan_at is None else "skip")
+            base, named_parameters=net.named_parameters(), compression=make_comp(),
+            exchange=exchange, validate=not forced,
+            nonfinite="raise" if nan_at is None else "skip", **kw)
         g = torch.Generator().manual_seed(100 + R)
         snaps = []
         for step in range(STEPS):
@@ -99,21 +108,28 @@ CASES = [
     # the dense exchange: each rank's own payloads expanded (the fused own_dense)
     ("SlimDP(0.3, 0.1, core_period=3), dense",
      lambda: hvdsparse.SlimDP(0.3, 0.1, core_period=3), "dense"),
+    # AdamW: every rank's own Adam step made per bucket on the Triton path
+    # (hvdsparse/adam_bucket.py), TopK's score rows (the radix select of |acc + x|),
+    # Threshold's refresh (step 1) and reuse rows; per layer on the CPU
+    ("TopK(0.01), AdamW", lambda: hvdsparse.TopK(0.01), "allgather", None, True),
+    ("Threshold(0.99), AdamW", lambda: hvdsparse.Threshold(0.99), "allgather", None, True),
 ]
 
 NATIVE = native.available()
 check(NATIVE or os.environ.get("HVDSPARSE_NATIVE") == "0",
       f"the compiled CPU loops are unavailable: {native.why_unavailable()}")
 
-for label, make, exchange, *nan in CASES:
-    cpu, opt_c = train(make, False, exchange, *nan)
-    tri, opt_t = train(make, True, exchange, *nan)
+for label, make, exchange, *more in CASES:
+    nan = [n for n in more[:1] if n is not None]
+    adamw = bool(more[1:2] and more[1])
+    cpu, opt_c = train(make, False, exchange, *nan, adamw=adamw)
+    tri, opt_t = train(make, True, exchange, *nan, adamw=adamw)
     runs = [("the CPU path", cpu, opt_c), ("the Triton path", tri, opt_t)]
     # TopK, and Threshold between its refreshes, take the bucket path
     topk = label.startswith(("TopK", "Threshold"))
     if topk:        # and the CPU path with every layer compressed on its own
         runs.append(("the CPU per-layer path", *train(make, False, exchange, *nan,
-                                                      bucket_path=False)))
+                                                      bucket_path=False, adamw=adamw)))
     check([o.scheduler.skipped_steps for _, _, o in runs] == [len(nan)] * len(runs),
           f"{label}: skipped steps {[o.scheduler.skipped_steps for _, _, o in runs]}")
     check(opt_c.scheduler.local_update is not None or
@@ -127,7 +143,8 @@ for label, make, exchange, *nan in CASES:
     # on the Triton path every compressor here has bucket rows (TopK / Threshold,
     # AdaComp's bins, QSGD's buckets, the dense-by-policy biases)
     check(bool(bucketed(opt_t)), f"{label}: Triton bucket path {bucketed(opt_t)}")
-    check(bool(bucketed(opt_c)) == (topk and NATIVE and "fp16" not in label),
+    # (the Adam recipe's layers: per layer on the CPU)
+    check(bool(bucketed(opt_c)) == (topk and NATIVE and "fp16" not in label and not adamw),
           f"{label}: CPU bucket path {bucketed(opt_c)}")
     if topk:
         check(not bucketed(runs[2][2]), f"{label}: HVDSPARSE_BUCKET_PATH=0 not honoured")

@@ -21,12 +21,9 @@ import numpy as np
 import torch
 
 from . import ops
-from .compressors.topk_bucket import float_bits
+from .compressors.topk_bucket import BLOCK, _block_table, float_bits
 
 __all__ = ["OwnStepRow", "own_steps"]
-
-#: elements per program
-BLOCK = 4096
 
 
 class OwnStepRow(NamedTuple):
@@ -35,22 +32,6 @@ class OwnStepRow(NamedTuple):
     param: torch.Tensor
     nonfinite: torch.Tensor      # int32[1] counter on the gradient's device
     made: tuple                  # AdamRecipe.bucket_own_step's (state, group, constants)
-
-
-_BLOCKS: Dict[tuple, torch.Tensor] = {}
-
-
-def _program_rows(ns: List[int], device) -> torch.Tensor:
-    """int32 [sum ceil(n_j / BLOCK)]: the row of every program (cached)."""
-    key = (tuple(ns), str(device))
-    t = _BLOCKS.get(key)
-    if t is None:
-        nblk = [-(-n // BLOCK) for n in ns]
-        t = torch.from_numpy(np.repeat(np.arange(len(ns), dtype=np.int32), nblk)).to(device)
-        if len(_BLOCKS) > 256:
-            _BLOCKS.clear()
-        _BLOCKS[key] = t
-    return t
 
 
 def own_steps(recipe, rows: List[OwnStepRow],
@@ -104,5 +85,5 @@ def own_steps(recipe, rows: List[OwnStepRow],
         gs = grad_scale
         if gs is not None and gs.device != dev:
             gs = gs.to(dev)
-        K.own_step(table, _program_rows(ns, dev), gs, K.GDT_CODE[dtype], block=BLOCK)
+        K.own_step(table, _block_table(ns, dev), gs, K.GDT_CODE[dtype], block=BLOCK)
     return out

@@ -141,8 +141,12 @@ class AdamReplay:
             m = self.mr[r].get(n, self.m[n])
             v = self.vr[r].get(n, self.v[n])
             self.mr[r][n] = m = b1 * m + (1 - b1) * g
-            self.vr[r][n] = v = b2 * v + (1 - b2) * g * g
-            x = m / (v.sqrt() / math.sqrt(1 - b2 ** t) + eps) / (1 - b1 ** t) * lr
+            self.vr[r][n] = v = b2 * v + (1 - b2) * (g * g)
+            # the wire's stated roundings (hvdsparse/adam.py, kernels/bucket_adam.py): a
+            # correctly rounded sqrt, the constant divisions as products with their fp32
+            # reciprocals (the first compressed steps' |x| cluster: rounding decides ties)
+            sq = v.double().sqrt().float()
+            x = m / (sq * (1 / math.sqrt(1 - b2 ** t)) + eps) * (1 / (1 - b1 ** t)) * lr
             acc = self.e[r][n] + x
             sent = self.select(acc, x) if self.needs_dw else self.select(acc, name=n, x=x)
             self.e[r][n] = acc - sent

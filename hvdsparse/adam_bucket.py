@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from . import ops
-from .compressors.topk_bucket import BLOCK, _block_table, float_bits
+from .compressors.topk_bucket import BLOCK, block_table, float_bits
 
 __all__ = ["OwnStepRow", "own_steps"]
 
@@ -85,5 +85,5 @@ def own_steps(recipe, rows: List[OwnStepRow],
         gs = grad_scale
         if gs is not None and gs.device != dev:
             gs = gs.to(dev)
-        K.own_step(table, _block_table(ns, dev), gs, K.GDT_CODE[dtype], block=BLOCK)
+        K.own_step(table, block_table(ns, dev), gs, K.GDT_CODE[dtype], block=BLOCK)
     return out

@@ -43,7 +43,7 @@ from ..payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
 from .base import PURPOSE_SAMPLE, Compressor
 
 __all__ = ["MomentumSpec", "BucketItem", "BucketBatch", "layer_plan", "compress_bucket",
-           "mask_bucket", "takes", "enabled", "plan_layer"]
+           "mask_bucket", "takes", "enabled", "plan_layer", "block_table", "float_bits"]
 
 #: elements per program of the streaming kernels
 BLOCK = 4096
@@ -240,7 +240,7 @@ def group_key(plan: dict, item: BucketItem):
 _BLOCKS: Dict[tuple, torch.Tensor] = {}
 
 
-def _block_table(ns: List[int], device) -> torch.Tensor:
+def block_table(ns: List[int], device) -> torch.Tensor:
     """int32 [sum ceil(n_j / BLOCK)]: the segment of every program (cached: layer sizes
     never change)."""
     key = (tuple(ns), str(device))
@@ -306,7 +306,7 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
     t = torch.from_numpy(tab)
     table = t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
     # the programs' segments (Triton only: the CPU loops walk the rows)
-    blk = _block_table([pl["n"] for pl in plans], dev) if ops.use_triton(items[0].grad) \
+    blk = block_table([pl["n"] for pl in plans], dev) if ops.use_triton(items[0].grad) \
         else None
     # the Triton path's radix select (ROUTE_FRESH rows), and without a sampled row no
     # sample, sort or counting launch: the accumulate zeroes the payload counts (the CPU

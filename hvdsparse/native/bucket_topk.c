@@ -51,11 +51,13 @@
 
 #define COLUMNS(X) X(C_G) X(C_R) X(C_U) X(C_P) X(C_N) X(C_MODE) X(C_M) X(C_C) X(C_WD) \
     X(C_NF) X(C_RK) X(C_RCAP) X(C_CAP) X(C_STRIDE) X(C_OFF) X(C_S) X(C_R0) X(C_MLEN) \
-    X(C_OUT) X(C_BLK0) X(C_EXACT) X(C_TGT) X(C_TIN) X(C_TOUT)
+    X(C_OUT) X(C_BLK0) X(C_EXACT) X(C_TGT) X(C_TIN) X(C_TOUT) X(C_W)
 #define AS_ENUM(c) c,
 #define AS_NAME(c) #c " "
 enum { COLUMNS(AS_ENUM) W };
-enum { MODE_MOMENTUM = 1, MODE_NESTEROV = 2, MODE_WD = 4, MODE_GUARD = 8 };
+/* C_W and MODE_SCORE (TopK's fresh_weight score rows) are the Triton path's only: the CPU
+ * never plans such a row; they keep the two layouts one */
+enum { MODE_MOMENTUM = 1, MODE_NESTEROV = 2, MODE_WD = 4, MODE_GUARD = 8, MODE_SCORE = 16 };
 enum { ROUTE_SAMPLED = 0, ROUTE_EXACT = 1, ROUTE_GIVEN = 2 };   /* column C_EXACT */
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -68,7 +70,7 @@ enum { ROUTE_SAMPLED = 0, ROUTE_EXACT = 1, ROUTE_GIVEN = 2 };   /* column C_EXAC
 const char *hvd_layout(void)
 {
     return COLUMNS(AS_NAME) "|MODE_MOMENTUM=1 MODE_NESTEROV=2 MODE_WD=4 MODE_GUARD=8 "
-                            "ROUTE_SAMPLED=0 ROUTE_EXACT=1 ROUTE_GIVEN=2";
+                            "MODE_SCORE=16 ROUTE_SAMPLED=0 ROUTE_EXACT=1 ROUTE_GIVEN=2";
 }
 
 static inline float cell_f32(const int64_t *row, int col)

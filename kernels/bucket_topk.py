@@ -24,7 +24,9 @@ Per bucket and step (``hvdsparse/compressors/topk_bucket.py`` drives them)::
                              r = fin2 ? r + x : r
                            plain segments: r = fin ? r + d : r
     sample      1 launch   S[j, i] = |r_j[off_j + stride_j * i]| for i < s_j, -1 after;
-                           zeroes the round counts and the payload counts
+                           zeroes the round counts and the payload counts (a group
+                           without a sampled row: none; the accumulate zeroes the
+                           payload counts)
     topk        torch.topk(S, M, dim=1, sorted=True)  (M = max_j m_j; the -1 padding
                            sorts last and is never read: every rank used is <= s_j);
                            with the counting rounds, skipped when no row is sampled
@@ -43,7 +45,8 @@ Per bucket and step (``hvdsparse/compressors/topk_bucket.py`` drives them)::
                            pass (each program walks the earlier passes' histograms for
                            their digits); the select reads the last digit and writes
                            tau_j = max(that value, TINY) to C_TIN
-    clamp       1 launch   count[j, 0] = min(count[j, 1], cap_j); MODE_GUARD rows
+    clamp       1 launch   (MODE_SCORE rows: count[j, 1] += the ties sent first)
+                           count[j, 0] = min(count[j, 1], cap_j); MODE_GUARD rows
                            (Threshold's overflow guard) set count[j, 1] = lad[j, 0] (the
                            count at tau) and write the next step's
                            threshold to C_TOUT: ratio = fp32(selected) / fp32(cap_j),

@@ -19,8 +19,9 @@
 #           for this GPU against the plain oracle bit for bit (NaN/Inf, FMA, rank-order
 #           decode); HVDSPARSE_TEST_SMOKE=1 runs a subset of the widest parametrised
 #           grids (each combination is one more Triton compile; every kernel still runs)
-#   bucket  tests/test_bucket_topk.py and tests/test_bucket_compress.py on CUDA: the
-#           bucket path (TopK / Threshold rows; AdaComp, QSGD, dense rows) against the
+#   bucket  tests/test_bucket_topk.py, tests/test_bucket_compress.py and
+#           tests/test_adam_bucket.py on CUDA: the bucket path (TopK / Threshold rows;
+#           AdaComp, QSGD, dense rows; the Adam recipe's update wire) against the
 #           per-layer path, bit for bit
 #   bench   scripts/gpu_bench.py: every kernel against a device copy of the same bytes
 #           at 1M and 25M elements, TopK compress of a 25M layer, a few training steps
@@ -119,7 +120,7 @@ stage oracle "$(budget oracle 120)" env HVDSPARSE_TEST_DEVICE="$DEVICE" HVDSPARS
 
 stage bucket "$(budget bucket 80)" env HVDSPARSE_TEST_DEVICE="$DEVICE" \
   "$PY" -m pytest -v -p no:cacheprovider --durations=5 tests/test_bucket_topk.py \
-  tests/test_bucket_compress.py
+  tests/test_bucket_compress.py tests/test_adam_bucket.py
 
 stage bench "$(budget bench 75)" "$PY" scripts/gpu_bench.py --out "$OUT"
 

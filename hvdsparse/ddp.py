@@ -426,7 +426,7 @@ class State:
             # the result goes back in DDP's own bucket buffer: a result that aliases the
             # bucket is not copied again, parameter by parameter, by DDP's reducer (one
             # copy per bucket here instead of one per parameter there)
-            it.future.set_result(it.buffer.copy_(total))
+            it.future.set_result(total if total is it.buffer else it.buffer.copy_(total))
         if not self._txn_open or flagged is None:   # no scaler, or no layer compared
             self._close_txn(commit=True)
         elif flagged.device.type == "cpu":
@@ -451,7 +451,13 @@ class State:
         for it in items:
             pend = it.pend
             total = self.engine.finish(pend, it.layout.history, it.payloads)
-            total.mul_(scale)
+            if total.dtype == it.buffer.dtype:
+                # averaged straight into DDP's own bucket buffer (every hook of the step
+                # has run: nothing reads the local gradients there any more), one launch
+                # for the average and the copy back
+                total = torch.mul(total, scale, out=it.buffer)
+            else:
+                total.mul_(scale)
             self.engine.feed_back(it.names, it.payloads, it.layout.spec, pend.undelivered,
                                   it.batches, self.step)
             gs = [v.view(p.shape) for v, p in zip(it.layout.spec.views(total), it.params)]

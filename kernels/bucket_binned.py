@@ -9,9 +9,10 @@ tile (the three kernels share the layout; no result depends on it).
 
 Per group and step (``hvdsparse/compressors/bucket.py`` drives them)::
 
-    zeros       1 launch   one int32 buffer: every row's slots (bin-relative indices),
-                           sign words and ``selected`` counter start at 0
-    accumulate  1 launch   G = fin ? G + d : G   (MODE_PRE: G + (fin ? d : +0), a
+    accumulate  1 launch   zeroes one int32 buffer (every row's slots, bin-relative
+                           indices; sign words; ``selected`` counter: each program a
+                           stripe);
+                           G = fin ? G + d : G   (MODE_PRE: G + (fin ? d : +0), a
                            gradient the local update cleaned), d = fp32(grad) * s;
                            MODE_MOMENTUM (DGC, kernels/bucket_topk.py's accumulate):
                              g = (fin ? d : +0) [+ fp32(wd) * fp32(param)],
@@ -91,9 +92,17 @@ def _d(row, offs, mask, scale_ptr, HAS_SCALE: tl.constexpr, GDT: tl.constexpr):
 
 
 @triton.jit
-def _ada_accumulate_kernel(tab_ptr, blk_ptr, scale_ptr, gmax_ptr, L, W: tl.constexpr,
-                       HAS_SCALE: tl.constexpr, GDT: tl.constexpr, ROWS: tl.constexpr,
-                       LP: tl.constexpr):
+def _ada_accumulate_kernel(tab_ptr, blk_ptr, scale_ptr, gmax_ptr, zero_ptr, zn, L,
+                           W: tl.constexpr, HAS_SCALE: tl.constexpr, GDT: tl.constexpr,
+                           ROWS: tl.constexpr, LP: tl.constexpr, ZB: tl.constexpr):
+    # the group's int32 slot / sign-word / counter buffer: program p zeroes its stripe
+    # [p * z, (p + 1) * z), z = cdiv(zn, programs) (read by the later launches only)
+    p = tl.program_id(0).to(tl.int64)
+    z = tl.cdiv(zn, tl.num_programs(0))
+    zend = tl.minimum((p + 1) * z, zn)
+    for i in range(0, z, ZB):
+        zo = p * z + i + tl.arange(0, ZB)
+        tl.store(zero_ptr + zo, tl.zeros([ZB], dtype=tl.int32), mask=zo < zend)
     j, row, lb, bins, bin_ok, cols, offs, mask = _tile(tab_ptr, blk_ptr, L, W, ROWS, LP)
     d, fin = _d(row, offs, mask, scale_ptr, HAS_SCALE, GDT)
     rp = fptr(row, _R)
@@ -205,12 +214,14 @@ def tile_rows(L, *, block=4096):
     return max(1, block // triton.next_power_of_2(int(L)))
 
 
-def accumulate(tab, blk, grad_scale, gmax, gdt, L, rows):
+def accumulate(tab, blk, grad_scale, gmax, zero, gdt, L, rows):
+    """``zero``: the group's int32 buffer the count and pack launches add and OR into,
+    zeroed here."""
     has = grad_scale is not None
     _ada_accumulate_kernel[(blk.numel(),)](
-        tab, blk, grad_scale.reshape(1) if has else gmax, gmax, int(L), W=W,
-        HAS_SCALE=has, GDT=gdt, ROWS=rows, LP=triton.next_power_of_2(int(L)), num_warps=8,
-        enable_fp_fusion=False)
+        tab, blk, grad_scale.reshape(1) if has else gmax, gmax, zero, zero.numel(), int(L),
+        W=W, HAS_SCALE=has, GDT=gdt, ROWS=rows, LP=triton.next_power_of_2(int(L)), ZB=1024,
+        num_warps=8, enable_fp_fusion=False)
 
 
 def count(tab, blk, grad_scale, gmax, cnt, selected, gdt, L, hm1, c, rows):

@@ -8,7 +8,7 @@ world size 2 over Gloo).
 A pytest module (``.venv/bin/python -m pytest -q scripts/launch_bound_check.py``): one
 test per (door, compressor) pair, for a compressor added to ``count_device_ops.METHODS``
 before ``tests/test_launch_count.py`` (which checks the counting itself and asserts the
-bound for the pairs in its ``MEETS_BOUND``: today every compressor) lists it.
+bound for the pairs it counts) lists it.
 """
 from __future__ import annotations
 

@@ -466,8 +466,9 @@ def _adacomp_bucket(comp, items, plans, step, grad_scale):
     blk = _program_table(nprog, dev)
     wide = Lb > 256
     relw = _cdiv(slot0 * (2 if wide else 1), 4)
-    # one zeroed buffer: slots (unused ones stay 0), sign words, selected counters
-    zero = torch.zeros(relw + word0 + Lr, dtype=torch.int32, device=dev)
+    # one buffer the accumulate launch zeroes: slots (unused ones stay 0), sign words,
+    # selected counters
+    zero = _empty(relw + word0 + Lr, torch.int32, dev)
     rel = zero[:relw].view(torch.int16 if wide else torch.uint8)[:slot0]
     words = zero[relw:relw + word0]
     selected = zero[relw + word0:]
@@ -476,7 +477,7 @@ def _adacomp_bucket(comp, items, plans, step, grad_scale):
     scales = _empty(Lr, torch.float32, dev)
     counts = _empty(Lr, torch.int32, dev)
     gdt = _GDT[items[0].grad.dtype]
-    K.accumulate(table, blk, grad_scale, gmax, gdt, Lb, rows)
+    K.accumulate(table, blk, grad_scale, gmax, zero, gdt, Lb, rows)
     # one scale per layer, the mean of its bin maxima: every row in one launch, each
     # with the per-layer path's bits (ops.segment_mean)
     ops.segment_means(gmax, table, K.W, K.C_BIN0, K.C_NB, Lr, scales)

@@ -45,7 +45,7 @@ Per bucket and step (``hvdsparse/compressors/topk_bucket.py`` drives them)::
                            pass (each program walks the earlier passes' histograms for
                            their digits); the select reads the last digit and writes
                            tau_j = max(that value, TINY) to C_TIN
-    clamp       1 launch   (MODE_SCORE rows: count[j, 1] += the ties sent first)
+    clamp       1 launch   (MODE_TIES rows: count[j, 1] += the ties sent first)
                            count[j, 0] = min(count[j, 1], cap_j); MODE_GUARD rows
                            (Threshold's overflow guard) set count[j, 1] = lad[j, 0] (the
                            count at tau) and write the next step's
@@ -54,14 +54,16 @@ Per bucket and step (``hvdsparse/compressors/topk_bucket.py`` drives them)::
                            sqrt_rn: threshold.py's torch expression, bit for bit)
     mask        1 launch   (after the exchange) u_j[idx] = 0 for the sent slots
 
-MODE_SCORE rows (TopK's ``fresh_weight = w``, ROUTE_FRESH, capacity k): the radix
-select and the select rank the score ``|r_j + w x_j|`` instead of ``|r_j|`` (``x_j``:
-the row's fp32 input at ``C_G``, non-finite elements 0; ``w`` in ``C_W``; ``w * x``
-rounded, then the sum) and send ``r_j``'s values: the exact k largest scores, i.e. every
-score above the k-th and, of those equal to it, as many as k leaves (counted by their
-own counter: the first reserved, in ascending index order through the interpreter as the
-per-layer path's ties to the lower index, in the launch's block order on a GPU); a
-k-th score below TINY sends every score >= TINY.
+MODE_SCORE rows (``fresh_weight = w``: TopK's, ROUTE_FRESH; Threshold's, ROUTE_GIVEN or
+ROUTE_FRESH): the radix select, the ladder and the select rank the score ``|r_j + w
+x_j|`` instead of ``|r_j|`` (``x_j``: the row's fp32 input at ``C_G``, non-finite
+elements 0; ``w`` in ``C_W``; ``w * x`` rounded, then the sum) and send ``r_j``'s
+values. MODE_TIES rows (TopK's, with MODE_SCORE, capacity k) send the exact k largest
+scores, i.e. every score above the k-th and, of those equal to it, as many as k leaves
+(counted by their own counter: the first reserved, in ascending index order through the
+interpreter as the per-layer path's ties to the lower index, in the launch's block order
+on a GPU); a k-th score below TINY sends every score >= TINY. Threshold's rows send
+every score at or above their threshold, up to the capacity, as unscored rows do.
 
 Each segment's threshold follows ``kernels/refine.py``'s rule (the same ``replay_rounds``):
 ``v`` is row ``j`` of the sorted sample, ``r0``, ``m``, ``k``, ``capacity`` its own.
@@ -95,7 +97,7 @@ C_G, C_R, C_U, C_P, C_N, C_MODE, C_M, C_C, C_WD, C_NF = range(10)
 C_RK, C_RCAP, C_CAP, C_STRIDE, C_OFF, C_S, C_R0, C_MLEN, C_OUT, C_BLK0 = range(10, 20)
 C_EXACT, C_TGT, C_TIN, C_TOUT, C_W = 20, 21, 22, 23, 24
 W = 25
-MODE_MOMENTUM, MODE_NESTEROV, MODE_WD, MODE_GUARD, MODE_SCORE = 1, 2, 4, 8, 16
+MODE_MOMENTUM, MODE_NESTEROV, MODE_WD, MODE_GUARD, MODE_SCORE, MODE_TIES = 1, 2, 4, 8, 16, 32
 #: threshold routes (column C_EXACT): sampled + refined, the exact k-th largest of a
 #: small layer, given (Threshold / DCT: the reused tau read from C_TIN), or fresh
 #: (Threshold's refresh step: the exact k-th largest |r|, k in C_RK, found by the radix
@@ -151,7 +153,7 @@ def _where_am_i(tab_ptr, blk_ptr, W: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _ranked(row, a, offs, mask):
-    """What a row ranks: ``a`` (= r), or with MODE_SCORE (TopK's ``fresh_weight``) the
+    """What a row ranks: ``a`` (= r), or with MODE_SCORE (``fresh_weight``) the
     score ``a + w * x``, ``x`` = the row's fp32 input at ``C_G`` with its non-finite
     elements 0 (as the residual saw it), ``w`` in ``C_W``."""
     if (tl.load(row + _MODE) & 16) != 0:
@@ -263,11 +265,13 @@ def _is_ladder_row(row):
 @triton.jit
 def _ladder_kernel(tab_ptr, blk_ptr, lad_ptr, gam_ptr, tiny, W: tl.constexpr,
                    J: tl.constexpr, BLOCK: tl.constexpr):
-    """Threshold's overflow ladder: lad[j, q] += #{|r_j| >= max(tau_j, tiny) * gam[q]}."""
+    """Threshold's overflow ladder: lad[j, q] += #{|r_j| >= max(tau_j, tiny) * gam[q]}
+    (MODE_SCORE rows: their score's magnitude)."""
     j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
     if _is_ladder_row(row):
         t = tl.maximum(tl.load(fptr(row, _TIN)), tiny)
-        a = tl.abs(tl.load(fptr(row, _R) + offs, mask=mask, other=0.0))
+        a = tl.abs(_ranked(row, tl.load(fptr(row, _R) + offs, mask=mask, other=0.0), offs,
+                           mask))
         for q in tl.static_range(J):
             c = tl.sum(((a >= t * tl.load(gam_ptr + q)) & mask).to(tl.int32), axis=0)
             tl.atomic_add(lad_ptr + j * J + q, c, mask=c > 0, sem="relaxed")
@@ -318,12 +322,12 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
     s = tl.abs(_ranked(row, a, offs, mask))
     cap = tl.load(row + _CAP)
     if RADIX:
-        # MODE_SCORE rows whose k-th score is >= TINY send the exact top k: every score
+        # MODE_TIES rows whose k-th score is >= TINY send the exact top k: every score
         # above it (k - krem of them: slots [0, k - krem)) and krem of those equal to it
         # (slots [k - krem, k), the first reserved: ascending index order through the
         # interpreter, as the per-layer path's ties to the lower index; the launch's
         # block order on a GPU). Other rows: every score >= t, as below.
-        ties = (route == 3) & ((tl.load(row + _MODE) & 16) != 0) & (traw >= tiny)
+        ties = (route == 3) & ((tl.load(row + _MODE) & 32) != 0) & (traw >= tiny)
         # -1: a value no |score| equals (other rows: no tie slots); a tie row's ts = traw
         teq = tl.where(ties, traw, -1.0)
         eq = (s == teq) & mask
@@ -392,8 +396,8 @@ def _clamp_kernel(tab_ptr, cnt_ptr, tau_ptr, lad_ptr, rad_ptr, W: tl.constexpr,
     cap = tl.load(row + _CAP)
     sel = tl.load(cnt_ptr + j * 2 + 1).to(tl.int64)
     if RADIX:
-        if (tl.load(row + _EXACT) == 3) & ((tl.load(row + _MODE) & 16) != 0):
-            # a MODE_SCORE row: the scores above its k-th plus the ties it sent
+        if (tl.load(row + _EXACT) == 3) & ((tl.load(row + _MODE) & 32) != 0):
+            # a MODE_TIES row: the scores above its k-th plus the ties it sent
             rad = rad_ptr + j * RS
             sel += tl.minimum(tl.load(rad + 1025), tl.load(rad + 1026)).to(tl.int64)
             tl.store(cnt_ptr + j * 2 + 1, sel.to(tl.int32))

@@ -1,5 +1,5 @@
 """The Adam recipe's update wire on the bucket path (``hvdsparse/adam_bucket.py``,
-``kernels/bucket_adam.py``; TopK's ``fresh_weight`` score rows in
+``kernels/bucket_adam.py``; TopK's and Threshold's ``fresh_weight`` score rows in
 ``kernels/bucket_topk.py``) gives the per-layer path's bits, through the step engine's
 ``compress_group`` with the bucket path on and off: every payload segment, residual,
 non-finite count, statistic and Adam's new moments, for every compressor, fp32 and bf16
@@ -28,8 +28,9 @@ def _comp(kind, seed):
     if kind == "topk":           # the default score (w = 1), one layer at w = 0.3, one at 0
         return TopK(0.05, output_ratio=None, seed=s,
                     overrides={"w2": dict(fresh_weight=0.3), "w4": dict(fresh_weight=0)})
-    if kind == "threshold":
-        return Threshold(0.97, life_span=2, output_ratio=None, seed=s)
+    if kind == "threshold":      # the default score (w = 1), one layer at w = 0.5, one at 0
+        return Threshold(0.97, life_span=2, output_ratio=None, seed=s,
+                         overrides={"w2": dict(fresh_weight=0.5), "w4": dict(fresh_weight=0)})
     if kind == "adacomp":
         return AdaComp(seed=s, overrides={"w4": dict(bin_size=300, max_per_bin=3)})
     if kind == "qsgd":
@@ -123,6 +124,7 @@ def _run(bucket_on, kind, layers, seed, gdt, scale, coupled, steps=3, counter=No
     ("topk", torch.bfloat16, 0.25, False, False),
     ("topk", torch.float32, None, False, True),
     ("threshold", torch.float32, 0.5, False, False),
+    ("threshold", torch.bfloat16, None, True, False),
     ("adacomp", torch.float32, None, True, False),
     ("qsgd", torch.bfloat16, None, False, False),
     ("randomk", torch.float32, 0.5, False, False),

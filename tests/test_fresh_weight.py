@@ -1,7 +1,9 @@
-"""TopK's ``fresh_weight``: the exact k largest of the score ``|acc + w x|`` are sent (their
-``acc`` values), the rest stays in the residual; the default follows the Adam recipe's
-update wire. Compared with an independent reference (a stable sort of the score, ties to
-the lower index) on fresh random data."""
+"""``fresh_weight``: TopK sends the exact k largest of the score ``|acc + w x|`` (their
+``acc`` values), Threshold every score at or above its tau (the k-th largest score at a
+refresh, reused and raised by the overflow guard in between); the rest stays in the
+residual; the default follows the Adam recipe's update wire. Compared with an independent
+reference (a stable sort of the score, ties to the lower index; the k-th largest score
+and a plain comparison) on fresh random data."""
 from __future__ import annotations
 
 import pytest
@@ -57,6 +59,54 @@ def test_selects_the_k_largest_scores(w, values):
         c.commit()
 
 
+@pytest.mark.parametrize("w", [1.0, 2.5])
+def test_threshold_selects_scores_at_or_above_tau(w):
+    """Refresh every 3rd step (tau = the k-th largest score); in between the reused tau
+    through the overflow ladder (the lowest rung ``fp32(tau * 2^(j/8))`` whose count fits
+    the capacity 2k) and the guard's raised tau (from the count at tau)."""
+    torch.manual_seed(int(10 * w))
+    shape, n, k = (40, 75), 3000, 30
+    cap = 2 * k
+    rungs = torch.tensor([2.0 ** (j / 8) for j in range(32)], dtype=torch.float32)
+    c = hvdsparse.Threshold(0.99, life_span=3, fresh_weight=w, min_numel=16)
+    resid = torch.zeros(n)
+    tau = None
+    overflowed = 0
+    for step in range(6):
+        g = torch.randn(shape) * (1 + 0.3 * step)
+        x = g.reshape(-1).clone()
+        acc = resid + x
+        score = (acc + w * x).abs()
+        refresh = step % 3 == 0
+        if refresh:
+            tau = torch.sort(score, descending=True).values[k - 1]
+            t = tau
+        else:
+            counts = torch.stack([(score >= tau * f).sum() for f in rungs])
+            t = tau * rungs[min(int((counts > cap).sum()), 31)]
+        pay = c.compress("w", g, step)
+        seg = pay.segments[0]
+        assert seg.capacity == cap
+        want_idx = torch.nonzero(score >= t).reshape(-1)
+        cnt = int(seg.count[0])
+        assert 0 < cnt == min(want_idx.numel(), cap), (step, cnt, want_idx.numel())
+        idx = seg.indices[:cnt].long()
+        assert idx.tolist() == want_idx[:cnt].tolist()      # ascending slots on the CPU
+        assert torch.equal(seg.values[:cnt], acc[idx])
+        sent = torch.zeros(n)
+        sent[idx] = acc[idx]
+        resid = acc - sent
+        assert torch.equal(c._residuals["w"], resid)
+        c.commit()
+        at_tau = int((score >= tau).sum())
+        if at_tau > cap:         # the guard raises tau for the next steps
+            overflowed += 1
+            ratio = torch.tensor(at_tau, dtype=torch.float32) / float(cap)
+            tau = tau * ratio.double().sqrt().float().clamp_max(2.0)
+        assert torch.equal(c.current_threshold("w").reshape(()), tau.reshape(())), step
+    assert overflowed > 0       # the case exercises the ladder and the guard
+
+
 def test_zero_weight_is_the_plain_selection():
     torch.manual_seed(3)
     a = hvdsparse.TopK(0.01, min_numel=16)
@@ -99,17 +149,26 @@ def test_default_follows_the_update_wire():
         assert c.layer_cfg("bias")["fresh_weight_in_force"] == 0.25   # set: kept
     make_local_update(opt, params, 2, c, adam=None)
     assert c.layer_cfg("weight")["fresh_weight_in_force"] == 0.0
-    # Threshold (a TopK subclass with its own settings) has no such setting
-    t = hvdsparse.Threshold(0.99)
-    make_local_update(opt, params, 2, t, adam=AdamSettings(1, None, None, "update"))
-    assert "fresh_weight_in_force" not in t.layer_cfg("weight")
+    # Threshold (a TopK subclass with its own settings) follows it too
+    t = hvdsparse.Threshold(0.99, overrides={"bias": {"fresh_weight": 0}}, compress_1d=True)
+    for wire, want in (("update", 1.0), ("gradient", 0.0)):
+        make_local_update(opt, params, 2, t, adam=AdamSettings(1, None, None, wire))
+        assert t.layer_cfg("weight")["fresh_weight_in_force"] == want
+        assert t.layer_cfg("bias")["fresh_weight_in_force"] == 0.0
+    with pytest.raises(ValueError, match="fresh_weight"):
+        hvdsparse.Threshold(0.99, fresh_weight=-1)
 
 
 def test_not_on_the_bucket_path():
     g = torch.randn(64, 200)
-    plain = hvdsparse.TopK(0.01)
-    fresh = hvdsparse.TopK(0.01, fresh_weight=1.0)
     if not topk_bucket.takes(g):
         pytest.skip("no compiled CPU loops here: the bucket path takes nothing on the CPU")
-    assert topk_bucket.layer_plan(plain, "w", g, 0) is not None
-    assert topk_bucket.layer_plan(fresh, "w", g, 0) is None
+    for cls, d in ((hvdsparse.TopK, 0.01), (hvdsparse.Threshold, 0.99)):
+        plain, fresh = cls(d), cls(d, fresh_weight=1.0)
+        step = 1 if cls is hvdsparse.Threshold else 0      # past the refresh (CPU)
+        if step:
+            for c in (plain, fresh):
+                c.compress("w", g, 0)
+                c.commit()
+        assert topk_bucket.layer_plan(plain, "w", g, step) is not None
+        assert topk_bucket.layer_plan(fresh, "w", g, step) is None

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["check_bool", "check_density", "check_quant_bucket", "prefixed"]
+__all__ = ["check_bool", "check_density", "check_fresh_weight", "check_quant_bucket",
+           "prefixed"]
 
 
 def check_bool(x, arg, where=""):
@@ -21,6 +22,17 @@ def check_quant_bucket(x, where=""):
     if not isinstance(x, int) or isinstance(x, bool) or x < 1:
         raise ValueError(f"{where}quant_bucket must be an int >= 1, got {x!r}")
     return x
+
+
+def check_fresh_weight(w, where=""):
+    """``None`` or ``float(w)`` for a number in [0, 16] (the weight of the newest input
+    in a ``|acc + w x|`` ranking)."""
+    if w is None:
+        return None
+    if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0.0 <= w <= 16.0:
+        raise ValueError(f"{where}fresh_weight must be None or a number in [0, 16], "
+                         f"got {w!r}")
+    return float(w)
 
 
 def check_density(x, argname):

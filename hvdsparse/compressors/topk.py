@@ -123,7 +123,7 @@ from ..payload import FLOAT_DTYPES, QUANT_BITS, IndexEncoding, LayerPayload, Seg
     ValueEncoding, bin_count_width
 from .base import (PURPOSE_QUANT, PURPOSE_SAMPLE, TINY, Compressor, binned_topc, ceil_div,
                    check_values, k_of)
-from .checks import check_bool, check_density, check_quant_bucket, prefixed
+from .checks import check_bool, check_density, check_fresh_weight, check_quant_bucket, prefixed
 from .warmup import make_warmup
 
 __all__ = ["TopK", "estimate_topk_threshold"]
@@ -230,13 +230,8 @@ class TopK(Compressor):
             raise ValueError(f"{where}rounds must be an int in [0, 16], got {r!r}")
         check_quant_bucket(cfg["quant_bucket"], where)
         check_bool(cfg["error_feedback"], "error_feedback", where)
-        w = cfg.get("fresh_weight")
+        w = cfg["fresh_weight"] = check_fresh_weight(cfg.get("fresh_weight"), where)
         if w is not None:
-            if not isinstance(w, (int, float)) or isinstance(w, bool) or \
-                    not 0.0 <= w <= 16.0:
-                raise ValueError(f"{where}fresh_weight must be None or a number in "
-                                 f"[0, 16], got {w!r}")
-            cfg["fresh_weight"] = float(w)
             if w and pb is not None:
                 raise ValueError(f"{where}fresh_weight={w!r} cannot be combined with "
                                  f"per_bucket={pb!r} (it ranks the whole layer)")

@@ -14,9 +14,10 @@ given to the select, the overflow guard's next tau written by the clamp launch; 
 refresh steps, Triton path only, tau = the exact k-th largest ``|acc|`` of every
 refreshing row at once, ``kernels/bucket_topk.py``'s radix select). A
 layer takes this path when
-:func:`layer_plan` says it can; TopK's ``fresh_weight`` rows too when the layer's input
-is the Adam recipe's update-wire step made by ``hvdsparse/adam_bucket.py`` (Triton path:
-the exact k largest scores ``|acc + w x|`` by the radix select, MODE_SCORE). Everything
+:func:`layer_plan` says it can; TopK's and Threshold's ``fresh_weight`` rows too when the
+layer's input is the Adam recipe's update-wire step made by ``hvdsparse/adam_bucket.py``
+(Triton path: they rank the score ``|acc + w x|``, MODE_SCORE; TopK's send the exact k
+largest by the radix select, MODE_TIES). Everything
 else (quantised values, ``exact``, ``per_bucket``, no error feedback, a layer that goes
 dense this step, local clipping, the Adam recipe's warm-up and its gradient / momentum
 wires, Threshold's ``record_true_threshold``; on the CPU also Threshold's refresh steps,
@@ -171,7 +172,7 @@ def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
     if not cfg["error_feedback"] or enc not in _VE_CODE or \
             (on_cpu and enc != ValueEncoding.FP32):
         return None
-    w = 0.0 if given else cfg.get("fresh_weight_in_force", 0.0)
+    w = cfg.get("fresh_weight_in_force", 0.0)
     if not given and (cfg["exact"] or cfg["per_bucket"]):
         return None
     if w and (not clean_input or on_cpu or momentum is not None or
@@ -182,7 +183,7 @@ def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
              or param.device != grad.device):
         return None
     if given:
-        return _given_plan(comp, name, grad, step, cfg, n, enc)
+        return _given_plan(comp, name, grad, step, cfg, n, enc, w)
     d = comp.density(step, cfg["ratio"])
     k, cap = comp._k_and_capacity(n, d, cfg)
     if not comp._sparse_is_worth_it(n, cap, enc):
@@ -191,7 +192,7 @@ def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
                   target=0.5 * (k + cap), qb=cfg["quant_bucket"])
     if w:               # the exact k largest scores (capacity k): the radix select
         return dict(common, exact=ROUTE_FRESH, s=1, stride=1, off=0, r0=1, m=1, rk=k,
-                    rcap=2 ** 31 - 1, fresh=True, score=w)
+                    rcap=2 ** 31 - 1, fresh=True, score=w, ties=True)
     lay = sample_layout(n, k, cap, comp._seed(name, step, PURPOSE_SAMPLE))
     if lay is None:     # the exact route: the whole layer, t = the k-th largest |acc|
         return dict(common, exact=1, s=n, stride=1, off=0, r0=k, m=k, rk=0,
@@ -200,14 +201,15 @@ def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
     return dict(common, exact=0, s=s, stride=stride, off=off, r0=r0, m=m, rk=k, rcap=cap)
 
 
-def _given_plan(comp, name, grad, step, cfg, n, enc) -> Optional[dict]:
+def _given_plan(comp, name, grad, step, cfg, n, enc, w) -> Optional[dict]:
     """Threshold (DCT-DP) between refreshes: the layer's reused ``tau`` is the row's given
     threshold (``ROUTE_GIVEN``: no sample, no counting round) and, with the overflow
     guard, the clamp launch writes the next step's ``tau`` into a new tensor. Refresh
     steps on the Triton path: ``ROUTE_FRESH``, the radix select writes ``tau = max(k-th
     largest |acc|, TINY)`` (``topk(|acc|, k).values.min().clamp_min(TINY)``'s value)
     before the select reads it. Refresh steps on the CPU, ``record_true_threshold`` and
-    a ``tau`` on another device stay per layer (``Threshold._compress``)."""
+    a ``tau`` on another device stay per layer (``Threshold._compress``). ``w``: the
+    ``fresh_weight`` score rows rank ``|acc + w x|`` (MODE_SCORE) in all of this."""
     if comp.record_true_threshold:
         return None
     d = comp.density(step, cfg["sparsity"])
@@ -222,14 +224,15 @@ def _given_plan(comp, name, grad, step, cfg, n, enc) -> Optional[dict]:
             return None
         return dict(n=n, k=k, cap=cap, d=d, enc=enc, rounds=0, target=0.0,
                     qb=cfg["quant_bucket"], exact=3, s=1, stride=1, off=0, r0=1, m=1, rk=k,
-                    rcap=2 ** 31 - 1, guard=comp.overflow_guard, fresh=True)
+                    rcap=2 ** 31 - 1, guard=comp.overflow_guard, fresh=True, score=w,
+                    given=True)
     tau = st["tau"]
     if not isinstance(tau, torch.Tensor) or tau.dtype != torch.float32 or \
             tau.numel() != 1 or tau.device != grad.device or not tau.is_contiguous():
         return None
     return dict(n=n, k=k, cap=cap, d=d, enc=enc, rounds=0, target=0.0,
                 qb=cfg["quant_bucket"], exact=2, s=1, stride=1, off=0, r0=1, m=1, rk=0,
-                rcap=2 ** 31 - 1, tau=tau, guard=comp.overflow_guard)
+                rcap=2 ** 31 - 1, tau=tau, guard=comp.overflow_guard, score=w, given=True)
 
 
 def group_key(plan: dict, item: BucketItem):
@@ -288,7 +291,8 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         row[K.C_R0], row[K.C_MLEN], row[K.C_EXACT] = pl["r0"], pl["m"], pl["exact"]
         row[K.C_TGT] = float_bits(pl["target"])
         if pl.get("score"):
-            row[K.C_MODE] = row[K.C_MODE] | K.MODE_SCORE
+            row[K.C_MODE] = row[K.C_MODE] | K.MODE_SCORE | (K.MODE_TIES if pl.get("ties")
+                                                            else 0)
             row[K.C_W] = float_bits(pl["score"])
         if pl["exact"] in (K.ROUTE_GIVEN, ROUTE_FRESH):
             row[K.C_TIN] = pl["tau"].data_ptr() if pl["exact"] == K.ROUTE_GIVEN else \
@@ -343,7 +347,7 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         payload = LayerPayload(it.name, it.grad.shape, [seg])
         payload.nonfinite = it.nonfinite
         extra = dict(nonfinite=it.nonfinite)
-        threshold_row = pl["exact"] in (K.ROUTE_GIVEN, ROUTE_FRESH) and not pl.get("score")
+        threshold_row = pl.get("given", False)
         if threshold_row and pl["exact"] == ROUTE_FRESH:   # Threshold._compress's refresh
             st = comp._layers.get(it.name)
             if st is None:

@@ -55,9 +55,10 @@
 #define AS_ENUM(c) c,
 #define AS_NAME(c) #c " "
 enum { COLUMNS(AS_ENUM) W };
-/* C_W and MODE_SCORE (TopK's fresh_weight score rows) are the Triton path's only: the CPU
- * never plans such a row; they keep the two layouts one */
-enum { MODE_MOMENTUM = 1, MODE_NESTEROV = 2, MODE_WD = 4, MODE_GUARD = 8, MODE_SCORE = 16 };
+/* C_W, MODE_SCORE and MODE_TIES (fresh_weight's score rows) are the Triton path's only: the
+ * CPU never plans such a row; they keep the two layouts one */
+enum { MODE_MOMENTUM = 1, MODE_NESTEROV = 2, MODE_WD = 4, MODE_GUARD = 8, MODE_SCORE = 16,
+       MODE_TIES = 32 };
 enum { ROUTE_SAMPLED = 0, ROUTE_EXACT = 1, ROUTE_GIVEN = 2 };   /* column C_EXACT */
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -70,7 +71,7 @@ enum { ROUTE_SAMPLED = 0, ROUTE_EXACT = 1, ROUTE_GIVEN = 2 };   /* column C_EXAC
 const char *hvd_layout(void)
 {
     return COLUMNS(AS_NAME) "|MODE_MOMENTUM=1 MODE_NESTEROV=2 MODE_WD=4 MODE_GUARD=8 "
-                            "MODE_SCORE=16 ROUTE_SAMPLED=0 ROUTE_EXACT=1 ROUTE_GIVEN=2";
+                            "MODE_SCORE=16 MODE_TIES=32 ROUTE_SAMPLED=0 ROUTE_EXACT=1 ROUTE_GIVEN=2";
 }
 
 static inline float cell_f32(const int64_t *row, int col)

@@ -25,10 +25,10 @@ DEV = torch.device(os.environ.get("HVDSPARSE_TEST_DEVICE", "cpu"))
 
 def _comp(kind, seed):
     s = seed % 1000
-    if kind == "topk":           # the default score (w = 1), one layer at w = 0.3, one at 0
+    if kind == "topk":           # the default score, one layer at w = 0.3, one at 0
         return TopK(0.05, output_ratio=None, seed=s,
                     overrides={"w2": dict(fresh_weight=0.3), "w4": dict(fresh_weight=0)})
-    if kind == "threshold":      # the default score (w = 1), one layer at w = 0.5, one at 0
+    if kind == "threshold":      # the default score, one layer at w = 0.5, one at 0
         return Threshold(0.97, life_span=2, output_ratio=None, seed=s,
                          overrides={"w2": dict(fresh_weight=0.5), "w4": dict(fresh_weight=0)})
     if kind == "adacomp":

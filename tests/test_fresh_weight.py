@@ -12,6 +12,7 @@ import torch
 import hvdsparse
 from hvdsparse.adam_settings import AdamSettings
 from hvdsparse.compressors import topk_bucket
+from hvdsparse.compressors.topk import UPDATE_WIRE_FRESH_WEIGHT
 from hvdsparse.door import make_local_update
 from hvdsparse.payload import ValueEncoding
 
@@ -141,8 +142,9 @@ def test_default_follows_the_update_wire():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     c = hvdsparse.TopK(0.01, overrides={"bias": {"fresh_weight": 0.25}}, compress_1d=True)
     assert c.layer_cfg("weight")["fresh_weight_in_force"] == 0.0
-    for wire, want in (("update", 1.0), ("gradient", 0.0), ("momentum", 0.0),
-                       ("update", 1.0)):
+    W = UPDATE_WIRE_FRESH_WEIGHT
+    assert W > 0
+    for wire, want in (("update", W), ("gradient", 0.0), ("momentum", 0.0), ("update", W)):
         make_local_update(opt, params, 2, c, adam=AdamSettings(1, None, None, wire))
         assert c.adam_update_wire == (wire == "update")
         assert c.layer_cfg("weight")["fresh_weight_in_force"] == want
@@ -151,7 +153,7 @@ def test_default_follows_the_update_wire():
     assert c.layer_cfg("weight")["fresh_weight_in_force"] == 0.0
     # Threshold (a TopK subclass with its own settings) follows it too
     t = hvdsparse.Threshold(0.99, overrides={"bias": {"fresh_weight": 0}}, compress_1d=True)
-    for wire, want in (("update", 1.0), ("gradient", 0.0)):
+    for wire, want in (("update", W), ("gradient", 0.0)):
         make_local_update(opt, params, 2, t, adam=AdamSettings(1, None, None, wire))
         assert t.layer_cfg("weight")["fresh_weight_in_force"] == want
         assert t.layer_cfg("bias")["fresh_weight_in_force"] == 0.0

@@ -51,16 +51,17 @@ Deviations, all forced by fixed-size messages:
   All device ops, no host synchronisation. ``overflow_guard=False`` keeps ``tau`` fixed
   between refreshes and cuts an overflow in slot order (the paper's rule with a fixed
   capacity).
-* **The score** (``fresh_weight=w``, TopK's setting, the same default: 1 on the Adam
+* **The score** (``fresh_weight=w``, TopK's setting, the same default: 2 on the Adam
   recipe's update wire, 0 otherwise). With ``x`` this step's input (the cleaned gradient
   or the recipe's update), everything above ranks ``s = |acc + w x|`` (``w x`` rounded,
   then the sum) instead of ``|acc|``: the refresh's ``tau`` is the k-th largest ``s``, the
   ladder counts ``s``, and ``M = I(s >= t)``; the values sent are still ``acc``'s, so
   error feedback stays exact. Under an annealed learning rate ``acc`` is mostly old,
   large updates, and a threshold on ``|acc|`` keeps sending them; counting the newest
-  update twice keeps the selection current. On the GPT-style LM under AdamW, P = 2, 3
-  seeds (BENCHMARKS "Transformer LM under AdamW"): warm-up + cosine +5.4% of dense's
-  loss against +15.9% with ``w = 0``, constant rate -5.4% against +1.9%, the same bytes.
+  update more keeps the selection current. On the GPT-style LM under AdamW, P = 2, 3
+  seeds, the same bytes (BENCHMARKS "Transformer LM under AdamW"): warm-up + cosine
+  +3.7% of dense's loss with ``w = 2``, +5.4% with 1, +15.9% with 0; constant rate
+  -4.5%, -5.4%, +1.9%.
 * **Warm-up.** With a warm-up schedule ``k`` changes with the step; ``tau`` is
   recomputed on every step whose ``k`` differs from the ``k`` of the last refresh (and
   on every ``L``-th step as usual), so during warm-up the threshold is fresh each step.
@@ -183,14 +184,6 @@ class Threshold(TopK):
         check_bool(cfg["error_feedback"], "error_feedback", where)
         cfg["fresh_weight"] = check_fresh_weight(cfg.get("fresh_weight"), where)
         return cfg
-
-    def fresh_weight_of(self, cfg: dict) -> float:
-        """The layer's ``fresh_weight`` in force: its setting, or with ``None`` 1 on the
-        Adam recipe's update wire and 0 otherwise (as TopK's)."""
-        w = cfg.get("fresh_weight")
-        if w is None:
-            return 1.0 if self.adam_update_wire else 0.0
-        return w
 
     def _output_cfg(self, cfg: dict) -> dict:
         return dict(cfg, sparsity=min(cfg["sparsity"], 1.0 - self.output_ratio))

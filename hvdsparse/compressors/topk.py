@@ -63,12 +63,13 @@ default: sampled threshold estimate + fused select (no sort of the whole layer)
     exactly (a sampled estimate would rank ``|acc|``, not the score), not with
     ``per_bucket``; on the bucket path (Triton) only as the Adam recipe's update wire
     (``hvdsparse/adam_bucket.py``), by a radix select of the score (of the scores equal
-    to the k-th, those a GPU's blocks reserve first). Default (``None``): ``1`` on the
-    Adam recipe's update wire (:mod:`hvdsparse.adam`; where an annealed learning rate makes
-    ``acc`` mostly old, large updates, ranking them against the newest one keeps the
-    selection current: on the GPT-style LM under warm-up + cosine, P = 2, 3 seeds,
-    +0.0% of dense's loss against +19.4% with ``w = 0``, the same bytes; BENCHMARKS
-    "Transformer LM under AdamW"), ``0`` otherwise.
+    to the k-th, those a GPU's blocks reserve first). Default (``None``):
+    ``UPDATE_WIRE_FRESH_WEIGHT`` (2) on the Adam recipe's update wire
+    (:mod:`hvdsparse.adam`; where an annealed learning rate makes ``acc`` mostly old,
+    large updates, ranking them against the newest one keeps the selection current: on
+    the GPT-style LM, P = 2, 3 seeds, the same bytes, warm-up + cosine: -1.4% of dense's
+    loss with ``w = 2``, +0.0% with 1, +19.4% with 0; constant rate: -6.9%, -4.75%, +4.0%
+    (sampled); BENCHMARKS "Transformer LM under AdamW"), ``0`` otherwise.
 
 ``per_bucket=B`` (SparCML's per-bucket top-k, e.g. k = 4 .. 16 of every 512)
     the layer is split into buckets of ``B`` consecutive elements (last one partial)
@@ -126,7 +127,11 @@ from .base import (PURPOSE_QUANT, PURPOSE_SAMPLE, TINY, Compressor, binned_topc,
 from .checks import check_bool, check_density, check_fresh_weight, check_quant_bucket, prefixed
 from .warmup import make_warmup
 
-__all__ = ["TopK", "estimate_topk_threshold"]
+__all__ = ["TopK", "estimate_topk_threshold", "UPDATE_WIRE_FRESH_WEIGHT"]
+
+#: ``fresh_weight``'s default on the Adam recipe's update wire (TopK and Threshold; 0
+#: elsewhere): the weight ``w`` of the newest update in the score ``|acc + w x|``
+UPDATE_WIRE_FRESH_WEIGHT = 2.0
 
 
 def sample_layout(n: int, k: int, capacity: int, offset: int = 0, sample_min: int = 4096,
@@ -243,7 +248,8 @@ class TopK(Compressor):
         otherwise."""
         w = cfg.get("fresh_weight")
         if w is None:
-            return 1.0 if self.adam_update_wire and not cfg["per_bucket"] else 0.0
+            return UPDATE_WIRE_FRESH_WEIGHT if self.adam_update_wire and \
+                not cfg.get("per_bucket") else 0.0
         return w
 
     def _set_output_ratio(self, output_ratio) -> None:

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hvdsparse
 import hvdsparse.ddp
+from hvdsparse.compressors.topk import UPDATE_WIRE_FRESH_WEIGHT
 from tests.workers.adam_replay import AdamReplay, adacomp, out_layer, topk_exact
 from tests.workers.torchrun_exit import finish
 
@@ -92,8 +93,9 @@ for cls, comp, sel, dw, wd, R_, wire in (
          "update")):
     net, model, opt, state = build(cls, comp, wd, refresh=R_, wire=wire)
     if sel == "topk":
-        # TopK's fresh_weight defaults to 1 on the update wire
-        sel = topk_exact(0.05, output=out_layer(net), fresh=1.0 if wire == "update" else 0.0)
+        # TopK's fresh_weight default on the update wire
+        sel = topk_exact(0.05, output=out_layer(net),
+                         fresh=UPDATE_WIRE_FRESH_WEIGHT if wire == "update" else 0.0)
     check(type(state.local_update).__name__ == "AdamRecipe", "recipe not on by default")
     check(state.local_update.wire == wire, f"wire {state.local_update.wire!r}, asked {wire!r}")
     rep = AdamReplay(dict(net.named_parameters()), P, lr=3e-3, betas=(0.9, 0.99), eps=1e-8,

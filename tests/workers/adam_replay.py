@@ -64,7 +64,7 @@ def topk_exact(ratio, output=None, output_ratio=0.1, fresh=0.0):
     """TopK(ratio, exact=True); the layer called ``output`` (TopK's output layer: the
     last compressed one) at ``max(ratio, output_ratio)``. ``fresh``: TopK's
     ``fresh_weight`` (the k largest ``|acc + fresh x|`` are sent, ``x`` the step's input;
-    the update wire's default is 1)."""
+    the update wire's default: ``topk.UPDATE_WIRE_FRESH_WEIGHT``)."""
     def select(acc, name=None, x=None):
         flat = acc.reshape(-1)
         r = max(ratio, output_ratio) if name is not None and name == output else ratio

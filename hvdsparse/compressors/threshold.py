@@ -259,15 +259,14 @@ class Threshold(TopK):
             st = self._layers[name] = dict(tau=None, k=None, last_refresh=None,
                                            history=[], true_history=[])
         refresh = self._refresh_due(st, step, cfg, k)
+        # what is ranked, made where it is used: |acc|, or the score |acc + w x|, which
+        # the select recomputes from x (its h = acc + (h_scale - 1) x)
         w = cfg.get("fresh_weight_in_force", 0.0)
         score = {}
         if w:
-            # the score |acc + w x| (TopK's fresh_weight): w * x rounded, then the sum
-            a = self._scratch_buf("abs", n, torch.float32, acc.device)
             x = self._clean_grad(flat)
-            torch.mul(x, w, out=a).add_(acc).abs_()
             score = dict(grad=x, h_scale=1.0 + w)
-            ranked = lambda: a                               # noqa: E731
+            ranked = lambda: self._score_buf(acc, x, w)     # noqa: E731
         else:
             ranked = lambda: self._abs_buf(acc)              # noqa: E731
         true_tau = None

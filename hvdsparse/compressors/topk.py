@@ -351,6 +351,13 @@ class TopK(Compressor):
         return torch.abs(acc, out=self._scratch_buf("abs", acc.numel(), torch.float32,
                                                     acc.device))
 
+    def _score_buf(self, acc, x, w: float):
+        """The score ``|acc + w x|`` (``fresh_weight``; ``x`` the input as the residual saw
+        it) into the same scratch buffer: ``w * x`` rounded, then the sum -- the bucket
+        path's MODE_SCORE rows and ``select_compact``'s ``|h|``, bit for bit."""
+        a = self._scratch_buf("abs", acc.numel(), torch.float32, acc.device)
+        return torch.mul(x, w, out=a).add_(acc).abs_()
+
     def _compress(self, name, flat, shape, step, cfg, param):
         n = flat.numel()
         enc = cfg["values"]
@@ -368,12 +375,7 @@ class TopK(Compressor):
         acc, _ = self._acc(name, flat, None, ef)
         w = cfg.get("fresh_weight_in_force", 0.0)
         if cfg["exact"] or w:
-            if w:          # the score |acc + w x| (x as the residual saw it; w * x
-                # rounded, then the sum: the bucket path's MODE_SCORE rows, bit for bit)
-                a = self._scratch_buf("abs", n, torch.float32, acc.device)
-                torch.mul(self._clean_grad(flat), w, out=a).add_(acc).abs_()
-            else:
-                a = self._abs_buf(acc)
+            a = self._score_buf(acc, self._clean_grad(flat), w) if w else self._abs_buf(acc)
             ti = self._exact_top(a, k)
             tv = a[ti]
             valid = tv >= TINY                       # a prefix: sorted descending

@@ -147,8 +147,9 @@ def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
                clean_input: bool = False) -> Optional[dict]:
     """Host integers of layer ``name`` at ``step`` when the bucket path can compress it
     with exactly the per-layer result, else None (the caller compresses it per layer).
-    ``fresh_weight`` rows (the score ``|acc + w x|``: ROUTE_FRESH with MODE_SCORE, the
-    Triton path only) need ``clean_input`` (:func:`plan_layer`) and no velocity."""
+    ``fresh_weight`` rows (the score ``|acc + w x|``, MODE_SCORE: TopK's on ROUTE_FRESH,
+    Threshold's on its own routes; the Triton path only) need ``clean_input``
+    (:func:`plan_layer`), an fp32 input and no velocity."""
     from .threshold import Threshold
     from .topk import TopK, sample_layout
     if type(comp).compress is not Compressor.compress:

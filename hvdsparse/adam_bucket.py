@@ -17,11 +17,10 @@ from __future__ import annotations
 
 from typing import Dict, List, NamedTuple, Optional
 
-import numpy as np
 import torch
 
 from . import ops
-from .compressors.topk_bucket import BLOCK, block_table, float_bits
+from .compressors.topk_bucket import BLOCK, block_table, float_bits, row_tables
 
 __all__ = ["OwnStepRow", "own_steps"]
 
@@ -48,7 +47,9 @@ def own_steps(recipe, rows: List[OwnStepRow],
         total = sum(ns)
         buf = torch.empty(3 * total, dtype=torch.float32, device=dev)
         xs, ms, vs = buf[:total], buf[total:2 * total], buf[2 * total:]
-        tab = np.zeros((len(group), K.W), dtype=np.int64)
+        staged = row_tables(recipe).take(("adam", tuple(r.name for r in group)),
+                                         len(group), K.W, dev)
+        tab = staged.host
         o = blk0 = 0
         for j, (r, n) in enumerate(zip(group, ns)):
             st, pg, (b1, c1, b2, c2, ib2, eps, ib1) = r.made
@@ -80,8 +81,7 @@ def own_steps(recipe, rows: List[OwnStepRow],
             recipe._moments[r.name] = (ms[o:o + n].view(shape), vs[o:o + n].view(shape))
             o += n
             blk0 += -(-n // BLOCK)
-        t = torch.from_numpy(tab)
-        table = t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+        table = staged.upload()
         gs = grad_scale
         if gs is not None and gs.device != dev:
             gs = gs.to(dev)

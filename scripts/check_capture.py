@@ -1,5 +1,6 @@
-"""Is one bucket's compress + encode the same launch sequence at every steady-state step?
-The precondition for capturing it as a CUDA graph, checked without a GPU.
+"""Is one bucket's compress + encode + decode the same launch sequence at every
+steady-state step? The precondition for capturing it as a CUDA graph, checked without a
+GPU.
 
 A CUDA graph replays the launches it recorded with the arguments it recorded: the same
 kernels, the same scalars, the same device addresses, and host-to-device copies from the
@@ -8,16 +9,21 @@ at step t only where the step issues the same launches with the same arguments, 
 anything that differs must reach the kernels through memory the graph reads at replay.
 
 This script runs the step engine's ``compress_group`` + ``codec.encode`` (into a message
-buffer kept per layout, as the exchanges keep theirs) for one bucket of ResNet-50-like
-layers under Triton's interpreter with ``HVDSPARSE_FORCE_TRITON=1`` (every dispatch takes
-the CUDA branch), and records every launch of two consecutive steady-state steps: aten
-ops that launch on CUDA (allocations listed too: they fix the graph pool's layout) and
+buffer kept per layout, as the exchanges keep theirs) + ``codec.accumulate`` (two ranks'
+copies of the message, ``validate=False``: the CUDA decode) for one bucket of
+ResNet-50-like layers under Triton's interpreter with ``HVDSPARSE_FORCE_TRITON=1``
+(every dispatch takes the CUDA branch), and records every launch of two consecutive
+steady-state steps: aten ops that launch on CUDA (allocations listed too: they fix the graph pool's layout) and
 Triton launches, with their arguments. A tensor argument is named by where it lives:
 ``int`` for storage allocated inside the region (the graph's pool: a replay reuses the
 capture's layout, so only offset, shape and dtype must match), else its address
-(``ext``); small int64 host-built tables are also named by a hash of their contents (the kernels read them: a graph must upload them from a
-persistent host buffer each step). Prints, per compressor, the launches that differ
-between the two steps and why, and writes JSON (``--out``).
+(``ext``). Small int64 host-built tables are also named by a hash of their contents:
+the kernels read them, so a graph must copy them from a host buffer it recorded. The
+staged row tables (``hvdsparse.row_tables``) are that buffer: the host rewrites them
+before each step and a graph's copy reads them at replay, so their addresses must match
+and their contents may differ; the cells that differ are listed by name. Prints, per
+compressor, the launches that differ between the two steps and why, and writes JSON
+(``--out``).
 
     .venv/bin/python scripts/check_capture.py --out docs/bench/device_ops/capture.json
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -52,9 +59,13 @@ class Recorder(LaunchCounter):
     """Launch events of a region (:meth:`run`): :class:`LaunchCounter`'s hooks, with
     allocations counted too and every launch kept with its arguments."""
 
-    def __init__(self):
-        super().__init__(skip=NO_LAUNCH - ALLOCS)
+    def __init__(self, staged=(), patch=setattr):
+        super().__init__(skip=NO_LAUNCH - ALLOCS, patch=patch)
         self.events, self.internal, self.external = [], set(), set()
+        #: storage of the staged row tables (hvdsparse.row_tables): rewritten by the host
+        #: before every step, read by a graph's copy at replay, so their contents may
+        #: differ; their addresses may not
+        self.staged = set(staged)
 
     def observe(self, kind, name, args, kwargs, out):
         self.events.append((kind, name, self.norm(list(args)), self.norm(dict(kwargs))))
@@ -70,6 +81,8 @@ class Recorder(LaunchCounter):
                 return ("tensor", "int", x.storage_offset(), tuple(x.shape), str(x.dtype))
             self.external.add(p)
             out = ("tensor", f"ext {p:#x}", x.storage_offset(), tuple(x.shape), str(x.dtype))
+            if p in self.staged:
+                return out + ("staged",)
             if x.dtype == torch.int64 and x.numel() <= 1 << 16 and x.device.type == "cpu":
                 h = hashlib.sha1(x.contiguous().numpy().tobytes()).hexdigest()[:10]
                 out += (f"contents {h}",)
@@ -122,16 +135,47 @@ def why(a, b) -> list:
     return out
 
 
-def check(name, make, steps: int):
+#: ranks whose messages the decode reads
+WORLD = 2
+
+#: the kernels modules naming the columns of each kind of staged table (later ones win:
+#: RandomK's and Slim-DP's rows name TopK's C_OFF cell C_SEED)
+TABLE_MODULES = dict(topk=("bucket_topk",), picking=("bucket_topk", "bucket_randomk"),
+                     adacomp=("bucket_binned",), qsgd=("bucket_dense",),
+                     dense=("bucket_dense",), adam=("bucket_adam",))
+
+
+def column_names(kind: str) -> dict:
+    import importlib
+    names = {}
+    for m in TABLE_MODULES[kind]:
+        mod = importlib.import_module("kernels." + m)
+        names.update({v: k for k, v in vars(mod).items()
+                      if k.startswith("C_") and isinstance(v, int)})
+    return names
+
+
+def check(name, make, steps: int, shapes=SHAPES, decode: bool = True, patch=setattr):
+    """Steps ``steps`` and ``steps + 1`` of one bucket of ``shapes`` compressed by
+    ``make()`` and encoded (and, with ``decode``, decoded from :data:`WORLD` ranks' copies
+    of the message): the launches, those that differ (and why), and the cells of the
+    staged row tables the host rewrote between the two. ``patch`` installs the Triton
+    launch hook (:class:`LaunchCounter`)."""
     from hvdsparse import codec
     from hvdsparse.engine import LayerInput, StepEngine
     from hvdsparse.settings import ExchangeSettings
-    eng = StepEngine(make(), ExchangeSettings(), None, rank=0, world_size=1, prefix="cap")
+    comp = make()
+    eng = StepEngine(comp, ExchangeSettings(), None, rank=0, world_size=1, prefix="cap")
     g = torch.Generator().manual_seed(0)
-    params = [torch.randn(s, generator=g) for s in SHAPES]
-    grads = [torch.randn(s, generator=g) for s in SHAPES]
-    counters = [torch.zeros(1, dtype=torch.int32) for _ in SHAPES]
-    messages = {}
+    params = [torch.randn(s, generator=g) for s in shapes]
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    counters = [torch.zeros(1, dtype=torch.int32) for _ in shapes]
+    messages, gathered = {}, {}
+    numels = [math.prod(s) for s in shapes]
+    flat = torch.empty(sum(numels), dtype=torch.float32)
+    views = list(torch.split(flat, numels))
+    flag = torch.zeros(1, dtype=torch.int32)
+    recording = []
 
     def region(step):
         pays = eng.compress_group([LayerInput(f"l{i}", gr, p, counters[i]) for i, (gr, p)
@@ -139,16 +183,33 @@ def check(name, make, steps: int):
         n = codec.encoded_nbytes(pays)
         buf = messages.setdefault(n, codec.new_message(pays))
         codec.encode(pays, out=buf)
+        if decode:
+            # two ranks' rows, as an allgather leaves them in its reused buffer (the
+            # copies stand in for the collective: not recorded), decoded as the exchange
+            # does on CUDA
+            rows = gathered.setdefault(n, torch.empty(WORLD, n, dtype=torch.uint8))
+            for rec in recording:
+                rec.active = False
+            for r in range(WORLD):
+                rows[r].copy_(buf)
+            for rec in recording:
+                rec.active = True
+            flat.zero_()
+            codec.accumulate(rows, pays, views, validate=False, error_flag=flag)
 
-    rec = Recorder()
     for s in range(steps):
         eng.begin_step(s)
         region(s)
         eng.commit()
-    traces = []
+    tables = getattr(comp, "row_tables", None)
+    staged = tables.staged() if tables is not None else []
+    rec = Recorder((t.untyped_storage().data_ptr() for _, t in staged), patch)
+    recording.append(rec)
+    traces, snaps = [], []
     for s in (steps, steps + 1):
         eng.begin_step(s)          # outside the region: the stats fold of the last step
         traces.append(rec.run(lambda: region(s)))
+        snaps.append([t.clone() for _, t in staged])
         eng.commit()
     a, b = traces
     diffs = []
@@ -159,9 +220,18 @@ def check(name, make, steps: int):
         diffs.append(dict(event=min(len(a), len(b)), launch="(count)",
                           why=[f"{len(a)} events at step {steps}, {len(b)} at step "
                                f"{steps + 1}"]))
+    rewritten = {}
+    for (key, _), u, v in zip(staged, *snaps):
+        cols = sorted(set(torch.nonzero(u != v)[:, 1].tolist()))
+        if cols:
+            names = column_names(key[0])
+            rewritten.setdefault(key[0], sorted(set(rewritten.get(key[0], [])) |
+                                                {names.get(c, str(c)) for c in cols}))
     launches = sum(1 for e in b if e[0] == "triton" or
                    e[1].split(".")[1] not in ALLOCS)
-    return dict(compressor=name, events=len(b), launches=launches, differences=diffs)
+    return dict(compressor=name, events=len(b), launches=launches, differences=diffs,
+                staged_tables=len(staged), rewritten=rewritten,
+                error_flag=int(flag[0]) if decode else None)
 
 
 def main(argv=None):
@@ -184,7 +254,8 @@ def main(argv=None):
         rows.append(row)
         print(f"{m}: {row['launches']} launches ({row['events']} events with allocations), "
               f"{len(row['differences'])} differ between steps {args.steps} and "
-              f"{args.steps + 1}", flush=True)
+              f"{args.steps + 1}; {row['staged_tables']} staged row tables, cells "
+              f"rewritten: {row['rewritten'] or 'none'}", flush=True)
         for d in row["differences"]:
             print(f"  event {d['event']} {d['launch']}: {'; '.join(d['why'])}", flush=True)
     if args.out:

@@ -22,7 +22,8 @@
 #   bucket  tests/test_bucket_topk.py, tests/test_bucket_compress.py and
 #           tests/test_adam_bucket.py on CUDA: the bucket path (TopK / Threshold rows;
 #           AdaComp, QSGD, dense rows; the Adam recipe's update wire) against the
-#           per-layer path, bit for bit
+#           per-layer path, bit for bit; tests/test_capture_ready.py: the staged row
+#           tables' pinned upload (stream order, a rewrite while a copy is in flight)
 #   bench   scripts/gpu_bench.py: every kernel against a device copy of the same bytes
 #           at 1M and 25M elements, TopK compress of a 25M layer, a few training steps
 #           at world size 1 (CUDA decode == CPU decode bit for bit), a CUDA-graph probe
@@ -120,7 +121,7 @@ stage oracle "$(budget oracle 120)" env HVDSPARSE_TEST_DEVICE="$DEVICE" HVDSPARS
 
 stage bucket "$(budget bucket 80)" env HVDSPARSE_TEST_DEVICE="$DEVICE" \
   "$PY" -m pytest -v -p no:cacheprovider --durations=5 tests/test_bucket_topk.py \
-  tests/test_bucket_compress.py tests/test_adam_bucket.py
+  tests/test_bucket_compress.py tests/test_adam_bucket.py tests/test_capture_ready.py
 
 stage bench "$(budget bench 75)" "$PY" scripts/gpu_bench.py --out "$OUT"
 

@@ -65,12 +65,12 @@ non-blocking on CUDA). No host synchronisation, no ``.item()``, no boolean index
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional
+from typing import List, Optional
 
-import numpy as np
 import torch
 
 from .. import ops
+from ..row_tables import program_map
 from ..payload import FLOAT_DTYPES, IndexEncoding, LayerPayload, Segment, ValueEncoding
 from . import topk_bucket
 from .base import PURPOSE_QUANT, Compressor
@@ -282,25 +282,15 @@ def mask_bucket(batch: BucketBatch) -> None:
 
 
 # ------------------------------------------------------------------ shared helpers
-_BLOCKS: Dict[tuple, torch.Tensor] = {}
-
-
 def _program_table(nprog: List[int], device) -> torch.Tensor:
     """int32 [sum nprog]: the row of every program (cached: layer sizes never change)."""
-    key = (tuple(nprog), str(device))
-    t = _BLOCKS.get(key)
-    if t is None:
-        t = torch.from_numpy(np.repeat(np.arange(len(nprog), dtype=np.int32), nprog)
-                             ).to(device)
-        if len(_BLOCKS) > 256:
-            _BLOCKS.clear()
-        _BLOCKS[key] = t
-    return t
+    return program_map(nprog, device)
 
 
-def _to_device(tab: np.ndarray, dev) -> torch.Tensor:
-    t = torch.from_numpy(tab)
-    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+def _staged(comp, kind: str, items, width: int):
+    """This step's staged row table of the group ``items`` (:func:`topk_bucket.row_tables`)."""
+    return topk_bucket.row_tables(comp).take((kind, tuple(it.name for it in items)),
+                                             len(items), width, items[0].grad.device)
 
 
 def _empty(n: int, dtype, device) -> torch.Tensor:
@@ -335,7 +325,8 @@ def _dense_bucket(comp, items, plans, step, grad_scale):
     K = ops.bucket_kernels("dense")
     L = len(items)
     dev = items[0].grad.device
-    tab = np.zeros((L, K.W), dtype=np.int64)
+    staged = _staged(comp, "dense", items, K.W)
+    tab = staged.host
     keep = []                 # flushed residuals: alive until the launch is queued
     out = blk0 = 0
     nprog = []
@@ -357,7 +348,7 @@ def _dense_bucket(comp, items, plans, step, grad_scale):
         nb = _cdiv(pl["n"], DENSE_BLOCK)
         nprog.append(nb)
         blk0 += nb
-    table = _to_device(tab, dev)
+    table = staged.upload()
     blk = _program_table(nprog, dev)
     vals = _empty(out, torch.float32, dev)
     cnt = _empty(L, torch.int32, dev)
@@ -381,7 +372,8 @@ def _qsgd_bucket(comp, items, plans, step, grad_scale):
     dev = items[0].grad.device
     bits, B = plans[0]["bits"], plans[0]["qb"]
     rows = K.qsgd_rows(B, bits)
-    tab = np.zeros((L, K.W), dtype=np.int64)
+    staged = _staged(comp, "qsgd", items, K.W)
+    tab = staged.host
     coff = soff = blk0 = 0
     nprog = []
     for j, (it, pl) in enumerate(zip(items, plans)):
@@ -406,7 +398,7 @@ def _qsgd_bucket(comp, items, plans, step, grad_scale):
         soff += nb
         nprog.append(_cdiv(nb, rows))
         blk0 += nprog[-1]
-    table = _to_device(tab, dev)
+    table = staged.upload()
     blk = _program_table(nprog, dev)
     codes = _empty(coff, torch.uint8, dev)
     scales = _empty(soff, torch.float32, dev)
@@ -439,7 +431,8 @@ def _adacomp_bucket(comp, items, plans, step, grad_scale):
     dev = items[0].grad.device
     Lb, c, hm1 = plans[0]["L"], plans[0]["c"], plans[0]["hm1"]
     rows = K.tile_rows(Lb)
-    tab = np.zeros((Lr, K.W), dtype=np.int64)
+    staged = _staged(comp, "adacomp", items, K.W)
+    tab = staged.host
     bin0 = slot0 = word0 = blk0 = 0
     nprog = []
     cut = False
@@ -462,7 +455,7 @@ def _adacomp_bucket(comp, items, plans, step, grad_scale):
         word0 += max(1, _cdiv(pl["cap"], 32))
         nprog.append(_cdiv(pl["nb"], rows))
         blk0 += nprog[-1]
-    table = _to_device(tab, dev)
+    table = staged.upload()
     blk = _program_table(nprog, dev)
     wide = Lb > 256
     relw = _cdiv(slot0 * (2 if wide else 1), 4)
@@ -518,7 +511,8 @@ def _picking_rows(comp, items, plans, grad_scale, cells):
     from .topk_bucket import BLOCK, momentum_cells
     K = ops.bucket_kernels("topk")
     dev = items[0].grad.device
-    tab = np.zeros((len(items), K.W), dtype=np.int64)
+    staged = _staged(comp, "picking", items, K.W)
+    tab = staged.host
     out = blk0 = 0
     mom, nprog = [], []
     for j, (it, pl) in enumerate(zip(items, plans)):
@@ -534,7 +528,7 @@ def _picking_rows(comp, items, plans, grad_scale, cells):
         out += slots
         nprog.append(_cdiv(pl["n"], BLOCK))
         blk0 += nprog[-1]
-    table = _to_device(tab, dev)
+    table = staged.upload()
     blk = _program_table(nprog, dev)
     K.accumulate(table, blk, grad_scale, K.GDT_CODE[items[0].grad.dtype], block=BLOCK)
     idx = _empty(out, torch.int32, dev)

@@ -34,12 +34,13 @@ copy of it (pinned, non-blocking on CUDA). No host synchronisation.
 from __future__ import annotations
 
 import os
-from typing import Dict, List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional
 
 import numpy as np
 import torch
 
 from .. import ops
+from ..row_tables import RowTables, program_map
 from ..payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
 from .base import PURPOSE_SAMPLE, Compressor
 
@@ -241,21 +242,20 @@ def group_key(plan: dict, item: BucketItem):
     return (item.grad.dtype, item.grad.device, plan["enc"], plan["rounds"])
 
 
-_BLOCKS: Dict[tuple, torch.Tensor] = {}
+def row_tables(owner) -> RowTables:
+    """``owner``'s staged row tables (made on first use): one persistent table per bucket
+    group, so a group's launches read the same addresses every step
+    (:mod:`hvdsparse.row_tables`)."""
+    t = getattr(owner, "row_tables", None)
+    if t is None:
+        t = owner.row_tables = RowTables()
+    return t
 
 
 def block_table(ns: List[int], device) -> torch.Tensor:
     """int32 [sum ceil(n_j / BLOCK)]: the segment of every program (cached: layer sizes
     never change)."""
-    key = (tuple(ns), str(device))
-    t = _BLOCKS.get(key)
-    if t is None:
-        nblk = [-(-n // BLOCK) for n in ns]
-        t = torch.from_numpy(np.repeat(np.arange(len(ns), dtype=np.int32), nblk)).to(device)
-        if len(_BLOCKS) > 256:
-            _BLOCKS.clear()
-        _BLOCKS[key] = t
-    return t
+    return program_map([-(-n // BLOCK) for n in ns], device)
 
 
 def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
@@ -266,7 +266,8 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
     K = ops.bucket_topk_kernels(items[0].grad)
     L = len(items)
     dev = items[0].grad.device
-    tab = np.zeros((L, K.W), dtype=np.int64)
+    staged = row_tables(comp).take(("topk", tuple(it.name for it in items)), L, K.W, dev)
+    tab = staged.host
     # Threshold's refresh rows: their fresh tau (the radix select writes it), one fp32
     # buffer; each row's view becomes the layer's tau tensor
     fresh = any(pl.get("fresh") for pl in plans)
@@ -308,8 +309,7 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         row[K.C_BLK0] = blk0
         out += pl["cap"]
         blk0 += -(-pl["n"] // BLOCK)
-    t = torch.from_numpy(tab)
-    table = t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+    table = staged.upload()
     # the programs' segments (Triton only: the CPU loops walk the rows)
     blk = block_table([pl["n"] for pl in plans], dev) if ops.use_triton(items[0].grad) \
         else None

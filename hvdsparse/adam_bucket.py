@@ -11,7 +11,8 @@ scaled and cleaned: ``clean_input``), as the per-layer path hands ``x`` to
 moments ``m'``, ``v'`` (one fp32 buffer each; each layer's slice is its tensor; ``(m',
 v')`` wait in the recipe's ``_moments`` for ``step()`` to commit, as per layer) and the
 layers' non-finite counts. Host work: a few host numbers per layer and one
-host-to-device copy of the table (pinned, non-blocking on CUDA); no host sync.
+host-to-device copy of the group's staged table (pinned, non-blocking on CUDA:
+:mod:`hvdsparse.row_tables`); no host sync.
 """
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ class StagedTable:
         self._pinned = torch.zeros((rows, width), dtype=torch.int64, pin_memory=cuda)
         self.host = self._pinned.numpy()
 
-    def _begin(self, device: torch.device) -> "StagedTable":
+    def _begin(self) -> "StagedTable":
         """Ready for this step's rows: zeroed host rows that no copy still reads."""
         ev = self._event
         if ev is not None and not ev.query():          # host-side poll, no wait
@@ -109,10 +109,8 @@ class RowTables:
                 self._tables.popitem(last=False)
         else:
             self._tables.move_to_end(full)
-            t._begin(device)
-        t._target = device
+            t._begin()
         return t
-
 
     def staged(self):
         """``(key, host rows as a tensor)`` of every group: what a step rewrites (a

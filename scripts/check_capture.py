@@ -35,6 +35,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,56 +156,83 @@ def column_names(kind: str) -> dict:
     return names
 
 
+class BucketRegion:
+    """One bucket of ``shapes`` through the step engine as a step runs it on CUDA:
+    ``compress_group``, ``codec.encode`` into a message buffer kept per size and, with
+    ``decode``, ``codec.accumulate`` of :data:`WORLD` ranks' copies of the message
+    (``validate=False``) into a flat vector kept across steps. ``phases`` accumulates
+    each phase's host seconds. ``quiet``: recorders paused while the copies that stand
+    in for the collective run."""
+
+    def __init__(self, make, shapes=SHAPES, decode: bool = True):
+        from hvdsparse.engine import StepEngine
+        from hvdsparse.settings import ExchangeSettings
+        self.comp = make()
+        self.eng = StepEngine(self.comp, ExchangeSettings(), None, rank=0, world_size=1,
+                              prefix="cap")
+        g = torch.Generator().manual_seed(0)
+        self.params = [torch.randn(s, generator=g) for s in shapes]
+        self.grads = [torch.randn(s, generator=g) for s in shapes]
+        self.counters = [torch.zeros(1, dtype=torch.int32) for _ in shapes]
+        self.decode = decode
+        self.messages, self.gathered = {}, {}
+        numels = [math.prod(s) for s in shapes]
+        self.flat = torch.empty(sum(numels), dtype=torch.float32)
+        self.views = list(torch.split(self.flat, numels))
+        self.flag = torch.zeros(1, dtype=torch.int32)
+        self.quiet = []
+        self.phases = dict(compress=0.0, encode=0.0, decode=0.0)
+
+    def __call__(self, step):
+        from hvdsparse import codec
+        from hvdsparse.engine import LayerInput
+        t0 = time.perf_counter()
+        pays = self.eng.compress_group(
+            [LayerInput(f"l{i}", gr, p, self.counters[i])
+             for i, (gr, p) in enumerate(zip(self.grads, self.params))], step)
+        t1 = time.perf_counter()
+        n = codec.encoded_nbytes(pays)
+        buf = self.messages.setdefault(n, codec.new_message(pays))
+        codec.encode(pays, out=buf)
+        t2 = time.perf_counter()
+        if self.decode:
+            # two ranks' rows, as an allgather leaves them in its reused buffer (the
+            # copies stand in for the collective: not recorded), decoded as the exchange
+            # does on CUDA
+            rows = self.gathered.setdefault(n, torch.empty(WORLD, n, dtype=torch.uint8))
+            for rec in self.quiet:
+                rec.active = False
+            for r in range(WORLD):
+                rows[r].copy_(buf)
+            for rec in self.quiet:
+                rec.active = True
+            t2 = time.perf_counter()
+            self.flat.zero_()
+            codec.accumulate(rows, pays, self.views, validate=False, error_flag=self.flag)
+        t3 = time.perf_counter()
+        for k, dt in (("compress", t1 - t0), ("encode", t2 - t1), ("decode", t3 - t2)):
+            self.phases[k] += dt
+
+    def step(self, s):
+        self.eng.begin_step(s)
+        self(s)
+        self.eng.commit()
+
+
 def check(name, make, steps: int, shapes=SHAPES, decode: bool = True, patch=setattr):
     """Steps ``steps`` and ``steps + 1`` of one bucket of ``shapes`` compressed by
     ``make()`` and encoded (and, with ``decode``, decoded from :data:`WORLD` ranks' copies
     of the message): the launches, those that differ (and why), and the cells of the
     staged row tables the host rewrote between the two. ``patch`` installs the Triton
     launch hook (:class:`LaunchCounter`)."""
-    from hvdsparse import codec
-    from hvdsparse.engine import LayerInput, StepEngine
-    from hvdsparse.settings import ExchangeSettings
-    comp = make()
-    eng = StepEngine(comp, ExchangeSettings(), None, rank=0, world_size=1, prefix="cap")
-    g = torch.Generator().manual_seed(0)
-    params = [torch.randn(s, generator=g) for s in shapes]
-    grads = [torch.randn(s, generator=g) for s in shapes]
-    counters = [torch.zeros(1, dtype=torch.int32) for _ in shapes]
-    messages, gathered = {}, {}
-    numels = [math.prod(s) for s in shapes]
-    flat = torch.empty(sum(numels), dtype=torch.float32)
-    views = list(torch.split(flat, numels))
-    flag = torch.zeros(1, dtype=torch.int32)
-    recording = []
-
-    def region(step):
-        pays = eng.compress_group([LayerInput(f"l{i}", gr, p, counters[i]) for i, (gr, p)
-                                   in enumerate(zip(grads, params))], step)
-        n = codec.encoded_nbytes(pays)
-        buf = messages.setdefault(n, codec.new_message(pays))
-        codec.encode(pays, out=buf)
-        if decode:
-            # two ranks' rows, as an allgather leaves them in its reused buffer (the
-            # copies stand in for the collective: not recorded), decoded as the exchange
-            # does on CUDA
-            rows = gathered.setdefault(n, torch.empty(WORLD, n, dtype=torch.uint8))
-            for rec in recording:
-                rec.active = False
-            for r in range(WORLD):
-                rows[r].copy_(buf)
-            for rec in recording:
-                rec.active = True
-            flat.zero_()
-            codec.accumulate(rows, pays, views, validate=False, error_flag=flag)
-
+    region = BucketRegion(make, shapes, decode)
+    comp, eng, flag = region.comp, region.eng, region.flag
     for s in range(steps):
-        eng.begin_step(s)
-        region(s)
-        eng.commit()
+        region.step(s)
     tables = getattr(comp, "row_tables", None)
     staged = tables.staged() if tables is not None else []
     rec = Recorder((t.untyped_storage().data_ptr() for _, t in staged), patch)
-    recording.append(rec)
+    region.quiet.append(rec)
     traces, snaps = [], []
     for s in (steps, steps + 1):
         eng.begin_step(s)          # outside the region: the stats fold of the last step

@@ -59,8 +59,10 @@ enter here as the layers' whole, already scaled input (``clean_input``): every k
 row takes them, TopK's ``fresh_weight`` score rows included.
 
 Host work per group and step: a few host integers per layer (sizes, offsets, the seed
-from the host's step counter) and one host-to-device copy of the table (pinned,
-non-blocking on CUDA). No host synchronisation, no ``.item()``, no boolean indexing.
+from the host's step counter) written into the group's staged table, and one
+host-to-device copy of it (pinned, non-blocking on CUDA; the same buffers every step:
+:mod:`hvdsparse.row_tables`). No host synchronisation, no ``.item()``, no boolean
+indexing.
 """
 from __future__ import annotations
 

@@ -28,8 +28,9 @@ bucket. tests/test_bucket_topk.py compares the two paths bit for bit on fresh da
 tests/test_paths_agree.py trains through it at P = 2, tests/test_ddp.py under torchrun.
 
 Host work per bucket and step: the segment table (sizes, capacities, sample layout,
-tensor addresses; a few host integers per layer, no device read) and one host-to-device
-copy of it (pinned, non-blocking on CUDA). No host synchronisation.
+tensor addresses; a few host integers per layer, no device read), written into the
+group's staged table, and one host-to-device copy of it (pinned, non-blocking on CUDA;
+the same buffers every step: :mod:`hvdsparse.row_tables`). No host synchronisation.
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ import torch
 import hvdsparse
 from hvdsparse.adam_settings import AdamSettings
 from hvdsparse.compressors import topk_bucket
-from hvdsparse.compressors.topk import UPDATE_WIRE_FRESH_WEIGHT
+from hvdsparse.compressors.encoding import check_values
+from hvdsparse.compressors.topk import UPDATE_WIRE_FRESH_WEIGHT, UPDATE_WIRE_VALUES
 from hvdsparse.door import make_local_update
 from hvdsparse.payload import ValueEncoding
 
@@ -159,6 +160,40 @@ def test_default_follows_the_update_wire():
         assert t.layer_cfg("bias")["fresh_weight_in_force"] == 0.0
     with pytest.raises(ValueError, match="fresh_weight"):
         hvdsparse.Threshold(0.99, fresh_weight=-1)
+
+
+def test_values_default_follows_the_update_wire():
+    """TopK's ``values=None``: bf16 on the update wire (not with ``per_bucket``), fp32
+    elsewhere; a value set (argument or override) is kept; Threshold keeps fp32. A
+    checkpoint loads where the encoding it was saved with is the one in force."""
+    model = torch.nn.Linear(64, 64)
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    want = check_values(UPDATE_WIRE_VALUES)
+    assert want != ValueEncoding.FP32
+    c = hvdsparse.TopK(0.01, overrides={"bias": {"values": "fp16"}}, compress_1d=True)
+    fixed = hvdsparse.TopK(0.01, values="fp32")
+    pb = hvdsparse.TopK(0.01, per_bucket=512)
+    t = hvdsparse.Threshold(0.99)
+    # saved with fp32 values (as the default was before it followed the wire)
+    saved_fp32 = hvdsparse.TopK(0.01, values="fp32").state_dict()
+    for wire in ("update", "gradient", "update"):
+        on = wire == "update"
+        for comp in (c, fixed, pb, t):
+            make_local_update(opt, params, 2, comp, adam=AdamSettings(1, None, None, wire))
+        assert c.layer_cfg("weight")["values"] == (want if on else ValueEncoding.FP32)
+        assert c.layer_cfg("bias")["values"] == ValueEncoding.FP16
+        assert fixed.layer_cfg("weight")["values"] == ValueEncoding.FP32
+        assert pb.layer_cfg("weight")["values"] == ValueEncoding.FP32
+        assert t.layer_cfg("weight")["values"] == ValueEncoding.FP32
+        fresh = hvdsparse.TopK(0.01)
+        fresh.set_adam_update_wire(on)
+        if on:
+            with pytest.raises(ValueError, match="settings differ"):
+                fresh.load_state_dict(saved_fp32)
+            fixed.load_state_dict(saved_fp32)
+        else:
+            fresh.load_state_dict(saved_fp32)
 
 
 def test_not_on_the_bucket_path():

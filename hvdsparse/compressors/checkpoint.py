@@ -57,6 +57,11 @@ class CompressorState:
                            warmup=None if w is None else w.config(),
                            args={k: getattr(self, k) for k in self._extra_args}))
 
+    def comparable_settings(self, settings: dict) -> dict:
+        """``settings`` as :meth:`load_state_dict` compares them (a default that follows
+        the front door compared as the value in force)."""
+        return settings
+
     def state_dict(self) -> dict:
         """Everything needed to continue identically: residuals, per-layer algorithm
         state (thresholds, cores, step counters), seed, statistics. Tensors are cloned."""
@@ -73,7 +78,8 @@ class CompressorState:
                              f"{type(self).__name__}")
         mine = self.config()
         saved = plain_data(sd["config"])
-        if saved["settings"] != mine["settings"] or saved["seed"] != mine["seed"]:
+        if self.comparable_settings(saved["settings"]) != \
+                self.comparable_settings(mine["settings"]) or saved["seed"] != mine["seed"]:
             raise ValueError(f"state_dict: settings differ (saved {sd['config']}, "
                              f"this compressor {mine})")
 

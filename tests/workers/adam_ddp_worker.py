@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hvdsparse
 import hvdsparse.ddp
-from hvdsparse.compressors.topk import UPDATE_WIRE_FRESH_WEIGHT
+from hvdsparse.compressors.topk import UPDATE_WIRE_FRESH_WEIGHT, UPDATE_WIRE_VALUES
 from tests.workers.adam_replay import AdamReplay, adacomp, out_layer, topk_exact
 from tests.workers.torchrun_exit import finish
 
@@ -93,9 +93,11 @@ for cls, comp, sel, dw, wd, R_, wire in (
          "update")):
     net, model, opt, state = build(cls, comp, wd, refresh=R_, wire=wire)
     if sel == "topk":
-        # TopK's fresh_weight default on the update wire
+        # TopK's fresh_weight and values defaults on the update wire
+        up = wire == "update"
         sel = topk_exact(0.05, output=out_layer(net),
-                         fresh=UPDATE_WIRE_FRESH_WEIGHT if wire == "update" else 0.0)
+                         fresh=UPDATE_WIRE_FRESH_WEIGHT if up else 0.0,
+                         values=UPDATE_WIRE_VALUES if up else "fp32")
     check(type(state.local_update).__name__ == "AdamRecipe", "recipe not on by default")
     check(state.local_update.wire == wire, f"wire {state.local_update.wire!r}, asked {wire!r}")
     rep = AdamReplay(dict(net.named_parameters()), P, lr=3e-3, betas=(0.9, 0.99), eps=1e-8,

@@ -60,11 +60,13 @@ def out_layer(model, min_numel=1024):
             and p.dim() > 1][-1]
 
 
-def topk_exact(ratio, output=None, output_ratio=0.1, fresh=0.0):
+def topk_exact(ratio, output=None, output_ratio=0.1, fresh=0.0, values="fp32"):
     """TopK(ratio, exact=True); the layer called ``output`` (TopK's output layer: the
     last compressed one) at ``max(ratio, output_ratio)``. ``fresh``: TopK's
     ``fresh_weight`` (the k largest ``|acc + fresh x|`` are sent, ``x`` the step's input;
-    the update wire's default: ``topk.UPDATE_WIRE_FRESH_WEIGHT``)."""
+    the update wire's default: ``topk.UPDATE_WIRE_FRESH_WEIGHT``). ``values``: "fp32" or
+    "bf16" (the sent values rounded to bf16, the rounding left in the residual; the
+    update wire's default: ``topk.UPDATE_WIRE_VALUES``)."""
     def select(acc, name=None, x=None):
         flat = acc.reshape(-1)
         r = max(ratio, output_ratio) if name is not None and name == output else ratio
@@ -73,7 +75,8 @@ def topk_exact(ratio, output=None, output_ratio=0.1, fresh=0.0):
         idx = topk_indices(score, k)             # ties to the lower index, as TopK's
         idx = idx[flat[idx] != 0]
         sent = torch.zeros_like(flat)
-        sent[idx] = flat[idx]
+        v = flat[idx]
+        sent[idx] = v.to(torch.bfloat16).float() if values == "bf16" else v
         return sent.view_as(acc)
     return select
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 import horovod.torch as hvd
 import hvdsparse
-from hvdsparse.compressors.topk import UPDATE_WIRE_FRESH_WEIGHT
+from hvdsparse.compressors.topk import UPDATE_WIRE_FRESH_WEIGHT, UPDATE_WIRE_VALUES
 from tests.workers.adam_replay import AdamReplay, adacomp, out_layer, topk_exact
 
 hvd.init()
@@ -157,8 +157,8 @@ train(opt, model, 6, replay=replay_for(model, adacomp(), warmup=2, wd=1e-2, deco
 # it), and AdaComp + AdamW at the default warm-up (one dense step)
 model, opt = make(comp=hvdsparse.TopK(0.05, exact=True), adam_warmup=2, weight_decay=1e-2,
                   nonfinite="skip", adam_wire="update")
-rep = replay_for(model, topk_exact(0.05, output=out_layer(model),
-                                  fresh=UPDATE_WIRE_FRESH_WEIGHT),   # the update wire's
+rep = replay_for(model, topk_exact(0.05, output=out_layer(model),   # the update wire's
+                                  fresh=UPDATE_WIRE_FRESH_WEIGHT, values=UPDATE_WIRE_VALUES),
                  warmup=2, wd=1e-2, wire="update")
 train(opt, model, 7, side=True, nan_at=4, replay=rep, tag="update")
 check(opt.scheduler.skipped_steps == 1, "update: the NaN step was not skipped")

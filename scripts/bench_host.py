@@ -75,7 +75,6 @@ def measure(name, make, warmup: int, steps: int, rounds: int) -> dict:
 
 
 def main(argv=None):
-    import hvdsparse
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--methods", default="topk,threshold,adacomp,qsgd,randomk,slimdp")
     ap.add_argument("--warmup", type=int, default=4)
@@ -83,18 +82,12 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    makers = dict(topk=lambda: hvdsparse.TopK(0.01),
-                  threshold=lambda: hvdsparse.Threshold(0.99),
-                  adacomp=lambda: hvdsparse.AdaComp(),
-                  qsgd=lambda: hvdsparse.QSGD(4),
-                  randomk=lambda: hvdsparse.RandomK(0.01),
-                  slimdp=lambda: hvdsparse.SlimDP(0.2, 0.1))
     rows = []
     print("| compressor | launches (Triton + aten) | host ms / bucket step | compress | "
           "encode | decode | us / layer | rounds, ms |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for m in args.methods.split(","):
-        r = measure(m, makers[m], args.warmup, args.steps, args.rounds)
+        r = measure(m, check_capture.MAKERS[m], args.warmup, args.steps, args.rounds)
         rows.append(r)
         ms = r["ms"]
         print(f"| {m} | {r['launches']['triton']} + {r['launches']['aten']} | "

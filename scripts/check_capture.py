@@ -262,23 +262,29 @@ def check(name, make, steps: int, shapes=SHAPES, decode: bool = True, patch=seta
                 error_flag=int(flag[0]) if decode else None)
 
 
+def _maker(name, *args):
+    def make():
+        import hvdsparse
+        return getattr(hvdsparse, name)(*args)
+    return make
+
+
+#: the compressors the checks run, at their usual settings
+MAKERS = dict(topk=_maker("TopK", 0.01), threshold=_maker("Threshold", 0.99),
+              adacomp=_maker("AdaComp"), qsgd=_maker("QSGD", 4),
+              randomk=_maker("RandomK", 0.01), slimdp=_maker("SlimDP", 0.2, 0.1))
+
+
 def main(argv=None):
-    import hvdsparse
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=12,
                     help="steps before the two compared ones (past any warm-up)")
     ap.add_argument("--methods", default="topk,threshold,adacomp,qsgd,randomk,slimdp")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    makers = dict(topk=lambda: hvdsparse.TopK(0.01),
-                  threshold=lambda: hvdsparse.Threshold(0.99),
-                  adacomp=lambda: hvdsparse.AdaComp(),
-                  qsgd=lambda: hvdsparse.QSGD(4),
-                  randomk=lambda: hvdsparse.RandomK(0.01),
-                  slimdp=lambda: hvdsparse.SlimDP(0.2, 0.1))
     rows = []
     for m in args.methods.split(","):
-        row = check(m, makers[m], args.steps)
+        row = check(m, MAKERS[m], args.steps)
         rows.append(row)
         print(f"{m}: {row['launches']} launches ({row['events']} events with allocations), "
               f"{len(row['differences'])} differ between steps {args.steps} and "

@@ -284,11 +284,6 @@ def mask_bucket(batch: BucketBatch) -> None:
 
 
 # ------------------------------------------------------------------ shared helpers
-def _program_table(nprog: List[int], device) -> torch.Tensor:
-    """int32 [sum nprog]: the row of every program (cached: layer sizes never change)."""
-    return program_map(nprog, device)
-
-
 def _staged(comp, kind: str, items, width: int):
     """This step's staged row table of the group ``items`` (:func:`topk_bucket.row_tables`)."""
     return topk_bucket.row_tables(comp).take((kind, tuple(it.name for it in items)),
@@ -351,7 +346,7 @@ def _dense_bucket(comp, items, plans, step, grad_scale):
         nprog.append(nb)
         blk0 += nb
     table = staged.upload()
-    blk = _program_table(nprog, dev)
+    blk = program_map(nprog, dev)
     vals = _empty(out, torch.float32, dev)
     cnt = _empty(L, torch.int32, dev)
     K.dense_copy(table, blk, grad_scale, vals, cnt, _GDT[items[0].grad.dtype],
@@ -401,7 +396,7 @@ def _qsgd_bucket(comp, items, plans, step, grad_scale):
         nprog.append(_cdiv(nb, rows))
         blk0 += nprog[-1]
     table = staged.upload()
-    blk = _program_table(nprog, dev)
+    blk = program_map(nprog, dev)
     codes = _empty(coff, torch.uint8, dev)
     scales = _empty(soff, torch.float32, dev)
     cnt = _empty(L, torch.int32, dev)
@@ -458,7 +453,7 @@ def _adacomp_bucket(comp, items, plans, step, grad_scale):
         nprog.append(_cdiv(pl["nb"], rows))
         blk0 += nprog[-1]
     table = staged.upload()
-    blk = _program_table(nprog, dev)
+    blk = program_map(nprog, dev)
     wide = Lb > 256
     relw = _cdiv(slot0 * (2 if wide else 1), 4)
     # one buffer the accumulate launch zeroes: slots (unused ones stay 0), sign words,
@@ -531,7 +526,7 @@ def _picking_rows(comp, items, plans, grad_scale, cells):
         nprog.append(_cdiv(pl["n"], BLOCK))
         blk0 += nprog[-1]
     table = staged.upload()
-    blk = _program_table(nprog, dev)
+    blk = program_map(nprog, dev)
     K.accumulate(table, blk, grad_scale, K.GDT_CODE[items[0].grad.dtype], block=BLOCK)
     idx = _empty(out, torch.int32, dev)
     vals = _empty(out, FLOAT_DTYPES[plans[0]["enc"]], dev)

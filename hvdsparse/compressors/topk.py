@@ -126,6 +126,7 @@ from ..payload import FLOAT_DTYPES, QUANT_BITS, IndexEncoding, LayerPayload, Seg
 from .base import (PURPOSE_QUANT, PURPOSE_SAMPLE, TINY, Compressor, binned_topc, ceil_div,
                    check_values, k_of)
 from .checks import check_bool, check_density, check_fresh_weight, check_quant_bucket, prefixed
+from .encoding import value_name
 from .warmup import make_warmup
 
 __all__ = ["TopK", "estimate_topk_threshold", "UPDATE_WIRE_FRESH_WEIGHT",
@@ -256,8 +257,9 @@ class TopK(Compressor):
         return cfg
 
     def fresh_weight_of(self, cfg: dict) -> float:
-        """The layer's ``fresh_weight`` in force: its setting, or with ``None`` 1 on the
-        Adam recipe's update wire (``adam_update_wire``, set by the front door) and 0
+        """The layer's ``fresh_weight`` in force: its setting, or with ``None``
+        :data:`UPDATE_WIRE_FRESH_WEIGHT` on the Adam recipe's update wire
+        (``adam_update_wire``, set by the front door) without ``per_bucket``, and 0
         otherwise."""
         w = cfg.get("fresh_weight")
         if w is None:
@@ -274,12 +276,11 @@ class TopK(Compressor):
         return ValueEncoding.FP32
 
     def comparable_settings(self, settings: dict) -> dict:
-        """``settings`` (a checkpoint's) with ``values=None`` read as the encoding in
-        force, so a checkpoint saved with the encoding now in force loads."""
+        """``settings`` (plain data, as :meth:`config` gives them) with ``values=None``
+        read as the encoding in force, so a checkpoint saved with the encoding now in
+        force loads."""
         if settings.get("values") is None:
-            settings = dict(settings, values=self.values_of(settings).name.lower())
-        elif isinstance(settings["values"], ValueEncoding):
-            settings = dict(settings, values=settings["values"].name.lower())
+            settings = dict(settings, values=value_name(self.values_of(settings)))
         return settings
 
     def _set_output_ratio(self, output_ratio) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from . import ops
 from .compressors.topk_bucket import BLOCK, block_table, float_bits, row_tables
+from .device_graphs import run_segment
 
 __all__ = ["OwnStepRow", "own_steps"]
 
@@ -82,9 +83,15 @@ def own_steps(recipe, rows: List[OwnStepRow],
             recipe._moments[r.name] = (ms[o:o + n].view(shape), vs[o:o + n].view(shape))
             o += n
             blk0 += -(-n // BLOCK)
-        table = staged.upload()
         gs = grad_scale
         if gs is not None and gs.device != dev:
             gs = gs.to(dev)
-        K.own_step(table, block_table(ns, dev), gs, K.GDT_CODE[dtype], block=BLOCK)
+        run_segment(recipe, _launch, staged, K, block_table(ns, dev), gs,
+                    K.GDT_CODE[dtype], capturable=ops.use_triton(group[0].grad))
     return out
+
+
+def _launch(table, K, blk, grad_scale, gdt):
+    """The group's device segment (:mod:`hvdsparse.device_graphs`): one launch writing
+    ``x``, ``m'`` and ``v'`` where the table's rows point (this step's buffer)."""
+    K.own_step(table, blk, grad_scale, gdt, block=BLOCK)

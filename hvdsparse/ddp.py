@@ -174,7 +174,7 @@ class State:
             that DDP reduces must be named.
         process_group: the group DDP reduces over (None = the default group).
         exchange, dense_dtype, split_dense_bits, quant_bucket, validate, alpha_bytes,
-            average, gradient_predivide_factor, nonfinite: as for
+            average, gradient_predivide_factor, nonfinite, cuda_graphs: as for
             :func:`hvdsparse.DistributedOptimizer` (validated by
             :class:`hvdsparse.settings.ExchangeSettings`); or pass ``settings=``.
         transport: a :class:`hvdsparse.transport.Transport` (default: torch.distributed

@@ -49,7 +49,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from . import adam_bucket, codec, ops
+from . import adam_bucket, codec, device_graphs, ops
 from .compressors import bucket
 from .compressors.base import Compressor, inverse_loss_scale
 from .exchange import BucketSpec, ExchangeContext, cost_model
@@ -103,6 +103,11 @@ class StepEngine:
         #: them; a benchmark may ask for them under a fixed exchange)
         self.record_figures = settings.exchange == "auto"
         self.bucket_path = bucket.enabled(compressor, local_update)
+        if settings.cuda_graphs:
+            # the bucket groups' launches replayed as CUDA graphs (CUDA tensors only)
+            for owner in (compressor, local_update):
+                if owner is not None and device_graphs.graphs_of(owner) is None:
+                    device_graphs.enable(owner)
         try:
             self._after_takes_param = "param" in inspect.signature(
                 compressor.after_exchange).parameters

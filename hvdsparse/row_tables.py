@@ -73,21 +73,55 @@ class StagedTable:
         self._event = None
         return self
 
+    @property
+    def device(self) -> torch.device:
+        return self._target
+
+    def prepare(self) -> None:
+        """Make the group's device buffer for the current stream (outside any capture:
+        a graph's copy writes into it; it is not the graph's to allocate)."""
+        dev = self._target
+        if dev.type == "cuda":
+            stream = torch.cuda.current_stream(dev)
+            if self._device is None or self._stream != stream:
+                self._device = torch.empty(self._pinned.shape, dtype=torch.int64,
+                                           device=dev)
+                self._stream = stream
+
+    def addresses(self) -> tuple:
+        """Where this step's table lives: the host buffer (a graph's copy reads it) and
+        the device buffer (its launches read it). A graph replays only at the same."""
+        d = self._device
+        return (self._pinned.data_ptr(), 0 if d is None else d.data_ptr(), str(self._target))
+
+    def copy_in(self) -> torch.Tensor:
+        """The device table, :attr:`host`'s rows copied in (queued on the current stream;
+        :meth:`prepare` first). On the CPU the host buffer itself."""
+        if self._target.type != "cuda":
+            return self._pinned
+        self._device.copy_(self._pinned, non_blocking=True)
+        return self._device
+
+    def table(self) -> torch.Tensor:
+        """The table the launches read (after :meth:`upload` or a segment's copy): the
+        device buffer on CUDA, the host buffer on the CPU."""
+        return self._device if self._target.type == "cuda" else self._pinned
+
+    def copied(self) -> None:
+        """The copy from the host buffer is queued (eagerly or in a replayed graph): an
+        event after it guards the next rewrite (:meth:`_begin`)."""
+        if self._target.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(self._target))
+
     def upload(self) -> torch.Tensor:
         """The device table holding :attr:`host`'s rows: on CUDA one non-blocking copy on
         the current stream into the group's persistent device buffer; on the CPU the host
         buffer itself."""
-        dev = self._target
-        if dev.type != "cuda":
-            return self._pinned
-        stream = torch.cuda.current_stream(dev)
-        if self._device is None or self._stream != stream:
-            self._device = torch.empty(self._pinned.shape, dtype=torch.int64, device=dev)
-            self._stream = stream
-        self._device.copy_(self._pinned, non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record(stream)
-        return self._device
+        self.prepare()
+        table = self.copy_in()
+        self.copied()
+        return table
 
 
 class RowTables:

@@ -28,6 +28,12 @@ are never absorbed into a residual and never sent, see :mod:`hvdsparse.compresso
 compression, as Horovod skips its allreduce; with this set it runs the full path
 (compress, exchange with itself through Horovod's size-1 collectives, decode), so the
 compression overhead can be measured without a network (``scripts/bench_overhead.py``).
+
+``cuda_graphs`` -- replay each bucket group's compress launches on CUDA as one CUDA graph
+(:mod:`hvdsparse.device_graphs`; default off, or ``HVDSPARSE_CUDA_GRAPHS=1``): a group's
+launches are captured at their second identical step and replayed after; warm-up,
+refresh and other changed steps run eagerly. Off by default until it is measured faster
+on a GPU (``scripts/gpu_check.sh`` runs both).
 """
 from __future__ import annotations
 
@@ -90,6 +96,7 @@ class ExchangeSettings:
     adam_refresh: object = None
     adam_refresh_start: Optional[int] = None
     adam_wire: Optional[str] = None
+    cuda_graphs: bool = False
 
     @classmethod
     def from_args(cls, *, exchange="auto", fusion_threshold=None, average=True,
@@ -100,7 +107,8 @@ class ExchangeSettings:
                   compress_at_size_one=None, momentum_correction=None,
                   momentum_masking=False, clip_grad_norm=None, adam_recipe=None,
                   adam_warmup=None, adam_refresh=None,
-                  adam_refresh_start=None, adam_wire=None) -> "ExchangeSettings":
+                  adam_refresh_start=None, adam_wire=None,
+                  cuda_graphs=None) -> "ExchangeSettings":
         """Validate user arguments (clear errors naming the argument) and normalise.
         The local-update options are checked here as far as they can be without the
         optimizer (the rest when a door resolves them)."""
@@ -153,6 +161,13 @@ class ExchangeSettings:
                                            not clip_grad_norm > 0):
             raise ValueError(f"clip_grad_norm must be None or a number > 0, got "
                              f"{clip_grad_norm!r}")
+        if cuda_graphs is None:
+            env = os.environ.get("HVDSPARSE_CUDA_GRAPHS", "0")
+            if env not in ("0", "1"):
+                raise ValueError(f"HVDSPARSE_CUDA_GRAPHS must be 0 or 1, got {env!r}")
+            cuda_graphs = env == "1"
+        if cuda_graphs not in (True, False):
+            raise ValueError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
         return cls(exchange=exchange, fusion_threshold=int(fusion_threshold),
                    average=bool(average),
                    gradient_predivide_factor=float(gradient_predivide_factor),
@@ -167,7 +182,7 @@ class ExchangeSettings:
                    momentum_masking=momentum_masking, clip_grad_norm=clip_grad_norm,
                    adam_recipe=adam_recipe, adam_warmup=adam_warmup,
                    adam_refresh=adam_refresh, adam_refresh_start=adam_refresh_start,
-                   adam_wire=adam_wire)
+                   adam_wire=adam_wire, cuda_graphs=bool(cuda_graphs))
 
     @classmethod
     def from_options(cls, settings: Optional["ExchangeSettings"], options: dict, who: str,
@@ -224,9 +239,10 @@ def fingerprint(settings: ExchangeSettings, compressor) -> dict:
             "narrowed indices (HVDSPARSE_NARROW_INDICES)": bool(payload.NARROW_INDICES),
             "compressor": plain(compressor.config()), **{
                 k: v for k, v in settings.plain().items()
-                # validate changes only how a rank checks what it receives;
-                # compress_at_size_one only acts at world size 1
-                if k not in ("validate", "compress_at_size_one")}}
+                # validate changes only how a rank checks what it receives,
+                # cuda_graphs only how it issues its launches; compress_at_size_one
+                # only acts at world size 1
+                if k not in ("validate", "cuda_graphs", "compress_at_size_one")}}
 
 
 def differences(mine: dict, ref: dict, prefix: str = ""):

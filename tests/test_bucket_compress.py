@@ -207,9 +207,10 @@ def _run(path, kind, dtype, scale, mc, seed, counter=None, steps=4):
 
 
 def _bits(t):
+    """A copy of ``t``'s bits (a snapshot outlives the buffers a later step reuses)."""
     if t is None:
         return None
-    t = t.detach().contiguous().cpu()
+    t = t.detach().cpu().clone()
     if t.dtype.is_floating_point:
         t = t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
     return t
@@ -220,8 +221,8 @@ def _segment(seg):
     out = dict(enc=(int(seg.index_encoding), int(seg.value_encoding)), numel=seg.numel,
                cap=seg.capacity, count=c, qb=seg.quant_bucket, scales=_bits(seg.scales))
     if seg.bin_counts is not None:               # bin-relative: slots in wire order
-        out.update(idx=seg.indices.cpu(), vals=seg.values.cpu(), bins=seg.bin_counts.cpu(),
-                   L=seg.bin_size)
+        out.update(idx=_bits(seg.indices), vals=_bits(seg.values),
+                   bins=_bits(seg.bin_counts), L=seg.bin_size)
     elif seg.indices is not None:                # sparse: the pairs, sorted by index
         idx = seg.indices[:c].long()
         order = torch.argsort(idx)
@@ -229,7 +230,7 @@ def _segment(seg):
     else:
         out.update(vals=_bits(seg.values))
     if seg.implicit_indices is not None:         # IMPLICIT: the local decoder's indices
-        out.update(implicit=seg.implicit_indices.cpu())
+        out.update(implicit=_bits(seg.implicit_indices))
     return out
 
 

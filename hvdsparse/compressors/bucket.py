@@ -72,6 +72,7 @@ from typing import List, Optional
 import torch
 
 from .. import ops
+from ..device_graphs import run_segment
 from ..row_tables import program_map
 from ..payload import FLOAT_DTYPES, IndexEncoding, LayerPayload, Segment, ValueEncoding
 from . import topk_bucket
@@ -345,12 +346,9 @@ def _dense_bucket(comp, items, plans, step, grad_scale):
         nb = _cdiv(pl["n"], DENSE_BLOCK)
         nprog.append(nb)
         blk0 += nb
-    table = staged.upload()
-    blk = program_map(nprog, dev)
-    vals = _empty(out, torch.float32, dev)
-    cnt = _empty(L, torch.int32, dev)
-    K.dense_copy(table, blk, grad_scale, vals, cnt, _GDT[items[0].grad.dtype],
-                 block=DENSE_BLOCK)
+    vals, cnt = run_segment(comp, _dense_launches, staged, K, program_map(nprog, dev),
+                            grad_scale, _GDT[items[0].grad.dtype], L, out)
+    table = staged.table()
     payloads = {}
     for j, (it, pl) in enumerate(zip(items, plans)):
         o, n = int(tab[j, K.C_OUT]), pl["n"]
@@ -360,6 +358,14 @@ def _dense_bucket(comp, items, plans, step, grad_scale):
         payloads[it.name] = LayerPayload(it.name, it.grad.shape, [seg])
     _finish(comp, items, step, payloads, dict(density=1.0))
     return payloads, BucketBatch([it.name for it in items], table, None, cnt, 0, [], K)
+
+
+def _dense_launches(table, K, blk, grad_scale, gdt, L, out):
+    """The policy-dense group's device segment (:mod:`hvdsparse.device_graphs`)."""
+    vals = _empty(out, torch.float32, table.device)
+    cnt = _empty(L, torch.int32, table.device)
+    K.dense_copy(table, blk, grad_scale, vals, cnt, gdt, block=DENSE_BLOCK)
+    return vals, cnt
 
 
 # ------------------------------------------------------------------ QSGD rows
@@ -395,13 +401,10 @@ def _qsgd_bucket(comp, items, plans, step, grad_scale):
         soff += nb
         nprog.append(_cdiv(nb, rows))
         blk0 += nprog[-1]
-    table = staged.upload()
-    blk = program_map(nprog, dev)
-    codes = _empty(coff, torch.uint8, dev)
-    scales = _empty(soff, torch.float32, dev)
-    cnt = _empty(L, torch.int32, dev)
-    K.qsgd_pack(table, blk, grad_scale, codes, scales, cnt, _GDT[items[0].grad.dtype],
-                bits, B, rows)
+    codes, scales, cnt = run_segment(comp, _qsgd_launches, staged, K,
+                                     program_map(nprog, dev), grad_scale,
+                                     _GDT[items[0].grad.dtype], L, coff, soff, bits, B, rows)
+    table = staged.table()
     payloads = {}
     for j, (it, pl) in enumerate(zip(items, plans)):
         n = pl["n"]
@@ -413,6 +416,16 @@ def _qsgd_bucket(comp, items, plans, step, grad_scale):
         payloads[it.name] = LayerPayload(it.name, it.grad.shape, [seg])
     _finish(comp, items, step, payloads, {})
     return payloads, BucketBatch([it.name for it in items], table, None, cnt, 0, [], K)
+
+
+def _qsgd_launches(table, K, blk, grad_scale, gdt, L, coff, soff, bits, B, rows):
+    """The QSGD group's device segment (:mod:`hvdsparse.device_graphs`)."""
+    dev = table.device
+    codes = _empty(coff, torch.uint8, dev)
+    scales = _empty(soff, torch.float32, dev)
+    cnt = _empty(L, torch.int32, dev)
+    K.qsgd_pack(table, blk, grad_scale, codes, scales, cnt, gdt, bits, B, rows)
+    return codes, scales, cnt
 
 
 # ------------------------------------------------------------------ AdaComp rows
@@ -452,31 +465,10 @@ def _adacomp_bucket(comp, items, plans, step, grad_scale):
         word0 += max(1, _cdiv(pl["cap"], 32))
         nprog.append(_cdiv(pl["nb"], rows))
         blk0 += nprog[-1]
-    table = staged.upload()
-    blk = program_map(nprog, dev)
-    wide = Lb > 256
-    relw = _cdiv(slot0 * (2 if wide else 1), 4)
-    # one buffer the accumulate launch zeroes: slots (unused ones stay 0), sign words,
-    # selected counters
-    zero = _empty(relw + word0 + Lr, torch.int32, dev)
-    rel = zero[:relw].view(torch.int16 if wide else torch.uint8)[:slot0]
-    words = zero[relw:relw + word0]
-    selected = zero[relw + word0:]
-    gmax = _empty(bin0, torch.float32, dev)
-    cnt = _empty(bin0, torch.int32, dev)
-    scales = _empty(Lr, torch.float32, dev)
-    counts = _empty(Lr, torch.int32, dev)
-    gdt = _GDT[items[0].grad.dtype]
-    K.accumulate(table, blk, grad_scale, gmax, zero, gdt, Lb, rows)
-    # one scale per layer, the mean of its bin maxima: every row in one launch, each
-    # with the per-layer path's bits (ops.segment_mean)
-    ops.segment_means(gmax, table, K.W, K.C_BIN0, K.C_NB, Lr, scales)
-    K.count(table, blk, grad_scale, gmax, cnt, selected, gdt, Lb, hm1, c, rows)
-    if cut:                   # a layer budget below its bins' slots: cnt -> quota
-        K.quota(table, cnt, Lr, c)
-    cum = torch.cumsum(cnt, 0, dtype=torch.int32)
-    K.pack(table, blk, grad_scale, gmax, cnt, cum, scales, rel, words, counts, gdt, Lb,
-           hm1, c, rows)
+    rel, words, selected, cnt, scales, counts = run_segment(
+        comp, _adacomp_launches, staged, K, program_map(nprog, dev), grad_scale,
+        _GDT[items[0].grad.dtype], Lr, Lb, hm1, c, rows, bin0, slot0, word0, cut)
+    table = staged.table()
     wbytes = words.view(torch.uint8)
     payloads = {}
     for j, (it, pl) in enumerate(zip(items, plans)):
@@ -496,15 +488,45 @@ def _adacomp_bucket(comp, items, plans, step, grad_scale):
     return payloads, BucketBatch([it.name for it in items], table, None, counts, 0, [], K)
 
 
+def _adacomp_launches(table, K, blk, grad_scale, gdt, Lr, Lb, hm1, c, rows, bin0, slot0,
+                      word0, cut):
+    """The AdaComp group's device segment (:mod:`hvdsparse.device_graphs`): ``(rel,
+    words, selected, bin counts, scales, counts)``."""
+    dev = table.device
+    wide = Lb > 256
+    relw = _cdiv(slot0 * (2 if wide else 1), 4)
+    # one buffer the accumulate launch zeroes: slots (unused ones stay 0), sign words,
+    # selected counters
+    zero = _empty(relw + word0 + Lr, torch.int32, dev)
+    rel = zero[:relw].view(torch.int16 if wide else torch.uint8)[:slot0]
+    words = zero[relw:relw + word0]
+    selected = zero[relw + word0:]
+    gmax = _empty(bin0, torch.float32, dev)
+    cnt = _empty(bin0, torch.int32, dev)
+    scales = _empty(Lr, torch.float32, dev)
+    counts = _empty(Lr, torch.int32, dev)
+    K.accumulate(table, blk, grad_scale, gmax, zero, gdt, Lb, rows)
+    # one scale per layer, the mean of its bin maxima: every row in one launch, each
+    # with the per-layer path's bits (ops.segment_mean)
+    ops.segment_means(gmax, table, K.W, K.C_BIN0, K.C_NB, Lr, scales)
+    K.count(table, blk, grad_scale, gmax, cnt, selected, gdt, Lb, hm1, c, rows)
+    if cut:                   # a layer budget below its bins' slots: cnt -> quota
+        K.quota(table, cnt, Lr, c)
+    cum = torch.cumsum(cnt, 0, dtype=torch.int32)
+    K.pack(table, blk, grad_scale, gmax, cnt, cum, scales, rel, words, counts, gdt, Lb,
+           hm1, c, rows)
+    return rel, words, selected, cnt, scales, counts
+
+
 # ------------------------------------------------------------------ picking rows
-def _picking_rows(comp, items, plans, grad_scale, cells):
+def _picking_rows(comp, items, plans, cells):
     """The table of a group whose rows send slots picked by index after
     ``kernels/bucket_topk.py``'s accumulate launch (RandomK's and Slim-DP's rows): each
     row's accumulating cells (:func:`_layer_cells`, DGC's velocity), its output offset
     and first program; ``cells(row, item, plan)`` writes the row's own cells and returns
-    its slot count (``C_CAP``). Queues the table copy and the accumulate launch and
-    returns ``(K, host table, device table, idx int32[slots], vals[slots] in the
-    group's value encoding, momentum row names)``."""
+    its slot count (``C_CAP``). Returns ``(K, staged table, program map, slots,
+    momentum row names)``; the group's device segment (:func:`_randomk_launches`,
+    :func:`_slimdp_launches`) starts with the accumulate launch."""
     from .topk_bucket import BLOCK, momentum_cells
     K = ops.bucket_kernels("topk")
     dev = items[0].grad.device
@@ -525,12 +547,7 @@ def _picking_rows(comp, items, plans, grad_scale, cells):
         out += slots
         nprog.append(_cdiv(pl["n"], BLOCK))
         blk0 += nprog[-1]
-    table = staged.upload()
-    blk = program_map(nprog, dev)
-    K.accumulate(table, blk, grad_scale, K.GDT_CODE[items[0].grad.dtype], block=BLOCK)
-    idx = _empty(out, torch.int32, dev)
-    vals = _empty(out, FLOAT_DTYPES[plans[0]["enc"]], dev)
-    return K, tab, table, idx, vals, mom
+    return K, staged, program_map(nprog, dev), out, mom
 
 
 # ------------------------------------------------------------------ RandomK rows
@@ -542,17 +559,18 @@ def _randomk_bucket(comp, items, plans, step, grad_scale):
     same launch)."""
     RK = ops.bucket_kernels("randomk")
     L = len(items)
-    dev = items[0].grad.device
 
     def cells(row, it, pl):
         row[RK.C_SEED] = pl["seed"]
         return pl["k"]
-    K, tab, table, idx, vals, mom = _picking_rows(comp, items, plans, grad_scale, cells)
-    out, enc = idx.numel(), plans[0]["enc"]
-    cnt = _empty(2 * L, torch.int32, dev).view(L, 2)
+    K, staged, blk, out, mom = _picking_rows(comp, items, plans, cells)
+    tab, enc = staged.host, plans[0]["enc"]
     kmax = max(pl["k"] for pl in plans)
-    wide = _empty(out, torch.int64, dev) if any(pl["shared"] for pl in plans) else None
-    RK.pick(table, idx, vals, cnt, L, kmax, _RK_VE[enc], wide, W=K.W)
+    idx, vals, cnt, wide = run_segment(
+        comp, _randomk_launches, staged, K, RK, blk, grad_scale,
+        K.GDT_CODE[items[0].grad.dtype], FLOAT_DTYPES[enc], L, out, kmax, _RK_VE[enc],
+        any(pl["shared"] for pl in plans))
+    table = staged.table()
     payloads = {}
     for j, (it, pl) in enumerate(zip(items, plans)):
         o, k = int(tab[j, K.C_OUT]), pl["k"]
@@ -571,6 +589,20 @@ def _randomk_bucket(comp, items, plans, step, grad_scale):
         comp._stats.record(it.name, step, p, extra=dict(nonfinite=it.nonfinite),
                            density=pl["d"])
     return payloads, BucketBatch([it.name for it in items], table, idx, cnt, kmax, mom, K)
+
+
+def _randomk_launches(table, K, RK, blk, grad_scale, gdt, vdtype, L, out, kmax, ve, shared):
+    """The RandomK group's device segment (:mod:`hvdsparse.device_graphs`): ``(idx,
+    vals, counts [L, 2], drawn int64 indices or None)``."""
+    from .topk_bucket import BLOCK
+    dev = table.device
+    K.accumulate(table, blk, grad_scale, gdt, block=BLOCK)
+    idx = _empty(out, torch.int32, dev)
+    vals = _empty(out, vdtype, dev)
+    cnt = _empty(2 * L, torch.int32, dev).view(L, 2)
+    wide = _empty(out, torch.int64, dev) if shared else None
+    RK.pick(table, idx, vals, cnt, L, kmax, ve, wide, W=K.W)
+    return idx, vals, cnt, wide
 
 
 # ------------------------------------------------------------------ Slim-DP rows
@@ -594,13 +626,14 @@ def _slimdp_bucket(comp, items, plans, step, grad_scale):
         row[SK.C_CORE] = 0 if core is None else core.data_ptr()
         row[SK.C_SEED] = pl["seed"]
         return pl["nc"] + pl["ne"]
-    K, tab, table, idx, vals, mom = _picking_rows(comp, items, plans, grad_scale, cells)
-    enc = plans[0]["enc"]
-    cnt4 = _empty(4 * L, torch.int32, dev)
-    cnt, parts = cnt4[:2 * L].view(L, 2), cnt4[2 * L:].view(L, 2)
+    K, staged, blk, out, mom = _picking_rows(comp, items, plans, cells)
+    tab, enc = staged.host, plans[0]["enc"]
     totmax = max(pl["nc"] + pl["ne"] for pl in plans)
-    SK.gather(table, idx, vals, cnt, parts, L, totmax, max(pl["nc"] for pl in plans),
-              _RK_VE[enc], W=K.W)
+    idx, vals, cnt, parts = run_segment(
+        comp, _slimdp_launches, staged, K, SK, blk, grad_scale,
+        K.GDT_CODE[items[0].grad.dtype], FLOAT_DTYPES[enc], L, out, totmax,
+        max(pl["nc"] for pl in plans), _RK_VE[enc])
+    table = staged.table()
     payloads = {}
     for j, (it, pl, core) in enumerate(zip(items, plans, cores)):
         o, nc, ne, n = int(tab[j, K.C_OUT]), pl["nc"], pl["ne"], pl["n"]
@@ -621,3 +654,17 @@ def _slimdp_bucket(comp, items, plans, step, grad_scale):
         comp._stats.record(it.name, step, p,
                            extra=dict(dense_push=False, nonfinite=it.nonfinite))
     return payloads, BucketBatch([it.name for it in items], table, idx, cnt, totmax, mom, K)
+
+
+def _slimdp_launches(table, K, SK, blk, grad_scale, gdt, vdtype, L, out, totmax, ncmax, ve):
+    """The Slim-DP group's device segment (:mod:`hvdsparse.device_graphs`): ``(idx,
+    vals, counts [L, 2], core / explorer counts [L, 2])``."""
+    from .topk_bucket import BLOCK
+    dev = table.device
+    K.accumulate(table, blk, grad_scale, gdt, block=BLOCK)
+    idx = _empty(out, torch.int32, dev)
+    vals = _empty(out, vdtype, dev)
+    cnt4 = _empty(4 * L, torch.int32, dev)
+    cnt, parts = cnt4[:2 * L].view(L, 2), cnt4[2 * L:].view(L, 2)
+    SK.gather(table, idx, vals, cnt, parts, L, totmax, ncmax, ve, W=K.W)
+    return idx, vals, cnt, parts

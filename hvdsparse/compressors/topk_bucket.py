@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from .. import ops
+from ..device_graphs import run_segment
 from ..row_tables import RowTables, program_map
 from ..payload import IndexEncoding, LayerPayload, Segment, ValueEncoding
 from .base import PURPOSE_SAMPLE, Compressor
@@ -310,35 +311,22 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         row[K.C_BLK0] = blk0
         out += pl["cap"]
         blk0 += -(-pl["n"] // BLOCK)
-    table = staged.upload()
     # the programs' segments (Triton only: the CPU loops walk the rows)
-    blk = block_table([pl["n"] for pl in plans], dev) if ops.use_triton(items[0].grad) \
-        else None
-    # the Triton path's radix select (ROUTE_FRESH rows), and without a sampled row no
-    # sample, sort or counting launch: the accumulate zeroes the payload counts (the CPU
-    # twin has neither)
-    kw, acc_kw = {}, {}
-    if fresh:
-        kw["radix"] = acc_kw["radix"] = K.radix_scratch(L, dev)
-    if ops.use_triton(items[0].grad):
-        kw["sampled"] = any(pl["exact"] in (K.ROUTE_SAMPLED, K.ROUTE_EXACT) for pl in plans)
-        if not kw["sampled"]:
-            kw["counts"] = acc_kw["counts"] = torch.empty((L, 2), dtype=torch.int32,
-                                                          device=dev)
-    K.accumulate(table, blk, grad_scale, K.GDT_CODE[items[0].grad.dtype], block=BLOCK,
-                 **acc_kw)
-    if fresh:
-        K.radix_select(table, blk, kw["radix"], block=BLOCK)
-    enc = plans[0]["enc"]
+    triton = ops.use_triton(items[0].grad)
+    blk = block_table([pl["n"] for pl in plans], dev) if triton else None
     # Threshold's guard rows between refreshes also select through the overflow ladder
     # (threshold.py)
     ladder = None
     if any(pl.get("guard") and pl["exact"] == K.ROUTE_GIVEN for pl in plans):
         from .threshold import ladder_factors
         ladder = ladder_factors(dev, comp.ladder)
-    idx, vals, cnt, tau = K.threshold_and_select(
-        table, blk, L, max(pl["s"] for pl in plans), max(pl["m"] for pl in plans),
-        plans[0]["rounds"], out, _VE_CODE[enc], ladder, block=BLOCK, **kw)
+    sampled = any(pl["exact"] in (K.ROUTE_SAMPLED, K.ROUTE_EXACT) for pl in plans)
+    enc = plans[0]["enc"]
+    idx, vals, cnt, tau = run_segment(
+        comp, _launches, staged, K, blk, grad_scale, K.GDT_CODE[items[0].grad.dtype], L,
+        fresh, sampled, max(pl["s"] for pl in plans), max(pl["m"] for pl in plans),
+        plans[0]["rounds"], out, _VE_CODE[enc], ladder, capturable=triton)
+    table = staged.table()
     payloads = {}
     for j, (it, pl) in enumerate(zip(items, plans)):
         o, cap = int(tab[j, K.C_OUT]), pl["cap"]
@@ -369,6 +357,27 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
     batch = BucketBatch([it.name for it in items], table, idx, cnt,
                         max(pl["cap"] for pl in plans), mom, K)
     return payloads, batch
+
+
+def _launches(table, K, blk, grad_scale, gdt, L, fresh, sampled, smax, mmax, rounds, out,
+              ve, ladder):
+    """A group's device segment (:mod:`hvdsparse.device_graphs`): the accumulate launch,
+    the refresh rows' radix select, the threshold-and-select launches. ``blk`` None: the
+    compiled CPU loops (no sample, sort or counting launch without a sampled row on the
+    Triton path: the accumulate zeroes the payload counts; the CPU twin has neither)."""
+    kw, acc_kw = {}, {}
+    if fresh:
+        kw["radix"] = acc_kw["radix"] = K.radix_scratch(L, table.device)
+    if blk is not None:
+        kw["sampled"] = sampled
+        if not sampled:
+            kw["counts"] = acc_kw["counts"] = torch.empty((L, 2), dtype=torch.int32,
+                                                          device=table.device)
+    K.accumulate(table, blk, grad_scale, gdt, block=BLOCK, **acc_kw)
+    if fresh:
+        K.radix_select(table, blk, kw["radix"], block=BLOCK)
+    return K.threshold_and_select(table, blk, L, smax, mmax, rounds, out, ve, ladder,
+                                  block=BLOCK, **kw)
 
 
 def mask_bucket(batch: BucketBatch) -> None:

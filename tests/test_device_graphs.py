@@ -1,0 +1,214 @@
+"""A bucket group's device segment replayed from a capture gives an eager step's bits
+(``hvdsparse/device_graphs.py``), for every kind of row, checked without a GPU: the
+CUDA graph backend is replaced by ``scripts/graph_emulator.py``, which records a
+segment's launches through Triton's interpreter (``HVDSPARSE_FORCE_TRITON=1``) and
+replays them with their recorded arguments, reading the tensors' current contents as a
+graph does.
+
+* Every compressor's bucket rows on the gradient wire (tests/test_bucket_compress.py's
+  run: policy-dense, QSGD, TopK, Threshold with refresh and reuse steps, AdaComp with and
+  without a layer budget, RandomK, Slim-DP; DGC's velocity; AMP's inverse loss scale;
+  poisoned outputs) and on the Adam recipe's update wire (tests/test_adam_bucket.py's
+  run: the own-step launch too): every payload segment, residual, velocity, non-finite
+  count, statistic, Threshold's tau history and Adam's moments, step by step, against the
+  same run eager, on fresh random data; segments were replayed (not only run eagerly).
+* The contract's edges: a segment with hidden state replays the captured launch (so a
+  key that missed an argument would be caught by the comparisons above); host reads and
+  torch's random ops are refused inside a capture; a closure or an unkeyable argument is
+  refused; a changed argument or a moved table runs eagerly, then captures anew.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hvdsparse import device_graphs  # noqa: E402
+from hvdsparse.device_graphs import SegmentGraphs, run_segment, segment_key  # noqa: E402
+from hvdsparse.row_tables import RowTables  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "scripts"))
+from graph_emulator import EmulatedGraphs  # noqa: E402
+
+import test_adam_bucket as TA  # noqa: E402
+import test_bucket_compress as TB  # noqa: E402
+
+DEV = torch.device(os.environ.get("HVDSPARSE_TEST_DEVICE", "cpu"))
+pytestmark = pytest.mark.skipif(DEV.type != "cpu", reason="the emulator replays CPU tensors")
+
+
+class Graphs:
+    """Every owner's segments through one emulator while :attr:`on`."""
+
+    def __init__(self, monkeypatch):
+        monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")
+        self.emu = EmulatedGraphs(patch=monkeypatch.setattr)
+        self.on = False
+        self.made = []
+
+        def graphs_of(owner):
+            if not self.on:
+                return None
+            g = getattr(owner, "segment_graphs", None)
+            if g is None:
+                g = device_graphs.enable(owner, self.emu)
+                self.made.append(g)
+            return g
+        monkeypatch.setattr(device_graphs, "graphs_of", graphs_of)
+
+    def count(self, what):
+        return sum(getattr(g, what) for g in self.made)
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    return Graphs(monkeypatch)
+
+
+@pytest.mark.parametrize("kind,dtype,scale,mc", [
+    ("topk", torch.float32, 0.5, True),
+    ("threshold", torch.float32, None, False),
+    ("adacomp-budget", torch.bfloat16, 0.5, True),
+    ("qsgd", torch.float16, None, False),
+    ("randomk", torch.float32, 0.25, True),
+    ("slimdp", torch.float32, None, False),
+])
+def test_replay_gives_eager_bits_gradient_wire(monkeypatch, graphs, kind, dtype, scale, mc):
+    TB._poison(monkeypatch)
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    ref, kinds, _ = TB._run("bucket", kind, dtype, scale, mc, seed, steps=5)
+    graphs.on = True
+    got, kinds2, _ = TB._run("bucket", kind, dtype, scale, mc, seed, steps=5)
+    assert kinds == kinds2
+    assert graphs.count("replays") >= 2 and graphs.count("captures") >= 2, \
+        (graphs.count("eager"), graphs.count("captures"), graphs.count("replays"))
+    for step, (a, b) in enumerate(zip(ref, got)):
+        TB._same(a, b, f"seed {seed} {kind} step {step}")
+
+
+@pytest.mark.parametrize("kind,gdt,scale", [
+    ("topk", torch.float32, 0.5),
+    ("threshold", torch.bfloat16, None),
+    ("adacomp", torch.float32, None),
+])
+def test_replay_gives_eager_bits_update_wire(graphs, kind, gdt, scale):
+    seed = int(torch.randint(0, 2 ** 30, ()).item())
+    ref = TA._run(True, kind, TA.LAYERS, seed, gdt, scale, False, steps=5)
+    graphs.on = True
+    got = TA._run(True, kind, TA.LAYERS, seed, gdt, scale, False, steps=5)
+    assert graphs.count("replays") >= 2
+    # the Adam recipe's own-step segment replayed too
+    owners = {type(g).__name__ for g in graphs.made}
+    assert len(graphs.made) == 2, owners
+    assert all(g.replays >= 2 for g in graphs.made), [(g.eager, g.captures, g.replays)
+                                                        for g in graphs.made]
+    for step, (a, b) in enumerate(zip(ref, got)):
+        TB._same(a, b, f"seed {seed} {kind} step {step}")
+
+
+# ------------------------------------------------------------------ the contract's edges
+HIDDEN = {"add": 1.0}
+
+
+def _hidden_segment(table, x):
+    out = torch.empty_like(x)
+    torch.add(x, HIDDEN["add"], out=out)       # a host value the key does not see
+    return out
+
+
+def _reads_host(table, x):
+    return x * float(x.sum())
+
+
+def _draws(table, x):
+    return x + torch.rand_like(x)
+
+
+def _plain(table, x, k):
+    out = torch.empty_like(x)
+    torch.mul(x, k, out=out)
+    return out
+
+
+def _owner(graphs):
+    class Owner:
+        pass
+    o = Owner()
+    graphs.on = True
+    return o
+
+
+def _table(tables, key="g"):
+    st = tables.take((key,), 2, 3, torch.device("cpu"))
+    st.host[:] = 7
+    return st
+
+
+def test_replay_repeats_the_captured_launches(graphs):
+    """Hidden host state is not re-read at replay: the captured scalar is launched
+    again, as a CUDA graph would (so a missing key argument shows as wrong bits)."""
+    owner, tables = _owner(graphs), RowTables()
+    x = torch.randn(5)
+    outs = []
+    for add in (1.0, 1.0, 5.0, 9.0):
+        HIDDEN["add"] = add
+        outs.append(run_segment(owner, _hidden_segment, _table(tables), x).clone())
+    g = device_graphs.graphs_of(owner)
+    assert (g.eager, g.captures, g.replays) == (1, 1, 2)
+    for o in outs:                                # every step: x + 1 (the capture's)
+        assert torch.equal(o, x + 1.0)
+
+
+def test_capture_refuses_host_reads_and_random_draws(graphs):
+    owner, tables = _owner(graphs), RowTables()
+    x = torch.randn(4)
+    for fn, what in ((_reads_host, "reads a device value"), (_draws, "generator")):
+        run_segment(owner, fn, _table(tables, fn.__name__), x)       # eager: allowed
+        with pytest.raises(RuntimeError, match=what):
+            run_segment(owner, fn, _table(tables, fn.__name__), x)   # the capture
+
+
+def test_key_refuses_closures_and_hidden_objects():
+    st = RowTables().take(("k",), 1, 1, torch.device("cpu"))
+    k = 3
+
+    def closure(table, x):
+        return x * k
+    with pytest.raises(TypeError, match="closure"):
+        segment_key(closure, st, (torch.zeros(1),))
+    with pytest.raises(TypeError, match="not keyable"):
+        segment_key(_plain, st, (torch.zeros(1), object()))
+    with pytest.raises(TypeError, match="not keyable"):
+        segment_key(_plain, st, (torch.zeros(1), {"a": 1}))
+
+
+def test_changed_arguments_run_eagerly_then_capture_anew(graphs):
+    owner, tables = _owner(graphs), RowTables()
+    x, y = torch.randn(6), torch.randn(6)
+    seq = [(x, 2.0), (x, 2.0), (x, 3.0), (y, 2.0), (x, 2.0), (x, 3.0), (x, 3.0)]
+    for t, k in seq:
+        got = run_segment(owner, _plain, _table(tables), t, k)
+        assert torch.equal(got, t * k), (k, t is x)
+    g = device_graphs.graphs_of(owner)
+    # (x, 2): eager, capture, replay; (x, 3): eager, capture, replay; (y, 2): eager
+    assert (g.eager, g.captures, g.replays) == (3, 2, 2)
+    # a table moved to another host buffer is another key
+    st = _table(tables)
+    before = segment_key(_plain, st, (x, 2.0))
+    st._pinned = st._pinned.clone()
+    st.host = st._pinned.numpy()
+    assert segment_key(_plain, st, (x, 2.0)) != before
+
+
+def test_segment_graphs_keep_at_most_limit(graphs):
+    owner, tables = _owner(graphs), RowTables()
+    g = device_graphs.enable(owner, graphs.emu)
+    g.limit = 2
+    x = torch.randn(3)
+    for k in (1.0, 2.0, 3.0):
+        for _ in range(2):
+            run_segment(owner, _plain, _table(tables), x, k)
+    assert isinstance(g, SegmentGraphs) and len(g._graphs) == 2 and g.captures == 3

@@ -19,8 +19,9 @@ host rewrote, this step's gradients through the table's addresses -- and nothing
 host computed since the capture. A segment whose launches depend on host state missing
 from its graph key replays stale launches here just as a GPU would, and a test comparing
 replayed steps with eager ones sees it. Refused during a capture (``RuntimeError``), as a
-CUDA capture fails on them: reading a device value on the host, and torch's random ops
-(a graph replays their Philox offsets, which this emulation would not).
+CUDA capture fails on them: reading a device value on the host, building a tensor from
+Python data (a pageable host-to-device copy on CUDA), and torch's random ops (a graph
+replays their Philox offsets, which this emulation would not).
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ from launchcount import NO_LAUNCH  # noqa: E402
 
 #: host reads of device values: a capture cannot contain them
 HOST_READS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "equal", "allclose"})
+#: a tensor made from Python data (``torch.tensor(...)``)
+HOST_DATA = frozenset({"lift_fresh", "lift_fresh_copy"})
 #: torch's random ops
 RANDOM = frozenset({"rand", "randn", "randint", "randperm", "rand_like", "randn_like",
                     "randint_like", "normal", "normal_",
@@ -87,6 +90,10 @@ class EmulatedGraphs:
                     if name in HOST_READS:
                         raise RuntimeError(f"a device segment reads a device value on the "
                                            f"host ({func}): a CUDA graph cannot capture it")
+                    if name in HOST_DATA:
+                        raise RuntimeError(f"a device segment builds a tensor from host "
+                                           f"data ({func}): on CUDA a pageable copy, which "
+                                           f"a capture cannot hold")
                     if name in RANDOM:
                         raise RuntimeError(f"a device segment draws with torch's generator "
                                            f"({func}): not emulated")

@@ -13,9 +13,10 @@ graph does.
   count, statistic, Threshold's tau history and Adam's moments, step by step, against the
   same run eager, on fresh random data; segments were replayed (not only run eagerly).
 * The contract's edges: a segment with hidden state replays the captured launch (so a
-  key that missed an argument would be caught by the comparisons above); host reads and
-  torch's random ops are refused inside a capture; a closure or an unkeyable argument is
-  refused; a changed argument or a moved table runs eagerly, then captures anew.
+  key that missed an argument would be caught by the comparisons above); host reads,
+  tensors built from Python data and torch's random ops are refused inside a capture; a
+  closure or an unkeyable argument is refused; a changed argument or a moved table runs
+  eagerly, then captures anew.
 """
 import os
 import sys
@@ -127,6 +128,10 @@ def _draws(table, x):
     return x + torch.rand_like(x)
 
 
+def _host_data(table, x):
+    return x + torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+
 def _plain(table, x, k):
     out = torch.empty_like(x)
     torch.mul(x, k, out=out)
@@ -162,10 +167,11 @@ def test_replay_repeats_the_captured_launches(graphs):
         assert torch.equal(o, x + 1.0)
 
 
-def test_capture_refuses_host_reads_and_random_draws(graphs):
+def test_capture_refuses_host_reads_host_data_and_random_draws(graphs):
     owner, tables = _owner(graphs), RowTables()
     x = torch.randn(4)
-    for fn, what in ((_reads_host, "reads a device value"), (_draws, "generator")):
+    for fn, what in ((_reads_host, "reads a device value"), (_draws, "generator"),
+                     (_host_data, "from host data")):
         run_segment(owner, fn, _table(tables, fn.__name__), x)       # eager: allowed
         with pytest.raises(RuntimeError, match=what):
             run_segment(owner, fn, _table(tables, fn.__name__), x)   # the capture

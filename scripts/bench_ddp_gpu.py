@@ -31,8 +31,11 @@ skipped and listed as such): ``dense`` (DDP, no hook), ``powersgd-r1`` (PyTorch'
 compressed), ``topk`` (``hvdsparse.TopK(0.01)``), ``local`` (forward + backward + step
 without DDP or any communication), ``powersgd-r4``, ``threshold``
 (``hvdsparse.Threshold(0.99)``), ``adacomp`` (``hvdsparse.AdaComp()``), ``qsgd``
-(``hvdsparse.QSGD(bits=4)``), ``randomk`` (``hvdsparse.RandomK(0.01)``). hvdsparse modes use ``hvdsparse.ddp.State`` +
-``hvdsparse.ddp.hook`` with their defaults and DDP's default buckets. PowerSGD on Gloo
+(``hvdsparse.QSGD(bits=4)``), ``randomk`` (``hvdsparse.RandomK(0.01)``), and on CUDA
+``topk-graphs`` and ``adacomp-graphs`` (the same with ``cuda_graphs=True``: each bucket
+group's compress launches replayed as a CUDA graph, ``hvdsparse/device_graphs.py``).
+hvdsparse modes use ``hvdsparse.ddp.State`` + ``hvdsparse.ddp.hook`` with their defaults
+and DDP's default buckets. PowerSGD on Gloo
 runs with one DDP bucket (``bucket_cap_mb`` above the model size): with several, its
 allreduces issued from future callbacks can pair up differently on the two ranks.
 
@@ -108,9 +111,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 MODES = ("dense", "powersgd-r1", "topk", "local", "powersgd-r4", "threshold", "adacomp",
          "qsgd", "randomk")
-TABLE_ORDER = ("local", "dense", "powersgd-r1", "powersgd-r4", "topk", "threshold",
-               "adacomp", "qsgd", "randomk")
-HVDSPARSE_MODES = ("topk", "threshold", "adacomp", "qsgd", "randomk")
+#: hvdsparse modes with ``cuda_graphs=True`` (hvdsparse/device_graphs.py): run by default
+#: on CUDA only (elsewhere the setting changes nothing)
+GRAPH_MODES = ("topk-graphs", "adacomp-graphs")
+TABLE_ORDER = ("local", "dense", "powersgd-r1", "powersgd-r4", "topk", "topk-graphs",
+               "threshold", "adacomp", "adacomp-graphs", "qsgd", "randomk")
+HVDSPARSE_MODES = ("topk", "threshold", "adacomp", "qsgd", "randomk") + GRAPH_MODES
 MODELS = ("resnet50", "lm")
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
                "cudaMemcpy", "cuStreamSynchronize", "cuEventSynchronize",
@@ -318,17 +324,21 @@ class Worker:
                              + ("one DDP bucket" if one_bucket else "default buckets"))
         import hvdsparse
         import hvdsparse.ddp
+        base = mode[:-len("-graphs")] if mode in GRAPH_MODES else mode
         comp = {"topk": lambda: hvdsparse.TopK(0.01),
                 "threshold": lambda: hvdsparse.Threshold(0.99),
                 "adacomp": lambda: hvdsparse.AdaComp(),
                 "qsgd": lambda: hvdsparse.QSGD(bits=4),
-                "randomk": lambda: hvdsparse.RandomK(0.01)}[mode]()
+                "randomk": lambda: hvdsparse.RandomK(0.01)}[base]()
         m = DDP(model, device_ids=dev_ids)
         adam = isinstance(opt, (self.torch.optim.Adam, self.torch.optim.AdamW))
-        st = hvdsparse.ddp.State(comp, m.named_parameters(), optimizer=opt if adam else None)
+        graphs = mode in GRAPH_MODES
+        st = hvdsparse.ddp.State(comp, m.named_parameters(), optimizer=opt if adam else None,
+                                 cuda_graphs=graphs)
         m.register_comm_hook(st, hvdsparse.ddp.hook)
         return m, st, (f"hvdsparse.ddp hook, {comp!r}, default buckets"
-                       + (", the Adam recipe" if adam else ""))
+                       + (", the Adam recipe" if adam else "")
+                       + (", cuda_graphs=True" if graphs else ""))
 
     def run_mode(self, mode, model_name):
         torch, a = self.torch, self.a
@@ -757,10 +767,13 @@ def main_parent(args):
     out = Path(args.out)
     logdir = out / "bench_ddp_gpu_logs"
     logdir.mkdir(parents=True, exist_ok=True)
+    if args.modes is None:
+        args.modes = ",".join(MODES + (GRAPH_MODES if args.device == "cuda" else ()))
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
-        if m not in MODES:
-            raise SystemExit(f"--modes: unknown mode {m!r}; expected some of {MODES}")
+        if m not in MODES + GRAPH_MODES:
+            raise SystemExit(f"--modes: unknown mode {m!r}; expected some of "
+                             f"{MODES + GRAPH_MODES}")
     models = [m for m in args.models.split(",") if m]
     for m in models:
         if m not in MODELS:
@@ -834,8 +847,9 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true",
                     help="tiny models and few steps (plumbing checks, CPU tests)")
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--modes", default=",".join(MODES),
-                    help="run in this order (most important first)")
+    ap.add_argument("--modes", default=None,
+                    help="run in this order (most important first); default: "
+                         f"{','.join(MODES)}, and on CUDA {','.join(GRAPH_MODES)}")
     ap.add_argument("--budget", type=float, default=None,
                     help=f"seconds; default $HVDSPARSE_STAGE_BUDGET_S, else {DEFAULT_BUDGET:.0f}")
     ap.add_argument("--warmup", type=int, default=None, help="default 3 (--tiny: 2)")

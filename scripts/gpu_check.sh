@@ -23,14 +23,17 @@
 #           tests/test_adam_bucket.py on CUDA: the bucket path (TopK / Threshold rows;
 #           AdaComp, QSGD, dense rows; the Adam recipe's update wire) against the
 #           per-layer path, bit for bit; tests/test_capture_ready.py: the staged row
-#           tables' pinned upload (stream order, a rewrite while a copy is in flight)
+#           tables' pinned upload (stream order, a rewrite while a copy is in flight);
+#           tests/test_device_graphs.py: every kind of row's compress replayed from a
+#           real CUDA graph against the same steps eager, bit for bit
 #   bench   scripts/gpu_bench.py: every kernel against a device copy of the same bytes
 #           at 1M and 25M elements, TopK compress of a 25M layer, a few training steps
 #           at world size 1 (CUDA decode == CPU decode bit for bit), a CUDA-graph probe
 #           of one bucket (eager vs one replay, host time per phase)
 #   sweep   scripts/gpu_sweep.py: select_compact / quantize_pack launch parameters at 25M
 #           elements against a device copy (outputs checked against the default's)
-#   ddp     scripts/bench_ddp_gpu.py if the file exists (skipped, not failed, if not)
+#   ddp     scripts/bench_ddp_gpu.py if the file exists (skipped, not failed, if not);
+#           on CUDA its modes include topk-graphs / adacomp-graphs (cuda_graphs=True)
 # Budgets (seconds) can be changed with HVDSPARSE_GPU_CHECK_<STAGE>_S (e.g.
 # HVDSPARSE_GPU_CHECK_ORACLE_S=200). Triton's cache (~/.triton/cache unless
 # TRITON_CACHE_DIR is set) makes a second run on a warm machine much faster.
@@ -121,7 +124,8 @@ stage oracle "$(budget oracle 120)" env HVDSPARSE_TEST_DEVICE="$DEVICE" HVDSPARS
 
 stage bucket "$(budget bucket 80)" env HVDSPARSE_TEST_DEVICE="$DEVICE" \
   "$PY" -m pytest -v -p no:cacheprovider --durations=5 tests/test_bucket_topk.py \
-  tests/test_bucket_compress.py tests/test_adam_bucket.py tests/test_capture_ready.py
+  tests/test_bucket_compress.py tests/test_adam_bucket.py tests/test_capture_ready.py \
+  tests/test_device_graphs.py
 
 stage bench "$(budget bench 75)" "$PY" scripts/gpu_bench.py --out "$OUT"
 

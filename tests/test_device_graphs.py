@@ -3,7 +3,8 @@
 CUDA graph backend is replaced by ``scripts/graph_emulator.py``, which records a
 segment's launches through Triton's interpreter (``HVDSPARSE_FORCE_TRITON=1``) and
 replays them with their recorded arguments, reading the tensors' current contents as a
-graph does.
+graph does. With ``HVDSPARSE_TEST_DEVICE=cuda`` (``scripts/gpu_check.sh``) the replay
+tests run real CUDA graphs instead.
 
 * Every compressor's bucket rows on the gradient wire (tests/test_bucket_compress.py's
   run: policy-dense, QSGD, TopK, Threshold with refresh and reuse steps, AdaComp with and
@@ -38,15 +39,19 @@ import test_adam_bucket as TA  # noqa: E402
 import test_bucket_compress as TB  # noqa: E402
 
 DEV = torch.device(os.environ.get("HVDSPARSE_TEST_DEVICE", "cpu"))
-pytestmark = pytest.mark.skipif(DEV.type != "cpu", reason="the emulator replays CPU tensors")
+cpu_only = pytest.mark.skipif(DEV.type != "cpu", reason="the emulator's own contract")
 
 
 class Graphs:
-    """Every owner's segments through one emulator while :attr:`on`."""
+    """Every owner's segments through one backend while :attr:`on`: the emulator on the
+    CPU, CUDA graphs on a GPU (``HVDSPARSE_TEST_DEVICE=cuda``)."""
 
     def __init__(self, monkeypatch):
-        monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")
-        self.emu = EmulatedGraphs(patch=monkeypatch.setattr)
+        if DEV.type == "cpu":
+            monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")
+            self.emu = EmulatedGraphs(patch=monkeypatch.setattr)
+        else:
+            self.emu = device_graphs.CudaGraphs()
         self.on = False
         self.made = []
 
@@ -152,6 +157,7 @@ def _table(tables, key="g"):
     return st
 
 
+@cpu_only
 def test_replay_repeats_the_captured_launches(graphs):
     """Hidden host state is not re-read at replay: the captured scalar is launched
     again, as a CUDA graph would (so a missing key argument shows as wrong bits)."""
@@ -167,6 +173,7 @@ def test_replay_repeats_the_captured_launches(graphs):
         assert torch.equal(o, x + 1.0)
 
 
+@cpu_only
 def test_capture_refuses_host_reads_host_data_and_random_draws(graphs):
     owner, tables = _owner(graphs), RowTables()
     x = torch.randn(4)
@@ -177,6 +184,7 @@ def test_capture_refuses_host_reads_host_data_and_random_draws(graphs):
             run_segment(owner, fn, _table(tables, fn.__name__), x)   # the capture
 
 
+@cpu_only
 def test_key_refuses_closures_and_hidden_objects():
     st = RowTables().take(("k",), 1, 1, torch.device("cpu"))
     k = 3
@@ -191,6 +199,7 @@ def test_key_refuses_closures_and_hidden_objects():
         segment_key(_plain, st, (torch.zeros(1), {"a": 1}))
 
 
+@cpu_only
 def test_changed_arguments_run_eagerly_then_capture_anew(graphs):
     owner, tables = _owner(graphs), RowTables()
     x, y = torch.randn(6), torch.randn(6)
@@ -209,6 +218,7 @@ def test_changed_arguments_run_eagerly_then_capture_anew(graphs):
     assert segment_key(_plain, st, (x, 2.0)) != before
 
 
+@cpu_only
 def test_segment_graphs_keep_at_most_limit(graphs):
     owner, tables = _owner(graphs), RowTables()
     g = device_graphs.enable(owner, graphs.emu)

@@ -117,6 +117,7 @@ class StepEngine:
         self.reads_exchanged = getattr(type(compressor), "after_exchange", None) is not \
             Compressor.after_exchange
         self._inv: Optional[torch.Tensor] = None
+        self._inv_kept: Dict[torch.device, torch.Tensor] = {}
         self._histories: Dict[tuple, BucketHistory] = {}
         self._saved_histories: Dict[tuple, list] = {}
 
@@ -137,6 +138,13 @@ class StepEngine:
         inv = self._inv
         if inv is None or inv.device != device:
             inv = self._inv = inverse_loss_scale(self.grad_scaler, device)
+            if self.settings.cuda_graphs:
+                # one tensor per device for every step: a replayed graph reads its address
+                kept = self._inv_kept.get(device)
+                if kept is None:
+                    kept = self._inv_kept[device] = torch.empty_like(inv)
+                kept.copy_(inv)
+                inv = self._inv = kept
         return inv
 
     def commit(self) -> None:

@@ -262,6 +262,23 @@ def check(name, make, steps: int, shapes=SHAPES, decode: bool = True, patch=seta
                 error_flag=int(flag[0]) if decode else None)
 
 
+def with_graphs(name, make, steps: int, shapes=SHAPES) -> dict:
+    """The same bucket with its compress segments replayed (``hvdsparse.device_graphs``
+    through ``graph_emulator.EmulatedGraphs``): per steady-state step, the segments
+    replayed and the launches they hold, so that a step issues ``launches - folded +
+    segments`` launches on CUDA (one graph launch per segment)."""
+    from graph_emulator import EmulatedGraphs
+    from hvdsparse import device_graphs
+    region = BucketRegion(make, shapes, decode=True)
+    emu = EmulatedGraphs()
+    g = device_graphs.enable(region.comp, emu)
+    for s in range(steps):
+        region.step(s)
+    r0, c0 = g.replays, emu.reissued
+    region.step(steps)
+    return dict(segments=g.replays - r0, folded=emu.reissued - c0, captures=g.captures)
+
+
 def _maker(name, *args):
     def make():
         import hvdsparse
@@ -285,11 +302,15 @@ def main(argv=None):
     rows = []
     for m in args.methods.split(","):
         row = check(m, MAKERS[m], args.steps)
+        row["graphs"] = gr = with_graphs(m, MAKERS[m], args.steps)
+        row["graph_launches"] = row["launches"] - gr["folded"] + gr["segments"]
         rows.append(row)
         print(f"{m}: {row['launches']} launches ({row['events']} events with allocations), "
               f"{len(row['differences'])} differ between steps {args.steps} and "
               f"{args.steps + 1}; {row['staged_tables']} staged row tables, cells "
-              f"rewritten: {row['rewritten'] or 'none'}", flush=True)
+              f"rewritten: {row['rewritten'] or 'none'}; with cuda_graphs: "
+              f"{row['graph_launches']} launches ({gr['segments']} compress segments "
+              f"replayed, holding {gr['folded']} launches)", flush=True)
         for d in row["differences"]:
             print(f"  event {d['event']} {d['launch']}: {'; '.join(d['why'])}", flush=True)
     if args.out:

@@ -228,3 +228,25 @@ def test_segment_graphs_keep_at_most_limit(graphs):
         for _ in range(2):
             run_segment(owner, _plain, _table(tables), x, k)
     assert isinstance(g, SegmentGraphs) and len(g._graphs) == 2 and g.captures == 3
+
+
+@pytest.mark.parametrize("graphs_on", [False, True])
+def test_loss_scale_lives_at_one_address_with_graphs(graphs_on):
+    """With ``cuda_graphs`` the inverse loss scale a step hands the bucket rows is one
+    tensor per device, rewritten in place (a replay reads its address); without, a new
+    tensor per step."""
+    from hvdsparse.compressors import TopK
+    from hvdsparse.engine import StepEngine
+    from hvdsparse.settings import ExchangeSettings
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(1))
+    eng = StepEngine(TopK(0.01), ExchangeSettings.from_args(cuda_graphs=graphs_on), None,
+                     rank=0, world_size=1, prefix="t", grad_scaler=scaler)
+    seen = []
+    for step, scale in enumerate((1024.0, 512.0, 2048.0)):
+        scaler.update(new_scale=scale)
+        eng.begin_step(step)
+        inv = eng.grad_scale(torch.device("cpu"))
+        assert float(inv) == 1.0 / scale
+        seen.append(inv)
+    assert (len({t.data_ptr() for t in seen}) == 1) == graphs_on

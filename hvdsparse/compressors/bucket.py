@@ -526,7 +526,7 @@ def _picking_rows(comp, items, plans, cells):
     and first program; ``cells(row, item, plan)`` writes the row's own cells and returns
     its slot count (``C_CAP``). Returns ``(K, staged table, program map, slots,
     momentum row names)``; the group's device segment (:func:`_randomk_launches`,
-    :func:`_slimdp_launches`) starts with the accumulate launch."""
+    :func:`_slimdp_launches`) starts with :func:`_picking_accumulate`."""
     from .topk_bucket import BLOCK, momentum_cells
     K = ops.bucket_kernels("topk")
     dev = items[0].grad.device
@@ -591,14 +591,19 @@ def _randomk_bucket(comp, items, plans, step, grad_scale):
     return payloads, BucketBatch([it.name for it in items], table, idx, cnt, kmax, mom, K)
 
 
+def _picking_accumulate(table, K, blk, grad_scale, gdt, vdtype, out):
+    """The start of a picking group's device segment: ``kernels/bucket_topk.py``'s
+    accumulate launch (error feedback, DGC's velocity) and the ``out`` slots' buffers
+    ``(idx int32, vals in vdtype)``."""
+    K.accumulate(table, blk, grad_scale, gdt, block=topk_bucket.BLOCK)
+    return _empty(out, torch.int32, table.device), _empty(out, vdtype, table.device)
+
+
 def _randomk_launches(table, K, RK, blk, grad_scale, gdt, vdtype, L, out, kmax, ve, shared):
     """The RandomK group's device segment (:mod:`hvdsparse.device_graphs`): ``(idx,
     vals, counts [L, 2], drawn int64 indices or None)``."""
-    from .topk_bucket import BLOCK
     dev = table.device
-    K.accumulate(table, blk, grad_scale, gdt, block=BLOCK)
-    idx = _empty(out, torch.int32, dev)
-    vals = _empty(out, vdtype, dev)
+    idx, vals = _picking_accumulate(table, K, blk, grad_scale, gdt, vdtype, out)
     cnt = _empty(2 * L, torch.int32, dev).view(L, 2)
     wide = _empty(out, torch.int64, dev) if shared else None
     RK.pick(table, idx, vals, cnt, L, kmax, ve, wide, W=K.W)
@@ -659,11 +664,8 @@ def _slimdp_bucket(comp, items, plans, step, grad_scale):
 def _slimdp_launches(table, K, SK, blk, grad_scale, gdt, vdtype, L, out, totmax, ncmax, ve):
     """The Slim-DP group's device segment (:mod:`hvdsparse.device_graphs`): ``(idx,
     vals, counts [L, 2], core / explorer counts [L, 2])``."""
-    from .topk_bucket import BLOCK
     dev = table.device
-    K.accumulate(table, blk, grad_scale, gdt, block=BLOCK)
-    idx = _empty(out, torch.int32, dev)
-    vals = _empty(out, vdtype, dev)
+    idx, vals = _picking_accumulate(table, K, blk, grad_scale, gdt, vdtype, out)
     cnt4 = _empty(4 * L, torch.int32, dev)
     cnt, parts = cnt4[:2 * L].view(L, 2), cnt4[2 * L:].view(L, 2)
     SK.gather(table, idx, vals, cnt, parts, L, totmax, ncmax, ve, W=K.W)

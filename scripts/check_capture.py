@@ -262,7 +262,7 @@ def check(name, make, steps: int, shapes=SHAPES, decode: bool = True, patch=seta
                 error_flag=int(flag[0]) if decode else None)
 
 
-def with_graphs(name, make, steps: int, shapes=SHAPES) -> dict:
+def with_graphs(make, steps: int, shapes=SHAPES) -> dict:
     """The same bucket with its compress segments replayed (``hvdsparse.device_graphs``
     through ``graph_emulator.EmulatedGraphs``): per steady-state step, the segments
     replayed and the launches they hold, so that a step issues ``launches - folded +
@@ -302,7 +302,7 @@ def main(argv=None):
     rows = []
     for m in args.methods.split(","):
         row = check(m, MAKERS[m], args.steps)
-        row["graphs"] = gr = with_graphs(m, MAKERS[m], args.steps)
+        row["graphs"] = gr = with_graphs(MAKERS[m], args.steps)
         row["graph_launches"] = row["launches"] - gr["folded"] + gr["segments"]
         rows.append(row)
         print(f"{m}: {row['launches']} launches ({row['events']} events with allocations), "

@@ -250,3 +250,15 @@ def test_loss_scale_lives_at_one_address_with_graphs(graphs_on):
         assert float(inv) == 1.0 / scale
         seen.append(inv)
     assert (len({t.data_ptr() for t in seen}) == 1) == graphs_on
+
+
+def test_cuda_graphs_option_is_checked(monkeypatch):
+    from hvdsparse.settings import ExchangeSettings
+    with pytest.raises(ValueError, match="cuda_graphs must be True or False"):
+        ExchangeSettings.from_args(cuda_graphs="yes")
+    monkeypatch.setenv("HVDSPARSE_CUDA_GRAPHS", "on")
+    with pytest.raises(ValueError, match="HVDSPARSE_CUDA_GRAPHS must be 0 or 1"):
+        ExchangeSettings.from_args()
+    monkeypatch.setenv("HVDSPARSE_CUDA_GRAPHS", "1")
+    assert ExchangeSettings.from_args().cuda_graphs is True
+    assert ExchangeSettings.from_args(cuda_graphs=False).cuda_graphs is False

@@ -96,14 +96,41 @@ def _bucket_table(plan: LayoutPlan, device, out_offs, imps):
     return ent.get().view(torch.int64), meta
 
 
+def _zero_outs(flat_outs) -> None:
+    """Every output set to 0: one launch where they tile one span without gaps."""
+    shared = _shared_out(flat_outs)
+    if shared is not None and shared[0].numel() == sum(o.numel() for o in flat_outs):
+        shared[0].zero_()
+        return
+    for o in flat_outs:
+        o.zero_()
+
+
+def _decode_segment(b2, base, zero, table, meta_items, image, mask, hdr_bytes, error_flag,
+                    counts_out):
+    """The bucket decode's device launches (a device segment of
+    :mod:`hvdsparse.device_graphs`: everything it reads is an argument): ``base`` zeroed
+    when ``zero``, then the check launch and the scatter launches. Returns the error
+    table int32 [P, S]."""
+    if zero:
+        base.zero_()
+    _, err, _ = ops.bucket_decode(b2, base, table, dict(meta_items), image, mask, hdr_bytes,
+                                  error_flag, counts_out=counts_out)
+    return err
+
+
 def _bucket_accumulate(b2: torch.Tensor, plan: LayoutPlan, flat_outs, error_flag, flat_segs,
-                       counts_out=None):
+                       counts_out=None, zero=False, graphs=None):
     """validate=False on the Triton path, every segment DENSE / INT32 / BIN_* /
     IMPLICIT (int64 indices on the messages' device): one check launch + one scatter
     launch per rank and pass (:func:`ops.bucket_decode`); the same sums, error codes and
-    zeroed contributions as the per-segment decode. Returns the per-(rank, segment)
-    error table int32 [P, S], or None when not applicable (the caller then decodes per
-    segment)."""
+    zeroed contributions as the per-segment decode. ``zero``: the outputs are zeroed
+    first (in the same segment; they tile one span). ``graphs``
+    (:class:`hvdsparse.device_graphs.SegmentGraphs` whose backend applies to the
+    messages' device): the messages are copied to a persistent home (the collective's
+    output moves from step to step) and the segment replays from a capture. Returns the
+    per-(rank, segment) error table int32 [P, S], or None when not applicable (the
+    caller then decodes per segment)."""
     if not plan.segs or any(sl.ienc not in _BUCKET_DECODE_INDEX for sl in plan.segs):
         return None
     shared = _shared_out(flat_outs)
@@ -120,11 +147,15 @@ def _bucket_accumulate(b2: torch.Tensor, plan: LayoutPlan, flat_outs, error_flag
             return None
         imps.append(imp.data_ptr() if imp.numel() else 0)
     base, out_offs = shared
+    if zero and base.numel() != sum(o.numel() for o in flat_outs):
+        _zero_outs(flat_outs)            # gaps between the outputs are not ours to zero
+        zero = False
     table, meta = _bucket_table(plan, device, out_offs, tuple(imps))
-    _, err, _ = ops.bucket_decode(b2, base, table, meta, plan_bytes(plan, device, "image"),
-                                  plan_bytes(plan, device, "mask"), plan.data_start,
-                                  error_flag, counts_out=counts_out)
-    return err
+    args = (base, zero, table, tuple(sorted(meta.items())), plan_bytes(plan, device, "image"),
+            plan_bytes(plan, device, "mask"), plan.data_start, error_flag, counts_out)
+    if graphs is not None and graphs.backend.applies(device):
+        return graphs.run(_decode_segment, None, graphs.home(b2), *args)
+    return _decode_segment(b2, *args)
 
 
 def _rows(buffers, nbytes: int) -> torch.Tensor:
@@ -209,7 +240,8 @@ def _validate_rows(b2: torch.Tensor, plan: LayoutPlan, template, flat_segs) -> N
 def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
                template: Sequence[LayerPayload], outs: Sequence[torch.Tensor],
                validate: bool = True, *, error_flag: Optional[torch.Tensor] = None,
-               counts_out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+               counts_out: Optional[torch.Tensor] = None, zero: bool = False,
+               graphs=None) -> Optional[torch.Tensor]:
     """Add the decoded values of P ranks' messages into ``outs`` (summed over ranks).
 
     ``buffers``: uint8 [P, nbytes] (allgathered equal-size messages) or a list of P
@@ -238,6 +270,11 @@ def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
     count, on the messages' device): receives every message's count fields as sent
     (u32 read as int32, row r = rank r, record order), read from the same bytes on
     every rank; on the bucket decode's path the check launch writes them.
+
+    ``zero``: ``outs`` are set to 0 first (after the host validation, so a rejected
+    message leaves them as they were); the result is then the sum itself. ``graphs``
+    (:class:`hvdsparse.device_graphs.SegmentGraphs`; ``validate=False``): the bucket
+    decode's launches replay as one captured graph where its backend applies.
 
     Returns ``error_flag`` (validate=True: as passed).
     """
@@ -283,7 +320,8 @@ def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
             error_flag = torch.zeros(1, dtype=torch.int32, device=device)
             own_flag = True
         if ops.use_triton(flat_outs[0] if flat_outs else None):
-            err = _bucket_accumulate(b2, plan, flat_outs, error_flag, flat_segs, counts_out)
+            err = _bucket_accumulate(b2, plan, flat_outs, error_flag, flat_segs, counts_out,
+                                     zero, graphs)
             if err is not None:
                 if own_flag:
                     _raise_flag(error_flag, [(s, sl.layer, err[:, s])
@@ -295,6 +333,8 @@ def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
                    plan_bytes(plan, device, "image")).any(1).to(torch.int32) * ERR_HEADER
         row_err = row_hdr
         seg_errs = []
+    if zero:
+        _zero_outs(flat_outs)
     if counts_out is not None:
         _read_counts(b2, len(segs), counts_out)
     for s, (sl, tseg) in enumerate(zip(segs, flat_segs)):

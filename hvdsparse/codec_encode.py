@@ -329,8 +329,16 @@ def _payload_device(payloads) -> Optional[torch.device]:
     return None
 
 
+def _encode_segment(layers: tuple, out: torch.Tensor, tail: Optional[torch.Tensor]):
+    """The encode's device launches (a device segment of :mod:`hvdsparse.device_graphs`):
+    ``layers`` holds each payload's ``(name, shape, segments)``, what the encode reads
+    of it."""
+    return encode([LayerPayload(n, s, list(segs)) for n, s, segs in layers], out=out,
+                  tail=tail)
+
+
 def encode(payloads: Sequence[LayerPayload], out: Optional[torch.Tensor] = None,
-           tail: Optional[torch.Tensor] = None) -> torch.Tensor:
+           tail: Optional[torch.Tensor] = None, graphs=None) -> torch.Tensor:
     """Serialise ``payloads`` into one uint8 message on the payloads' device.
 
     Header and records come from a per-layout image built once on the host and cached
@@ -349,7 +357,16 @@ def encode(payloads: Sequence[LayerPayload], out: Optional[torch.Tensor] = None,
     multiple of 8 (the allgather exchange's non-finite counts); ``out`` then holds
     ``encoded_nbytes(payloads) + pad8(tail.numel())`` bytes. Decoders see the message
     part only.
+
+    ``graphs`` (:class:`hvdsparse.device_graphs.SegmentGraphs`, with ``out``): the
+    encode's launches replay as one captured graph where its backend applies to
+    ``out``'s device (keyed by every payload field, ``out`` and ``tail``; the first
+    sighting of a key runs, and checks, eagerly).
     """
+    if graphs is not None and isinstance(out, torch.Tensor) and \
+            graphs.backend.applies(out.device):
+        return graphs.run(_encode_segment, None, tuple(
+            (p.name, p.shape, tuple(p.segments)) for p in payloads), out, tail)
     plan = layout_plan(payloads)
     segs, data_start, total = plan.segs, plan.data_start, plan.total
     device = _payload_device(payloads)

@@ -11,12 +11,20 @@ A group's compress step (``compressors/bucket.py``, ``compressors/topk_bucket.py
 3. the host builds the payloads: views of the segment's outputs at the offsets it wrote
    into the table.
 
+A bucket's encode (``codec_encode``: its narrowing launches and the ``cat`` into the
+message buffer, the payloads in the key) and its decode (``codec_accumulate``: the
+zeroing of its sum, the check launch, one scatter launch per rank) are device segments
+without a table. The decode reads the gathered messages from a
+:meth:`SegmentGraphs.home`, the one launch added per bucket, since the collective's
+output moves from step to step.
+
 :func:`run_segment` runs part 2 eagerly, or, where the owner has :class:`SegmentGraphs`
 (``enable``; the step engine's ``cuda_graphs`` setting), as a graph:
 
 * **Key.** ``(fn, the staged table's host and device addresses, args)``, each tensor in
   ``args`` by (address, shape, strides, dtype, device), every int / float / bool / str /
-  None / dtype / enum by value, a module or function by identity; anything else is
+  None / dtype / enum by value, a module or function by identity, a tuple, list or
+  dataclass instance (a payload) by its items or fields; anything else is
   refused (:class:`TypeError`), so no hidden state can shape a captured launch. The
   table's cells are not in the key: the kernels read them at replay, from the host
   buffer the graph's copy reads.
@@ -40,6 +48,7 @@ that a replay gives an eager step's bits).
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import types
 from collections import OrderedDict
@@ -69,6 +78,10 @@ def _key(x):
         return ("enum", type(x).__qualname__, x.value)
     if isinstance(x, (types.ModuleType, types.FunctionType)):
         return ("object", id(x))
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        # a record of the above (a payload): keyed by every field
+        return ("record", type(x).__qualname__) + tuple(
+            (f.name, _key(getattr(x, f.name))) for f in dataclasses.fields(x))
     raise TypeError(f"device segment argument of type {type(x).__name__}: not keyable "
                     f"(pass tensors, scalars, enums, modules or functions)")
 
@@ -78,7 +91,27 @@ def segment_key(fn: Callable, staged, args) -> tuple:
     if not isinstance(fn, types.FunctionType) or fn.__closure__:
         raise TypeError(f"device segment {getattr(fn, '__name__', fn)!r}: a module-level "
                         f"function without a closure (its arguments must be all it reads)")
-    return (id(fn),) + staged.addresses() + tuple(_key(a) for a in args)
+    return (id(fn),) + (() if staged is None else staged.addresses()) + \
+        tuple(_key(a) for a in args)
+
+
+class _NoTable:
+    """The staged-table protocol of a segment that reads no row table
+    (``SegmentGraphs.run(fn, None, *args)`` runs ``fn(*args)``)."""
+
+    def prepare(self):
+        pass
+
+    def addresses(self):
+        return ()
+
+    def upload(self):
+        return None
+
+    copy_in = upload
+
+    def copied(self):
+        pass
 
 
 class CudaGraphs:
@@ -104,7 +137,7 @@ class CudaGraphs:
 
 class SegmentGraphs:
     """One owner's captured device segments (the module docstring's policy).
-    ``captures`` / ``replays`` / ``eager``: how often each happened."""
+    ``captures`` / ``replays`` / ``eager`` / ``homes``: how often each happened."""
 
     def __init__(self, backend, limit: int = LIMIT):
         self.backend = backend
@@ -112,8 +145,35 @@ class SegmentGraphs:
         self._graphs: "OrderedDict[tuple, tuple]" = OrderedDict()
         self._seen: "OrderedDict[tuple, int]" = OrderedDict()
         self.captures = self.replays = self.eager = 0
+        self._homes: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+        self.homes = 0
+
+    def home(self, like: torch.Tensor) -> torch.Tensor:
+        """``like`` copied into a tensor this owner keeps, one per (shape, dtype,
+        device): the fixed address from which a captured segment reads an input whose own
+        address changes every step (a collective's output). The copy is queued on the
+        current stream, so segments that share a home read it in stream order."""
+        key = (tuple(like.shape), like.dtype, str(like.device))
+        h = self._homes.get(key)
+        if h is None:
+            h = self._homes[key] = torch.empty(like.shape, dtype=like.dtype,
+                                               device=like.device)
+            if len(self._homes) > 4 * self.limit:
+                self._homes.popitem(last=False)
+        else:
+            self._homes.move_to_end(key)
+        self.homes += 1
+        return h.copy_(like)
 
     def run(self, fn: Callable, staged, *args):
+        """``fn(table, *args)`` with ``staged``'s table, or ``fn(*args)`` for a segment
+        without one (``staged=None``: everything it reads is in ``args``)."""
+        bare = staged is None
+        if bare:
+            staged = _NoTable()
+
+        def call(table):
+            return fn(*args) if bare else fn(table, *args)
         staged.prepare()
         key = segment_key(fn, staged, args)
         got = self._graphs.get(key)
@@ -128,9 +188,9 @@ class SegmentGraphs:
             if len(self._seen) > 4 * self.limit:
                 self._seen.popitem(last=False)
             self.eager += 1
-            return fn(staged.upload(), *args)
+            return call(staged.upload())
         del self._seen[key]
-        handle, outs = self.backend.capture(lambda: fn(staged.copy_in(), *args))
+        handle, outs = self.backend.capture(lambda: call(staged.copy_in()))
         staged.copied()
         self._graphs[key] = (handle, outs)
         if len(self._graphs) > self.limit:

@@ -104,8 +104,9 @@ class StepEngine:
         self.record_figures = settings.exchange == "auto"
         self.bucket_path = bucket.enabled(compressor, local_update)
         if settings.cuda_graphs:
-            # the bucket groups' launches replayed as CUDA graphs (CUDA tensors only)
-            for owner in (compressor, local_update):
+            # the bucket groups' launches replayed as CUDA graphs (CUDA tensors only); the
+            # engine's own graphs hold the exchanges' encodes and decodes
+            for owner in (compressor, local_update, self):
                 if owner is not None and device_graphs.graphs_of(owner) is None:
                     device_graphs.enable(owner)
         try:
@@ -394,7 +395,8 @@ class StepEngine:
             self.settings, device=device, rank=self.rank, world_size=self.world_size,
             prefix=self.prefix, step=step, error_flag_for=self.reads.flag_for,
             want_figures=self.record_figures, buffers=buffers,
-            transport=self.transport, readouts=self.reads.readouts)
+            transport=self.transport, readouts=self.reads.readouts,
+            graphs=device_graphs.graphs_of(self))
 
     def launch(self, strategy: str, spec: BucketSpec, payloads, device, step: int,
                buffers, nonfinite_row=None):

@@ -52,8 +52,12 @@ class NonFinite:
     ``names``: every layer that may count, in slot order (a bucket whose layers have
     consecutive slots gets its row as a view; :meth:`follow` re-slots them in the
     buckets' order). At a step's first
-    :meth:`counter` call one zeroed int32[len(names)] tensor is made; layer ``name``
-    counts into its slice (one allocation per step instead of one per layer). When
+    :meth:`counter` call one int32[len(names)] tensor is zeroed (two are kept per
+    device and used in turn, step by step); layer ``name`` counts into its slice. A
+    step's rows are consumed within that step (its messages' encodes, the rest's
+    allgather, waited for in :meth:`NonFinitePolicy.assemble`), so a tensor is free again
+    two steps later, and a bucket's row has the same address every other step (what a
+    captured encode is keyed by, :mod:`hvdsparse.device_graphs`). When
     every payload of the row counted into its own slice, :meth:`row` is a view or one
     gather of that tensor, else a stack of the payloads' counters."""
 
@@ -62,6 +66,8 @@ class NonFinite:
         self._buf: Optional[torch.Tensor] = None
         self._given: Dict[str, torch.Tensor] = {}
         self._index: Dict[tuple, torch.Tensor] = {}     # row order -> slots (device)
+        self._kept: Dict[str, list] = {}                 # device -> the two tensors
+        self._turn = 0
 
     def counter(self, name: str, device) -> Optional[torch.Tensor]:
         """Layer ``name``'s zeroed int32[1] counter for this step, or None (a layer
@@ -71,11 +77,20 @@ class NonFinite:
         if j is None or name in self._given:
             return None
         if self._buf is None:
-            self._buf = torch.zeros(len(self.slot), dtype=torch.int32, device=device)
+            self._buf = self._zeroed(device)
         if self._buf.device != torch.device(device):
             return None
         view = self._given[name] = self._buf[j:j + 1]
         return view
+
+    def _zeroed(self, device) -> torch.Tensor:
+        kept = self._kept.setdefault(str(torch.device(device)), [None, None])
+        t = kept[self._turn]
+        if t is None or t.numel() != len(self.slot):
+            t = kept[self._turn] = torch.zeros(len(self.slot), dtype=torch.int32,
+                                               device=device)
+            return t
+        return t.zero_()
 
     def given(self, name: str, payload) -> bool:
         """Whether ``payload`` counted into ``name``'s slice (or, without a counter, left
@@ -100,9 +115,10 @@ class NonFinite:
                             .reshape(()).to(torch.int32) for p in payloads]).view(1, -1)
 
     def reset(self) -> None:
-        """The next step counts into a new tensor."""
+        """The next step counts into the other kept tensor."""
         self._buf = None
         self._given.clear()
+        self._turn ^= 1
 
     def follow(self, names: Sequence[str]) -> None:
         """Between steps: slot ``names`` first, in this order (the buckets' order of the

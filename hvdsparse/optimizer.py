@@ -318,8 +318,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         split_dense_bits: 0 (fp32) or 8/4/2: quantise split's dense reduced ranges.
         quant_bucket: elements per scale of that quantisation.
         validate: host-validate received messages (default: on CPU yes, CUDA no).
-        cuda_graphs: replay each bucket group's compress launches as one CUDA graph
-            (:mod:`hvdsparse.device_graphs`; default off, ``HVDSPARSE_CUDA_GRAPHS=1``).
+        cuda_graphs: replay each bucket group's compress launches, and each allgathered
+            bucket's encode and decode, as CUDA graphs (:mod:`hvdsparse.device_graphs`;
+            default off, ``HVDSPARSE_CUDA_GRAPHS=1``).
         alpha_bytes: per-message latency charge of the auto cost model (bytes).
         nonfinite: ``"raise"`` (default), ``"skip"`` or ``"propagate"``: what a step
             does when a gradient holds NaN/Inf on some rank (:mod:`hvdsparse.settings`).

@@ -29,9 +29,9 @@ compression, as Horovod skips its allreduce; with this set it runs the full path
 (compress, exchange with itself through Horovod's size-1 collectives, decode), so the
 compression overhead can be measured without a network (``scripts/bench_overhead.py``).
 
-``cuda_graphs`` -- replay each bucket group's compress launches on CUDA as one CUDA graph
-(:mod:`hvdsparse.device_graphs`; default off, or ``HVDSPARSE_CUDA_GRAPHS=1``): a group's
-launches are captured at their second identical step and replayed after; warm-up,
+``cuda_graphs`` -- replay each bucket group's compress launches on CUDA as one CUDA graph,
+and an allgathered bucket's encode and decode as one each (:mod:`hvdsparse.device_graphs`;
+default off, or ``HVDSPARSE_CUDA_GRAPHS=1``): a segment's launches are captured at their second identical step and replayed after; warm-up,
 refresh and other changed steps run eagerly. Off by default until it is measured faster
 on a GPU (``scripts/gpu_check.sh`` runs both).
 """

@@ -180,6 +180,8 @@ class BucketRegion:
         self.flat = torch.empty(sum(numels), dtype=torch.float32)
         self.views = list(torch.split(self.flat, numels))
         self.flag = torch.zeros(1, dtype=torch.int32)
+        #: the encode's and decode's SegmentGraphs (``ExchangeContext.graphs``) or None
+        self.graphs = None
         self.quiet = []
         self.phases = dict(compress=0.0, encode=0.0, decode=0.0)
 
@@ -193,7 +195,7 @@ class BucketRegion:
         t1 = time.perf_counter()
         n = codec.encoded_nbytes(pays)
         buf = self.messages.setdefault(n, codec.new_message(pays))
-        codec.encode(pays, out=buf)
+        codec.encode(pays, out=buf, graphs=self.graphs)
         t2 = time.perf_counter()
         if self.decode:
             # two ranks' rows, as an allgather leaves them in its reused buffer (the
@@ -207,8 +209,8 @@ class BucketRegion:
             for rec in self.quiet:
                 rec.active = True
             t2 = time.perf_counter()
-            self.flat.zero_()
-            codec.accumulate(rows, pays, self.views, validate=False, error_flag=self.flag)
+            codec.accumulate(rows, pays, self.views, validate=False, error_flag=self.flag,
+                             zero=True, graphs=self.graphs)
         t3 = time.perf_counter()
         for k, dt in (("compress", t1 - t0), ("encode", t2 - t1), ("decode", t3 - t2)):
             self.phases[k] += dt
@@ -263,20 +265,24 @@ def check(name, make, steps: int, shapes=SHAPES, decode: bool = True, patch=seta
 
 
 def with_graphs(make, steps: int, shapes=SHAPES) -> dict:
-    """The same bucket with its compress segments replayed (``hvdsparse.device_graphs``
-    through ``graph_emulator.EmulatedGraphs``): per steady-state step, the segments
-    replayed and the launches they hold, so that a step issues ``launches - folded +
-    segments`` launches on CUDA (one graph launch per segment)."""
+    """The same bucket with its compress, encode and decode segments replayed
+    (``hvdsparse.device_graphs`` through ``graph_emulator.EmulatedGraphs``): per
+    steady-state step, the segments replayed, the launches they hold and the copies of
+    the gathered rows to their home (the decode's input), so that a step issues
+    ``launches - folded + segments + homes`` launches on CUDA (one graph launch per
+    segment)."""
     from graph_emulator import EmulatedGraphs
     from hvdsparse import device_graphs
     region = BucketRegion(make, shapes, decode=True)
     emu = EmulatedGraphs()
     g = device_graphs.enable(region.comp, emu)
+    region.graphs = d = device_graphs.SegmentGraphs(emu)
     for s in range(steps):
         region.step(s)
-    r0, c0 = g.replays, emu.reissued
+    r0, c0, h0 = g.replays + d.replays, emu.reissued, d.homes
     region.step(steps)
-    return dict(segments=g.replays - r0, folded=emu.reissued - c0, captures=g.captures)
+    return dict(segments=g.replays + d.replays - r0, folded=emu.reissued - c0,
+                homes=d.homes - h0, captures=g.captures + d.captures)
 
 
 def _maker(name, *args):
@@ -303,14 +309,15 @@ def main(argv=None):
     for m in args.methods.split(","):
         row = check(m, MAKERS[m], args.steps)
         row["graphs"] = gr = with_graphs(MAKERS[m], args.steps)
-        row["graph_launches"] = row["launches"] - gr["folded"] + gr["segments"]
+        row["graph_launches"] = row["launches"] - gr["folded"] + gr["segments"] + \
+            gr["homes"]
         rows.append(row)
         print(f"{m}: {row['launches']} launches ({row['events']} events with allocations), "
               f"{len(row['differences'])} differ between steps {args.steps} and "
               f"{args.steps + 1}; {row['staged_tables']} staged row tables, cells "
               f"rewritten: {row['rewritten'] or 'none'}; with cuda_graphs: "
-              f"{row['graph_launches']} launches ({gr['segments']} compress segments "
-              f"replayed, holding {gr['folded']} launches)", flush=True)
+              f"{row['graph_launches']} launches ({gr['segments']} segments replayed, "
+              f"holding {gr['folded']} launches; {gr['homes']} copies home)", flush=True)
         for d in row["differences"]:
             print(f"  event {d['event']} {d['launch']}: {'; '.join(d['why'])}", flush=True)
     if args.out:

@@ -19,9 +19,11 @@ tests run real CUDA graphs instead.
   closure or an unkeyable argument is refused; a changed argument or a moved table runs
   eagerly, then captures anew.
 """
+import dataclasses
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,6 +39,9 @@ from graph_emulator import EmulatedGraphs  # noqa: E402
 
 import test_adam_bucket as TA  # noqa: E402
 import test_bucket_compress as TB  # noqa: E402
+import test_bucket_decode as TD  # noqa: E402
+import hvdsparse  # noqa: E402
+from hvdsparse import codec  # noqa: E402
 
 DEV = torch.device(os.environ.get("HVDSPARSE_TEST_DEVICE", "cpu"))
 cpu_only = pytest.mark.skipif(DEV.type != "cpu", reason="the emulator's own contract")
@@ -113,6 +118,138 @@ def test_replay_gives_eager_bits_update_wire(graphs, kind, gdt, scale):
                                                         for g in graphs.made]
     for step, (a, b) in enumerate(zip(ref, got)):
         TB._same(a, b, f"seed {seed} {kind} step {step}")
+
+
+SEG_TENSORS = ("count", "values", "indices", "scales", "bin_counts", "implicit_indices")
+
+
+def _on_device(payloads):
+    """The payloads' tensors on the test device (IMPLICIT indices must be there)."""
+    out = []
+    for p in payloads:
+        segs = [dataclasses.replace(seg, **{f: getattr(seg, f).to(DEV) for f in SEG_TENSORS
+                                            if isinstance(getattr(seg, f), torch.Tensor)})
+                for seg in p.segments]
+        out.append(dataclasses.replace(p, segments=segs))
+    return out
+
+
+def _refill(kept, fresh):
+    """``fresh``'s contents copied into ``kept``'s tensors (same layout), in place: a
+    compress replay's outputs, new values at the same addresses."""
+    for p, q in zip(kept, fresh):
+        for a, b in zip(p.segments, q.segments):
+            for f in SEG_TENSORS:
+                if isinstance(getattr(a, f), torch.Tensor):
+                    getattr(a, f).copy_(getattr(b, f))
+
+
+def _decode_step(rows, template, flat, flag, counts, graphs):
+    """One step's decode into the poisoned ``flat`` as the allgather exchange runs it."""
+    flag.zero_()
+    outs, pos = [], 0
+    for p in template:
+        outs.append(flat[pos:pos + p.numel])
+        pos += p.numel
+    codec.accumulate(rows, template, outs, validate=False, error_flag=flag,
+                     counts_out=counts, zero=True, graphs=graphs)
+
+
+def test_encode_and_decode_replay_give_eager_bits(graphs):
+    """A bucket's encode (narrowing + one cat into the kept message buffer, with a tail
+    as the allgather's non-finite counts) and its decode (zero + check + one scatter per
+    rank) replayed from captures: every step fresh payload contents at the same addresses
+    (as compress replays leave them), the gathered rows a new tensor each time (as a
+    collective returns them), some damaged, decoded into the same poisoned sum. The
+    messages, the sums, the error flag and the count fields equal an eager run's, bit for
+    bit, and the later steps replayed."""
+    seed = TD.fresh_seed()
+    rng = np.random.default_rng(seed)
+    layout = TD._layout(rng)
+    P = int(rng.integers(2, 4))
+    kept = [_on_device(TD._rank_payloads(rng, layout)[0]) for _ in range(P)]
+    template = kept[0]
+    numel = sum(p.numel for p in template)
+    nseg = sum(len(p.segments) for p in template)
+    tails = [torch.zeros(len(layout), dtype=torch.int32, device=DEV) for _ in range(P)]
+    nbytes = codec.encoded_nbytes(template) + 8 * (-(-4 * len(layout) // 8))
+    messages = [torch.empty(nbytes, dtype=torch.uint8, device=DEV) for _ in range(P)]
+    g = SegmentGraphs(graphs.emu)
+    keep = [torch.empty(numel, device=DEV), torch.empty(1, dtype=torch.int32, device=DEV),
+            torch.empty(P * nseg, dtype=torch.int32, device=DEV)]
+    for step in range(6):
+        for r in range(P):
+            _refill(kept[r], _on_device(TD._rank_payloads(rng, layout)[0]))
+            tails[r].copy_(torch.from_numpy(rng.integers(0, 9, len(layout), dtype=np.int32)))
+        ref_msgs = [codec.encode(kept[r], tail=tails[r].view(torch.uint8)) for r in range(P)]
+        for r in range(P):
+            messages[r].fill_(0xA5)
+            got = codec.encode(kept[r], out=messages[r], tail=tails[r].view(torch.uint8),
+                               graphs=g)
+            assert torch.equal(got.cpu(), ref_msgs[r].cpu()), f"seed {seed} step {step} " \
+                f"rank {r}: message bytes differ"
+        rows = torch.stack(ref_msgs).cpu()[:, :codec.encoded_nbytes(template)].clone()
+        what = "valid"
+        if step in (3, 5):
+            what = TD._corrupt(rng, rows, template,
+                               ["count", "header", "bins", "rel", "index"][rng.integers(5)])
+        poison = torch.randn(numel, generator=torch.Generator().manual_seed(seed + step))
+        ref = [poison.clone().to(DEV), torch.empty(1, dtype=torch.int32, device=DEV),
+               torch.empty(P * nseg, dtype=torch.int32, device=DEV)]
+        _decode_step(rows.to(DEV), template, *ref, graphs=None)
+        keep[0].copy_(poison)
+        _decode_step(rows.to(DEV), template, *keep, graphs=g)
+        where = f"seed {seed} step {step} P={P} {what}"
+        for a, b in zip(ref, keep):
+            assert torch.equal(a.cpu().view(torch.int32), b.cpu().view(torch.int32)), where
+        assert (int(ref[1]) != 0) == (what != "valid"), where
+    # per step P encodes and one decode: each key's first step eager, its second
+    # captured, the other four replayed
+    assert (g.eager, g.captures, g.replays) == (P + 1, P + 1, 4 * (P + 1)), \
+        (g.eager, g.captures, g.replays)
+
+
+def test_allgather_exchange_replays_its_encode_and_decode(graphs):
+    """The allgather exchange with ``ExchangeContext.graphs`` (the step engine's, with
+    ``cuda_graphs``): launch (encode with the non-finite counts' tail) and finish (the
+    rows copied home, decode) over 5 steps of fresh payload contents at fixed addresses
+    give the eager exchange's sums and count tables, bit for bit, through replays (one
+    rank on the in-process transport: the emulator records one thread's launches)."""
+    from hvdsparse import exchange
+    from tests.thread_transport import on_threads
+    import test_nonfinite_carriage as TN
+    gen = torch.Generator().manual_seed(TN._seed())
+    L = int(torch.randint(2, 6, (1,), generator=gen))
+    spec, payloads, rows = TN._bucket(1, L, gen)
+    kept, row = _on_device(payloads[0]), rows[0].to(DEV)
+
+    def fresh():
+        comp = hvdsparse.TopK(0.05, values="fp32", compress_1d=True, min_numel=1)
+        return [comp.compress(p.name, torch.randn(p.numel, generator=gen), 0)
+                for p in payloads[0]]
+    steps = [(fresh(), torch.randint(0, 9, (1, L), generator=gen, dtype=torch.int32))
+             for _ in range(5)]
+
+    def run(g):
+        def body(r, ctx):
+            ctx.error_flag = ctx.error_flag.to(DEV)
+            ctx.graphs, out = g, []
+            for pays, counts in steps:
+                _refill(kept, _on_device(pays))
+                row.copy_(counts)
+                pend = exchange.launch("allgather", spec, kept, ctx, nonfinite_row=row)
+                out.append((pend.finish().clone(), pend.nonfinite.clone()))
+            return out, int(ctx.error_flag[0])
+        return on_threads(1, body, validate=False)[0]
+    ref, ref_flag = run(None)
+    g = SegmentGraphs(graphs.emu)
+    got, flag = run(g)
+    assert ref_flag == flag == 0
+    for step, ((a, ta), (b, tb)) in enumerate(zip(ref, got)):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"step {step}"
+        assert torch.equal(ta, tb), f"step {step}"
+        assert torch.equal(ta.cpu(), steps[step][1]), f"step {step}"
+    assert (g.eager, g.captures, g.replays) == (2, 2, 6), (g.eager, g.captures, g.replays)
 
 
 # ------------------------------------------------------------------ the contract's edges

@@ -17,6 +17,10 @@ malformed count is non-zero, so the policy flags the layer rather than missing i
 Bytes per rank (ring allgather): sent = received = ``(P-1) * nbytes`` (with the counts'
 tail).
 
+With the step engine's ``cuda_graphs`` on (``ExchangeContext.graphs``), the encode's and
+the decode's launches replay as captured graphs (the decode after a copy of the gathered
+rows to a fixed home).
+
 No host synchronisation: the encode buffer and the flat sum are reused per bucket
 (:class:`.base.BufferPool`); the cost model's figures (the P ranks' ``count`` fields,
 read from the gathered bytes by the decode, so identical on every rank) stay on the
@@ -60,7 +64,7 @@ class AllgatherPending(Pending):
                                          self.spec, self.ctx.validate)
             rows = rows[:, :self._codec_nbytes]      # 8-aligned rows: no copy
         flat = self.ctx.buffer("allgather.sum", self.spec.bucket_id, self.spec.numel,
-                               torch.float32, rows.device).zero_()
+                               torch.float32, rows.device)
         nseg = sum(len(p.segments) for p in self.payloads)
         counts = None
         if self.ctx.want_figures and nseg:
@@ -70,7 +74,7 @@ class AllgatherPending(Pending):
                                      torch.int32, rows.device)
         codec.accumulate(rows, self.payloads, self.spec.views(flat), validate=self.ctx.validate,
                          error_flag=None if self.ctx.validate else self.ctx.error_flag,
-                         counts_out=counts)
+                         counts_out=counts, zero=True, graphs=self.ctx.graphs)
         if counts is not None:
             N = self.spec.numel
             self._defer_figures(counts, lambda v, P=P, N=N: _figures(sum(v), P, N))
@@ -113,7 +117,8 @@ def launch(spec: BucketSpec, payloads, ctx: ExchangeContext,
     out = ctx.buffer("allgather.msg", spec.bucket_id, nbytes, torch.uint8, device)
     # the counts' tail is written by the encode's own cat (no launch of its own)
     codec.encode(payloads, out=out, tail=None if not width else
-                 nonfinite_row.reshape(-1).contiguous().view(torch.uint8))
+                 nonfinite_row.reshape(-1).contiguous().view(torch.uint8),
+                 graphs=ctx.graphs)
     pend = AllgatherPending(spec, NAME, list(payloads), ctx)
     pend._nbytes, pend._codec_nbytes = nbytes, codec_nbytes
     pend.carries_nonfinite = bool(width)

@@ -129,11 +129,14 @@ class ExchangeContext:
     # The step's device reads for the host (ReadoutBatch), flushed by the caller at the
     # step's end; None = one HostReadout per bucket.
     readouts: Optional["ReadoutBatch"] = None
+    # The decode's captured graphs (hvdsparse.device_graphs.SegmentGraphs, kept by the
+    # step engine across steps) where the cuda_graphs setting is on; None = eager.
+    graphs: Optional[Any] = None
 
     @classmethod
     def from_settings(cls, settings, *, device, rank: int, world_size: int, prefix: str,
                       step: int, error_flag_for, want_figures: bool, buffers=None,
-                      transport=None, readouts=None) -> "ExchangeContext":
+                      transport=None, readouts=None, graphs=None) -> "ExchangeContext":
         """The context both front doors build from their :class:`ExchangeSettings`:
         ``validate=None`` means host validation on CPU, the device flag on CUDA;
         ``error_flag_for(device)`` supplies that flag when it is needed."""
@@ -145,7 +148,8 @@ class ExchangeContext:
                    gradient_predivide_factor=settings.gradient_predivide_factor,
                    split_dense_bits=settings.split_dense_bits,
                    quant_bucket=settings.quant_bucket, want_figures=want_figures,
-                   buffers=buffers, transport=transport, readouts=readouts)
+                   buffers=buffers, transport=transport, readouts=readouts,
+                   graphs=None if validate else graphs)
 
     def name(self, bucket_id: int, strategy: str, phase: str = "") -> str:
         n = f"{self.prefix}.b{bucket_id}.{strategy}"

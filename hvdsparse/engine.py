@@ -529,12 +529,22 @@ class DeferredReads:
         self.readouts = ReadoutBatch()   # the step's device reads, one copy per step
         self.hint = ""
         self._error_flag: Optional[torch.Tensor] = None
+        self._kept_flags: Dict[torch.device, torch.Tensor] = {}
         self._pending_reads: List[tuple] = []
 
     def flag_for(self, device) -> torch.Tensor:
-        """The step's decode error flag (int32[1] on ``device``, made on first use)."""
+        """The step's decode error flag (int32[1] on ``device``, zeroed on first use).
+        One tensor per device for every step: :meth:`send_reads` queues its copy to the
+        host before the next step zeroes it (stream order), and a captured decode
+        (:mod:`hvdsparse.device_graphs`) finds it at the same address."""
         if self._error_flag is None:
-            self._error_flag = torch.zeros(1, dtype=torch.int32, device=device)
+            dev = torch.device(device)
+            kept = self._kept_flags.get(dev)
+            if kept is None:
+                kept = self._kept_flags[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
+            else:
+                kept.zero_()
+            self._error_flag = kept
         return self._error_flag
 
     def defer_read(self, kind: str, step: int, values: torch.Tensor, names=None) -> None:

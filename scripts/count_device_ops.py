@@ -51,7 +51,11 @@ The optimizer: ``SGD(momentum=0.9, foreach=True)`` (``--optimizer sgd``, the def
 DDP hook without ``optimizer=``) or ``AdamW(lr=1e-3, weight_decay=0.01, foreach=True)``
 (``--optimizer adamw``; the DDP hook with ``optimizer=``: the Adam recipe, its update
 wire, the counted step past its one-step warm-up); a method label ``topk+adamw`` counts
-that method under AdamW whatever ``--optimizer`` says.
+that method under AdamW whatever ``--optimizer`` says; a ``+graphs`` part
+(``topk+graphs``, ``topk+adamw+graphs``) counts it with ``cuda_graphs=True``, the CUDA
+graphs emulated (``scripts/graph_emulator.py``): each replay one launch, in the phase
+that issued it (``--warmup 6`` reaches the replays of every segment: the non-finite
+counts alternate between two tensors, so a bucket's encode has two keys).
 
 ``added`` = total - the same count of a plain local step (no DDP, no hvdsparse: the
 model's own backward + the same optimizer's step, counted the same way); the framework's dense
@@ -390,6 +394,8 @@ def _worker(args):
         import hvdsparse.ddp
     cnt = Counting(where=args.where)
     _patch_bucket_counter(cnt)
+    if any(with_graphs(m) for m in args.methods):
+        _install_graphs(cnt)
     if door == "horovod":
         _patch_horovod_counter(cnt)
     scale = args.div ** 2
@@ -430,12 +436,14 @@ def _worker(args):
                 # momentum correction in the hook)
                 state = hvdsparse.ddp.State(
                     comp, model.named_parameters(), validate=False,
-                    optimizer=base if optimizer == "adamw" else None)
+                    optimizer=base if optimizer == "adamw" else None,
+                    cuda_graphs=with_graphs(label))
                 net.register_comm_hook(state, hvdsparse.ddp.hook)
             else:
                 opt = hvdsparse.DistributedOptimizer(
                     base, named_parameters=model.named_parameters(), compression=comp,
-                    validate=False, fusion_threshold=max(1, (1 << 20) // scale))
+                    validate=False, fusion_threshold=max(1, (1 << 20) // scale),
+                    cuda_graphs=with_graphs(label))
         g = torch.Generator().manual_seed(1 + rank)
 
         def step(count):
@@ -474,9 +482,36 @@ def _worker(args):
 
 def split_label(label: str, default_optimizer: str):
     """``(method, optimizer)`` of a method label: ``"topk"`` -> (topk, the default),
-    ``"topk+adamw"`` -> (topk, adamw)."""
-    method, _, opt = label.partition("+")
-    return method, opt or default_optimizer
+    ``"topk+adamw"`` -> (topk, adamw); a ``+graphs`` part (:func:`with_graphs`) aside."""
+    parts = [x for x in label.split("+")[1:] if x != "graphs"]
+    return label.split("+")[0], (parts[0] if parts else default_optimizer)
+
+
+def with_graphs(label: str) -> bool:
+    """Whether a method label counts the step with ``cuda_graphs=True`` (``+graphs``)."""
+    return "graphs" in label.split("+")[1:]
+
+
+def _install_graphs(cnt: Counting):
+    """``cuda_graphs=True`` on the forced-Triton CPU path: the step engine's CUDA graph
+    backend replaced by ``graph_emulator.EmulatedGraphs``; a replay counts as one launch
+    (a graph launch, in the phase that issued it) and the launches it re-issues are not
+    counted. A capture's work counts as an eager run's (it happens in the warm-up)."""
+    from graph_emulator import EmulatedGraphs
+    from hvdsparse import device_graphs
+    emu = EmulatedGraphs()
+    replay = emu.replay
+
+    def counted_replay(rec):
+        if cnt.active and not cnt.inside:
+            cnt.record("graph", "replay", sys._getframe(1))
+        was, cnt.active = cnt.active, False
+        try:
+            replay(rec)
+        finally:
+            cnt.active = was
+    emu.replay = counted_replay
+    device_graphs.CudaGraphs = lambda: emu
 
 
 def _free_port() -> int:
@@ -548,7 +583,8 @@ def table(results: dict, methods) -> str:
             ph = r["phases"]
             nb = r["buckets"]
             meth, opt = split_label(m, "")
-            cells = [door, METHODS[meth][0] + (f", {opt}" if opt else ""), f"{nb:g}",
+            cells = [door, METHODS[meth][0] + (f", {opt}" if opt else "") +
+                     (", cuda_graphs" if with_graphs(m) else ""), f"{nb:g}",
                      f"{r['total']:.0f}", f"{r['added']:.0f}",
                      f"{r['added'] / nb:.1f}" if nb else "-", f"{bound(nb):.0f}"]
             cells += [f"{ph.get(p, {}).get('total', 0):.0f}" for p in PHASES]

@@ -11,7 +11,8 @@ bucket, phases add up to the total, the model's own work is present in every run
 hvdsparse adds work beyond it) and asserts the launch bound -- at most ``20 * buckets +
 10`` launches per step beyond the model's own backward + optimizer -- for every pair
 counted here. ``scripts/launch_bound_check.py`` asserts it for every compressor under
-both optimizers.
+both optimizers. With ``cuda_graphs`` (the graphs emulated, ``scripts/graph_emulator.py``),
+the DDP door's TopK step: what is left outside the replayed graphs.
 """
 from __future__ import annotations
 
@@ -59,3 +60,25 @@ def test_counts_are_consistent(door):
         added, limit, nb = lbc.over_bound(door, m, METHODS)
         assert added <= limit, (f"{door} / {m}: {added:.0f} launches per step beyond "
                                 f"the model's own, bound {limit:.0f} ({nb:g} buckets)")
+
+
+def test_cuda_graphs_leave_two_launches_per_bucket_outside_compress():
+    """``cuda_graphs=True`` through the DDP door (the graphs emulated, each replay one
+    launch, past the warm-up that captures every segment): every Triton launch of the
+    step runs inside a replayed graph, each bucket's encode is one replay and its decode
+    the copy of the gathered rows home plus one replay, and the step adds fewer launches
+    than the same step eager."""
+    res = cdo.run_door("ddp", ["topk", "topk+graphs"], np=2,
+                       **dict(lbc.SMALL, warmup=6))
+    eager, graphs = res["results"]["topk"], res["results"]["topk+graphs"]
+    nb = graphs["buckets"]
+    assert nb == eager["buckets"] >= 1
+
+    def phase(r, k):
+        return r["phases"].get(k, {}).get("total", 0)
+    assert phase(eager, "decode") > 2 * nb and phase(eager, "encode") > nb
+    assert phase(graphs, "decode") == 2 * nb, graphs["phases"]
+    assert phase(graphs, "encode") == nb, graphs["phases"]
+    assert eager["phases"]["compress"]["triton"] > 0
+    assert sum(p["triton"] for p in graphs["phases"].values()) == 0, graphs["phases"]
+    assert graphs["added"] < eager["added"] - 2 * nb, (graphs["added"], eager["added"])

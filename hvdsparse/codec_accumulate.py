@@ -148,7 +148,8 @@ def _bucket_accumulate(b2: torch.Tensor, plan: LayoutPlan, flat_outs, error_flag
         imps.append(imp.data_ptr() if imp.numel() else 0)
     base, out_offs = shared
     if zero and base.numel() != sum(o.numel() for o in flat_outs):
-        _zero_outs(flat_outs)            # gaps between the outputs are not ours to zero
+        for o in flat_outs:              # gaps between the outputs are not ours to zero
+            o.zero_()
         zero = False
     table, meta = _bucket_table(plan, device, out_offs, tuple(imps))
     args = (base, zero, table, tuple(sorted(meta.items())), plan_bytes(plan, device, "image"),

@@ -91,8 +91,7 @@ def segment_key(fn: Callable, staged, args) -> tuple:
     if not isinstance(fn, types.FunctionType) or fn.__closure__:
         raise TypeError(f"device segment {getattr(fn, '__name__', fn)!r}: a module-level "
                         f"function without a closure (its arguments must be all it reads)")
-    return (id(fn),) + (() if staged is None else staged.addresses()) + \
-        tuple(_key(a) for a in args)
+    return (id(fn),) + staged.addresses() + tuple(_key(a) for a in args)
 
 
 class _NoTable:

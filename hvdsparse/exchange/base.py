@@ -129,8 +129,9 @@ class ExchangeContext:
     # The step's device reads for the host (ReadoutBatch), flushed by the caller at the
     # step's end; None = one HostReadout per bucket.
     readouts: Optional["ReadoutBatch"] = None
-    # The decode's captured graphs (hvdsparse.device_graphs.SegmentGraphs, kept by the
-    # step engine across steps) where the cuda_graphs setting is on; None = eager.
+    # The encode's and decode's captured graphs (hvdsparse.device_graphs.SegmentGraphs,
+    # kept by the step engine across steps) where the cuda_graphs setting is on and
+    # messages are not host-validated; None = eager.
     graphs: Optional[Any] = None
 
     @classmethod

@@ -120,7 +120,7 @@ def _decode_segment(b2, base, zero, table, meta_items, image, mask, hdr_bytes, e
 
 
 def _bucket_accumulate(b2: torch.Tensor, plan: LayoutPlan, flat_outs, error_flag, flat_segs,
-                       counts_out=None, zero=False, graphs=None):
+                       counts_out=None, zero=False, graphs=None, rows_kept=False):
     """validate=False on the Triton path, every segment DENSE / INT32 / BIN_* /
     IMPLICIT (int64 indices on the messages' device): one check launch + one scatter
     launch per rank and pass (:func:`ops.bucket_decode`); the same sums, error codes and
@@ -128,7 +128,8 @@ def _bucket_accumulate(b2: torch.Tensor, plan: LayoutPlan, flat_outs, error_flag
     first (in the same segment; they tile one span). ``graphs``
     (:class:`hvdsparse.device_graphs.SegmentGraphs` whose backend applies to the
     messages' device): the messages are copied to a persistent home (the collective's
-    output moves from step to step) and the segment replays from a capture. Returns the
+    output moves from step to step; not when ``rows_kept``: they already live at an
+    address that repeats) and the segment replays from a capture. Returns the
     per-(rank, segment) error table int32 [P, S], or None when not applicable (the
     caller then decodes per segment)."""
     if not plan.segs or any(sl.ienc not in _BUCKET_DECODE_INDEX for sl in plan.segs):
@@ -155,7 +156,8 @@ def _bucket_accumulate(b2: torch.Tensor, plan: LayoutPlan, flat_outs, error_flag
     args = (base, zero, table, tuple(sorted(meta.items())), plan_bytes(plan, device, "image"),
             plan_bytes(plan, device, "mask"), plan.data_start, error_flag, counts_out)
     if graphs is not None and graphs.backend.applies(device):
-        return graphs.run(_decode_segment, None, graphs.home(b2), *args)
+        return graphs.run(_decode_segment, None, b2 if rows_kept else graphs.home(b2),
+                          *args)
     return _decode_segment(b2, *args)
 
 
@@ -242,7 +244,7 @@ def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
                template: Sequence[LayerPayload], outs: Sequence[torch.Tensor],
                validate: bool = True, *, error_flag: Optional[torch.Tensor] = None,
                counts_out: Optional[torch.Tensor] = None, zero: bool = False,
-               graphs=None) -> Optional[torch.Tensor]:
+               graphs=None, rows_kept: bool = False) -> Optional[torch.Tensor]:
     """Add the decoded values of P ranks' messages into ``outs`` (summed over ranks).
 
     ``buffers``: uint8 [P, nbytes] (allgathered equal-size messages) or a list of P
@@ -275,7 +277,9 @@ def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
     ``zero``: ``outs`` are set to 0 first (after the host validation, so a rejected
     message leaves them as they were); the result is then the sum itself. ``graphs``
     (:class:`hvdsparse.device_graphs.SegmentGraphs`; ``validate=False``): the bucket
-    decode's launches replay as one captured graph where its backend applies.
+    decode's launches replay as one captured graph where its backend applies, reading
+    the messages from a kept copy (one copy launch), or in place with ``rows_kept`` (the
+    caller's ``buffers`` tensor is one it reuses every step, at the same address).
 
     Returns ``error_flag`` (validate=True: as passed).
     """
@@ -322,7 +326,7 @@ def accumulate(buffers: Union[torch.Tensor, Sequence[torch.Tensor]],
             own_flag = True
         if ops.use_triton(flat_outs[0] if flat_outs else None):
             err = _bucket_accumulate(b2, plan, flat_outs, error_flag, flat_segs, counts_out,
-                                     zero, graphs)
+                                     zero, graphs, rows_kept)
             if err is not None:
                 if own_flag:
                     _raise_flag(error_flag, [(s, sl.layer, err[:, s])

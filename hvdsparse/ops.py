@@ -338,6 +338,38 @@ def segment_means(x: torch.Tensor, table: torch.Tensor, width: int, c_start: int
                                                  int(c_len), int(rows), out)
 
 
+def split_decode_ranges(gathered: torch.Tensor, table: torch.Tensor, rows: int, max_k: int,
+                        out: torch.Tensor, flag: torch.Tensor, vdtype: torch.dtype,
+                        max_shift: int) -> torch.Tensor:
+    """Triton only: the ``split`` exchange's range messages in ``gathered`` (uint8, a
+    multiple of 4 bytes) written into ``out`` (fp32) as ``table``'s ``rows`` rows
+    describe them (int64 ``[>= rows, kernels/split_ranges.WIDTH]``, at most ``max_k``
+    elements a row), fp16 values shifted by their header's ``e`` (at most
+    ``max_shift``); an index outside its range ORs ``ERR_INDEX`` into ``flag`` (int32).
+    One launch; ``kernels/split_ranges.py`` has the layout."""
+    if not use_triton(out):
+        raise RuntimeError("ops.split_decode_ranges is the Triton path")
+    k = _kernels().split_ranges
+    if gathered.dtype != torch.uint8 or gathered.dim() != 1 or not gathered.is_contiguous() \
+            or gathered.numel() % 4 or gathered.data_ptr() % 4:
+        raise ValueError("split_decode_ranges: gathered must be contiguous 1-D uint8 bytes, "
+                         "4-aligned, a multiple of 4 long")
+    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != k.WIDTH or \
+            table.shape[0] < rows or not table.is_contiguous():
+        raise ValueError(f"split_decode_ranges: table must be a contiguous int64 [>= {rows}, "
+                         f"{k.WIDTH}] tensor, got {table.dtype} {tuple(table.shape)}")
+    if out.dtype != torch.float32 or not out.is_contiguous() or \
+            flag.dtype != torch.int32 or not flag.is_contiguous() or flag.numel() < 1:
+        raise ValueError("split_decode_ranges: out must be contiguous fp32 and flag a "
+                         "contiguous int32 tensor")
+    if vdtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"split_decode_ranges: values must be fp32, fp16 or bf16, got {vdtype}")
+    vals = gathered.view(vdtype)
+    return k.decode_ranges(gathered.view(torch.int32), gathered.view(torch.float32), vals,
+                           table, int(rows), int(max_k), out, flag,
+                           vdtype == torch.float16, int(max_shift))
+
+
 _WHOLE: dict = {}
 
 

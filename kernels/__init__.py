@@ -18,8 +18,9 @@ from .binned import binned_pack
 from . import bucket_topk
 from . import segment_mean
 from . import bin_quota
+from . import split_ranges
 
 __all__ = ["residual_add_binmax", "select_compact", "quantize_pack", "dequantize_unpack",
            "sign_unpack", "philox_uniform", "scatter_add_decode", "rowthreshold",
            "refine_topk_threshold", "clean_grad", "zero_slots",
-           "binned_pack", "bucket_topk", "segment_mean", "bin_quota"]
+           "binned_pack", "bucket_topk", "segment_mean", "bin_quota", "split_ranges"]

@@ -96,7 +96,8 @@ KERNELS = [("residual", "_residual_tile_kernel"), ("residual", "_residual_flat_k
            ("bucket_decode", "_check_kernel"), ("bucket_decode", "_scatter_kernel"),
            ("bucket_narrow", "_narrow_kernel"), ("segment_mean", "_segment_mean_kernel"),
            ("bucket_randomk", "_pick_kernel"), ("bucket_slimdp", "_gather_kernel"),
-           ("bin_quota", "_quota_kernel"), ("bin_quota", "_quota_table_kernel")]
+           ("bin_quota", "_quota_kernel"), ("bin_quota", "_quota_table_kernel"),
+           ("split_ranges", "_split_ranges_kernel")]
 #: kernels that stream over a whole layer: grid >= 1000 programs at 25M elements, and
 #: 128-bit loads of aligned fp32 inputs
 STREAMING = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
@@ -460,6 +461,25 @@ def drive(full: bool, errors: list):
                          error_flag=torch.zeros(1, dtype=torch.int32))
         reached("_check_kernel", "_scatter_kernel")
     run("accumulate-bucket@25M", accumulate_bucket)
+
+    # the split exchange's phase-2 decode: sparse ranges (fp16 pairs: the shift, and
+    # bf16 / fp32) and dense ranges of a 25M-element bucket at P = 3, in one launch each;
+    # the messages are zeros of the right length (K = 0 reads nothing)
+    def split_ranges(vdtype):
+        from hvdsparse.exchange import split as SP
+        from hvdsparse.exchange.base import BucketSpec, BufferPool, ExchangeContext
+        P, vb = 3, torch.finfo(vdtype).bits // 8
+        bounds = SP.range_bounds(BIG, P)
+        lens = [SP.sparse_msg_nbytes(1000, vb), SP.sparse_msg_nbytes(0, vb),
+                SP.dense_msg_nbytes(bounds[3] - bounds[2], 0, 512)]
+        ctx = ExchangeContext(rank=0, world_size=P, prefix="c", validate=False,
+                              buffers=BufferPool(),
+                              error_flag=torch.zeros(1, dtype=torch.int32))
+        SP.decode_ranges(torch.zeros(sum(lens), dtype=torch.uint8), lens, bounds,
+                         BucketSpec.build(0, ["w"], [BIG]), ctx, vdtype, torch.device("cpu"))
+        reached("_split_ranges_kernel")
+    for vdtype in (torch.float16, torch.bfloat16, torch.float32):
+        run(f"split-ranges-{str(vdtype)[6:]}", lambda vdtype=vdtype: split_ranges(vdtype))
     # DCT-MP row threshold
     for d in ((256, 4096) if full else (256,)):
         run(f"rowthreshold-d{d}",

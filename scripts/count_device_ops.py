@@ -55,7 +55,9 @@ that method under AdamW whatever ``--optimizer`` says; a ``+graphs`` part
 (``topk+graphs``, ``topk+adamw+graphs``) counts it with ``cuda_graphs=True``, the CUDA
 graphs emulated (``scripts/graph_emulator.py``): each replay one launch, in the phase
 that issued it (``--warmup 6`` reaches the replays of every segment: the non-finite
-counts alternate between two tensors, so a bucket's encode has two keys).
+counts alternate between two tensors, so a bucket's encode has two keys); a ``+via-X``
+part (``topk+via-dense+graphs``) makes every bucket take exchange ``X`` (``exchange=``:
+``allgather``, ``split``, ``dense``, ``balanced``) instead of the cost model's choice.
 
 ``added`` = total - the same count of a plain local step (no DDP, no hvdsparse: the
 model's own backward + the same optimizer's step, counted the same way); the framework's dense
@@ -437,13 +439,13 @@ def _worker(args):
                 state = hvdsparse.ddp.State(
                     comp, model.named_parameters(), validate=False,
                     optimizer=base if optimizer == "adamw" else None,
-                    cuda_graphs=with_graphs(label))
+                    cuda_graphs=with_graphs(label), exchange=exchange_of(label))
                 net.register_comm_hook(state, hvdsparse.ddp.hook)
             else:
                 opt = hvdsparse.DistributedOptimizer(
                     base, named_parameters=model.named_parameters(), compression=comp,
                     validate=False, fusion_threshold=max(1, (1 << 20) // scale),
-                    cuda_graphs=with_graphs(label))
+                    cuda_graphs=with_graphs(label), exchange=exchange_of(label))
         g = torch.Generator().manual_seed(1 + rank)
 
         def step(count):
@@ -482,14 +484,22 @@ def _worker(args):
 
 def split_label(label: str, default_optimizer: str):
     """``(method, optimizer)`` of a method label: ``"topk"`` -> (topk, the default),
-    ``"topk+adamw"`` -> (topk, adamw); a ``+graphs`` part (:func:`with_graphs`) aside."""
-    parts = [x for x in label.split("+")[1:] if x != "graphs"]
+    ``"topk+adamw"`` -> (topk, adamw); ``+graphs`` (:func:`with_graphs`) and ``+via-X``
+    (:func:`exchange_of`) parts aside."""
+    parts = [x for x in label.split("+")[1:] if x != "graphs" and not x.startswith("via-")]
     return label.split("+")[0], (parts[0] if parts else default_optimizer)
 
 
 def with_graphs(label: str) -> bool:
     """Whether a method label counts the step with ``cuda_graphs=True`` (``+graphs``)."""
     return "graphs" in label.split("+")[1:]
+
+
+def exchange_of(label: str) -> str:
+    """The ``exchange=`` a method label asks for: ``X`` of a ``+via-X`` part, else
+    ``"auto"``."""
+    via = [x[4:] for x in label.split("+")[1:] if x.startswith("via-")]
+    return via[0] if via else "auto"
 
 
 def _install_graphs(cnt: Counting):
@@ -584,6 +594,7 @@ def table(results: dict, methods) -> str:
             nb = r["buckets"]
             meth, opt = split_label(m, "")
             cells = [door, METHODS[meth][0] + (f", {opt}" if opt else "") +
+                     (f", via {exchange_of(m)}" if exchange_of(m) != "auto" else "") +
                      (", cuda_graphs" if with_graphs(m) else ""), f"{nb:g}",
                      f"{r['total']:.0f}", f"{r['added']:.0f}",
                      f"{r['added'] / nb:.1f}" if nb else "-", f"{bound(nb):.0f}"]

@@ -218,7 +218,8 @@ def test_every_launch_binds_and_compiles(report):
                      "_own_step_kernel", "_dense_copy_kernel", "_qsgd_pack_kernel",
                      "_ada_accumulate_kernel", "_ada_count_kernel", "_ada_pack_kernel",
                      "_check_kernel", "_scatter_kernel", "_narrow_kernel",
-                     "_segment_mean_kernel", "_pick_kernel", "_gather_kernel"}, kinds
+                     "_segment_mean_kernel", "_pick_kernel", "_gather_kernel",
+                     "_split_ranges_kernel"}, kinds
     bad = [(s["kernel"], s["cc"], s.get("error")) for s in report["specializations"]
            if not s["ok"]]
     assert not bad, bad

@@ -209,12 +209,23 @@ def test_encode_and_decode_replay_give_eager_bits(graphs):
         (g.eager, g.captures, g.replays)
 
 
-def test_allgather_exchange_replays_its_encode_and_decode(graphs):
-    """The allgather exchange with ``ExchangeContext.graphs`` (the step engine's, with
-    ``cuda_graphs``): launch (encode with the non-finite counts' tail) and finish (the
-    rows copied home, decode) over 5 steps of fresh payload contents at fixed addresses
-    give the eager exchange's sums and count tables, bit for bit, through replays (one
-    rank on the in-process transport: the emulator records one thread's launches)."""
+#: per exchange: (eager runs, captures, replays) over 5 steps of one bucket: allgather's
+#: encode and decode; dense's own_dense encode and decode, its row / wire copy and its
+#: reads; split's and balanced's own_dense two and their per-owner counts
+SEGMENTS = {"allgather": (2, 2, 6), "dense": (4, 4, 12), "dense-fp16": (4, 4, 12),
+            "split": (3, 3, 9), "balanced": (3, 3, 9)}
+
+
+@pytest.mark.parametrize("name", sorted(SEGMENTS))
+def test_exchange_replays_its_device_segments(graphs, name):
+    """Every exchange with ``ExchangeContext.graphs`` (the step engine's, with
+    ``cuda_graphs``), over 5 steps of fresh payload contents at fixed addresses: the
+    same sums and non-finite count tables as the exchange eager, bit for bit, with its
+    device segments replayed (allgather: the encode with the counts' tail, the rows
+    copied home, the decode; dense: own_dense, the counts' row and the wire copy, the
+    reads of the allreduced vector, in fp32 and on a 16-bit wire; split / balanced:
+    own_dense and the per-owner counts). One rank on the in-process transport: the emulator records one thread's
+    launches."""
     from hvdsparse import exchange
     from tests.thread_transport import on_threads
     import test_nonfinite_carriage as TN
@@ -222,6 +233,8 @@ def test_allgather_exchange_replays_its_encode_and_decode(graphs):
     L = int(torch.randint(2, 6, (1,), generator=gen))
     spec, payloads, rows = TN._bucket(1, L, gen)
     kept, row = _on_device(payloads[0]), rows[0].to(DEV)
+    strategy, _, wire = name.partition("-")
+    carries = strategy in exchange.CARRY_NONFINITE
 
     def fresh():
         comp = hvdsparse.TopK(0.05, values="fp32", compress_1d=True, min_numel=1)
@@ -234,11 +247,16 @@ def test_allgather_exchange_replays_its_encode_and_decode(graphs):
         def body(r, ctx):
             ctx.error_flag = ctx.error_flag.to(DEV)
             ctx.graphs, out = g, []
+            if wire:
+                ctx.dense_dtype = getattr(torch, {"fp16": "float16"}[wire])
             for pays, counts in steps:
                 _refill(kept, _on_device(pays))
                 row.copy_(counts)
-                pend = exchange.launch("allgather", spec, kept, ctx, nonfinite_row=row)
-                out.append((pend.finish().clone(), pend.nonfinite.clone()))
+                pend = exchange.launch(strategy, spec, kept, ctx,
+                                       nonfinite_row=row if carries else None)
+                out.append((pend.finish().clone(),
+                            pend.nonfinite.clone() if carries else None))
+                ctx.step += 1
             return out, int(ctx.error_flag[0])
         return on_threads(1, body, validate=False)[0]
     ref, ref_flag = run(None)
@@ -247,9 +265,17 @@ def test_allgather_exchange_replays_its_encode_and_decode(graphs):
     assert ref_flag == flag == 0
     for step, ((a, ta), (b, tb)) in enumerate(zip(ref, got)):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"step {step}"
-        assert torch.equal(ta, tb), f"step {step}"
-        assert torch.equal(ta.cpu(), steps[step][1]), f"step {step}"
-    assert (g.eager, g.captures, g.replays) == (2, 2, 6), (g.eager, g.captures, g.replays)
+        # the sum is this rank's own selection, expanded (rounded to fp16 on that wire)
+        want = torch.cat([codec.payload_to_dense(p).reshape(-1).float()
+                          for p in _on_device(steps[step][0])])
+        if wire:
+            want = want.half().float()
+        assert torch.equal(b.view(torch.int32), want.view(torch.int32)), f"step {step}"
+        if carries:
+            assert torch.equal(ta, tb), f"step {step}"
+            assert torch.equal(tb.cpu(), steps[step][1]), f"step {step}"
+    assert (g.eager, g.captures, g.replays) == SEGMENTS[name], \
+        (g.eager, g.captures, g.replays)
 
 
 # ------------------------------------------------------------------ the contract's edges

@@ -48,6 +48,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..payload import LayerPayload
+from ..row_tables import RowTables
 
 
 @dataclass
@@ -416,6 +417,7 @@ class BufferPool:
         self._bufs: Dict[Tuple, torch.Tensor] = {}
         self._consts: Dict[Tuple, torch.Tensor] = {}
         self._states: Dict[Tuple, Tuple[Any, Any]] = {}
+        self._tables = None
 
     @classmethod
     def default(cls, prefix: str) -> "BufferPool":
@@ -438,6 +440,13 @@ class BufferPool:
                 del self._bufs[k]
             buf = self._bufs[key] = torch.empty(int(numel), dtype=dtype, device=device)
         return buf
+
+    def tables(self):
+        """The pool's staged host-to-device tables (:class:`hvdsparse.row_tables.RowTables`:
+        one pinned host and one device buffer per key, reused step to step)."""
+        if self._tables is None:
+            self._tables = RowTables()
+        return self._tables
 
     def state(self, kind: str, bucket_id: int, key, factory: Callable[[], Any]):
         """A per-bucket object that lives from step to step (e.g. the ``balanced``
@@ -479,6 +488,8 @@ def own_dense(spec: BucketSpec, payloads: Sequence[LayerPayload],
     only rank's (``codec.accumulate`` into the zeroed vector: the bucket decode's check
     launch, setting ``ctx.error_flag`` as any decode does, and one scatter launch): the
     values ``0 + v`` the allgather strategy's decode adds, i.e. ``payload_to_dense``'s.
+    With ``ctx.graphs`` (the step engine's ``cuda_graphs``) the encode and the decode
+    replay as captured graphs, the decode reading the reused message in place.
     Otherwise each payload is expanded on its own (``payload_to_dense`` overwrites each
     view: a few launches per segment)."""
     from .. import codec
@@ -489,9 +500,12 @@ def own_dense(spec: BucketSpec, payloads: Sequence[LayerPayload],
     if ctx is not None and not ctx.validate and any(p.segments for p in payloads):
         nbytes = codec.encoded_nbytes(payloads)
         msg = codec.encode(payloads, out=ctx.buffer("own.msg", spec.bucket_id, nbytes,
-                                                    torch.uint8, device))
-        codec.accumulate(msg.view(1, nbytes), payloads, spec.views(flat.zero_()),
-                         validate=False, error_flag=ctx.error_flag)
+                                                    torch.uint8, device), graphs=ctx.graphs)
+        if flat.numel() > spec.numel:
+            flat[spec.numel:].zero_()
+        codec.accumulate(msg.view(1, nbytes), payloads, spec.views(flat), validate=False,
+                         error_flag=ctx.error_flag, zero=True, graphs=ctx.graphs,
+                         rows_kept=True)
         return flat
     for view, p in zip(spec.views(flat), payloads):
         codec.payload_to_dense(p, out=view)

@@ -24,6 +24,11 @@ Bytes per rank (ring allreduce): sent = received = ``2 (P-1)/P * N * d`` (d = 4 
 No host synchronisation: the flat vector (and its fp16 copy) are reused per bucket;
 the cost model's figure (non-zeros of the allreduced sum, identical on every rank)
 stays on the device (:class:`.base.DeferredFigures`).
+
+With the step engine's ``cuda_graphs`` on (``ExchangeContext.graphs``), the bucket's
+device work replays as four captured graphs: :func:`.base.own_dense`'s encode and
+decode, the counts' row and the 16-bit wire copy (:func:`_launch_segment`), and the
+reads of the allreduced vector (:func:`_read_segment`); all read reused buffers.
 """
 from __future__ import annotations
 
@@ -48,19 +53,53 @@ class DensePending(Pending):
             full = self._tensor
         else:   # the fp32 launch buffer is free again: widen the fp16 sum into it
             full = self._flat.copy_(self._tensor)
-        N = self.spec.numel
+        N, P, ctx = self.spec.numel, self.ctx.world_size, self.ctx
         flat = full[:N]
+        args = (full, N, P, self.carries_nonfinite, full is self._tensor, ctx.want_figures)
+        if ctx.graphs is not None and not ctx.validate and ctx.graphs.backend.applies(
+                full.device):
+            counts, nnz = ctx.graphs.run(_read_segment, None, *args)
+        elif self.carries_nonfinite and ctx.validate:
+            counts = read_counts(full[N:].view(P, -1), self.spec, True,
+                                 exact=full is self._tensor)
+            nnz = _nonzeros(flat) if ctx.want_figures else None
+        else:
+            counts, nnz = _read_segment(*args)
         if self.carries_nonfinite:
-            self.nonfinite = read_counts(full[N:].view(self.ctx.world_size, -1), self.spec,
-                                         self.ctx.validate, exact=full is self._tensor)
-        if self.ctx.want_figures:
-            # every rank holds the identical allreduced bytes -> identical count
-            nnz = torch.count_nonzero(flat).reshape(1).to(torch.int64)
+            self.nonfinite = counts
+        if nnz is not None:
             self._defer_figures(nnz, lambda v: dict(reduced=int(v[0])))
         self.wait_s += t1 - t0
         self.decode_s += time.perf_counter() - t1
         self.result = flat
         return flat
+
+
+def _nonzeros(flat: torch.Tensor) -> torch.Tensor:
+    """The cost model's figure: non-zeros of the allreduced sum (int64[1]; every rank
+    holds the identical bytes, so the identical count)."""
+    return torch.count_nonzero(flat).reshape(1).to(torch.int64)
+
+
+def _read_segment(full, N, P, carries, exact, want_figures):
+    """The trusted path's reads of the allreduced vector (a device segment of
+    :mod:`hvdsparse.device_graphs`): the counts' block as int32 [P, L]
+    (:func:`read_counts`) when ``carries``, the non-zeros when ``want_figures``."""
+    counts = read_counts(full[N:].view(P, -1), None, False, exact) if carries else None
+    return counts, (_nonzeros(full[:N]) if want_figures else None)
+
+
+def _launch_segment(full, N, row, rank, saturation, wire):
+    """This rank's counts row written into its row of the zeroed block (clamped to
+    ``saturation`` on a 16-bit wire), then the vector copied into ``wire`` when the
+    wire is 16-bit (a device segment of :mod:`hvdsparse.device_graphs`)."""
+    if row is not None:
+        block = full[N:].view(-1, row.numel())          # zeroed by own_dense
+        row = row.reshape(-1)
+        block[rank].copy_(row if saturation is None else row.clamp(max=saturation))
+    if wire is not None:
+        wire.copy_(full)
+    return wire
 
 
 def count_saturation(dtype: torch.dtype) -> int:
@@ -107,19 +146,20 @@ def launch(spec: BucketSpec, payloads, ctx: ExchangeContext,
     # reused: the previous step's result of this bucket was consumed before this launch
     full = ctx.buffer("dense.flat", spec.bucket_id, N + P * width, torch.float32, device)
     own_dense(spec, payloads, device, out=full, ctx=ctx)       # elements [0, N)
-    if width:
-        block = full[N:].view(P, width)            # zeroed by own_dense
-        row = nonfinite_row.reshape(-1)
-        if ctx.dense_dtype != torch.float32:
-            row = row.clamp(max=count_saturation(ctx.dense_dtype))
-        block[ctx.rank].copy_(row)
     f = float(ctx.gradient_predivide_factor)
-    if ctx.dense_dtype == torch.float32:
+    fp32 = ctx.dense_dtype == torch.float32
+    if fp32:
         t, pre, post = full, 1.0, 1.0
     else:
-        t = ctx.buffer("dense.wire", spec.bucket_id, full.numel(), ctx.dense_dtype,
-                       device).copy_(full)
+        t = ctx.buffer("dense.wire", spec.bucket_id, full.numel(), ctx.dense_dtype, device)
         pre, post = 1.0 / f, f
+    args = (full, N, nonfinite_row if width else None, ctx.rank,
+            None if fp32 else count_saturation(ctx.dense_dtype), None if fp32 else t)
+    if args[2] is not None or args[5] is not None:
+        if ctx.graphs is not None and ctx.graphs.backend.applies(device):
+            ctx.graphs.run(_launch_segment, None, *args)
+        else:
+            _launch_segment(*args)
     pend = DensePending(spec, NAME, list(payloads), ctx)
     pend._tensor, pend._flat = t, full
     pend.carries_nonfinite = bool(width)

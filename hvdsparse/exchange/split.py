@@ -61,9 +61,16 @@ and no blocking read elsewhere. With an ordered transport (torch.distributed, wh
 matches collectives by issue order) phase 1 starts in ``launch()`` -- waiting on the
 counts' event there -- and phase 2 in ``finish()``, never from a poll.
 
+Decoding phase 2 (:func:`decode_ranges`): on the Triton path the sparse and dense
+range messages of a bucket are written by one launch (``kernels/split_ranges.py``, its
+row table staged host-to-device once), whatever P; quantised ranges one at a time.
+
 Allocations: the own flat vector, the owner's reduced range and the flat sum are reused
 per bucket (:class:`.base.BufferPool`); the pair rows and range messages change size
-every step and are allocated per step.
+every step and are allocated per step. With the step engine's ``cuda_graphs`` on
+(``ExchangeContext.graphs``), :func:`.base.own_dense` and the per-owner counts (fixed
+sizes, reused buffers) replay as captured graphs; the phases after the counts' host
+read depend on sizes the host learns each step and run eagerly.
 
 Bytes per rank: phase 1 sent = pairs to other ranks x (4 + v), received = pairs from
 other ranks x (4 + v); phase 2 sent = (P-1) x own message, received = the other ranks'
@@ -194,10 +201,19 @@ def owner_counts(flat: torch.Tensor, ends: torch.Tensor, nonempty: torch.Tensor,
         return torch.zeros(ctx.world_size, dtype=torch.int64, device=device)
     if ops.has_cpu_path(flat):
         return _owner_counts_cpu(flat, ends, nonempty)
-    cs = torch.cumsum(flat != 0, 0, dtype=torch.int32,
-                      out=ctx.buffer(f"{tag}.cumsum", bucket_id, N, torch.int32, device))
+    args = (flat, ends, nonempty,
+            ctx.buffer(f"{tag}.cumsum", bucket_id, N, torch.int32, device))
+    if ctx.graphs is not None and ctx.graphs.backend.applies(device):
+        return ctx.graphs.run(_owner_counts_segment, None, *args)
+    return _owner_counts_segment(*args)
+
+
+def _owner_counts_segment(flat, ends, nonempty, running):
+    """:func:`owner_counts`' device launches (a device segment of
+    :mod:`hvdsparse.device_graphs`), ``running`` the int32 running-count buffer."""
+    cs = torch.cumsum(flat != 0, 0, dtype=torch.int32, out=running)
     upto = cs.index_select(0, ends).to(torch.int64) * nonempty
-    return torch.diff(upto, prepend=torch.zeros(1, dtype=torch.int64, device=device))
+    return torch.diff(upto, prepend=torch.zeros(1, dtype=torch.int64, device=flat.device))
 
 
 def _owner_counts_cpu(flat: torch.Tensor, ends: torch.Tensor, nonempty: torch.Tensor):
@@ -289,6 +305,100 @@ def reduce_at_owner(pend: Pending, rows_in: torch.Tensor, recv_splits, lo: int, 
             red.index_add_(0, idx[a:a + c], vals[a:a + c])
         a += c
     return red, idx, m
+
+
+def decode_ranges(g: torch.Tensor, lens, bounds, spec: BucketSpec, ctx: ExchangeContext,
+                  vdtype: torch.dtype, device):
+    """Phase 2's receiving side: the P range messages ``g`` (uint8, ``lens[r]`` bytes from
+    owner r of ``[bounds[r], bounds[r+1])``, back to back) decoded into the bucket's flat
+    sum (a reused buffer, fp32 ``[N]``). Each message's mode and ``K`` come from its
+    length (:func:`parse_length`); ``validate`` checks every header against them and
+    raises on an index outside its range, naming the rank; the trusted path ORs
+    ``ERR_INDEX`` into ``ctx.error_flag`` instead and writes nothing for that index. On
+    the Triton path the sparse and dense ranges are written by one launch
+    (:func:`ops.split_decode_ranges`, its row table staged in the pool); quantised ranges
+    (and the CPU path's) one range at a time. Returns ``(flat, [sparse, dense,
+    quantised] range counts, the P header views)``."""
+    P, N, bid = ctx.world_size, spec.numel, spec.bucket_id
+    vb = torch.finfo(vdtype).bits // 8
+    bits, qb = ctx.split_dense_bits, ctx.quant_bucket
+    # one spare slot at N absorbs out-of-range indices on the trusted per-range path
+    buf = ctx.buffer("split.sum", bid, N + 1, torch.float32, device).zero_()
+    flat = buf[:N]
+    if g.numel() != sum(lens):
+        raise RuntimeError(f"hvdsparse split bucket {bid}: received {g.numel()} bytes, "
+                           f"splits say {sum(lens)}")
+    off = 0
+    modes = [0, 0, 0]
+    hdr_views = []
+    # (indices' int32 word, values' element, K, lo, n, dense, header's word) per range
+    one_launch = not ctx.validate and ops.use_triton(buf) and g.data_ptr() % 4 == 0
+    rows = []
+    for r in range(P):
+        lo, hi = bounds[r], bounds[r + 1]
+        n_r, ln = hi - lo, lens[r]
+        parsed = parse_length(ln, n_r, vb, bits, qb)
+        if parsed is None:
+            raise RuntimeError(
+                f"hvdsparse split bucket {bid}: range message of rank {r} has {ln} bytes, "
+                f"which no message for a range of {n_r} elements can have (ranks disagree "
+                f"on the layout or split settings)")
+        mode, k = parsed
+        hdr_views.append(g[off:off + HEADER_BYTES])
+        if ctx.validate:
+            h = [int(x) for x in g[off:off + HEADER_BYTES].view(torch.int32).tolist()]
+            if h[0] != mode or (k is not None and h[1] != k) or not 0 <= h[1] <= n_r:
+                raise RuntimeError(
+                    f"hvdsparse split bucket {bid}: header of rank {r} (mode {h[0]}, nnz "
+                    f"{h[1]}) contradicts its length {ln} (mode {mode}, nnz {k}) for a "
+                    f"range of {n_r} elements")
+            shifted = mode == MODE_SPARSE and vdtype == torch.float16
+            if not (0 <= h[3] <= MAX_WIRE_EXPONENT if shifted else h[3] == 0):
+                raise RuntimeError(
+                    f"hvdsparse split bucket {bid}: header of rank {r} carries the value "
+                    f"shift {h[3]}, outside "
+                    f"{'[0, %d]' % MAX_WIRE_EXPONENT if shifted else '{0}'} for a "
+                    f"mode-{mode} range of {torch.finfo(vdtype).bits}-bit pairs")
+        b = off + HEADER_BYTES
+        if one_launch and mode != MODE_QUANT:
+            rows.append((b // 4, b // 4, n_r, lo, n_r, 1, off // 4) if mode == MODE_DENSE
+                        else (b // 4, (b + 4 * k) // vb, k, lo, n_r, 0, off // 4))
+        elif mode == MODE_SPARSE:
+            idx = g[b:b + 4 * k].view(torch.int32).to(torch.int64)
+            vals = g[b + 4 * k:b + 4 * k + k * vb].view(vdtype)
+            if vdtype == torch.float16:
+                # the header's shift, read on the device
+                vals = from_wire_values(vals, g[off + 12:off + 16].view(torch.int32))
+            else:
+                vals = vals.float()
+            bad = (idx < 0) | (idx >= n_r)
+            if ctx.validate:
+                if bool(bad.any()):
+                    raise RuntimeError(f"hvdsparse split bucket {bid}: rank {r} sent an "
+                                       f"index outside its range")
+                idx = idx + lo
+            else:
+                idx = torch.where(bad, torch.full_like(idx, N), idx + lo)
+                flag_index_error(ctx, bad)
+            buf.index_copy_(0, idx, vals)
+        elif mode == MODE_DENSE:
+            flat[lo:hi].copy_(g[b:b + 4 * n_r].view(torch.float32))
+        else:
+            nc = -(-n_r * bits // 8)
+            codes = g[b:b + nc]
+            sb = b + pad4(nc)
+            scales = g[sb:sb + 4 * (-(-n_r // qb))].view(torch.float32)
+            flat[lo:hi].copy_(ops.dequantize_unpack(codes, scales, bits, qb, n_r))
+        modes[mode] += 1
+        off += ln
+    if rows:
+        st = ctx.pool().tables().take(("split.ranges", bid), P, len(rows[0]), device)
+        st.host[:len(rows)] = rows
+        flag = ctx.error_flag if ctx.error_flag is not None else \
+            torch.zeros(1, dtype=torch.int32, device=device)
+        ops.split_decode_ranges(g, st.upload(), len(rows), max(row[2] for row in rows), buf,
+                                flag, vdtype, MAX_WIRE_EXPONENT)
+    return flat, modes, hdr_views
 
 
 class SplitPending(Pending):
@@ -398,78 +508,11 @@ class SplitPending(Pending):
         t0b = time.perf_counter()
         gathered, recv_splits = self.ctx.comm().synchronize(self._handle2)
         t1 = time.perf_counter()
-        ctx, P, me, vb = self.ctx, self.ctx.world_size, self.ctx.rank, self._vb
-        bits, qb = ctx.split_dense_bits, ctx.quant_bucket
+        ctx, P, me = self.ctx, self.ctx.world_size, self.ctx.rank
         lens = host_list(recv_splits)
-        N = self.spec.numel
-        # one spare slot at N absorbs out-of-range indices on the trusted path
-        buf = ctx.buffer("split.sum", self.spec.bucket_id, N + 1, torch.float32,
-                         self._device).zero_()
-        flat = buf[:N]
-        g = gathered                      # Horovod returns it on the input's device
-        if g.numel() != sum(lens):
-            raise RuntimeError(f"hvdsparse split bucket {self.spec.bucket_id}: received "
-                               f"{g.numel()} bytes, splits say {sum(lens)}")
-        off, total_k, others = 0, 0, 0
-        modes = [0, 0, 0]
-        hdr_views = []
-        for r in range(P):
-            lo, hi = self._bounds[r], self._bounds[r + 1]
-            n_r, ln = hi - lo, lens[r]
-            parsed = parse_length(ln, n_r, vb, bits, qb)
-            if parsed is None:
-                raise RuntimeError(
-                    f"hvdsparse split bucket {self.spec.bucket_id}: range message of rank "
-                    f"{r} has {ln} bytes, which no message for a range of {n_r} elements "
-                    f"can have (ranks disagree on the layout or split settings)")
-            mode, k = parsed
-            hdr_views.append(g[off:off + HEADER_BYTES])
-            if ctx.validate:
-                h = [int(x) for x in g[off:off + HEADER_BYTES].view(torch.int32).tolist()]
-                if h[0] != mode or (k is not None and h[1] != k) or not 0 <= h[1] <= n_r:
-                    raise RuntimeError(
-                        f"hvdsparse split bucket {self.spec.bucket_id}: header of rank {r} "
-                        f"(mode {h[0]}, nnz {h[1]}) contradicts its length {ln} (mode {mode}, "
-                        f"nnz {k}) for a range of {n_r} elements")
-                shifted = mode == MODE_SPARSE and self._vdtype == torch.float16
-                if not (0 <= h[3] <= MAX_WIRE_EXPONENT if shifted else h[3] == 0):
-                    raise RuntimeError(
-                        f"hvdsparse split bucket {self.spec.bucket_id}: header of rank {r} "
-                        f"carries the value shift {h[3]}, outside "
-                        f"{'[0, %d]' % MAX_WIRE_EXPONENT if shifted else '{0}'} for a "
-                        f"mode-{mode} range of {torch.finfo(self._vdtype).bits}-bit pairs")
-            b = off + HEADER_BYTES
-            if mode == MODE_SPARSE:
-                idx = g[b:b + 4 * k].view(torch.int32).to(torch.int64)
-                vals = g[b + 4 * k:b + 4 * k + k * vb].view(self._vdtype)
-                if self._vdtype == torch.float16:
-                    # the header's shift, read on the device
-                    vals = from_wire_values(vals, g[off + 12:off + 16].view(torch.int32))
-                else:
-                    vals = vals.float()
-                bad = (idx < 0) | (idx >= n_r)
-                if ctx.validate:
-                    if bool(bad.any()):
-                        raise RuntimeError(f"hvdsparse split bucket {self.spec.bucket_id}: "
-                                           f"rank {r} sent an index outside its range")
-                    idx = idx + lo
-                else:
-                    idx = torch.where(bad, torch.full_like(idx, N), idx + lo)
-                    flag_index_error(ctx, bad)
-                buf.index_copy_(0, idx, vals)
-                total_k += k
-            elif mode == MODE_DENSE:
-                flat[lo:hi].copy_(g[b:b + 4 * n_r].view(torch.float32))
-            else:
-                nc = -(-n_r * bits // 8)
-                codes = g[b:b + nc]
-                sb = b + pad4(nc)
-                scales = g[sb:sb + 4 * (-(-n_r // qb))].view(torch.float32)
-                flat[lo:hi].copy_(ops.dequantize_unpack(codes, scales, bits, qb, n_r))
-            modes[mode] += 1
-            if r != me:
-                others += ln
-            off += ln
+        flat, modes, hdr_views = decode_ranges(gathered, lens, self._bounds, self.spec, ctx,
+                                               self._vdtype, self._device)
+        others = sum(lens) - lens[me]
         self.recv_bytes += others
         self.figures["range_modes"] = dict(sparse=modes[0], dense=modes[1], quantised=modes[2])
         if ctx.want_figures:

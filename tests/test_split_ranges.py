@@ -5,7 +5,8 @@ time; both against a plain decode of the same bytes written here from the wire f
 (``exchange/split.py``'s docstring), on fresh random messages: P in 1..5, fp32 / fp16
 (with value shifts, one beyond the clamp) / bf16 pairs, sparse, dense, quantised and
 empty ranges, out-of-range indices on the trusted path (flagged, nothing written), the
-sum buffer poisoned before the decode."""
+sum buffer poisoned before the decode. And the whole exchange on 3 ranks (in-process
+transport): the Triton path's sums are the CPU path's bits on every rank."""
 import os
 
 import numpy as np
@@ -151,3 +152,50 @@ def test_validated_decode_names_the_rank_of_a_bad_index():
             break
     with pytest.raises(RuntimeError, match=r"rank \d sent an index outside its range"):
         _decode(g, lens, bounds, 900, 3, torch.float32, 0, 64, True)
+
+
+@pytest.mark.parametrize("values", ["fp32", "fp16", "bf16"])
+def test_split_exchange_on_three_ranks_gives_every_rank_the_sum(values, monkeypatch):
+    """The whole ``split`` exchange (own_dense, per-owner counts, alltoall of pairs,
+    owner's reduce, range messages, their decode) on 3 ranks over the in-process
+    transport, trusted path: on the Triton path (one range-decode launch) every rank's
+    sum is bit for bit the CPU path's, every rank holds the same bits, and it is the sum
+    of the ranks' own selections (fp32 pairs; fp16 / bf16 pairs round the sum once)."""
+    import test_nonfinite_carriage as TN
+    from hvdsparse import codec
+    gen = torch.Generator().manual_seed(TN._seed())
+    spec, payloads, _ = TN._bucket(3, int(torch.randint(2, 5, (1,), generator=gen)), gen,
+                                   values=values)
+    want = sum(torch.cat([codec.payload_to_dense(p).reshape(-1).float() for p in pays])
+               for pays in payloads)
+    # Triton's interpreter is not thread-safe: one launch at a time across the ranks
+    import threading
+    import triton.runtime.interpreter as ti
+    lock, run = threading.Lock(), ti.InterpretedFunction.run
+
+    def serialised(*a, **k):
+        with lock:
+            return run(*a, **k)
+    monkeypatch.setattr(ti.InterpretedFunction, "run", serialised)
+    launches = []
+    decode = ops.split_decode_ranges
+    monkeypatch.setattr(ops, "split_decode_ranges",
+                        lambda *a, **k: launches.append(1) or decode(*a, **k))
+    sums = {}
+    for path in ("cpu", "triton"):
+        if path == "triton":
+            monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")
+        got = TN._run(3, "split", spec, payloads, None, validate=False)
+        sums[path] = [t for t, *_ in got]
+        assert all(int(f[0]) == 0 for *_, f in got), path
+        assert len(launches) == (3 if path == "triton" else 0), (path, len(launches))
+    for r in range(3):
+        assert torch.equal(sums["triton"][r].view(torch.int32),
+                           sums["cpu"][r].view(torch.int32)), r
+        assert torch.equal(sums["triton"][r].view(torch.int32),
+                           sums["triton"][0].view(torch.int32)), r
+    if values == "fp32":
+        assert torch.allclose(sums["triton"][0], want, rtol=1e-6, atol=1e-6)
+    else:
+        dt = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[values])
+        assert torch.allclose(sums["triton"][0], want.to(dt).float(), rtol=2e-2, atol=1e-3)

@@ -460,9 +460,9 @@ class StepEngine:
                         for n in batch.momentum_names):
                     bucket.mask_bucket(batch)
                     masked.update(batch.momentum_names)
+            if undelivered is not None:
+                comp.take_back_many(names, views)
             for name, payload, back in zip(names, payloads, views):
-                if back is not None:
-                    comp.take_back(name, back)
                 if lu is not None and name in lu.u and name not in masked:
                     lu.mask(name, payload, back, comp.warmup_density(name, step))
 

@@ -322,3 +322,36 @@ def test_wait_is_not_counted_as_decode(strategy):
         assert wait + dec <= wall + 1e-3, (r, wall, wait, dec)
     wall0, wait0, dec0 = out[0]
     assert wait0 >= 0.3, out[0]          # rank 0 waited for the late rank
+
+
+def test_take_back_many_adds_every_share_as_take_back_does():
+    """``Compressor.take_back_many`` (the step engine's feedback of ``undelivered``, one
+    multi-tensor add): layers with a residual get their share added, layers without one
+    (policy-dense) get a residual holding exactly their share, a layer with
+    ``error_feedback=False`` keeps none -- as one ``take_back`` per layer does, bit for
+    bit, on fresh random shares."""
+    import hvdsparse
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 30, ())))
+    names = ["w0", "b0", "w1", "b1", "nofb"]
+    numels = [int(x) for x in torch.randint(1, 300, (len(names),), generator=gen)]
+
+    def make():
+        c = hvdsparse.TopK(0.1, min_numel=1,
+                           overrides={"nofb": dict(error_feedback=False)})
+        for n, k in zip(names, numels):
+            if n.startswith("w"):
+                c.compress(n, torch.randn(k, generator=torch.Generator().manual_seed(k)), 0)
+        return c
+    shares = [torch.randn(k, generator=gen) for k in numels]
+    one, many = make(), make()
+    took_one = [one.take_back(n, v) for n, v in zip(names, shares)]
+    took_many = many.take_back_many(names, shares)
+    assert took_one == took_many == [True, True, True, True, False]
+    for n in names:
+        a, b = one.residual(n), many.residual(n)
+        assert (a is None) == (b is None) == (n == "nofb"), n
+        if a is not None:
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), n
+    for n, v in zip(names[:4], shares):
+        if n.startswith("b"):
+            assert torch.equal(many.residual(n), v), n

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -416,15 +416,35 @@ class Compressor(LayerSettings, StepTransactions, CompressorState, ValueEncoder)
         (:meth:`_policy_dense`), and a rolled-back step removes it. Returns False, the
         share staying lost (reported as ``p2_dropped_energy``), only for a layer whose
         settings say ``error_feedback=False``."""
-        if not self.layer_cfg(name).get("error_feedback", True):
-            return False
-        r = self._residuals.get(name)
-        if r is None:
-            self._touch(name)
-            r = torch.zeros(values.numel(), dtype=torch.float32, device=values.device)
-            self._residuals[name] = r
-        r.add_(values.reshape(-1))
-        return True
+        return self.take_back_many([name], [values])[0]
+
+    def take_back_many(self, names: Sequence[str], values: Sequence[torch.Tensor]) -> List[bool]:
+        """:meth:`take_back` for several layers, their additions in one multi-tensor
+        launch (``torch._foreach_add_``); the layers without a residual (policy-dense
+        ones) get theirs as views of one zeroed buffer (one launch, not one per layer)."""
+        took, rs, vs, new = [], [], [], []
+        for name, v in zip(names, values):
+            if not self.layer_cfg(name).get("error_feedback", True):
+                took.append(False)
+                continue
+            r = self._residuals.get(name)
+            if r is None:
+                new.append((len(rs), name, v))
+            rs.append(r)
+            vs.append(v.reshape(-1))
+            took.append(True)
+        for device in {v.device for _, _, v in new}:
+            mine = [(j, name, v) for j, name, v in new if v.device == device]
+            flat = torch.zeros(sum(v.numel() for _, _, v in mine), dtype=torch.float32,
+                               device=device)
+            o = 0
+            for j, name, v in mine:
+                self._touch(name)
+                rs[j] = self._residuals[name] = flat[o:o + v.numel()]
+                o += v.numel()
+        if rs:
+            torch._foreach_add_(rs, vs)
+        return took
 
     def residual(self, name: str) -> Optional[torch.Tensor]:
         """The fp32 residual of a layer (None before its first compressed step)."""

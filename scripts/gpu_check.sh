@@ -25,7 +25,8 @@
 #           per-layer path, bit for bit; tests/test_capture_ready.py: the staged row
 #           tables' pinned upload (stream order, a rewrite while a copy is in flight);
 #           tests/test_device_graphs.py: every kind of row's compress replayed from a
-#           real CUDA graph against the same steps eager, bit for bit
+#           real CUDA graph against the same steps eager, bit for bit;
+#           tests/test_split_ranges.py: the split exchange's one-launch range decode
 #   bench   scripts/gpu_bench.py: every kernel against a device copy of the same bytes
 #           at 1M and 25M elements, TopK compress of a 25M layer, a few training steps
 #           at world size 1 (CUDA decode == CPU decode bit for bit), a CUDA-graph probe
@@ -125,7 +126,7 @@ stage oracle "$(budget oracle 120)" env HVDSPARSE_TEST_DEVICE="$DEVICE" HVDSPARS
 stage bucket "$(budget bucket 80)" env HVDSPARSE_TEST_DEVICE="$DEVICE" \
   "$PY" -m pytest -v -p no:cacheprovider --durations=5 tests/test_bucket_topk.py \
   tests/test_bucket_compress.py tests/test_adam_bucket.py tests/test_capture_ready.py \
-  tests/test_device_graphs.py
+  tests/test_device_graphs.py tests/test_split_ranges.py
 
 stage bench "$(budget bench 75)" "$PY" scripts/gpu_bench.py --out "$OUT"
 

@@ -91,7 +91,9 @@ from .base import (BucketSpec, ExchangeContext, HostReadout, Pending, bucket_dev
                    host_list, own_dense)
 
 NAME = "split"
-_ERR_INDEX = getattr(codec, "ERR_INDEX", 1)
+if codec.ERR_INDEX != 1:      # flag_index_error ORs a bool into the flag
+    raise ImportError(f"hvdsparse.exchange.split needs codec.ERR_INDEX == 1, got "
+                      f"{codec.ERR_INDEX}")
 HEADER_BYTES = 16
 MODE_SPARSE, MODE_DENSE, MODE_QUANT = 0, 1, 2
 #: the largest finite fp16 value; a shifted maximum ends below 2^FP16_SAFE_BITS
@@ -188,7 +190,8 @@ def flag_index_error(ctx: ExchangeContext, bad: torch.Tensor) -> None:
     """Trusted path: OR the codec's 'index outside its layer' bit into the device error
     flag when any of ``bad`` is set (device-side; the scheduler reads it a step later)."""
     if ctx.error_flag is not None:
-        ctx.error_flag.bitwise_or_(bad.any().to(torch.int32).reshape(1) * _ERR_INDEX)
+        # the bit is 1: the OR of a bool promotes it in place (two launches)
+        ctx.error_flag.bitwise_or_(bad.any())
 
 
 def owner_counts(flat: torch.Tensor, ends: torch.Tensor, nonempty: torch.Tensor,

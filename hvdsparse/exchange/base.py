@@ -130,9 +130,10 @@ class ExchangeContext:
     # The step's device reads for the host (ReadoutBatch), flushed by the caller at the
     # step's end; None = one HostReadout per bucket.
     readouts: Optional["ReadoutBatch"] = None
-    # The encode's and decode's captured graphs (hvdsparse.device_graphs.SegmentGraphs,
-    # kept by the step engine across steps) where the cuda_graphs setting is on and
-    # messages are not host-validated; None = eager.
+    # The strategies' captured device segments (hvdsparse.device_graphs.SegmentGraphs,
+    # kept by the step engine across steps: encodes, decodes, own_dense, the dense
+    # strategy's row copy and reads, the per-owner counts) where the cuda_graphs setting
+    # is on and messages are not host-validated; None = eager.
     graphs: Optional[Any] = None
 
     @classmethod

@@ -12,7 +12,8 @@ hvdsparse adds work beyond it) and asserts the launch bound -- at most ``20 * bu
 10`` launches per step beyond the model's own backward + optimizer -- for every pair
 counted here. ``scripts/launch_bound_check.py`` asserts it for every compressor under
 both optimizers. With ``cuda_graphs`` (the graphs emulated, ``scripts/graph_emulator.py``),
-the DDP door's TopK step: what is left outside the replayed graphs.
+the DDP door's TopK step: what is left outside the replayed graphs, and QSGD with every
+bucket forced through the ``dense`` exchange.
 """
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def test_cuda_graphs_leave_two_launches_per_bucket_outside_compress():
     than the same step eager."""
     # eager: the consistency test's job (cached; TopK's step is steady from the third)
     eager = lbc.small_counts("ddp", METHODS)["results"]["topk"]
-    res = cdo.run_door("ddp", ["topk+graphs"], np=2, **dict(lbc.SMALL, warmup=6))
+    res = cdo.run_door("ddp", ["topk+graphs", "qsgd4+via-dense+graphs"], np=2,
+                       **dict(lbc.SMALL, warmup=6))
     graphs = res["results"]["topk+graphs"]
     nb = graphs["buckets"]
     assert nb == eager["buckets"] >= 1
@@ -83,3 +85,9 @@ def test_cuda_graphs_leave_two_launches_per_bucket_outside_compress():
     assert eager["phases"]["compress"]["triton"] > 0
     assert sum(p["triton"] for p in graphs["phases"].values()) == 0, graphs["phases"]
     assert graphs["added"] < eager["added"] - 2 * nb, (graphs["added"], eager["added"])
+    # every bucket forced through the dense exchange: no Triton launch outside a replay,
+    # within the bound
+    dense = res["results"]["qsgd4+via-dense+graphs"]
+    assert dense["strategies"] == {"dense": dense["buckets"]}, dense["strategies"]
+    assert sum(p["triton"] for p in dense["phases"].values()) == 0, dense["phases"]
+    assert dense["added"] <= cdo.bound(dense["buckets"]), (dense["added"], dense["buckets"])

@@ -5,7 +5,7 @@ One ``horovodrun -np 3`` (Gloo, an odd world size) and one ``torchrun --nproc-pe
 2`` (the DDP hook) under ``TRITON_INTERPRET=1 HVDSPARSE_FORCE_TRITON=1``
 (tests/workers/graphs_worker.py): for TopK on
 ``allgather``, QSGD on ``dense``, TopK on ``split``, RandomK on ``balanced`` and TopK
-under AdamW (the Adam recipe's update wire), a small MLP trains 7 steps eager and 7
+under AdamW (the Adam recipe's update wire), a small MLP trains 6 steps eager and 6
 steps with ``cuda_graphs`` (the graphs emulated by
 ``scripts/graph_emulator.py``: a replay re-issues the captured launches with their
 recorded arguments). Asserted per run and rank: the parameters equal the eager run's bit

@@ -56,7 +56,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["CudaGraphs", "SegmentGraphs", "enable", "graphs_of", "run_segment",
+__all__ = ["CudaGraphs", "SegmentGraphs", "enable", "graphs_of", "run_bare", "run_segment",
            "segment_key"]
 
 #: captures kept per owner (least recently used dropped beyond)
@@ -218,3 +218,11 @@ def run_segment(owner, fn: Callable, staged, *args, capturable: bool = True):
     if g is None or not capturable or not g.backend.applies(staged.device):
         return fn(staged.upload(), *args)
     return g.run(fn, staged, *args)
+
+
+def run_bare(graphs: Optional[SegmentGraphs], device, fn: Callable, *args):
+    """``fn(*args)``, a segment without a row table: replayed through ``graphs`` where
+    they are given and their backend applies to ``device``, else run eagerly."""
+    if graphs is not None and graphs.backend.applies(device):
+        return graphs.run(fn, None, *args)
+    return fn(*args)

@@ -418,7 +418,7 @@ class BufferPool:
         self._bufs: Dict[Tuple, torch.Tensor] = {}
         self._consts: Dict[Tuple, torch.Tensor] = {}
         self._states: Dict[Tuple, Tuple[Any, Any]] = {}
-        self._tables = None
+        self._tables = RowTables()
 
     @classmethod
     def default(cls, prefix: str) -> "BufferPool":
@@ -445,8 +445,6 @@ class BufferPool:
     def tables(self):
         """The pool's staged host-to-device tables (:class:`hvdsparse.row_tables.RowTables`:
         one pinned host and one device buffer per key, reused step to step)."""
-        if self._tables is None:
-            self._tables = RowTables()
         return self._tables
 
     def state(self, kind: str, bucket_id: int, key, factory: Callable[[], Any]):

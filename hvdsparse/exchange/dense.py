@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from .. import device_graphs
 from .base import BucketSpec, ExchangeContext, Pending, bucket_device, own_dense
 
 NAME = "dense"
@@ -55,16 +56,14 @@ class DensePending(Pending):
             full = self._flat.copy_(self._tensor)
         N, P, ctx = self.spec.numel, self.ctx.world_size, self.ctx
         flat = full[:N]
-        args = (full, N, P, self.carries_nonfinite, full is self._tensor, ctx.want_figures)
-        if ctx.graphs is not None and not ctx.validate and ctx.graphs.backend.applies(
-                full.device):
-            counts, nnz = ctx.graphs.run(_read_segment, None, *args)
-        elif self.carries_nonfinite and ctx.validate:
-            counts = read_counts(full[N:].view(P, -1), self.spec, True,
-                                 exact=full is self._tensor)
+        exact = full is self._tensor
+        if self.carries_nonfinite and ctx.validate:
+            counts = read_counts(full[N:].view(P, -1), self.spec, True, exact=exact)
             nnz = _nonzeros(flat) if ctx.want_figures else None
         else:
-            counts, nnz = _read_segment(*args)
+            counts, nnz = device_graphs.run_bare(ctx.graphs, full.device, _read_segment, full,
+                                                 N, P, self.carries_nonfinite, exact,
+                                                 ctx.want_figures)
         if self.carries_nonfinite:
             self.nonfinite = counts
         if nnz is not None:
@@ -153,13 +152,11 @@ def launch(spec: BucketSpec, payloads, ctx: ExchangeContext,
     else:
         t = ctx.buffer("dense.wire", spec.bucket_id, full.numel(), ctx.dense_dtype, device)
         pre, post = 1.0 / f, f
-    args = (full, N, nonfinite_row if width else None, ctx.rank,
-            None if fp32 else count_saturation(ctx.dense_dtype), None if fp32 else t)
-    if args[2] is not None or args[5] is not None:
-        if ctx.graphs is not None and ctx.graphs.backend.applies(device):
-            ctx.graphs.run(_launch_segment, None, *args)
-        else:
-            _launch_segment(*args)
+    row = nonfinite_row if width else None
+    wire = None if fp32 else t
+    if row is not None or wire is not None:
+        device_graphs.run_bare(ctx.graphs, device, _launch_segment, full, N, row, ctx.rank,
+                               None if fp32 else count_saturation(ctx.dense_dtype), wire)
     pend = DensePending(spec, NAME, list(payloads), ctx)
     pend._tensor, pend._flat = t, full
     pend.carries_nonfinite = bool(width)

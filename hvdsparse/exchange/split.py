@@ -84,7 +84,7 @@ from typing import List
 import numpy as np
 import torch
 
-from .. import codec, ops
+from .. import codec, device_graphs, ops
 from ..payload import ValueEncoding
 from .wire import pad4
 from .base import (BucketSpec, ExchangeContext, HostReadout, Pending, bucket_device,
@@ -204,11 +204,9 @@ def owner_counts(flat: torch.Tensor, ends: torch.Tensor, nonempty: torch.Tensor,
         return torch.zeros(ctx.world_size, dtype=torch.int64, device=device)
     if ops.has_cpu_path(flat):
         return _owner_counts_cpu(flat, ends, nonempty)
-    args = (flat, ends, nonempty,
-            ctx.buffer(f"{tag}.cumsum", bucket_id, N, torch.int32, device))
-    if ctx.graphs is not None and ctx.graphs.backend.applies(device):
-        return ctx.graphs.run(_owner_counts_segment, None, *args)
-    return _owner_counts_segment(*args)
+    return device_graphs.run_bare(
+        ctx.graphs, device, _owner_counts_segment, flat, ends, nonempty,
+        ctx.buffer(f"{tag}.cumsum", bucket_id, N, torch.int32, device))
 
 
 def _owner_counts_segment(flat, ends, nonempty, running):

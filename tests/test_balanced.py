@@ -326,17 +326,17 @@ def test_wait_is_not_counted_as_decode(strategy):
 
 def test_take_back_many_adds_every_share_as_take_back_does():
     """``Compressor.take_back_many`` (the step engine's feedback of ``undelivered``, one
-    multi-tensor add): layers with a residual get their share added, layers without one
-    (policy-dense) get a residual holding exactly their share, a layer with
-    ``error_feedback=False`` keeps none -- as one ``take_back`` per layer does, bit for
-    bit, on fresh random shares."""
+    multi-tensor add) and ``take_back`` (one layer), against plain torch on fresh random
+    shares: a layer with a residual ends with ``residual + share`` (one fp32 addition,
+    bit for bit), a layer without one (policy-dense) with exactly its share, a layer
+    with ``error_feedback=False`` keeps none and reports False."""
     import hvdsparse
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 30, ())))
     names = ["w0", "b0", "w1", "b1", "nofb"]
     numels = [int(x) for x in torch.randint(1, 300, (len(names),), generator=gen)]
 
     def make():
-        c = hvdsparse.TopK(0.1, min_numel=1,
+        c = hvdsparse.TopK(0.1, min_numel=1, compress_1d=True,
                            overrides={"nofb": dict(error_feedback=False)})
         for n, k in zip(names, numels):
             if n.startswith("w"):
@@ -344,14 +344,15 @@ def test_take_back_many_adds_every_share_as_take_back_does():
         return c
     shares = [torch.randn(k, generator=gen) for k in numels]
     one, many = make(), make()
+    before = {n: None if one.residual(n) is None else one.residual(n).clone() for n in names}
+    assert before["w0"] is not None and before["b0"] is None     # both kinds present
     took_one = [one.take_back(n, v) for n, v in zip(names, shares)]
     took_many = many.take_back_many(names, shares)
     assert took_one == took_many == [True, True, True, True, False]
-    for n in names:
-        a, b = one.residual(n), many.residual(n)
-        assert (a is None) == (b is None) == (n == "nofb"), n
-        if a is not None:
-            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), n
-    for n, v in zip(names[:4], shares):
-        if n.startswith("b"):
-            assert torch.equal(many.residual(n), v), n
+    for n, v in zip(names, shares):
+        want = None if n == "nofb" else v if before[n] is None else before[n] + v
+        for c in (one, many):
+            got = c.residual(n)
+            assert (got is None) == (want is None), n
+            if want is not None:
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), n

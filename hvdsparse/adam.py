@@ -53,7 +53,7 @@ hyper-parameters of ``p``'s param group):
 
   ``wire="update"`` (no frozen variance, no refresh; warm-up :data:`UPDATE_WARMUP` = 1
   step, which creates Adam's state from the averaged gradient, and by default for
-  Threshold every later step at which the layer's learning rate rises,
+  Threshold and AdaComp every later step at which the layer's learning rate rises,
   ``warmup_while_rate_rises``): every rank keeps Adam's moments of its *own* gradient
   and sends its own bias-corrected Adam step
 

@@ -353,9 +353,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None,
         adam_warmup: dense, exact Adam steps before the compressed phase (per
             parameter, counted by Adam's ``state["step"]``); ``None``: on the update
             wire 1 (:data:`hvdsparse.adam.UPDATE_WARMUP`: the step that creates Adam's
-            state), with a compressor that reuses a threshold (Threshold) also every
-            step at which the parameter's group's learning rate rises (a schedule's
-            warm-up; a tensor ``lr`` is not read),
+            state), with Threshold or AdaComp (``adam_dense_while_rate_rises``) also
+            every step at which the parameter's group's learning rate rises (a
+            schedule's warm-up; a tensor ``lr`` is not read),
             :data:`hvdsparse.adam.DEFAULT_WARMUP` on the gradient and momentum
             wires, whose variance is frozen after it (not much under ~30% of a short
             run there: ``scripts/study_adam.py``).

@@ -552,21 +552,27 @@ def test_update_wire_under_a_schedule_matches_replay(seed, comp):
 
 
 def test_update_wire_warmup_lasts_while_the_rate_rises():
-    """``adam_warmup`` left at its default on the update wire with a compressor that
-    reuses a threshold (Threshold): after the one dense step, a layer stays dense (exact
+    """``adam_warmup`` left at its default on the update wire with a compressor measured
+    to gain from it (Threshold, AdaComp): after the one dense step, a layer stays dense (exact
     Adam) at every step whose group's learning rate is above the previous step's, and is
     compressed from the first step at which it is not, for good (a later rise does not
     bring the warm-up back); a group whose rate does not rise is compressed after the one
-    step. An explicit ``adam_warmup``, another wire or another compressor: a fixed count."""
+    step. An explicit ``adam_warmup``, another wire or another compressor (TopK, QSGD,
+    RandomK, Slim-DP): a fixed count."""
     from hvdsparse.adam_settings import adam_setup
     a, b = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 8))
     opt = torch.optim.AdamW([dict(params=[a], lr=1e-4), dict(params=[b], lr=1e-3)])
-    st = adam_setup(opt, hvdsparse.Threshold(0.9), None, None, adam_wire="update")
-    assert st.warmup == 1 and st.while_rate_rises
+    for comp in (hvdsparse.Threshold(0.9), hvdsparse.AdaComp()):
+        st = adam_setup(opt, comp, None, None, adam_wire="update")
+        assert st.warmup == 1 and st.while_rate_rises, type(comp).__name__
     for comp, warm, wire in ((hvdsparse.Threshold(0.9), 5, "update"),
                              (hvdsparse.Threshold(0.9), None, "gradient"),
+                             (hvdsparse.AdaComp(), 5, "update"),
+                             (hvdsparse.AdaComp(), None, "gradient"),
                              (hvdsparse.TopK(0.1), None, "update"),
-                             (hvdsparse.AdaComp(), None, "update")):
+                             (hvdsparse.QSGD(4), None, "update"),
+                             (hvdsparse.RandomK(0.1), None, "update"),
+                             (hvdsparse.SlimDP(0.3, 0.15), None, "update")):
         assert not adam_setup(opt, comp, None, warm, adam_wire=wire).while_rate_rises
     rc = AdamRecipe(opt, dict(a=a, b=b), 2, lambda n: True, warmup=st.warmup, wire="update",
                     warmup_while_rate_rises=True)

@@ -100,6 +100,9 @@ class AdaComp(Compressor):
     momentum_correction_always = True
     #: the Adam recipe's variance refresh off by default (``adam.default_refresh``)
     adam_refresh_by_default = False
+    #: the update wire stays dense while the learning rate rises (measured:
+    #: ``adam_settings.UPDATE_WARMUP``)
+    adam_dense_while_rate_rises = True
 
     def __init__(self, bin_size=None, scale: float = 4.0, max_per_bin=None,
                  mean_per_bin=None, **kw):

@@ -219,10 +219,10 @@ class Compressor(LayerSettings, StepTransactions, CompressorState, ValueEncoder)
     #: whether the Adam recipe's periodic dense variance refresh is on by default with
     #: this compressor (``adam.default_refresh``)
     adam_refresh_by_default = True
-    #: whether it reuses a selection threshold across steps (Threshold's tau): the update
-    #: wire's default warm-up then lasts while the learning rate rises
-    #: (``adam_settings.UPDATE_WARMUP``)
-    reuses_threshold = False
+    #: whether the Adam recipe's update wire, with ``adam_warmup`` left at its default,
+    #: also stays dense at every step at which a parameter group's learning rate rises (a
+    #: schedule's warm-up): measured per compressor (``adam_settings.UPDATE_WARMUP``)
+    adam_dense_while_rate_rises = False
     #: whether its layers travel on the Adam recipe's update wire
     #: (:meth:`set_adam_update_wire`; TopK's ``fresh_weight`` default follows it)
     adam_update_wire = False

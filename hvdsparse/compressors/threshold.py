@@ -131,7 +131,8 @@ class Threshold(TopK):
     parameter) runs at sparsity ``min(sparsity, 1 - output_ratio)``; ``None``: off."""
 
     bucket_path = True       # between refreshes (topk_bucket.layer_plan: ROUTE_GIVEN)
-    reuses_threshold = True  # tau lives life_span steps (Compressor.reuses_threshold)
+    #: tau lives life_span steps, and one taken while the rate rises sits on a tie
+    adam_dense_while_rate_rises = True
     ladder = LADDER          # the overflow ladder's rung factors (module docstring)
 
     def error_feedback_density(self):

@@ -2,8 +2,8 @@
 ``State(..., optimizer=adam)`` turns it on by default. Against an independent plain-torch
 replay of the recipe (tests/workers/adam_replay.py) from every rank's raw local gradient,
 for Adam with L2 decay + TopK(0.05, exact), AdamW + AdaComp with adam_refresh=2 (the
-local variance refresh) and AdamW + TopK(0.05, exact) with adam_wire="update";
-parameters bitwise
+local variance refresh), AdamW + TopK(0.05, exact) with adam_wire="update" and AdamW +
+AdaComp at the default warm-up under a rising, then falling rate; parameters bitwise
 identical across ranks; a checkpoint (model, optimizer, hook state) resumes bitwise
 identically. Prints ``HVDSPARSE-OK rank=<r>``.
 """
@@ -47,13 +47,13 @@ def batch(step):
     return torch.randn(12, 24, generator=g), torch.randint(0, 5, (12,), generator=g)
 
 
-def build(cls, comp, wd, seed=4, refresh=None, wire=None):
+def build(cls, comp, wd, seed=4, refresh=None, wire=None, warmup=2):
     torch.manual_seed(seed)
     net = Net()
     model = DDP(net, bucket_cap_mb=0.01)
     opt = cls(model.parameters(), lr=3e-3, betas=(0.9, 0.99), weight_decay=wd)
     # the refresh windows start right after the 2-step warm-up (adam_refresh_start=2)
-    state = hvdsparse.ddp.State(comp, net.named_parameters(), optimizer=opt, adam_warmup=2,
+    state = hvdsparse.ddp.State(comp, net.named_parameters(), optimizer=opt, adam_warmup=warmup,
                                 adam_refresh=refresh,
                                 adam_refresh_start=None if refresh is None else 2,
                                 adam_wire=wire)
@@ -109,6 +109,22 @@ for cls, comp, sel, dw, wd, R_, wire in (
 # the default wire of a model without recurrent layers: the update wire
 check(build(torch.optim.AdamW, hvdsparse.TopK(0.05), 0.0)[3].local_update.wire == "update",
       "the DDP door's default wire is not the update wire")
+
+# AdaComp at the default warm-up under a schedule whose rate rises at steps 1 and 2: dense,
+# exact Adam through step 2, compressed from step 3 on, a later rise included (as through
+# Horovod's door: adam_dense_while_rate_rises)
+net, model, opt, state = build(torch.optim.AdamW, hvdsparse.AdaComp(), 1e-2, wire="update",
+                               warmup=None)
+check(state.local_update.while_rate_rises, "AdaComp's warm-up does not last while the rate "
+      "rises")
+rep = AdamReplay(dict(net.named_parameters()), P, lr=1e-3, betas=(0.9, 0.99), eps=1e-8,
+                 wd=1e-2, decoupled=True, warmup=3, select=adacomp(), needs_dw=True,
+                 wire="update")
+for step, lr in enumerate([1e-3, 2e-3, 3e-3, 3e-3, 2e-3, 2.5e-3, 1e-3]):
+    for g in opt.param_groups:
+        g["lr"] = lr
+    rep.lr = lr
+    step_once(net, model, opt, step, rep)
 
 # checkpoint / resume (with refreshes at steps 3 and 5: the resumed run starts on one)
 net, model, opt, state = build(torch.optim.AdamW, hvdsparse.TopK(0.05), 0.0, refresh=2,

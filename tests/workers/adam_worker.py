@@ -73,8 +73,14 @@ def same_everywhere(model, tag):
     check(all(torch.equal(allp[0], allp[r]) for r in range(P)), f"{tag}: replicas differ")
 
 
-def train(opt, model, steps, *, side=False, nan_at=None, start=0, replay=None, tag=""):
+def train(opt, model, steps, *, side=False, nan_at=None, start=0, replay=None, tag="",
+          lrs=None):
     for step in range(start, start + steps):
+        if lrs is not None:                 # a schedule: this step's rate, everywhere
+            for g in opt.param_groups:
+                g["lr"] = lrs[step - start]
+            if replay is not None:
+                replay.lr = lrs[step - start]
         x, y = batch(step)
         if nan_at == step and R == 1:
             x[0, 0] = float("nan")          # non-finite gradients on rank 1 only
@@ -173,6 +179,15 @@ check(opt._local_update.wire == "update" and opt._local_update.warmup == 1,
       "warm-up is not one step")
 train(opt, model, 5, replay=replay_for(model, adacomp(), warmup=1, wd=1e-2, decoupled=True,
                                        needs_dw=True, wire="update"), tag="update-w")
+# ... and under a schedule whose rate rises at steps 1 and 2: AdaComp's default warm-up
+# also lasts while the rate rises (adam_dense_while_rate_rises), so steps 0-2 are dense,
+# exact Adam, and the compressed phase starts at step 3 (where the rate stops rising)
+model, opt = make(torch.optim.AdamW, comp=hvdsparse.AdaComp(), weight_decay=1e-2)
+check(opt._local_update.while_rate_rises, "update: AdaComp's warm-up does not last while "
+      "the rate rises")
+train(opt, model, 7, lrs=[1e-3, 2e-3, 3e-3, 3e-3, 2e-3, 2.5e-3, 1e-3],
+      replay=replay_for(model, adacomp(), warmup=3, wd=1e-2, decoupled=True, needs_dw=True,
+                        wire="update"), tag="update-rise")
 
 # 2a. adam_refresh=2, adam_refresh_start=2: every 2nd step after the warm-up sends the
 # ranks' local averages of g_i^2 dense and refreshes v from them (a dense exchange between

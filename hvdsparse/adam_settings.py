@@ -29,7 +29,7 @@ DEFAULT_WARMUP = 100
 #: (BENCHMARKS "Transformer LM under AdamW"): Threshold +43% -> +15.9% of dense's loss
 #: at P = 2 (3 seeds) and +47.8% -> +10.0% at P = 4 (a threshold taken while the rate
 #: rises sits on a tie); AdaComp +2.20% -> +1.07% at P = 4 (6 seeds, 5 better),
-#: +4.01% -> +1.85% at P = 8 and -1.6% / -1.8% at P = 2 (3 seeds each), at 11x fewer
+#: +4.01% -> +1.85% at P = 8 and -1.6% / -1.4% at P = 2 (3 seeds each), at 11x fewer
 #: bytes over the run instead of 24x at P = 4 (the same 24x after the warm-up); TopK +3.34% / +3.19% at P = 4 (3 seeds) at 10x
 #: instead of 20x, so TopK (and the compressors not measured) keep the one step. A
 #: constant rate never rises: nothing changes there.

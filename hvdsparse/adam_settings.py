@@ -30,9 +30,10 @@ DEFAULT_WARMUP = 100
 #: at P = 2 (3 seeds) and +47.8% -> +10.0% at P = 4 (a threshold taken while the rate
 #: rises sits on a tie); AdaComp +2.20% -> +1.07% at P = 4 (6 seeds, 5 better),
 #: +4.01% -> +1.85% at P = 8 and -1.6% / -1.4% at P = 2 (3 seeds each), at 11x fewer
-#: bytes over the run instead of 24x at P = 4 (the same 24x after the warm-up); TopK +3.34% / +3.19% at P = 4 (3 seeds) at 10x
-#: instead of 20x, so TopK (and the compressors not measured) keep the one step. A
-#: constant rate never rises: nothing changes there.
+#: bytes over the run instead of 24x at P = 4 (the same 24x after the warm-up); TopK
+#: +3.34% / +3.19% at P = 4 (3 seeds) at 10x instead of 20x, so TopK (and the
+#: compressors not measured) keep the one step. A constant rate never rises: nothing
+#: changes there.
 UPDATE_WARMUP = 1
 
 #: the values of ``adam_wire`` (:mod:`hvdsparse.adam`)

@@ -13,6 +13,12 @@ Policy-dense (``dense_copy``, one launch; ``Compressor._policy_dense`` bit for b
     out   = out + r                            (MODE_RES: a pending residual, flushed)
     out[OUT_j + i] = out;   count[j] = n_j
 
+Whole (``whole_cast``, one launch; ``Compressor._whole`` bit for bit: a layer sent
+every element in fp32 / fp16 / bf16 with error feedback): the accumulator as QSGD's
+below, then ``out[OUT_j + i] = cast(acc)`` (``kernels/select.py``'s
+``store_float_values``: saturated, round to nearest even) and with ``MODE_EF`` the
+residual ``acc - fp32(cast(acc))`` (0 for fp32); ``count[j] = n_j``.
+
 QSGD (``qsgd_pack``, one launch; ``QSGD._compress`` = residual add + ``quantize_pack``
 + ``dequantize_unpack`` + ``acc -= deq``, bit for bit). The accumulator of element i::
 
@@ -44,6 +50,7 @@ import triton
 import triton.language as tl
 
 from .quantize import stochastic_level
+from .select import store_float_values
 from .table import add_nonfinite, fptr, gptr, program_row, scaled
 
 # columns of the segment table (int64)
@@ -156,6 +163,33 @@ def _qsgd_pack_kernel(tab_ptr, blk_ptr, scale_ptr, codes_ptr, scales_ptr, cnt_pt
             deq = tl.math.div_rn(qd * sc, tl.full(qd.shape, S, tl.float32))
             rp = fptr(row, _R)
             tl.store(rp + e, x - deq, mask=emask)
+
+
+@triton.jit
+def _whole_cast_kernel(tab_ptr, blk_ptr, scale_ptr, out_ptr, cnt_ptr, W: tl.constexpr,
+                       HAS_SCALE: tl.constexpr, GDT: tl.constexpr, VE: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    j, row, n, lb = program_row(tab_ptr, blk_ptr, W, _N, _BLK0)
+    offs = lb * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = offs < n
+    mode = tl.load(row + _MODE)
+    a, bad = _qsgd_acc(row, gptr(row, _G, GDT), offs, mask, scale_ptr, mode, HAS_SCALE)
+    newr = store_float_values(a, out_ptr + tl.load(row + _OUT), offs, mask, VE)
+    if (mode & 2) != 0:
+        tl.store(fptr(row, _R) + offs, newr, mask=mask)
+    add_nonfinite(row, _NF, tl.sum(bad.to(tl.int32), axis=0))
+    if lb == 0:
+        tl.store(cnt_ptr + j, n.to(tl.int32))
+
+
+def whole_cast(tab, blk, grad_scale, out, cnt, gdt, ve, *, block):
+    """Whole segments: ``out`` in the wire dtype of value code ``ve`` (0 fp32, 1 fp16,
+    2 bf16), ``cnt`` int32[L] (module doc)."""
+    has_scale = grad_scale is not None
+    _whole_cast_kernel[(blk.numel(),)](
+        tab, blk, grad_scale.reshape(1) if has_scale else cnt, out, cnt, W=W,
+        HAS_SCALE=has_scale, GDT=gdt, VE=ve, BLOCK=block, num_warps=8,
+        enable_fp_fusion=False)
 
 
 def dense_copy(tab, blk, grad_scale, out, cnt, gdt, *, block):

@@ -91,7 +91,7 @@ KERNELS = [("residual", "_residual_tile_kernel"), ("residual", "_residual_flat_k
            ("bucket_topk", "_ladder_kernel"), ("bucket_topk", "_radix_hist_kernel"),
            ("bucket_adam", "_own_step_kernel"),
            ("bucket_dense", "_dense_copy_kernel"), ("bucket_dense", "_qsgd_pack_kernel"),
-           ("bucket_binned", "_ada_accumulate_kernel"),
+           ("bucket_dense", "_whole_cast_kernel"), ("bucket_binned", "_ada_accumulate_kernel"),
            ("bucket_binned", "_ada_count_kernel"), ("bucket_binned", "_ada_pack_kernel"),
            ("bucket_decode", "_check_kernel"), ("bucket_decode", "_scatter_kernel"),
            ("bucket_narrow", "_narrow_kernel"), ("segment_mean", "_segment_mean_kernel"),
@@ -109,7 +109,7 @@ STREAMING = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_
 #: ``n``; the scenario's name ends in ``@25M``)
 TABLE_STREAMING = {"_accumulate_kernel", "_count_kernel", "_select_kernel",
                    "_ladder_kernel", "_radix_hist_kernel", "_dense_copy_kernel",
-                   "_qsgd_pack_kernel", "_ada_accumulate_kernel", "_ada_count_kernel",
+                   "_whole_cast_kernel", "_qsgd_pack_kernel", "_ada_accumulate_kernel", "_ada_count_kernel",
                    "_ada_pack_kernel", "_own_step_kernel"}
 VECTOR_LOADS = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
                 "_refine_count_kernel", "_clean_kernel",
@@ -120,6 +120,7 @@ NO_FMA = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_ker
           "_refine_count_kernel", "_refine_final_kernel", "_binned_count_kernel",
           "_binned_pack_kernel", "_accumulate_kernel", "_count_kernel", "_select_kernel",
           "_ladder_kernel", "_clamp_kernel", "_dense_copy_kernel", "_qsgd_pack_kernel",
+          "_whole_cast_kernel",
           "_ada_accumulate_kernel", "_ada_count_kernel", "_ada_pack_kernel", "_pick_kernel",
           "_gather_kernel", "_radix_hist_kernel", "_own_step_kernel"}
 #: kernels whose modules state a correctly rounded fp32 division (``div_rn``) without
@@ -342,6 +343,22 @@ def drive(full: bool, errors: list):
         grad_scale=torch.ones(1), pending=("b",)))
     run("bucket-dense-bf16@odd25M", lambda: bucket_groups(
         hvdsparse.QSGD(4), [("bias", (BIG - 1,))], ["_dense_copy_kernel"],
+        dtype=torch.bfloat16))
+    # whole rows (TopK's small layers on the Adam recipe's update wire): bf16 values of
+    # an fp32 gradient with AMP's scale; fp16 values of a bf16 one; fp32 values
+
+    def whole(values=None, **kw):
+        comp = hvdsparse.TopK(0.01, values=values, **kw)
+        comp.set_adam_update_wire(True)
+        return comp
+    run("bucket-whole-bf16@25M", lambda: bucket_groups(
+        whole(), [("bias", (BIG,)), ("b", (300,))], ["_whole_cast_kernel"],
+        grad_scale=torch.ones(1), pending=("b",)))
+    run("bucket-whole-fp32", lambda: bucket_groups(
+        whole(overrides={"b": dict(values="fp32")}), [("b", (300,))],
+        ["_whole_cast_kernel"]))
+    run("bucket-whole-fp16@odd25M", lambda: bucket_groups(
+        whole("fp16"), [("bias", (BIG - 1,))], ["_whole_cast_kernel"],
         dtype=torch.bfloat16))
     # QSGD rows: one group per (bits, bucket size); rows with and without error feedback
     qsgd = [("QSGD-4", lambda: hvdsparse.QSGD(4, overrides={"s": dict(error_feedback=True)}))]

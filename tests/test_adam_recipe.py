@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import hvdsparse
 from hvdsparse import codec
+from hvdsparse.payload import IndexEncoding, ValueEncoding
 from hvdsparse.adam_settings import UPDATE_WARMUP, default_wire
 from hvdsparse.adam import (AdamRecipe, DEFAULT_REFRESH, DEFAULT_WARMUP, REFRESH_START_FACTOR,
                             adam_setup)
@@ -587,6 +588,42 @@ def test_update_wire_warmup_lasts_while_the_rate_rises():
         opt.step()
     assert frozen_a == [False, False, False, True, True, True, True]
     assert frozen_b == [False, True, True, True, True, True, True]
+
+
+def test_update_wire_sends_topks_small_layers_whole():
+    """On the update wire TopK with fp16 / bf16 values (bf16 its default there) sends the
+    layers its size / 1-D rule keeps dense whole: every element in its value encoding,
+    the rounding kept in the residual; an override's ``dense=True`` keeps a layer exact,
+    as do fp32 values, another wire, and the compressors not measured with it."""
+    model = nn.Sequential(nn.Linear(40, 64), nn.LayerNorm(64), nn.Linear(64, 30))
+    shapes = [(n, p.shape) for n, p in model.named_parameters()]
+    small = [n for n, s in shapes if len(s) == 1 or torch.Size(s).numel() < 1024]
+    assert small == ["0.bias", "1.weight", "1.bias", "2.bias"]
+
+    def whole(comp, on=True):
+        comp.register_layers(shapes)
+        comp.set_adam_update_wire(on)
+        return [n for n, s in shapes if comp.policy.is_whole(n, s)], \
+            [n for n, s in shapes if comp.policy.is_dense(n, s)]
+    assert whole(hvdsparse.TopK(0.01)) == (small, [])
+    assert whole(hvdsparse.TopK(0.01, values="fp16")) == (small, [])
+    assert whole(hvdsparse.TopK(0.01, overrides={"1.*": dict(dense=True)})) == \
+        (["0.bias", "2.bias"], ["1.weight", "1.bias"])
+    for comp, on in ((hvdsparse.TopK(0.01, values="fp32"), True),
+                     (hvdsparse.TopK(0.01, values="int8"), True),
+                     (hvdsparse.TopK(0.01), False), (hvdsparse.Threshold(0.99), True),
+                     (hvdsparse.AdaComp(), True), (hvdsparse.QSGD(4), True),
+                     (hvdsparse.RandomK(0.01, values="bf16"), True)):
+        assert whole(comp, on) == ([], small), (comp, on)
+    comp = hvdsparse.TopK(0.01)
+    whole(comp)
+    g = torch.randn(64) * 1e-3
+    pay = comp.compress("1.bias", g, 3)
+    seg, = pay.segments
+    assert seg.index_encoding == IndexEncoding.DENSE and seg.value_encoding == ValueEncoding.BF16
+    sent = seg.values.float()
+    assert torch.equal(sent, g.to(torch.bfloat16).float())
+    assert torch.equal(comp.residual("1.bias"), g - sent) and (g != sent).any()
 
 
 @pytest.mark.parametrize("wire", ["gradient", "momentum", "update"])

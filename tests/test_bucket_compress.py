@@ -9,7 +9,8 @@ paths is counted (aten ops that launch a kernel + Triton launches) in the steady
 Rows covered: policy-dense layers of QSGD / TopK / NoCompression (fp32 / fp16 / bf16
 gradients, AMP's inverse loss scale, a pending residual flushed, the cleaned gradient
 of a local update), QSGD's layers at 8 / 4 / 2 bits with and without error feedback,
-bucket sizes that do and do not divide the layer, non-finite gradient elements. The
+bucket sizes that do and do not divide the layer, non-finite gradient elements, TopK's
+layers sent whole (bf16 / fp16 / fp32 values, a pending residual kept). The
 ``topk`` rows are tests/test_bucket_topk.py's; here they only share groups with the
 others through :func:`bucket.group_key`.
 """
@@ -93,6 +94,15 @@ def _make(kind, dtype, seed, mc):
                          overrides={"w4": dict(life_span=3)})
     elif kind == "topk":
         comp = TopK(0.05, output_ratio=None, seed=seed % 1000)
+    elif kind == "topk-whole":
+        # the layers dense by size travel whole (the Adam recipe's update wire turns it
+        # on): bf16 / fp16 values, and fp32 for one of them (its own group); no score
+        # (its rows need the Adam recipe's made input: tests/test_adam_bucket.py)
+        comp = TopK(0.05, output_ratio=None, seed=seed % 1000, fresh_weight=0.0,
+                    values="fp16" if dtype == torch.bfloat16 else "bf16",
+                    overrides={"w3": dict(values="fp32")})
+        comp.set_adam_update_wire(True)
+        assert comp.policy.whole_small
     elif kind == "randomk":
         # own and shared seeds, fp32 / fp16 / bf16 values, k dividing n or not
         comp = RandomK(0.05, seed=seed % 1000,
@@ -283,6 +293,7 @@ EXPECT = {"qsgd": {"w1": "qsgd", "w2": "qsgd", "w4": "qsgd", "conv": "qsgd", "b1
 EXPECT["adacomp-budget"] = EXPECT["adacomp"]
 EXPECT["slimdp"] = {n: "slimdp" if k == "randomk" else k for n, k in EXPECT["randomk"].items()}
 EXPECT["threshold"] = EXPECT["threshold-noguard"] = EXPECT["topk"]
+EXPECT["topk-whole"] = {n: "whole" if k == "dense" else k for n, k in EXPECT["topk"].items()}
 
 
 @pytest.mark.parametrize("kind,dtype,scale,mc", [
@@ -305,6 +316,8 @@ EXPECT["threshold"] = EXPECT["threshold-noguard"] = EXPECT["topk"]
     ("threshold", torch.float32, 0.5, True),
     ("threshold", torch.float16, None, False),
     ("threshold-noguard", torch.float32, None, True),
+    ("topk-whole", torch.float32, 0.5, False),
+    ("topk-whole", torch.bfloat16, None, False),
 ])
 def test_bucket_rows_match_per_layer_path(monkeypatch, kind, dtype, scale, mc):
     if DEV.type != "cpu" and kind == "threshold-noguard":
@@ -353,6 +366,12 @@ def test_bucket_rows_match_per_layer_path(monkeypatch, kind, dtype, scale, mc):
             assert core["enc"][0] == 4 and ex["enc"][0] == 1    # IMPLICIT, INT32
             assert not bool(torch.isin(ex["idx"], core["implicit"]).any())
         assert len(got[-1]["segs"]["conv"]) == 1       # beta 0: the explorer only
+    if kind == "topk-whole":    # every element sent, the rounding kept (fp32: none;
+        for n in ("b1", "bn.weight", "bn.bias", "w3"):     # bf16 fits fp16 but for b1's)
+            seg = got[-1]["segs"][n][0]
+            assert seg["enc"][0] == 0 and seg["count"] == seg["numel"], n   # DENSE
+            kept = n == "b1" or (n != "w3" and dtype == torch.float32)
+            assert bool((got[-1]["res"][n] != 0).any()) == kept, n
     if kind == "qsgd":      # every layer sent something, and the residuals moved
         assert all(s["count"] > 0 for segs in got[-1]["segs"].values() for s in segs)
         assert got[-1]["res"]["w2"].abs().sum() > 0

@@ -216,6 +216,7 @@ def test_every_launch_binds_and_compiles(report):
                      "_count_kernel", "_select_kernel", "_clamp_kernel",
                      "_mask_kernel", "_ladder_kernel", "_radix_hist_kernel",
                      "_own_step_kernel", "_dense_copy_kernel", "_qsgd_pack_kernel",
+                     "_whole_cast_kernel",
                      "_ada_accumulate_kernel", "_ada_count_kernel", "_ada_pack_kernel",
                      "_check_kernel", "_scatter_kernel", "_narrow_kernel",
                      "_segment_mean_kernel", "_pick_kernel", "_gather_kernel",

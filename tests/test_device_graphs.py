@@ -202,7 +202,11 @@ def test_encode_and_decode_replay_give_eager_bits(graphs):
         where = f"seed {seed} step {step} P={P} {what}"
         for a, b in zip(ref, keep):
             assert torch.equal(a.cpu().view(torch.int32), b.cpu().view(torch.int32)), where
-        assert (int(ref[1]) != 0) == (what != "valid"), where
+        # random bit flips (TD._corrupt's fallback when the layout has no segment of the
+        # kind asked for) may land in value bytes, which no check can see: then only the
+        # agreement of the two decodes above is asserted
+        if what != "flips":
+            assert (int(ref[1]) != 0) == (what != "valid"), where
     # per step P encodes and one decode: each key's first step eager, its second
     # captured, the other four replayed
     assert (g.eager, g.captures, g.replays) == (P + 1, P + 1, 4 * (P + 1)), \

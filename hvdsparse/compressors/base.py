@@ -226,6 +226,11 @@ class Compressor(LayerSettings, StepTransactions, CompressorState, ValueEncoder)
     #: whether its layers travel on the Adam recipe's update wire
     #: (:meth:`set_adam_update_wire`; TopK's ``fresh_weight`` default follows it)
     adam_update_wire = False
+    #: whether, on the Adam recipe's update wire, the layers its size / 1-D rule sends
+    #: dense travel whole (``policy.is_whole``: every element in the layer's fp16 / bf16
+    #: value encoding, error feedback, every rank's own Adam moments) rather than fp32
+    #: with exact Adam on their average: measured per compressor (TopK)
+    adam_small_layers_whole = False
     #: DGC momentum correction's automatic rule (``momentum.resolve_momentum_correction``)
     #: turns correction on with this compressor at any density (AdaComp)
     momentum_correction_always = False
@@ -238,6 +243,13 @@ class Compressor(LayerSettings, StepTransactions, CompressorState, ValueEncoder)
         if on != self.adam_update_wire:
             self.adam_update_wire = on
             self._cfg_cache.clear()
+        self.policy.whole_small = on and self.adam_small_layers_whole and \
+            self.layer_cfg_values() in (ValueEncoding.FP16, ValueEncoding.BF16)
+
+    def layer_cfg_values(self) -> Optional[ValueEncoding]:
+        """The value encoding in force of a layer without overrides (None for a
+        compressor without a ``values`` setting)."""
+        return None
 
     def error_feedback_density(self) -> Optional[float]:
         """The fraction of a layer sent per step by a sparsifier whose error feedback
@@ -378,6 +390,8 @@ class Compressor(LayerSettings, StepTransactions, CompressorState, ValueEncoder)
                 payload, info = LayerPayload(name, shape, [seg]), {}
             elif self.policy.is_dense(name, shape):
                 payload, info = self._policy_dense(name, flat, shape), dict(density=1.0)
+            elif self.policy.is_whole(name, shape):
+                payload, info = self._whole(name, flat, shape, step), dict(density=1.0)
             else:
                 cfg = self.layer_cfg(name)
                 payload, info = self._compress(name, flat, shape, step, cfg, param)
@@ -515,6 +529,17 @@ class Compressor(LayerSettings, StepTransactions, CompressorState, ValueEncoder)
                       index_encoding=IndexEncoding.DENSE, value_encoding=ValueEncoding.FP32,
                       count=self._count(flat.numel(), flat.device), values=vals)
         return LayerPayload(name, shape, [seg])
+
+    def _whole(self, name, flat, shape, step) -> LayerPayload:
+        """Every element of ``acc = residual + clean(grad)`` as one DENSE segment in the
+        layer's value encoding; with error feedback the residual keeps the rounding
+        (``policy.is_whole``)."""
+        cfg = self.layer_cfg(name)
+        ef = cfg["error_feedback"]
+        acc, _ = self._acc(name, flat, None, ef)
+        return self._dense_from_acc(name, acc, shape, cfg["values"],
+                                    self._seed(name, step, PURPOSE_QUANT),
+                                    cfg["quant_bucket"], ef)
 
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self._base_cfg().items())

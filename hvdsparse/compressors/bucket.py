@@ -14,6 +14,10 @@ compressor. Each plan carries its ``kind``:
   residual dropped), and every layer of ``NoCompression``: one launch per group
   (``kernels/bucket_dense.py``'s ``dense_copy``), the DENSE segments views of one
   fp32 buffer;
+* ``whole``: a layer the compressor sends whole (``policy.is_whole``, TopK's biases and
+  norms on the Adam recipe's update wire: ``Compressor._whole``, every element in fp32 /
+  fp16 / bf16, the rounding kept in the residual): one launch per group (one value
+  encoding; ``kernels/bucket_dense.py``'s ``whole_cast``);
 * ``qsgd``: QSGD's layers (``QSGD._compress``: residual add, per-bucket max,
   Philox stochastic rounding with the layer's own host seed, packing, the residual's
   ``acc - deq``): one launch per group (``kernels/bucket_dense.py``'s ``qsgd_pack``);
@@ -83,7 +87,7 @@ __all__ = ["MomentumSpec", "BucketItem", "BucketBatch", "KINDS", "enabled", "tak
            "plan_layer", "group_key", "compress_bucket", "mask_bucket", "kind_of"]
 
 KIND_TOPK, KIND_DENSE, KIND_QSGD, KIND_ADACOMP = "topk", "dense", "qsgd", "adacomp"
-KIND_RANDOMK, KIND_SLIMDP = "randomk", "slimdp"
+KIND_RANDOMK, KIND_SLIMDP, KIND_WHOLE = "randomk", "slimdp", "whole"
 KINDS = (KIND_TOPK, KIND_DENSE, KIND_QSGD, KIND_ADACOMP, KIND_RANDOMK, KIND_SLIMDP)
 #: elements per program of the policy-dense copy
 DENSE_BLOCK = 4096
@@ -162,6 +166,8 @@ def plan_layer(comp, local_update, name: str, grad: torch.Tensor, param: torch.T
     ada = rk = None
     if dense:
         kind = KIND_DENSE
+    elif comp.policy.is_whole(name, grad.shape):
+        kind = KIND_WHOLE
     elif isinstance(comp, QSGD) and type(comp)._compress is QSGD._compress:
         kind = KIND_QSGD
     elif isinstance(comp, AdaComp) and type(comp)._compress is AdaComp._compress:
@@ -200,6 +206,12 @@ def plan_layer(comp, local_update, name: str, grad: torch.Tensor, param: torch.T
         _, L, nb, c, cap, ienc, _ = ada
         plan.update(L=L, nb=nb, c=c, cap=cap, ienc=ienc,
                     hm1=float(comp.layer_cfg(name)["scale"]) - 1.0)
+    if kind == KIND_WHOLE:
+        cfg = comp.layer_cfg(name)
+        if cfg["values"] not in _RK_VE:
+            return None       # quantised values: per layer
+        plan.update(enc=cfg["values"], ef=bool(cfg["error_feedback"]),
+                    qb=cfg["quant_bucket"])
     if kind == KIND_QSGD:
         from .qsgd import ENCODING_OF_BITS
         cfg = comp.layer_cfg(name)
@@ -248,6 +260,8 @@ def group_key(plan: dict, item: BucketItem):
         return (KIND_TOPK,) + tuple(topk_bucket.group_key(plan, item))
     if kind == KIND_DENSE:
         return (KIND_DENSE, item.grad.dtype, item.grad.device)
+    if kind == KIND_WHOLE:
+        return (KIND_WHOLE, item.grad.dtype, item.grad.device, plan["enc"])
     if kind == KIND_ADACOMP:
         return (KIND_ADACOMP, item.grad.dtype, item.grad.device, plan["L"], plan["c"],
                 plan["hm1"])
@@ -269,6 +283,8 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         return topk_bucket.compress_bucket(comp, items, plans, step, grad_scale=grad_scale)
     if kind == KIND_DENSE:
         return _dense_bucket(comp, items, plans, step, grad_scale)
+    if kind == KIND_WHOLE:
+        return _whole_bucket(comp, items, plans, step, grad_scale)
     if kind == KIND_ADACOMP:
         return _adacomp_bucket(comp, items, plans, step, grad_scale)
     if kind == KIND_RANDOMK:
@@ -365,6 +381,59 @@ def _dense_launches(table, K, blk, grad_scale, gdt, L, out):
     vals = _empty(out, torch.float32, table.device)
     cnt = _empty(L, torch.int32, table.device)
     K.dense_copy(table, blk, grad_scale, vals, cnt, gdt, block=DENSE_BLOCK)
+    return vals, cnt
+
+
+# ------------------------------------------------------------------ whole rows
+def _whole_bucket(comp, items, plans, step, grad_scale):
+    """``Compressor._whole`` for a group (one gradient dtype and value encoding): one
+    ``whole_cast`` launch; the DENSE segments are views of one buffer."""
+    K = ops.bucket_kernels("dense")
+    L = len(items)
+    dev = items[0].grad.device
+    enc = plans[0]["enc"]
+    staged = _staged(comp, "whole", items, K.W)
+    tab = staged.host
+    out = blk0 = 0
+    nprog = []
+    for j, (it, pl) in enumerate(zip(items, plans)):
+        comp._open_layer(it.name)
+        row = tab[j]
+        mode = 0
+        if pl["ef"]:
+            r = comp._residual_for(it.name, it.grad.reshape(-1))
+            row[K.C_R] = r.data_ptr()
+            mode = K.MODE_EF | (K.MODE_PRE if pl["pre"] else 0)
+        row[K.C_MODE] = mode
+        row[K.C_G] = it.grad.data_ptr()
+        row[K.C_N] = pl["n"]
+        row[K.C_NF] = it.nonfinite.data_ptr()
+        row[K.C_OUT] = out
+        row[K.C_BLK0] = blk0
+        out += pl["n"]
+        nb = _cdiv(pl["n"], DENSE_BLOCK)
+        nprog.append(nb)
+        blk0 += nb
+    vals, cnt = run_segment(comp, _whole_launches, staged, K, program_map(nprog, dev),
+                            grad_scale, _GDT[items[0].grad.dtype], L, out,
+                            FLOAT_DTYPES[enc], _RK_VE[enc])
+    table = staged.table()
+    payloads = {}
+    for j, (it, pl) in enumerate(zip(items, plans)):
+        o, n = int(tab[j, K.C_OUT]), pl["n"]
+        seg = Segment(numel=n, capacity=n, index_encoding=IndexEncoding.DENSE,
+                      value_encoding=enc, count=cnt[j:j + 1], values=vals[o:o + n],
+                      quant_bucket=pl["qb"])
+        payloads[it.name] = LayerPayload(it.name, it.grad.shape, [seg])
+    _finish(comp, items, step, payloads, dict(density=1.0))
+    return payloads, BucketBatch([it.name for it in items], table, None, cnt, 0, [], K)
+
+
+def _whole_launches(table, K, blk, grad_scale, gdt, L, out, vdtype, ve):
+    """The whole group's device segment (:mod:`hvdsparse.device_graphs`)."""
+    vals = _empty(out, vdtype, table.device)
+    cnt = _empty(L, torch.int32, table.device)
+    K.whole_cast(table, blk, grad_scale, vals, cnt, gdt, ve, block=DENSE_BLOCK)
     return vals, cnt
 
 

@@ -18,6 +18,13 @@ Rules, in order, for a layer called ``name`` with gradient shape ``shape``:
    (see ``Compressor._sparse_is_worth_it``).
 
 Policy-dense layers travel as fp32 without error feedback (nothing is lost).
+
+On the Adam recipe's update wire a compressor may send the layers rule 3 makes dense
+*whole* instead (``whole_small``, set by ``Compressor.set_adam_update_wire``; TopK with
+fp16 / bf16 values): every element, as one DENSE segment in the layer's value encoding,
+the rounding kept in the layer's residual (error feedback), under every rank's own Adam
+moments like the compressed layers (:meth:`LayerPolicy.is_whole`). An override's
+``dense=True`` still sends a layer fp32 and exact.
 """
 from __future__ import annotations
 
@@ -61,6 +68,8 @@ class LayerPolicy:
         self.min_numel = min_numel
         self.compress_1d = compress_1d
         self.overrides = {p: dict(o) for p, o in overrides.items()}
+        #: the layers rule 3 makes dense travel whole (module docstring)
+        self.whole_small = False
 
     def match(self, name: str) -> dict:
         """The override dict of the first matching pattern (empty if none)."""
@@ -73,7 +82,13 @@ class LayerPolicy:
         ov = self.match(name)
         if ov.get("dense", False):
             return True
-        return self.dense_by_shape(name, shape)
+        return not self.whole_small and self.dense_by_shape(name, shape)
+
+    def is_whole(self, name: str, shape) -> bool:
+        """Rule 3's layer while ``whole_small`` is on (and no override sends it dense):
+        every element travels in the layer's value encoding with error feedback."""
+        return self.whole_small and not self.match(name).get("dense", False) and \
+            self.dense_by_shape(name, shape)
 
     def dense_by_shape(self, name: str, shape) -> bool:
         """The size / rank rule alone (``min_numel``, ``compress_1d``, and an override's

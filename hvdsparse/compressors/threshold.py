@@ -133,6 +133,7 @@ class Threshold(TopK):
     bucket_path = True       # between refreshes (topk_bucket.layer_plan: ROUTE_GIVEN)
     #: tau lives life_span steps, and one taken while the rate rises sits on a tie
     adam_dense_while_rate_rises = True
+    adam_small_layers_whole = False     # not measured (its values are fp32 by default)
     ladder = LADDER          # the overflow ladder's rung factors (module docstring)
 
     def error_feedback_density(self):

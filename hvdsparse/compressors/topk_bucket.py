@@ -169,7 +169,7 @@ def layer_plan(comp, name: str, grad: torch.Tensor, step: int, param=None,
     if n == 0 or n >= 2 ** 31 or grad.dtype not in (torch.float32, torch.float16,
                                                      torch.bfloat16):
         return None
-    if comp.policy.is_dense(name, grad.shape):
+    if comp.policy.is_dense(name, grad.shape) or comp.policy.is_whole(name, grad.shape):
         return None
     cfg = comp.layer_cfg(name)
     enc = cfg["values"]

@@ -102,7 +102,8 @@ for cls, comp, sel, dw, wd, R_, wire in (
     check(state.local_update.wire == wire, f"wire {state.local_update.wire!r}, asked {wire!r}")
     rep = AdamReplay(dict(net.named_parameters()), P, lr=3e-3, betas=(0.9, 0.99), eps=1e-8,
                      wd=wd, decoupled=cls is torch.optim.AdamW, warmup=2, select=sel,
-                     needs_dw=dw, refresh=R_, refresh_from="local", wire=wire)
+                     needs_dw=dw, refresh=R_, refresh_from="local", wire=wire,
+                     whole=UPDATE_WIRE_VALUES if wire == "update" else None)  # TopK's biases
     for step in range(6):
         step_once(net, model, opt, step, rep)
 

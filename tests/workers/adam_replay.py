@@ -22,6 +22,9 @@ Per layer with ``t`` its Adam step count before this step:
   ``v_r = b2 v_r + (1 - b2) g^2``, ``t += 1``, ``u_r = m_r / (sqrt(v_r) / sqrt(1 - b2^t)
   + eps) / (1 - b1^t)``, ``acc = e_r + u_r``, ``sent = select(acc)``, ``e_r = acc - sent``;
   ``X = (sum_r sent_r) / P``; (AdamW: ``w *= 1 - lr wd``) ``w -= lr * X``.
+  ``whole="bf16"`` (TopK's default on this wire): the dense layers too, after the
+  warm-up, with ``sent = bf16(acc)`` (every element, rounded to nearest even; the
+  rounding stays in ``e_r``).
 * ``refresh=R`` (``refresh_start=S``, ``T_w`` when None): the steps whose count
   ``k = t + 1`` is ``S + R``, ``S + 2R``, ... are refreshes; ``W`` = ``k`` minus the
   step of the last refresh (``T_w`` before the first), the steps it stands for. The
@@ -110,8 +113,10 @@ def adacomp(bin_size=500, scale=4.0, max_per_bin=None):
 class AdamReplay:
     def __init__(self, weights, P, *, lr, betas, eps, wd, decoupled, warmup, select,
                  dense_below=1024, needs_dw=False, precondition=True, floor=0.1,
-                 wire="gradient", refresh=None, refresh_from="sample", refresh_start=None):
+                 wire="gradient", refresh=None, refresh_from="sample", refresh_start=None,
+                 whole=None):
         self.wire, self.refresh, self.refresh_from = wire, refresh, refresh_from
+        self.whole = whole
         self.start = warmup if refresh_start is None else refresh_start
         self.W = {n: w.detach().clone().float() for n, w in weights.items()}
         self.P, self.lr, self.eps, self.wd = P, lr, eps, wd
@@ -151,7 +156,12 @@ class AdamReplay:
             sq = v.double().sqrt().float()
             x = m / (sq * (1 / math.sqrt(1 - b2 ** t)) + eps) * (1 / (1 - b1 ** t)) * lr
             acc = self.e[r][n] + x
-            sent = self.select(acc, x) if self.needs_dw else self.select(acc, name=n, x=x)
+            if self.dense(n):              # sent whole (``whole``)
+                sent = acc.to(torch.bfloat16).float() if self.whole == "bf16" else acc
+            elif self.needs_dw:
+                sent = self.select(acc, x)
+            else:
+                sent = self.select(acc, name=n, x=x)
             self.e[r][n] = acc - sent
             X = X + sent
         X = X * (1.0 / P)
@@ -172,7 +182,8 @@ class AdamReplay:
         """``everyone``: every rank's raw local gradients ``{name: tensor}``, rank order."""
         P, lr, wd, b1, b2, eps = self.P, self.lr, self.wd, self.b1, self.b2, self.eps
         for n, W in self.W.items():
-            if self.dense(n) or self.t[n] < self.warmup:
+            if (self.dense(n) and not (self.whole and self.wire == "update")) or \
+                    self.t[n] < self.warmup:
                 G = sum(everyone[r][n].float() for r in range(P)) * (1.0 / P)
                 if self.decoupled:
                     W = W * (1 - lr * wd)

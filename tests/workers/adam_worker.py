@@ -13,8 +13,8 @@ Checks, each at every step:
 * adam_refresh=2 (every 2nd step after the warm-up sends each rank's local average of
   g_i^2 dense and defers its gradient to the next step): equals the replay; so does
   adam_refresh=3 with the default start (3 x the warm-up: a long first window);
-* adam_wire="update" (every rank's own moments and Adam step), with Adam L2, a rank-0-only
-  layer and a skipped NaN step, and with AdaComp + AdamW at the default wire of a model
+* adam_wire="update" (every rank's own moments and Adam step; TopK's biases and small
+  layers sent whole in bf16), with Adam L2, a rank-0-only layer and a skipped NaN step, and with AdaComp + AdamW at the default wire of a model
   without recurrent layers: equals the replay;
 * GradScaler: an overflow step on rank 1 is skipped by the scaler everywhere and rolled
   back; the run equals the replay without that step;
@@ -111,11 +111,11 @@ def make(cls=torch.optim.Adam, comp=None, seed=3, **kw):
 
 
 def replay_for(model, select, *, warmup, wd=0.0, decoupled=False, needs_dw=False,
-               refresh=None, refresh_start=None, wire="gradient"):
+               refresh=None, refresh_start=None, wire="gradient", whole=None):
     return AdamReplay(dict(model.named_parameters()), P, lr=3e-3, betas=(0.9, 0.99),
                       eps=1e-8, wd=wd, decoupled=decoupled, warmup=warmup, select=select,
                       needs_dw=needs_dw, refresh=refresh, refresh_from="local",
-                      refresh_start=refresh_start, wire=wire)
+                      refresh_start=refresh_start, wire=wire, whole=whole)
 
 
 # 1. TopK(1.0): warm-up longer than the run = Horovod's dense Adam
@@ -165,7 +165,7 @@ model, opt = make(comp=hvdsparse.TopK(0.05, exact=True), adam_warmup=2, weight_d
                   nonfinite="skip", adam_wire="update")
 rep = replay_for(model, topk_exact(0.05, output=out_layer(model),   # the update wire's
                                   fresh=UPDATE_WIRE_FRESH_WEIGHT, values=UPDATE_WIRE_VALUES),
-                 warmup=2, wd=1e-2, wire="update")
+                 warmup=2, wd=1e-2, wire="update", whole=UPDATE_WIRE_VALUES)   # biases whole
 train(opt, model, 7, side=True, nan_at=4, replay=rep, tag="update")
 check(opt.scheduler.skipped_steps == 1, "update: the NaN step was not skipped")
 st = opt.state[model.fc1.weight]

@@ -335,44 +335,72 @@ def _finish(comp, items, step, payloads, info):
 
 
 # ------------------------------------------------------------------ policy-dense rows
-def _dense_bucket(comp, items, plans, step, grad_scale):
-    K = ops.bucket_kernels("dense")
-    L = len(items)
-    dev = items[0].grad.device
-    staged = _staged(comp, "dense", items, K.W)
-    tab = staged.host
-    keep = []                 # flushed residuals: alive until the launch is queued
+def _streamed_rows(comp, K, tab, items, plans, cells):
+    """The cells of a group whose programs stream each layer in ``DENSE_BLOCK`` tiles into
+    its own range of one output buffer (the ``dense`` and ``whole`` rows): ``cells(row,
+    item, plan)`` writes the row's residual and mode; returns ``(elements, programs per
+    row)``."""
     out = blk0 = 0
     nprog = []
     for j, (it, pl) in enumerate(zip(items, plans)):
         comp._open_layer(it.name)
         row = tab[j]
-        r = comp._residuals.pop(it.name, None)
-        if r is not None:
-            r = r.to(dev)
-            keep.append(r)
-            row[K.C_R] = r.data_ptr()
-            row[K.C_MODE] = K.MODE_RES
+        cells(row, it, pl)
         row[K.C_G] = it.grad.data_ptr()
         row[K.C_N] = pl["n"]
         row[K.C_NF] = it.nonfinite.data_ptr()
         row[K.C_OUT] = out
         row[K.C_BLK0] = blk0
         out += pl["n"]
-        nb = _cdiv(pl["n"], DENSE_BLOCK)
-        nprog.append(nb)
-        blk0 += nb
-    vals, cnt = run_segment(comp, _dense_launches, staged, K, program_map(nprog, dev),
-                            grad_scale, _GDT[items[0].grad.dtype], L, out)
-    table = staged.table()
+        nprog.append(_cdiv(pl["n"], DENSE_BLOCK))
+        blk0 += nprog[-1]
+    return out, nprog
+
+
+def _ef_cells(comp, K, row, it, pl) -> None:
+    """A ``whole`` or ``qsgd`` row's residual and mode: with error feedback the residual
+    (made on first use) and ``MODE_EF`` (``| MODE_PRE``: a gradient cleaned before)."""
+    mode = 0
+    if pl["ef"]:
+        r = comp._residual_for(it.name, it.grad.reshape(-1))
+        row[K.C_R] = r.data_ptr()
+        mode = K.MODE_EF | (K.MODE_PRE if pl["pre"] else 0)
+    row[K.C_MODE] = mode
+
+
+def _streamed_payloads(comp, items, plans, step, tab, K, vals, cnt, enc):
+    """Every layer of a streamed group as one DENSE segment, a view of ``vals`` (with the
+    plan's ``qb`` as its ``quant_bucket`` where it has one, as the per-layer path)."""
     payloads = {}
     for j, (it, pl) in enumerate(zip(items, plans)):
         o, n = int(tab[j, K.C_OUT]), pl["n"]
+        qb = {"quant_bucket": pl["qb"]} if "qb" in pl else {}
         seg = Segment(numel=n, capacity=n, index_encoding=IndexEncoding.DENSE,
-                      value_encoding=ValueEncoding.FP32, count=cnt[j:j + 1],
-                      values=vals[o:o + n])
+                      value_encoding=enc, count=cnt[j:j + 1], values=vals[o:o + n], **qb)
         payloads[it.name] = LayerPayload(it.name, it.grad.shape, [seg])
     _finish(comp, items, step, payloads, dict(density=1.0))
+    return payloads
+
+
+def _dense_bucket(comp, items, plans, step, grad_scale):
+    K = ops.bucket_kernels("dense")
+    dev = items[0].grad.device
+    staged = _staged(comp, "dense", items, K.W)
+    keep = []                 # flushed residuals: alive until the launch is queued
+
+    def cells(row, it, pl):
+        r = comp._residuals.pop(it.name, None)
+        if r is not None:
+            r = r.to(dev)
+            keep.append(r)
+            row[K.C_R] = r.data_ptr()
+            row[K.C_MODE] = K.MODE_RES
+    out, nprog = _streamed_rows(comp, K, staged.host, items, plans, cells)
+    vals, cnt = run_segment(comp, _dense_launches, staged, K, program_map(nprog, dev),
+                            grad_scale, _GDT[items[0].grad.dtype], len(items), out)
+    table = staged.table()
+    payloads = _streamed_payloads(comp, items, plans, step, staged.host, K, vals, cnt,
+                                  ValueEncoding.FP32)
     return payloads, BucketBatch([it.name for it in items], table, None, cnt, 0, [], K)
 
 
@@ -389,43 +417,17 @@ def _whole_bucket(comp, items, plans, step, grad_scale):
     """``Compressor._whole`` for a group (one gradient dtype and value encoding): one
     ``whole_cast`` launch; the DENSE segments are views of one buffer."""
     K = ops.bucket_kernels("dense")
-    L = len(items)
     dev = items[0].grad.device
     enc = plans[0]["enc"]
     staged = _staged(comp, "whole", items, K.W)
-    tab = staged.host
-    out = blk0 = 0
-    nprog = []
-    for j, (it, pl) in enumerate(zip(items, plans)):
-        comp._open_layer(it.name)
-        row = tab[j]
-        mode = 0
-        if pl["ef"]:
-            r = comp._residual_for(it.name, it.grad.reshape(-1))
-            row[K.C_R] = r.data_ptr()
-            mode = K.MODE_EF | (K.MODE_PRE if pl["pre"] else 0)
-        row[K.C_MODE] = mode
-        row[K.C_G] = it.grad.data_ptr()
-        row[K.C_N] = pl["n"]
-        row[K.C_NF] = it.nonfinite.data_ptr()
-        row[K.C_OUT] = out
-        row[K.C_BLK0] = blk0
-        out += pl["n"]
-        nb = _cdiv(pl["n"], DENSE_BLOCK)
-        nprog.append(nb)
-        blk0 += nb
+
+    out, nprog = _streamed_rows(comp, K, staged.host, items, plans,
+                                lambda row, it, pl: _ef_cells(comp, K, row, it, pl))
     vals, cnt = run_segment(comp, _whole_launches, staged, K, program_map(nprog, dev),
-                            grad_scale, _GDT[items[0].grad.dtype], L, out,
+                            grad_scale, _GDT[items[0].grad.dtype], len(items), out,
                             FLOAT_DTYPES[enc], _RK_VE[enc])
     table = staged.table()
-    payloads = {}
-    for j, (it, pl) in enumerate(zip(items, plans)):
-        o, n = int(tab[j, K.C_OUT]), pl["n"]
-        seg = Segment(numel=n, capacity=n, index_encoding=IndexEncoding.DENSE,
-                      value_encoding=enc, count=cnt[j:j + 1], values=vals[o:o + n],
-                      quant_bucket=pl["qb"])
-        payloads[it.name] = LayerPayload(it.name, it.grad.shape, [seg])
-    _finish(comp, items, step, payloads, dict(density=1.0))
+    payloads = _streamed_payloads(comp, items, plans, step, staged.host, K, vals, cnt, enc)
     return payloads, BucketBatch([it.name for it in items], table, None, cnt, 0, [], K)
 
 
@@ -452,12 +454,7 @@ def _qsgd_bucket(comp, items, plans, step, grad_scale):
         comp._open_layer(it.name)
         row = tab[j]
         n = pl["n"]
-        mode = 0
-        if pl["ef"]:
-            r = comp._residual_for(it.name, it.grad.reshape(-1))
-            row[K.C_R] = r.data_ptr()
-            mode = K.MODE_EF | (K.MODE_PRE if pl["pre"] else 0)
-        row[K.C_MODE] = mode
+        _ef_cells(comp, K, row, it, pl)
         row[K.C_G] = it.grad.data_ptr()
         row[K.C_N] = n
         row[K.C_NF] = it.nonfinite.data_ptr()

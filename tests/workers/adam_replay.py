@@ -86,7 +86,8 @@ def topk_exact(ratio, output=None, output_ratio=0.1, fresh=0.0, values="fp32"):
 
 def adacomp(bin_size=500, scale=4.0, max_per_bin=None):
     """AdaComp: G = acc (residue + dW), H = G + (scale - 1) dW, gmax per bin, send
-    |H| >= gmax (at most ``max_per_bin`` largest |H| per bin) as sign(G) * s with
+    |H| >= gmax (at most ``max_per_bin`` largest |H| per bin, ties to the lower index)
+    as sign(G) * s with
     s = mean of the bin maxima."""
     cap = max_per_bin or max(4, math.ceil(bin_size / 50))
 
@@ -99,10 +100,13 @@ def adacomp(bin_size=500, scale=4.0, max_per_bin=None):
         Hp = torch.cat([G + (scale - 1.0) * d, G.new_zeros(pad)]).view(nb, bin_size)
         gmax = Gp.abs().max(dim=1).values.clamp_min(torch.finfo(torch.float32).tiny)
         s = gmax.mean()
-        top = torch.topk(Hp.abs(), min(cap, bin_size), dim=1)
-        ok = top.values >= gmax.unsqueeze(1)
+        # the largest |H| of each bin, ties to the lower index (AdaComp's stated rule; a
+        # stable descending sort keeps equal values in index order)
+        vals, order = torch.sort(Hp.abs(), dim=1, descending=True, stable=True)
+        c = min(cap, bin_size)
+        ok = vals[:, :c] >= gmax.unsqueeze(1)
         mask = torch.zeros(nb, bin_size, dtype=torch.bool)
-        mask.scatter_(1, top.indices, ok)
+        mask.scatter_(1, order[:, :c], ok)
         mask = mask.reshape(-1)[:n]
         sign = torch.where(G < 0, -1.0, 1.0)
         sent = torch.where(mask, sign * s, torch.zeros(()))

@@ -109,8 +109,8 @@ STREAMING = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_
 #: ``n``; the scenario's name ends in ``@25M``)
 TABLE_STREAMING = {"_accumulate_kernel", "_count_kernel", "_select_kernel",
                    "_ladder_kernel", "_radix_hist_kernel", "_dense_copy_kernel",
-                   "_whole_cast_kernel", "_qsgd_pack_kernel", "_ada_accumulate_kernel", "_ada_count_kernel",
-                   "_ada_pack_kernel", "_own_step_kernel"}
+                   "_whole_cast_kernel", "_qsgd_pack_kernel", "_ada_accumulate_kernel",
+                   "_ada_count_kernel", "_ada_pack_kernel", "_own_step_kernel"}
 VECTOR_LOADS = {"_residual_tile_kernel", "_residual_flat_kernel", "_select_compact_kernel",
                 "_refine_count_kernel", "_clean_kernel",
                 "_quantize_pack_kernel"}

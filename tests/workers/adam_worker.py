@@ -14,8 +14,9 @@ Checks, each at every step:
   g_i^2 dense and defers its gradient to the next step): equals the replay; so does
   adam_refresh=3 with the default start (3 x the warm-up: a long first window);
 * adam_wire="update" (every rank's own moments and Adam step; TopK's biases and small
-  layers sent whole in bf16), with Adam L2, a rank-0-only layer and a skipped NaN step, and with AdaComp + AdamW at the default wire of a model
-  without recurrent layers: equals the replay;
+  layers sent whole in bf16), with Adam L2, a rank-0-only layer and a skipped NaN step,
+  and with AdaComp + AdamW at the default wire of a model without recurrent layers:
+  equals the replay;
 * GradScaler: an overflow step on rank 1 is skipped by the scaler everywhere and rolled
   back; the run equals the replay without that step;
 * checkpoint (the default, update wire: every rank saves and loads its own moments):

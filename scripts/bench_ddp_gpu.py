@@ -71,7 +71,11 @@ and the mode in flight is reported as killed. Inside a launch, rank 0 decides be
 each mode whether it fits (from the steps timed so far) and after the warm-up how many
 measured steps fit, and tells rank 1 (the decision is broadcast, so the ranks never
 disagree). A mode that raises is reported with its error; the launch is restarted with
-the modes left if time allows.
+the modes left if time allows. A baseline mode (torch's own: ``local``, ``dense``,
+PowerSGD) in which a rank's process died by a signal (a native crash such as torch's heap
+abort under the CPU profiler, not a Python error) is run once more in the restarted
+launch, and its record says so (``retried_after``); a second crash is its error. An
+hvdsparse mode's crash is always its error.
 
 ``--tiny``: ResNet-like model of 3 stages (widths 16/32/64) on batch 4 x 3 x 16 x 16,
 LM of 2 layers x 64 (vocabulary 512, batch 4 x 32); 2 warm-up, 3 measured, 1 profiled
@@ -611,6 +615,7 @@ def run_launch(args, model, transport, modes, deadline, logdir, tag):
     """Runs ``modes`` of ``model`` in one 2-rank launch (restarted with the modes left
     after a rank's error while time allows). Returns {mode: record}."""
     results = {}
+    retried = {}              # mode -> why it runs again (a rank died by a signal in it)
     attempt = 0
     todo = list(modes)
     while todo:
@@ -690,15 +695,29 @@ def run_launch(args, model, transport, modes, deadline, logdir, tag):
                 results[m] = {"mode": m, "status": "error",
                               "reason": f"launch failed before its first mode (exit codes "
                                         f"{rcs}); see {logdir.name}/{tag}_try{attempt}_rank0.log"}
+        # the rank that died on its own (not one stopped here after it): the first seen,
+        # or, when all exited between two polls, the first with a signal's exit code
+        dead = failed_rank if failed_rank is not None else None if killed else \
+            next((r for r, rc in enumerate(rcs) if rc is not None and rc < 0), None)
+        baseline = started in ("local", "dense") or str(started).startswith("powersgd")
+        if baseline and started not in retried and dead is not None \
+                and rcs[dead] is not None and rcs[dead] < 0:
+            retried[started] = (f"rank {dead} died by signal {-rcs[dead]} in try "
+                                f"{attempt}; see {logdir.name}/{tag}_try{attempt}_rank"
+                                f"{dead}.log")
+            print(f"[{tag}] {started}: {retried[started]}; running it again", flush=True)
+            results.pop(started, None)
         todo = [m for m in todo if m not in results]
         if killed and failed_rank is None:
             for m in todo:
                 results[m] = {"mode": m, "status": "skipped",
                               "reason": "budget: the launch was killed at its deadline"}
             todo = []
-    for r in results.values():
+    for m, r in results.items():
         r.setdefault("transport", transport)
         r.setdefault("model", model)
+        if m in retried:
+            r["retried_after"] = retried[m]
     return results
 
 

@@ -309,6 +309,15 @@ class AdamRecipe(VarianceRefresh, RecipeCheckpoint):
         self._steps[name] = int(s)   # counted on the host from here (_update)
         return True
 
+    def layer_rate(self, name: str):
+        """Layer ``name``'s learning rate this step (host float), None when it is a tensor
+        (not read: no host sync) or ``name`` is not a recipe layer."""
+        p = self.params.get(name)
+        if p is None:
+            return None
+        lr = self._groups.of(p).get("lr")
+        return None if isinstance(lr, torch.Tensor) or lr is None else float(lr)
+
     def forget(self):
         """The optimizer's state was replaced (load_state_dict): re-read every phase."""
         self._after.clear()

@@ -111,12 +111,17 @@ def make_local_update(optimizer, params: Dict[str, torch.Tensor], world_size: in
         from .adam import AdamRecipe
         shapes = {n: p.shape for n, p in params.items()}
         pol = compressor.policy
-        return AdamRecipe(optimizer, params, world_size,
-                          lambda n: not pol.is_dense(n, shapes[n]), warmup=adam.warmup,
-                          refresh=adam.refresh, refresh_start=adam.refresh_start,
-                          wire=adam.wire,
-                          clip_grad_norm=clip_grad_norm, residual=compressor.residual,
-                          warmup_while_rate_rises=adam.while_rate_rises)
+        recipe = AdamRecipe(optimizer, params, world_size,
+                            lambda n: not pol.is_dense(n, shapes[n]), warmup=adam.warmup,
+                            refresh=adam.refresh, refresh_start=adam.refresh_start,
+                            wire=adam.wire,
+                            clip_grad_norm=clip_grad_norm, residual=compressor.residual,
+                            warmup_while_rate_rises=adam.while_rate_rises)
+        if isinstance(compressor, Compressor) and adam.wire == "update":
+            # x = lr u: a compressor's thresholds may follow the rate (Threshold's
+            # tau_follows_rate)
+            compressor.layer_rate = recipe.layer_rate
+        return recipe
     if momentum_correction or clip_grad_norm is not None:
         from .momentum import LocalUpdate
         return LocalUpdate(optimizer, params, world_size,

@@ -32,7 +32,8 @@ Per bucket and step (``hvdsparse/compressors/topk_bucket.py`` drives them)::
                            with the counting rounds, skipped when no row is sampled
     count x R   1 launch per refinement round: counts[j, round] += #{|r_j| >= t_j}
     ladder      (Threshold's guard rows; zeroed lad[L, J] + 1 launch) lad[j, q] +=
-                           #{|r_j| >= t_j * gam[q]}, t_j = max(tau_j, TINY); the select
+                           #{|r_j| >= t_j * gam[q]}, t_j = max(tau_j * f_j, TINY) (f_j
+                           at C_TGT); the select
                            then uses t_j * gam[r], r = min(#{q : lad[j, q] > cap_j}, J-1)
     select      1 launch   t_j = max(replay of all rounds, TINY) stored in tau[j]; select
                            |r_j| >= t_j into slots out_j + [0, cap_j) (indices local to the
@@ -68,9 +69,10 @@ every score at or above their threshold, up to the capacity, as unscored rows do
 Each segment's threshold follows ``kernels/refine.py``'s rule (the same ``replay_rounds``):
 ``v`` is row ``j`` of the sorted sample, ``r0``, ``m``, ``k``, ``capacity`` its own.
 Rows on ``ROUTE_GIVEN`` (``Threshold``, DCT-DP, between its refreshes) read their
-threshold from the fp32 tensor at ``C_TIN`` instead: one sampled element, no counting
-rounds, the same select. Small layers take the exact route of ``estimate_topk_threshold`` (the sample is the
-whole layer, ``r0 = k``, no refinement: ``t`` = the k-th largest ``|r|``); their
+threshold from the fp32 tensor at ``C_TIN`` instead, times the fp32 factor at
+``C_TGT`` (one rounding): one sampled element, no counting rounds, the same select.
+Small layers take the exact route of ``estimate_topk_threshold`` (the sample is the whole
+layer, ``r0 = k``, no refinement: ``t`` = the k-th largest ``|r|``); their
 programs skip the counting passes. Every product and sum is its own fp32 rounding
 (``enable_fp_fusion=False``; ``div_rn`` in the replay), so a segment's payload,
 residual, velocity and count equal the per-layer path's bit for bit (slot order aside:
@@ -96,6 +98,8 @@ from .table import f32, fptr, gptr, program_row
 C_G, C_R, C_U, C_P, C_N, C_MODE, C_M, C_C, C_WD, C_NF = range(10)
 C_RK, C_RCAP, C_CAP, C_STRIDE, C_OFF, C_S, C_R0, C_MLEN, C_OUT, C_BLK0 = range(10, 20)
 C_EXACT, C_TGT, C_TIN, C_TOUT, C_W = 20, 21, 22, 23, 24
+#: C_TGT: a sampled row's target count; a ROUTE_GIVEN row's fp32 factor f, its reused
+#: tau used at max(fp32(tau * f), TINY) (Threshold's ``tau_follows_rate``; 1.0 otherwise)
 W = 25
 MODE_MOMENTUM, MODE_NESTEROV, MODE_WD, MODE_GUARD, MODE_SCORE, MODE_TIES = 1, 2, 4, 8, 16, 32
 #: threshold routes (column C_EXACT): sampled + refined, the exact k-th largest of a
@@ -265,11 +269,11 @@ def _is_ladder_row(row):
 @triton.jit
 def _ladder_kernel(tab_ptr, blk_ptr, lad_ptr, gam_ptr, tiny, W: tl.constexpr,
                    J: tl.constexpr, BLOCK: tl.constexpr):
-    """Threshold's overflow ladder: lad[j, q] += #{|r_j| >= max(tau_j, tiny) * gam[q]}
-    (MODE_SCORE rows: their score's magnitude)."""
+    """Threshold's overflow ladder: lad[j, q] += #{|r_j| >= max(tau_j * f_j, tiny) *
+    gam[q]} (MODE_SCORE rows: their score's magnitude)."""
     j, row, offs, mask, lb = _where_am_i(tab_ptr, blk_ptr, W, BLOCK)
     if _is_ladder_row(row):
-        t = tl.maximum(tl.load(fptr(row, _TIN)), tiny)
+        t = tl.maximum(tl.load(fptr(row, _TIN)) * f32(row, _TGT), tiny)
         a = tl.abs(_ranked(row, tl.load(fptr(row, _R) + offs, mask=mask, other=0.0), offs,
                            mask))
         for q in tl.static_range(J):
@@ -294,8 +298,8 @@ def _select_kernel(tab_ptr, blk_ptr, v_ptr, Mmax, counts_ptr, R, tau_ptr, idx_pt
             prefix, krem = _radix_walk(rad, row, 4)
             traw = prefix.to(tl.float32, bitcast=True)
             traw = tl.where(tl.load(rad + 1024) > 0, float("nan"), traw)
-    if route == 2:                             # GIVEN: Threshold's reused tau
-        t = tl.load(fptr(row, _TIN))
+    if route == 2:                             # GIVEN: Threshold's reused tau, times f
+        t = tl.load(fptr(row, _TIN)) * f32(row, _TGT)
     elif route == 3:                           # FRESH: the radix select's
         if RADIX:
             t = tl.where(traw < tiny, tiny, traw)

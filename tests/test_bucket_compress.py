@@ -91,7 +91,21 @@ def _make(kind, dtype, seed, mc):
         comp = Threshold(0.97, life_span=2, output_ratio=None, seed=seed % 1000,
                          overflow_guard=kind != "threshold-noguard",
                          values="fp16" if dtype == torch.float16 else "fp32",
-                         overrides={"w4": dict(life_span=3)})
+                         overrides={"w4": dict(life_span=3)},
+                         tau_follows_rate=kind == "threshold-rate")
+        if kind == "threshold-rate":
+            # a falling rate (the update wire's layer_rate, per layer): every reused tau
+            # is used at a factor != 1 (C_TGT), and lowered it lets more pass (the
+            # ladder and the guard)
+            step_now = {}
+            begin = comp.begin_step
+
+            def begin_step(step):
+                step_now["s"] = step
+                begin(step)
+            comp.begin_step = begin_step
+            comp.layer_rate = lambda name: 3e-3 * 0.55 ** step_now["s"] * (
+                1.5 if name == "w4" else 1.0)
     elif kind == "topk":
         comp = TopK(0.05, output_ratio=None, seed=seed % 1000)
     elif kind == "topk-whole":
@@ -292,7 +306,7 @@ EXPECT = {"qsgd": {"w1": "qsgd", "w2": "qsgd", "w4": "qsgd", "conv": "qsgd", "b1
           "none": {n: "dense" for n, _ in LAYERS}}
 EXPECT["adacomp-budget"] = EXPECT["adacomp"]
 EXPECT["slimdp"] = {n: "slimdp" if k == "randomk" else k for n, k in EXPECT["randomk"].items()}
-EXPECT["threshold"] = EXPECT["threshold-noguard"] = EXPECT["topk"]
+EXPECT["threshold"] = EXPECT["threshold-noguard"] = EXPECT["threshold-rate"] = EXPECT["topk"]
 EXPECT["topk-whole"] = {n: "whole" if k == "dense" else k for n, k in EXPECT["topk"].items()}
 
 
@@ -316,6 +330,8 @@ EXPECT["topk-whole"] = {n: "whole" if k == "dense" else k for n, k in EXPECT["to
     ("threshold", torch.float32, 0.5, True),
     ("threshold", torch.float16, None, False),
     ("threshold-noguard", torch.float32, None, True),
+    ("threshold-rate", torch.float32, 0.5, True),
+    ("threshold-rate", torch.float16, None, False),
     ("topk-whole", torch.float32, 0.5, False),
     ("topk-whole", torch.bfloat16, None, False),
 ])

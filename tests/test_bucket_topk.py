@@ -276,14 +276,19 @@ def test_native_bucket_path_refinement_and_capacity(monkeypatch):
 # tau is read from the layer's tensor, and the clamp launch (the C select on the CPU)
 # writes the overflow guard's next tau into a new tensor. Refresh steps stay per layer.
 
-def _run_threshold(path, mc, seed, steps=5, life_span=3):
+def _run_threshold(path, mc, seed, steps=5, life_span=3, rate=False):
     from hvdsparse.compressors import Threshold
     params, opt = _setup(torch.float32, seed)
-    comp = Threshold(0.99, life_span=life_span, output_ratio=None, seed=7)
+    comp = Threshold(0.99, life_span=life_span, output_ratio=None, seed=7,
+                     tau_follows_rate=rate)
+    now = [0]
+    if rate:    # a falling rate: every reused tau used at lr / lr_kept (C_TGT)
+        comp.layer_rate = lambda name: 1e-3 * 0.7 ** now[0]
     comp.register_layers([(n, params[n].shape) for n, _, _ in LAYERS])
     lu = LocalUpdate(opt, params, 1, momentum_correction=mc, clip_grad_norm=None)
     hist, routes = [], []
     for step in range(steps):
+        now[0] = step
         grads = {n: g * (1 + step) for n, g in _grads(torch.float32, step, seed).items()}
         comp.begin_step(step)
         lu.begin_step()
@@ -326,9 +331,12 @@ def _run_threshold(path, mc, seed, steps=5, life_span=3):
 # capacity (native.LADDER_HITS) and find the ladder's rung among them; larger overflows
 # read the layer again. The overflows here are 1-4x the capacity: K = 8 (the default)
 # takes every one from the hits, K = 2 some from the hits and some from the layer, K = 1
-# none from the hits.
-@pytest.mark.parametrize("backend", ["triton", "native", "native-hits2", "native-hits1"])
+# none from the hits. "-rate": tau_follows_rate under a falling rate.
+@pytest.mark.parametrize("backend", ["triton", "native", "native-hits2", "native-hits1",
+                                     "triton-rate", "native-rate"])
 def test_threshold_bucket_path_matches_per_layer_path(monkeypatch, backend):
+    rate = backend.endswith("-rate")
+    backend = backend.replace("-rate", "")
     if backend == "triton":
         if DEV.type == "cpu":
             monkeypatch.setenv("HVDSPARSE_FORCE_TRITON", "1")
@@ -341,8 +349,8 @@ def test_threshold_bucket_path_matches_per_layer_path(monkeypatch, backend):
             from hvdsparse import native
             monkeypatch.setattr(native, "LADDER_HITS", int(backend[-1]))
     seed = int(torch.randint(0, 2 ** 30, ()).item())
-    ref, _ = _run_threshold("layer", True, seed)
-    got, routes = _run_threshold("bucket", True, seed)
+    ref, _ = _run_threshold("layer", True, seed, rate=rate)
+    got, routes = _run_threshold("bucket", True, seed, rate=rate)
     # refreshes (steps 0 and 3): the radix select's fresh route on the Triton path, per
     # layer on the CPU twin; the others on the given route
     fresh = [3] if backend == "triton" else []

@@ -226,6 +226,9 @@ class Compressor(LayerSettings, StepTransactions, CompressorState, ValueEncoder)
     #: whether its layers travel on the Adam recipe's update wire
     #: (:meth:`set_adam_update_wire`; TopK's ``fresh_weight`` default follows it)
     adam_update_wire = False
+    #: name -> the layer's host learning rate on the Adam recipe's update wire (None:
+    #: unknown); set by the front door (``door.make_local_update``)
+    layer_rate = None
     #: whether, on the Adam recipe's update wire, the layers its size / 1-D rule sends
     #: dense travel whole (``policy.is_whole``: every element in the layer's fp16 / bf16
     #: value encoding, error feedback, every rank's own Adam moments) rather than fp32

@@ -62,6 +62,14 @@ Deviations, all forced by fixed-size messages:
   seeds, the same bytes (BENCHMARKS "Transformer LM under AdamW"): warm-up + cosine
   +3.7% of dense's loss with ``w = 2``, +5.4% with 1, +15.9% with 0; constant rate
   -4.5%, -5.4%, +1.9%.
+* **The rate** (``tau_follows_rate=True``; the Adam recipe's update wire only). The input
+  there is ``x = lr u`` (the rank's Adam step times the rate), so a tau in parameter
+  units goes stale as the rate anneals: under warm-up + cosine a tau taken at the peak
+  passes ever fewer elements. With this setting a tau kept at rate ``lr_0`` is used at
+  ``lr`` as ``max(fp32(tau * fp32(lr / lr_0)), TINY)`` (``rate_factor``; the bucket
+  kernels read the factor from the row), a refresh keeps its tau at its step's rate, and
+  the guard's next tau is kept at the rate it was used at. A constant rate changes no
+  bit; a tensor rate is not read (no host sync) and keeps tau as it is.
 * **Warm-up.** With a warm-up schedule ``k`` changes with the step; ``tau`` is
   recomputed on every step whose ``k`` differs from the ``k`` of the last refresh (and
   on every ``L``-th step as usual), so during warm-up the threshold is fresh each step.
@@ -126,7 +134,8 @@ def ladder_threshold(a: torch.Tensor, tau: torch.Tensor, cap: int, ladder=LADDER
 class Threshold(TopK):
     """``Threshold(sparsity, life_span=1000, values="fp32", slack=2.0, quant_bucket=512,
     warmup=None, error_feedback=True, record_true_threshold=False, max_history=10000,
-    overflow_guard=True, output_ratio=0.1, fresh_weight=None, **policy)`` -- DCT-DP; see
+    overflow_guard=True, output_ratio=0.1, fresh_weight=None, tau_follows_rate=False,
+    **policy)`` -- DCT-DP; see
     the module docstring. ``output_ratio``: as TopK's, the output layer (the last compressed
     parameter) runs at sparsity ``min(sparsity, 1 - output_ratio)``; ``None``: off."""
 
@@ -141,14 +150,15 @@ class Threshold(TopK):
 
     _settings = ("sparsity", "life_span", "values", "slack", "quant_bucket",
                  "error_feedback", "fresh_weight")
-    _extra_args = ("record_true_threshold", "max_history", "overflow_guard", "output_ratio")
+    _extra_args = ("record_true_threshold", "max_history", "overflow_guard", "output_ratio",
+                   "tau_follows_rate")
     _density_key = "sparsity"
 
     def __init__(self, sparsity: float, life_span: int = 1000, values="fp32",
                  slack: float = 2.0, quant_bucket: int = 512, warmup=None,
                  error_feedback: bool = True, record_true_threshold: bool = False,
                  max_history: int = 10000, overflow_guard: bool = True, output_ratio=0.1,
-                 fresh_weight=None, **kw):
+                 fresh_weight=None, tau_follows_rate=False, **kw):
         # bypass TopK.__init__ (different settings), keep its helpers
         super(TopK, self).__init__(**kw)
         self._set_output_ratio(output_ratio)
@@ -163,6 +173,8 @@ class Threshold(TopK):
             raise ValueError(f"max_history must be an int >= 1, got {max_history!r}")
         check_bool(overflow_guard, "overflow_guard")
         self.overflow_guard = overflow_guard
+        check_bool(tau_follows_rate, "tau_follows_rate")
+        self.tau_follows_rate = tau_follows_rate
         self.record_true_threshold = record_true_threshold
         self.max_history = max_history
         self.warmup = make_warmup(warmup)
@@ -229,6 +241,27 @@ class Threshold(TopK):
         st = self._layers.get(name)
         return None if st is None else st["tau"]
 
+    def rate_factor(self, name: str, st) -> tuple:
+        """``(f, rate)`` for layer state ``st`` at this step: the reused tau is used as
+        ``max(fp32(tau * f), TINY)`` (``f`` an fp32 value, 1.0 unless it follows the rate)
+        and ``rate`` (host float or None) is the rate a tau derived from it is kept at.
+        With ``tau_follows_rate`` on the Adam recipe's update wire (``layer_rate``: the
+        layer's host learning rate), a tau kept at rate ``lr_0`` is used at ``lr`` with
+        ``f = lr / lr_0``: the update ``x = lr u`` it is compared with scales with the
+        rate, so a tau taken at the peak of a schedule still passes about as many
+        elements after the rate has fallen. A rate that is not > 0 (or unknown) keeps
+        ``f = 1`` and the kept rate. Host arithmetic only."""
+        last = st.get("rate") if st is not None else None
+        rate = self.layer_rate(name) if self.tau_follows_rate and self.layer_rate else None
+        if rate is None or not rate > 0.0 or last is None:
+            return 1.0, last
+        return float(torch.tensor(rate / last, dtype=torch.float32)), rate
+
+    def rate_of_refresh(self, name: str):
+        """The rate a fresh tau is kept at (None when it does not follow the rate)."""
+        rate = self.layer_rate(name) if self.tau_follows_rate and self.layer_rate else None
+        return rate if rate is not None and rate > 0.0 else None
+
     @staticmethod
     def _next_tau(tau, selected, k: int, cap: int):
         """The overflow guard: raise tau for the next steps when more than ``cap`` passed
@@ -258,7 +291,7 @@ class Threshold(TopK):
         acc, _ = self._acc(name, flat, None, ef)
         st = self._layers.get(name)
         if st is None:
-            st = self._layers[name] = dict(tau=None, k=None, last_refresh=None,
+            st = self._layers[name] = dict(tau=None, k=None, last_refresh=None, rate=None,
                                            history=[], true_history=[])
         refresh = self._refresh_due(st, step, cfg, k)
         # what is ranked, made where it is used: |acc|, or the score |acc + w x|, which
@@ -277,6 +310,7 @@ class Threshold(TopK):
         if refresh:
             st["tau"] = true_tau
             st["k"] = k
+            st["rate"] = self.rate_of_refresh(name)
             st["last_refresh"] = step
             st["history"].append((step, true_tau))
             del st["history"][:-self.max_history]
@@ -284,6 +318,11 @@ class Threshold(TopK):
             st["true_history"].append((step, true_tau))
             del st["true_history"][:-self.max_history]
         tau = st["tau"]
+        rate = st.get("rate")
+        if not refresh:
+            f, rate = self.rate_factor(name, st)
+            if f != 1.0:
+                tau = (tau * torch.full_like(tau, f)).clamp_min(TINY)
         if self.overflow_guard and not refresh:
             t_sel, c0 = ladder_threshold(
                 ranked(), tau, cap, self.ladder,
@@ -294,6 +333,7 @@ class Threshold(TopK):
             seg, cnt = self._select(acc, tau, cap, enc, qseed, qb, ef, **score)
         if self.overflow_guard:
             st["tau"] = self._next_tau(tau, cnt[1], k, cap)
+            st["rate"] = rate
         return LayerPayload(name, shape, [seg]), dict(selected=cnt[1:2], threshold=tau,
                                                       density=d,
                                                       extra=dict(refreshed=refresh))

@@ -234,9 +234,13 @@ def _given_plan(comp, name, grad, step, cfg, n, enc, w) -> Optional[dict]:
     if not isinstance(tau, torch.Tensor) or tau.dtype != torch.float32 or \
             tau.numel() != 1 or tau.device != grad.device or not tau.is_contiguous():
         return None
-    return dict(n=n, k=k, cap=cap, d=d, enc=enc, rounds=0, target=0.0,
+    # the reused tau is used at tau * f (C_TGT, the target cell of sampled rows);
+    # a guarded row's next tau is kept at this step's rate
+    f, rate = comp.rate_factor(name, st)
+    return dict(n=n, k=k, cap=cap, d=d, enc=enc, rounds=0, target=f,
                 qb=cfg["quant_bucket"], exact=2, s=1, stride=1, off=0, r0=1, m=1, rk=0,
-                rcap=2 ** 31 - 1, tau=tau, guard=comp.overflow_guard, score=w, given=True)
+                rcap=2 ** 31 - 1, tau=tau, guard=comp.overflow_guard, score=w, given=True,
+                rate=rate)
 
 
 def group_key(plan: dict, item: BucketItem):
@@ -342,15 +346,19 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
             st = comp._layers.get(it.name)
             if st is None:
                 st = comp._layers[it.name] = dict(tau=None, k=None, last_refresh=None,
-                                                  history=[], true_history=[])
+                                                  rate=None, history=[], true_history=[])
             st["tau"], st["k"], st["last_refresh"] = tau_new[j], pl["k"], step
+            st["rate"] = comp.rate_of_refresh(it.name)
             st["history"].append((step, tau_new[j]))
             del st["history"][:-comp.max_history]
         if threshold_row:
             # as Threshold._compress records it
             extra["refreshed"] = pl["exact"] == ROUTE_FRESH
             if pl["guard"]:
-                comp._layers[it.name]["tau"] = pl["tau_out"]
+                st = comp._layers[it.name]
+                st["tau"] = pl["tau_out"]
+                if pl["exact"] == K.ROUTE_GIVEN:
+                    st["rate"] = pl["rate"]
         comp._stats.record(it.name, step, payload, extra=extra,
                            selected=cnt[j, 1:2], threshold=tau[j], density=pl["d"])
         payloads[it.name] = payload

@@ -18,7 +18,8 @@
  *   hvd_top_m        V[j] = the mmax largest of S[j], descending (torch.topk's values)
  *   hvd_select       per row: the refinement rounds (kernels/refine.py's rule; a round
  *                    whose threshold did not move reuses the count) -- or, on
- *                    ROUTE_GIVEN (Threshold between refreshes), t = *C_TIN --, then the selection
+ *                    ROUTE_GIVEN (Threshold between refreshes), t = *C_TIN * f (f: the
+ *                    fp32 factor in C_TGT, one rounding) --, then the selection
  *                    |r| >= max(t, tiny) in ascending index order into the row's slots
  *                    [out, out + cap), the residual of a sent element set to +0 (fp32
  *                    values), cnt[j] = {min(selected, cap), selected}, tau[j] = t.
@@ -538,7 +539,7 @@ void hvd_select(const int64_t *tab, int64_t L, const float *V, int64_t mmax,
                 cn[q] = (int32_t)held_count;
             }
         }
-        float t = route == ROUTE_GIVEN ? *(const float *)cell_ptr(row, C_TIN)
+        float t = route == ROUTE_GIVEN ? *(const float *)cell_ptr(row, C_TIN) * target
                                        : replay(v, cn, r0, mf, kf, capf, target, (int)rounds);
         t = fmaxf(t, tiny);
         tau[j] = t;

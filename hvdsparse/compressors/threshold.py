@@ -250,11 +250,14 @@ class Threshold(TopK):
         ``f = lr / lr_0``: the update ``x = lr u`` it is compared with scales with the
         rate, so a tau taken at the peak of a schedule still passes about as many
         elements after the rate has fallen. A rate that is not > 0 (or unknown) keeps
-        ``f = 1`` and the kept rate. Host arithmetic only."""
+        ``f = 1`` and the kept rate; a tau kept at no known rate (a state saved without
+        it) is kept at this step's from now on. Host arithmetic only."""
         last = st.get("rate") if st is not None else None
-        rate = self.layer_rate(name) if self.tau_follows_rate and self.layer_rate else None
-        if rate is None or not rate > 0.0 or last is None:
+        rate = self.rate_of_refresh(name)
+        if rate is None:
             return 1.0, last
+        if last is None:
+            return 1.0, rate
         return float(torch.tensor(rate / last, dtype=torch.float32)), rate
 
     def rate_of_refresh(self, name: str):
@@ -333,6 +336,8 @@ class Threshold(TopK):
             seg, cnt = self._select(acc, tau, cap, enc, qseed, qb, ef, **score)
         if self.overflow_guard:
             st["tau"] = self._next_tau(tau, cnt[1], k, cap)
+            st["rate"] = rate
+        elif st.get("rate") is None:
             st["rate"] = rate
         return LayerPayload(name, shape, [seg]), dict(selected=cnt[1:2], threshold=tau,
                                                       density=d,

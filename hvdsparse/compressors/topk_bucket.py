@@ -354,11 +354,11 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         if threshold_row:
             # as Threshold._compress records it
             extra["refreshed"] = pl["exact"] == ROUTE_FRESH
+            st = comp._layers[it.name]
             if pl["guard"]:
-                st = comp._layers[it.name]
                 st["tau"] = pl["tau_out"]
-                if pl["exact"] == K.ROUTE_GIVEN:
-                    st["rate"] = pl["rate"]
+            if pl["exact"] == K.ROUTE_GIVEN and (pl["guard"] or st.get("rate") is None):
+                st["rate"] = pl["rate"]
         comp._stats.record(it.name, step, payload, extra=extra,
                            selected=cnt[j, 1:2], threshold=tau[j], density=pl["d"])
         payloads[it.name] = payload

@@ -163,8 +163,8 @@ def test_default_follows_the_update_wire():
 
 
 def test_values_default_follows_the_update_wire():
-    """TopK's ``values=None``: bf16 on the update wire (not with ``per_bucket``), fp32
-    elsewhere; a value set (argument or override) is kept; Threshold keeps fp32. A
+    """TopK's and Threshold's ``values=None``: bf16 on the update wire (not with
+    ``per_bucket``), fp32 elsewhere; a value set (argument or override) is kept. A
     checkpoint loads where the encoding it was saved with is the one in force."""
     model = torch.nn.Linear(64, 64)
     params = dict(model.named_parameters())
@@ -185,7 +185,7 @@ def test_values_default_follows_the_update_wire():
         assert c.layer_cfg("bias")["values"] == ValueEncoding.FP16
         assert fixed.layer_cfg("weight")["values"] == ValueEncoding.FP32
         assert pb.layer_cfg("weight")["values"] == ValueEncoding.FP32
-        assert t.layer_cfg("weight")["values"] == ValueEncoding.FP32
+        assert t.layer_cfg("weight")["values"] == (want if on else ValueEncoding.FP32)
         fresh = hvdsparse.TopK(0.01)
         fresh.set_adam_update_wire(on)
         if on:

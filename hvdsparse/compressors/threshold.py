@@ -136,18 +136,19 @@ def ladder_threshold(a: torch.Tensor, tau: torch.Tensor, cap: int, ladder=LADDER
 
 
 class Threshold(TopK):
-    """``Threshold(sparsity, life_span=1000, values="fp32", slack=2.0, quant_bucket=512,
+    """``Threshold(sparsity, life_span=1000, values=None, slack=2.0, quant_bucket=512,
     warmup=None, error_feedback=True, record_true_threshold=False, max_history=10000,
     overflow_guard=True, output_ratio=0.1, fresh_weight=None, tau_follows_rate=True,
     **policy)`` -- DCT-DP; see the module docstring. ``output_ratio``: as TopK's, the output
     layer (the last compressed parameter) runs at sparsity ``min(sparsity, 1 -
-    output_ratio)``; ``None``: off. ``tau_follows_rate`` acts on the Adam recipe's update
-    wire only (module docstring)."""
+    output_ratio)``; ``None``: off. ``values=None``: as TopK's, bf16 on the Adam recipe's
+    update wire (the rounding error kept in the residual), fp32 elsewhere.
+    ``tau_follows_rate`` acts on the update wire only (module docstring)."""
 
     bucket_path = True       # between refreshes (topk_bucket.layer_plan: ROUTE_GIVEN)
     #: tau lives life_span steps, and one taken while the rate rises sits on a tie
     adam_dense_while_rate_rises = True
-    adam_small_layers_whole = False     # not measured (its values are fp32 by default)
+    adam_small_layers_whole = False     # not measured
     ladder = LADDER          # the overflow ladder's rung factors (module docstring)
 
     def error_feedback_density(self):
@@ -159,7 +160,7 @@ class Threshold(TopK):
                    "tau_follows_rate")
     _density_key = "sparsity"
 
-    def __init__(self, sparsity: float, life_span: int = 1000, values="fp32",
+    def __init__(self, sparsity: float, life_span: int = 1000, values=None,
                  slack: float = 2.0, quant_bucket: int = 512, warmup=None,
                  error_feedback: bool = True, record_true_threshold: bool = False,
                  max_history: int = 10000, overflow_guard: bool = True, output_ratio=0.1,
@@ -195,7 +196,8 @@ class Threshold(TopK):
         L = cfg["life_span"]
         if not isinstance(L, int) or isinstance(L, bool) or L < 1:
             raise ValueError(f"{where}life_span must be an int >= 1, got {L!r}")
-        cfg["values"] = prefixed(check_values, cfg["values"], where)
+        if cfg["values"] is not None:           # None: follows the wire (values_of)
+            cfg["values"] = prefixed(check_values, cfg["values"], where)
         sl = cfg["slack"]
         if not isinstance(sl, (int, float)) or isinstance(sl, bool) or not 1.0 <= sl < 1e6:
             raise ValueError(f"{where}slack must be a number >= 1, got {sl!r}")

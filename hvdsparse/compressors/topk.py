@@ -141,12 +141,14 @@ __all__ = ["TopK", "estimate_topk_threshold", "UPDATE_WIRE_FRESH_WEIGHT",
 #: elsewhere): the weight ``w`` of the newest update in the score ``|acc + w x|``
 UPDATE_WIRE_FRESH_WEIGHT = 2.0
 
-#: TopK's ``values`` default on the Adam recipe's update wire (fp32 elsewhere): bf16, its
-#: rounding error kept in the residual. On the GPT-style LM (3 seeds, the same selection)
-#: it ended -8.3% / -1.3% of dense's loss at P = 2 (constant rate / warm-up + cosine;
-#: fp32: -6.9% / -1.4%) and -3.0% / +3.3% at P = 4 (fp32: -2.7% / +3.6%), at 38x / 20x
-#: fewer bytes than dense where fp32 values are at 29x / 15x (BENCHMARKS "Transformer LM
-#: under AdamW")
+#: TopK's and Threshold's ``values`` default on the Adam recipe's update wire (fp32
+#: elsewhere): bf16, its rounding error kept in the residual. On the GPT-style LM (3 seeds,
+#: the same selection) TopK ended -8.3% / -1.3% of dense's loss at P = 2 (constant rate /
+#: warm-up + cosine; fp32: -6.9% / -1.4%) and -3.0% / +3.3% at P = 4 (fp32: -2.7% /
+#: +3.6%), at 38x / 20x fewer bytes than dense where fp32 values are at 29x / 15x;
+#: Threshold (its tau following the rate) +0.6% / +2.5% under warm-up + cosine at P = 2 /
+#: 4 (fp32: +0.7% / +2.7%) at 11.2x / 7.8x over the run (fp32: 9.6x / 6.3x)
+#: (BENCHMARKS "Transformer LM under AdamW")
 UPDATE_WIRE_VALUES = "bf16"
 
 

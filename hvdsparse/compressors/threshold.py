@@ -71,9 +71,10 @@ Deviations, all forced by fixed-size messages:
   keeps its tau at its step's rate, and the guard's next tau is kept at the rate it was
   used at. A constant rate changes no bit; a tensor rate is not read (no host sync) and
   keeps tau as it is. On that LM under warm-up + cosine (3 seeds; BENCHMARKS "Transformer
-  LM under AdamW") it ended +2.7% of dense's loss at P = 4 where the kept tau ended +5.0%,
-  sending what the capacity allows for the whole run instead of ever less (6.3x fewer
-  bytes than dense over the run instead of 8.6x).
+  LM under AdamW") it ended +2.7% of dense's loss at P = 4 where the kept tau ended +5.0%
+  (fp32 values both), sending what the capacity allows for the whole run instead of ever
+  less (6.3x fewer bytes than dense over the run instead of 8.6x); with the update wire's
+  bf16 values (the default there) +2.5% at 7.8x, and +0.6% at 11.2x at P = 2.
 * **Warm-up.** With a warm-up schedule ``k`` changes with the step; ``tau`` is
   recomputed on every step whose ``k`` differs from the ``k`` of the last refresh (and
   on every ``L``-th step as usual), so during warm-up the threshold is fresh each step.
@@ -248,29 +249,47 @@ class Threshold(TopK):
         st = self._layers.get(name)
         return None if st is None else st["tau"]
 
+    def layer_state(self, name: str) -> dict:
+        """Layer ``name``'s algorithm state (made on first use): its tau, the ``k`` and step
+        of its last refresh, the rate its tau is kept at, the refresh histories."""
+        st = self._layers.get(name)
+        if st is None:
+            st = self._layers[name] = dict(tau=None, k=None, last_refresh=None, rate=None,
+                                           history=[], true_history=[])
+        return st
+
     def rate_factor(self, name: str, st) -> tuple:
         """``(f, rate)`` for layer state ``st`` at this step: the reused tau is used as
-        ``max(fp32(tau * f), TINY)`` (``f`` an fp32 value, 1.0 unless it follows the rate)
-        and ``rate`` (host float or None) is the rate a tau derived from it is kept at.
-        With ``tau_follows_rate`` on the Adam recipe's update wire (``layer_rate``: the
-        layer's host learning rate), a tau kept at rate ``lr_0`` is used at ``lr`` with
-        ``f = lr / lr_0``: the update ``x = lr u`` it is compared with scales with the
-        rate, so a tau taken at the peak of a schedule still passes about as many
-        elements after the rate has fallen. A rate that is not > 0 (or unknown) keeps
-        ``f = 1`` and the kept rate; a tau kept at no known rate (a state saved without
-        it) is kept at this step's from now on. Host arithmetic only."""
+        ``max(fp32(tau * fp32(f)), TINY)`` (``f = 1.0`` unless it follows the rate) and
+        ``rate`` (host float or None) is the rate a tau derived from it is kept at
+        (:meth:`keep_rate`). With ``tau_follows_rate`` on the Adam recipe's update wire
+        (``layer_rate``: the layer's host learning rate), a tau kept at rate ``lr_0`` is
+        used at ``lr`` with ``f = lr / lr_0``: the update ``x = lr u`` it is compared with
+        scales with the rate, so a tau taken at the peak of a schedule still passes about
+        as many elements after the rate has fallen. A rate that is not > 0 (or unknown)
+        keeps ``f = 1`` and the kept rate; a tau kept at no known rate (a state saved
+        without it) is kept at this step's from now on. Host arithmetic only."""
         last = st.get("rate") if st is not None else None
-        rate = self.rate_of_refresh(name)
+        rate = self.followed_rate(name)
         if rate is None:
             return 1.0, last
         if last is None:
             return 1.0, rate
-        return float(torch.tensor(rate / last, dtype=torch.float32)), rate
+        return rate / last, rate
 
-    def rate_of_refresh(self, name: str):
-        """The rate a fresh tau is kept at (None when it does not follow the rate)."""
+    def followed_rate(self, name: str):
+        """Layer ``name``'s rate this step when its tau follows the rate (a host float >
+        0), else None."""
         rate = self.layer_rate(name) if self.tau_follows_rate and self.layer_rate else None
         return rate if rate is not None and rate > 0.0 else None
+
+    @staticmethod
+    def keep_rate(st: dict, rate, guarded: bool) -> None:
+        """After a reuse step: the guard's next tau (derived from the one used) is kept at
+        ``rate``; without the guard the tau is unchanged, so is its rate, unless it had
+        none."""
+        if guarded or st.get("rate") is None:
+            st["rate"] = rate
 
     @staticmethod
     def _next_tau(tau, selected, k: int, cap: int):
@@ -299,10 +318,7 @@ class Threshold(TopK):
             return (self._dense_from_acc(name, acc, shape, enc, qseed, qb, ef),
                     dict(density=d))
         acc, _ = self._acc(name, flat, None, ef)
-        st = self._layers.get(name)
-        if st is None:
-            st = self._layers[name] = dict(tau=None, k=None, last_refresh=None, rate=None,
-                                           history=[], true_history=[])
+        st = self.layer_state(name)
         refresh = self._refresh_due(st, step, cfg, k)
         # what is ranked, made where it is used: |acc|, or the score |acc + w x|, which
         # the select recomputes from x (its h = acc + (h_scale - 1) x)
@@ -320,7 +336,7 @@ class Threshold(TopK):
         if refresh:
             st["tau"] = true_tau
             st["k"] = k
-            st["rate"] = self.rate_of_refresh(name)
+            st["rate"] = self.followed_rate(name)
             st["last_refresh"] = step
             st["history"].append((step, true_tau))
             del st["history"][:-self.max_history]
@@ -328,7 +344,6 @@ class Threshold(TopK):
             st["true_history"].append((step, true_tau))
             del st["true_history"][:-self.max_history]
         tau = st["tau"]
-        rate = st.get("rate")
         if not refresh:
             f, rate = self.rate_factor(name, st)
             if f != 1.0:
@@ -343,9 +358,8 @@ class Threshold(TopK):
             seg, cnt = self._select(acc, tau, cap, enc, qseed, qb, ef, **score)
         if self.overflow_guard:
             st["tau"] = self._next_tau(tau, cnt[1], k, cap)
-            st["rate"] = rate
-        elif st.get("rate") is None:
-            st["rate"] = rate
+        if not refresh:
+            self.keep_rate(st, rate, self.overflow_guard)
         return LayerPayload(name, shape, [seg]), dict(selected=cnt[1:2], threshold=tau,
                                                       density=d,
                                                       extra=dict(refreshed=refresh))

@@ -343,12 +343,9 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         extra = dict(nonfinite=it.nonfinite)
         threshold_row = pl.get("given", False)
         if threshold_row and pl["exact"] == ROUTE_FRESH:   # Threshold._compress's refresh
-            st = comp._layers.get(it.name)
-            if st is None:
-                st = comp._layers[it.name] = dict(tau=None, k=None, last_refresh=None,
-                                                  rate=None, history=[], true_history=[])
+            st = comp.layer_state(it.name)
             st["tau"], st["k"], st["last_refresh"] = tau_new[j], pl["k"], step
-            st["rate"] = comp.rate_of_refresh(it.name)
+            st["rate"] = comp.followed_rate(it.name)
             st["history"].append((step, tau_new[j]))
             del st["history"][:-comp.max_history]
         if threshold_row:
@@ -357,8 +354,8 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
             st = comp._layers[it.name]
             if pl["guard"]:
                 st["tau"] = pl["tau_out"]
-            if pl["exact"] == K.ROUTE_GIVEN and (pl["guard"] or st.get("rate") is None):
-                st["rate"] = pl["rate"]
+            if pl["exact"] == K.ROUTE_GIVEN:
+                comp.keep_rate(st, pl["rate"], pl["guard"])
         comp._stats.record(it.name, step, payload, extra=extra,
                            selected=cnt[j, 1:2], threshold=tau[j], density=pl["d"])
         payloads[it.name] = payload

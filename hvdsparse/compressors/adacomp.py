@@ -178,9 +178,7 @@ class AdaComp(Compressor):
     def _compress(self, name, flat, shape, step, cfg, param):
         n, L, nb, c, cap, ienc, dense = self._layout(shape, cfg)
         if dense:                                        # not smaller: sent dense
-            acc, _ = self._acc(name, flat, None, True)
-            return (self._dense_from_acc(name, acc, shape, ValueEncoding.FP32, 0, 512),
-                    dict())
+            return self._send_all(name, flat, shape, ValueEncoding.FP32, 0, 512), dict()
         if self._native_takes(flat, c):
             # CPU with the compiled loops: accumulate, bin maxima and selection in one
             # pass over the layer (hvdsparse/native/adacomp.c; the bits of the numpy

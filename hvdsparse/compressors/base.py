@@ -534,15 +534,20 @@ class Compressor(LayerSettings, StepTransactions, CompressorState, ValueEncoder)
         return LayerPayload(name, shape, [seg])
 
     def _whole(self, name, flat, shape, step) -> LayerPayload:
-        """Every element of ``acc = residual + clean(grad)`` as one DENSE segment in the
-        layer's value encoding; with error feedback the residual keeps the rounding
-        (``policy.is_whole``)."""
+        """Every element of ``acc = residual + clean(grad)`` in the layer's value encoding
+        (``policy.is_whole``): :meth:`_send_all`."""
         cfg = self.layer_cfg(name)
-        ef = cfg["error_feedback"]
-        acc, _ = self._acc(name, flat, None, ef)
-        return self._dense_from_acc(name, acc, shape, cfg["values"],
-                                    self._seed(name, step, PURPOSE_QUANT),
-                                    cfg["quant_bucket"], ef)
+        return self._send_all(name, flat, shape, cfg["values"],
+                              self._seed(name, step, PURPOSE_QUANT), cfg["quant_bucket"],
+                              cfg["error_feedback"])
+
+    def _send_all(self, name, flat, shape, enc, seed, quant_bucket,
+                  error_feedback=True) -> LayerPayload:
+        """Every element of ``acc = residual + clean(grad)`` as one DENSE segment in
+        encoding ``enc``; with error feedback the residual keeps the rounding (the whole
+        layer, and a sparse layout that would not be smaller than it)."""
+        acc, _ = self._acc(name, flat, None, error_feedback)
+        return self._dense_from_acc(name, acc, shape, enc, seed, quant_bucket, error_feedback)
 
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self._base_cfg().items())

@@ -45,7 +45,7 @@ tests/test_bucket_compress.py compares them on fresh random data through Triton'
 interpreter. The ``dense``, ``qsgd``, ``adacomp``, ``randomk`` and ``slimdp`` rows run on
 the Triton path only (``ops.use_triton``); on the CPU those layers stay per layer. Still
 per layer: RandomK and Slim-DP with quantised values or without error feedback, layers a
-compressor sends dense by size (``_dense_from_acc``: TopK's warm-up, AdaComp's
+compressor sends dense by size (``_send_all``: TopK's warm-up, AdaComp's
 not-smaller layouts, Slim-DP's dense pushes, ...), AdaComp bins wider than
 ``ops.binned_max_bin()``.
 

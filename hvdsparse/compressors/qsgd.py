@@ -56,7 +56,6 @@ class QSGD(Compressor):
 
     def _compress(self, name, flat, shape, step, cfg, param):
         ef = cfg["error_feedback"]
-        acc, _ = self._acc(name, flat, None, ef)
         seed = self._seed(name, step, PURPOSE_QUANT)
-        return (self._dense_from_acc(name, acc, shape, ENCODING_OF_BITS[cfg["bits"]], seed,
-                                     cfg["bucket_size"], ef), dict())
+        return (self._send_all(name, flat, shape, ENCODING_OF_BITS[cfg["bits"]], seed,
+                               cfg["bucket_size"], ef), dict())

@@ -115,8 +115,7 @@ class RandomK(Compressor):
         shared = cfg["shared_seed"]
         ib = 0.0 if shared else 4.0
         if not self._sparse_is_worth_it(n, k, enc, ib):
-            acc, _ = self._acc(name, flat, None, ef)
-            return self._dense_from_acc(name, acc, shape, enc, qseed, qb, ef), dict(density=d)
+            return self._send_all(name, flat, shape, enc, qseed, qb, ef), dict(density=d)
         acc, _ = self._acc(name, flat, None, ef)
         idx = self.indices(name, n, step, device=acc.device)
         if not ef:

@@ -263,8 +263,7 @@ class SlimDP(Compressor):
         qseed = self._seed(name, step, PURPOSE_QUANT)
         push_all = self._push_step(step, cfg)
         if push_all or not self._worth(n, cfg):
-            acc, _ = self._acc(name, flat, None, ef)
-            return (self._dense_from_acc(name, acc, shape, enc, qseed, qb, ef),
+            return (self._send_all(name, flat, shape, enc, qseed, qb, ef),
                     dict(extra=dict(dense_push=push_all)))
         acc, _ = self._acc(name, flat, None, ef)
         dev = acc.device

@@ -314,9 +314,7 @@ class Threshold(TopK):
         k, cap = self._k_and_capacity(n, d, cfg)
         qseed = self._seed(name, step, PURPOSE_QUANT)
         if not self._sparse_is_worth_it(n, cap, enc):
-            acc, _ = self._acc(name, flat, None, ef)
-            return (self._dense_from_acc(name, acc, shape, enc, qseed, qb, ef),
-                    dict(density=d))
+            return self._send_all(name, flat, shape, enc, qseed, qb, ef), dict(density=d)
         acc, _ = self._acc(name, flat, None, ef)
         st = self.layer_state(name)
         refresh = self._refresh_due(st, step, cfg, k)

@@ -418,9 +418,7 @@ class TopK(Compressor):
             return self._per_bucket(name, flat, shape, step, cfg, d, qseed)
         k, cap = self._k_and_capacity(n, d, cfg)
         if not self._sparse_is_worth_it(n, cap, enc):
-            acc, _ = self._acc(name, flat, None, ef)
-            return (self._dense_from_acc(name, acc, shape, enc, qseed, qb, ef),
-                    dict(density=d))
+            return self._send_all(name, flat, shape, enc, qseed, qb, ef), dict(density=d)
         acc, _ = self._acc(name, flat, None, ef)
         w = cfg.get("fresh_weight_in_force", 0.0)
         if cfg["exact"] or w:
@@ -498,9 +496,7 @@ class TopK(Compressor):
         ienc = IndexEncoding.BIN_U8 if B <= 256 else IndexEncoding.BIN_U16
         ibytes = (1.0 if B <= 256 else 2.0) + bin_count_width(B) / kb
         if not self._sparse_is_worth_it(n, cap, enc, ibytes):
-            acc, _ = self._acc(name, flat, None, ef)
-            return (self._dense_from_acc(name, acc, shape, enc, qseed, qb, ef),
-                    dict(density=d))
+            return self._send_all(name, flat, shape, enc, qseed, qb, ef), dict(density=d)
         acc, _ = self._acc(name, flat, None, ef)
         # |acc| zero-padded to whole buckets in the scratch buffer (binned_topc would
         # otherwise concatenate a padded copy every step)

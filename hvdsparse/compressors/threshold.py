@@ -21,7 +21,11 @@ Deviations, all forced by fixed-size messages:
   varies from step to step. Here ``capacity = min(n, ceil(slack * k))`` (``slack=2``)
   is fixed; if more than ``capacity`` elements pass the stale threshold, the first
   ``capacity`` in the kernel's slot order are sent (ascending index on CPU) and the rest
-  stay in the residual -- error feedback keeps them, nothing is lost.
+  stay in the residual -- error feedback keeps them, nothing is lost. The capacity is
+  what ``allgather`` moves whatever the count (``capacity`` slots per message: with
+  ``slack=2`` twice TopK's ``k`` on its exact route); only ``split`` (which ``auto`` takes
+  on the CPU path, never on CUDA) sends what was selected. On the GPT-style LM under
+  AdamW that is 24.2x fewer bytes than dense at P = 2 and 12.1x at P = 4 (BENCHMARKS).
 * **Overflow guard** (``overflow_guard=True``). Error feedback makes ``|acc|`` grow
   well above the raw gradient a threshold computed at step 0 was taken from, so a
   stale ``tau`` can let half the layer pass. The paper then simply sends half the

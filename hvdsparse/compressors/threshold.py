@@ -262,6 +262,17 @@ class Threshold(TopK):
                                            history=[], true_history=[])
         return st
 
+    def record_refresh(self, name: str, step: int, tau, k: int) -> dict:
+        """A refresh of layer ``name`` at ``step``: ``tau`` (0-d device tensor, the k-th
+        largest ranked value) becomes its threshold, kept at this step's rate, and joins
+        the refresh history. Returns the layer state."""
+        st = self.layer_state(name)
+        st["tau"], st["k"], st["last_refresh"] = tau, k, step
+        st["rate"] = self.followed_rate(name)
+        st["history"].append((step, tau))
+        del st["history"][:-self.max_history]
+        return st
+
     def rate_factor(self, name: str, st) -> tuple:
         """``(f, rate)`` for layer state ``st`` at this step: the reused tau is used as
         ``max(fp32(tau * fp32(f)), TINY)`` (``f = 1.0`` unless it follows the rate) and
@@ -336,12 +347,7 @@ class Threshold(TopK):
         if refresh or self.record_true_threshold:
             true_tau = torch.topk(ranked(), k, sorted=False).values.min().clamp_min(TINY)
         if refresh:
-            st["tau"] = true_tau
-            st["k"] = k
-            st["rate"] = self.followed_rate(name)
-            st["last_refresh"] = step
-            st["history"].append((step, true_tau))
-            del st["history"][:-self.max_history]
+            self.record_refresh(name, step, true_tau, k)
         if self.record_true_threshold:
             st["true_history"].append((step, true_tau))
             del st["true_history"][:-self.max_history]

@@ -343,11 +343,7 @@ def compress_bucket(comp, items: List[BucketItem], plans: List[dict], step: int,
         extra = dict(nonfinite=it.nonfinite)
         threshold_row = pl.get("given", False)
         if threshold_row and pl["exact"] == ROUTE_FRESH:   # Threshold._compress's refresh
-            st = comp.layer_state(it.name)
-            st["tau"], st["k"], st["last_refresh"] = tau_new[j], pl["k"], step
-            st["rate"] = comp.followed_rate(it.name)
-            st["history"].append((step, tau_new[j]))
-            del st["history"][:-comp.max_history]
+            comp.record_refresh(it.name, step, tau_new[j], pl["k"])
         if threshold_row:
             # as Threshold._compress records it
             extra["refreshed"] = pl["exact"] == ROUTE_FRESH
